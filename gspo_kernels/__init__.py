@@ -1,0 +1,34 @@
+"""Fused kernels for the GSPO / GRPO reinforcement-learning loss.
+
+Public API: :class:`GSPOConfig`, :func:`gspo_loss`, :func:`fused_linear_gspo_loss`,
+:func:`token_logprobs`, :func:`linear_logprobs`, :func:`group_advantages`, :class:`GSPOLoss`,
+:class:`FusedLinearGSPOLoss`, :class:`LossOutput`; the float64 oracle is :mod:`gspo_kernels.reference`.
+"""
+
+from gspo_kernels.advantages import group_advantages
+from gspo_kernels.backends import available as available_backends
+from gspo_kernels.config import GSPOConfig
+from gspo_kernels.loss import (
+    FusedLinearGSPOLoss,
+    GSPOLoss,
+    fused_linear_gspo_loss,
+    gspo_loss,
+    linear_logprobs,
+    token_logprobs,
+)
+from gspo_kernels.objective import LossOutput
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "GSPOConfig",
+    "LossOutput",
+    "gspo_loss",
+    "fused_linear_gspo_loss",
+    "token_logprobs",
+    "linear_logprobs",
+    "group_advantages",
+    "GSPOLoss",
+    "FusedLinearGSPOLoss",
+    "available_backends",
+]

@@ -1,0 +1,128 @@
+"""Backend registry: which implementation of the heavy per-token stage (and the sequence stage) runs.
+
+A backend provides, as differentiable functions (autograd Functions inside the backend):
+
+``logits_logprobs(logits, labels, *, active, temperature, return_entropy, inplace_backward)``
+    ``logits``: ``[N, V]`` or ``[B, T, V]`` (any strides, fp16/bf16/fp32/fp64), ``labels``: ``[N]`` int64
+    already in ``[0, V)``; ``active``: ``[N]`` bool or None, rows that may be skipped in the forward
+    (their outputs are 0) when False. Returns ``(logp [N] fp32, entropy [N] fp32 or None)``. The backward
+    receives ``grad_logp`` / ``grad_entropy`` (``[N]`` each, possibly None) and does no work for rows
+    where both are zero; their logits gradient is exactly 0. With ``inplace_backward`` the gradient is
+    written into the logits' own storage.
+
+``linear_logprobs(hidden, weight, bias, labels, *, active, temperature, return_entropy)``
+    ``hidden``: ``[N, H]`` or ``[B, T, H]``, ``weight``: ``[V, H]``, ``bias``: ``[V]`` or None; same
+    outputs and the same skipping rule, gradients for hidden, weight and bias.
+
+``objective`` (optional)
+    a replacement for :func:`gspo_kernels.objective.gspo_objective` with the same signature.
+
+``"auto"`` picks, for the tensors' device, the first available of: CUDA -> triton, torch;
+CPU -> cpu (the C++ extension), torch. It logs the backend it picked once per (device, name).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from typing import Callable, Dict, Optional
+
+import torch
+
+logger = logging.getLogger("gspo_kernels")
+
+BACKENDS = ("torch", "triton", "cpu")
+_MODULES = {
+    "torch": "gspo_kernels.torch_backend",
+    "triton": "gspo_kernels.triton_backend",
+    "cpu": "gspo_kernels.cpu_backend",
+}
+_AUTO_ORDER = {"cuda": ("triton", "torch"), "cpu": ("cpu", "torch")}
+_announced: set = set()
+
+
+class Backend:
+    """A named set of stage implementations (see module docstring)."""
+
+    def __init__(
+        self,
+        name: str,
+        logits_logprobs: Callable,
+        linear_logprobs: Callable,
+        objective: Optional[Callable] = None,
+        supports: Optional[Callable[[torch.device], bool]] = None,
+    ) -> None:
+        self.name = name
+        self.logits_logprobs = logits_logprobs
+        self.linear_logprobs = linear_logprobs
+        self.objective = objective
+        self._supports = supports
+
+    def supports(self, device: torch.device) -> bool:
+        return True if self._supports is None else bool(self._supports(device))
+
+    def __repr__(self) -> str:
+        return f"Backend({self.name!r})"
+
+
+_cache: Dict[str, Optional[Backend]] = {}
+_errors: Dict[str, str] = {}
+
+
+def load(name: str) -> Optional[Backend]:
+    """Import a backend; None (with the reason in :func:`unavailable_reason`) if it cannot run here."""
+    if name not in _MODULES:
+        raise ValueError(f"backend must be one of {('auto',) + BACKENDS}, got {name!r}")
+    if name not in _cache:
+        try:
+            module = importlib.import_module(_MODULES[name])
+            _cache[name] = module.make_backend()
+        except Exception as exc:  # an optional backend that cannot load here is reported, not fatal
+            _cache[name] = None
+            _errors[name] = f"{type(exc).__name__}: {exc}"
+    return _cache[name]
+
+
+def unavailable_reason(name: str) -> Optional[str]:
+    load(name)
+    return _errors.get(name)
+
+
+def available(device: torch.device | str = "cpu") -> list:
+    """Names of the backends that can run on ``device``."""
+    device = torch.device(device)
+    out = []
+    for name in BACKENDS:
+        backend = load(name)
+        if backend is not None and backend.supports(device):
+            out.append(name)
+    return out
+
+
+def resolve(name: str, device: torch.device) -> Backend:
+    """The backend ``name`` (or the fastest one for ``device`` when ``name == "auto"``)."""
+    if name == "auto":
+        for candidate in _AUTO_ORDER.get(device.type, ("torch",)):
+            backend = load(candidate)
+            if backend is not None and backend.supports(device):
+                key = (device.type, candidate)
+                if key not in _announced:
+                    _announced.add(key)
+                    skipped = [
+                        f"{c} ({unavailable_reason(c) or 'does not support ' + device.type})"
+                        for c in _AUTO_ORDER.get(device.type, ())[: _AUTO_ORDER.get(device.type, ()).index(candidate)]
+                    ] if candidate in _AUTO_ORDER.get(device.type, ()) else []
+                    logger.info(
+                        "gspo_kernels: backend 'auto' on %s runs %r%s",
+                        device.type,
+                        candidate,
+                        f"; unavailable: {', '.join(skipped)}" if skipped else "",
+                    )
+                return backend
+        raise RuntimeError(f"no gspo_kernels backend can run on {device}")
+    backend = load(name)
+    if backend is None:
+        raise RuntimeError(f"backend {name!r} is not available here: {unavailable_reason(name)}")
+    if not backend.supports(device):
+        raise ValueError(f"backend {name!r} does not run on {device} tensors")
+    return backend

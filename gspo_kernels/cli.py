@@ -1,0 +1,40 @@
+"""The ``gspo-kernels`` command: ``verify``, ``bench``, ``h100-report``, ``train``.
+
+Each subcommand lives in its own module exposing ``add_arguments(parser)`` and ``run(args) -> int``;
+they are imported only when their subcommand runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from typing import Optional, Sequence
+
+SUBCOMMANDS = {
+    "verify": ("gspo_kernels.verify", "compare every available backend with the float64 reference"),
+    "bench": ("gspo_kernels.bench", "time and measure memory of every implementation side by side"),
+    "h100-report": ("gspo_kernels.h100_report", "compile every Triton kernel for sm_90a and report resources"),
+    "train": ("gspo_kernels.trainer", "run the reference GSPO/GRPO trainer on a toy task"),
+}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="gspo-kernels", description=__doc__.splitlines()[0])
+    parser.add_argument("-v", "--verbose", action="store_true", help="log which backend runs")
+    sub = parser.add_subparsers(dest="command", required=True)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    chosen = next((a for a in argv if a in SUBCOMMANDS), None)
+    for name, (module_name, help_text) in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=help_text)
+        if name == chosen:
+            importlib.import_module(module_name).add_arguments(p)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    module = importlib.import_module(SUBCOMMANDS[args.command][0])
+    return int(module.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,79 @@
+"""Loss options, with the peers' names (TRL's ``GRPOConfig`` spelling)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+IMPORTANCE_SAMPLING_LEVELS = ("sequence", "sequence_token", "token")
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+
+
+@dataclass(frozen=True)
+class GSPOConfig:
+    """Options of the GSPO / GRPO objective (see ``GSPO_SPEC.md``).
+
+    Attributes:
+        importance_sampling_level: ``"sequence"`` (GSPO), ``"sequence_token"`` (GSPO-token) or
+            ``"token"`` (GRPO/PPO).
+        loss_type: aggregation, ``"grpo"`` (seq-mean-token-mean), ``"bnpo"`` (token-mean),
+            ``"dr_grpo"`` (sum / (S * max_completion_length)) or ``"dapo"`` (sum / num_items_in_batch).
+        epsilon_low, epsilon_high: clip band ``[1 - epsilon_low, 1 + epsilon_high]``.
+        delta: optional upper bound of the unclipped branch (two-sided clipping).
+        beta: weight of the k3 KL term to the reference policy (needs ``ref_logprobs``).
+        use_bias_correction_kl: multiply the KL term by the importance weight.
+        temperature: logits are divided by it before the softmax.
+        max_completion_length: the ``dr_grpo`` divisor; required by that loss type.
+        entropy_coef: adds ``-entropy_coef * (masked token-mean entropy)`` to the loss.
+    """
+
+    importance_sampling_level: str = "sequence"
+    loss_type: str = "grpo"
+    epsilon_low: float = 3e-4
+    epsilon_high: float = 4e-4
+    delta: Optional[float] = None
+    beta: float = 0.0
+    use_bias_correction_kl: bool = False
+    temperature: float = 1.0
+    max_completion_length: Optional[int] = None
+    entropy_coef: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+            raise ValueError(
+                f"importance_sampling_level must be one of {IMPORTANCE_SAMPLING_LEVELS}, "
+                f"got {self.importance_sampling_level!r}"
+            )
+        if self.loss_type not in LOSS_TYPES:
+            raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}")
+        for name in ("epsilon_low", "epsilon_high"):
+            value = getattr(self, name)
+            if not _finite(value) or value < 0:
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+        if self.epsilon_low >= 1:
+            raise ValueError(f"epsilon_low must be < 1 (the band's low edge is 1 - epsilon_low), got {self.epsilon_low!r}")
+        if self.delta is not None and (not _finite(self.delta) or self.delta <= 1):
+            raise ValueError(f"delta must be None or a finite number > 1, got {self.delta!r}")
+        if not _finite(self.beta) or self.beta < 0:
+            raise ValueError(f"beta must be a finite number >= 0, got {self.beta!r}")
+        if not _finite(self.temperature) or self.temperature <= 0:
+            raise ValueError(f"temperature must be a finite number > 0, got {self.temperature!r}")
+        if not _finite(self.entropy_coef):
+            raise ValueError(f"entropy_coef must be a finite number, got {self.entropy_coef!r}")
+        if self.max_completion_length is not None and (
+            isinstance(self.max_completion_length, bool)
+            or not isinstance(self.max_completion_length, int)
+            or self.max_completion_length < 1
+        ):
+            raise ValueError(
+                f"max_completion_length must be None or a positive int, got {self.max_completion_length!r}"
+            )
+        if self.loss_type == "dr_grpo" and self.max_completion_length is None:
+            raise ValueError("max_completion_length is required when loss_type='dr_grpo'")
+        if not isinstance(self.use_bias_correction_kl, bool):
+            raise ValueError(f"use_bias_correction_kl must be a bool, got {self.use_bias_correction_kl!r}")
+
+
+def _finite(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

@@ -1,0 +1,214 @@
+"""The public functions and modules: validate once, run the chosen backend's stages."""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple, Union
+
+import torch
+from torch import Tensor, nn
+
+from gspo_kernels import backends
+from gspo_kernels.config import GSPOConfig
+from gspo_kernels.layout import check_linear, check_logits, check_same_device, prepare_loss_inputs
+from gspo_kernels.objective import LossOutput, gspo_objective
+
+Scalar = Union[None, int, float, Tensor]
+
+
+def token_logprobs(
+    logits: Tensor,
+    labels: Tensor,
+    *,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+    backend: str = "auto",
+) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """Differentiable per-token log-probs ``log softmax(logits / temperature)[labels]`` in fp32.
+
+    Args:
+        logits: ``[..., V]`` fp16/bf16/fp32/fp64, any strides (never copied to fp32 in full).
+        labels: ``[...]`` integer, in ``[0, V)``.
+    Returns:
+        ``logp`` shaped like ``labels`` (fp32; fp64 for fp64 logits), and the entropy ``H`` of each
+        row's distribution when ``return_entropy``.
+    """
+    check_logits(logits, labels, None)
+    _check_temperature(temperature)
+    flat = _checked_labels(labels, logits.shape[-1])
+    impl = backends.resolve(backend, logits.device)
+    rows = logits if logits.dim() in (2, 3) else logits.reshape(-1, logits.shape[-1])
+    logp, entropy = impl.logits_logprobs(
+        rows, flat, active=None, temperature=temperature, return_entropy=return_entropy, inplace_backward=False
+    )
+    logp = logp.reshape(labels.shape)
+    return (logp, entropy.reshape(labels.shape)) if return_entropy else logp
+
+
+def linear_logprobs(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    *,
+    bias: Optional[Tensor] = None,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+    backend: str = "auto",
+) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """Per-token log-probs (and entropy) of ``hidden @ weight.T + bias``; the logits never exist.
+
+    Args:
+        hidden: ``[..., H]``; weight: ``[V, H]`` (the lm_head); bias: ``[V]`` or None;
+        labels: ``[...]`` integer in ``[0, V)``.
+    Returns:
+        fp32 tensors shaped like ``labels``; differentiable for hidden, weight and bias.
+    """
+    check_linear(hidden, weight, bias, labels)
+    _check_temperature(temperature)
+    flat = _checked_labels(labels, weight.shape[0])
+    impl = backends.resolve(backend, hidden.device)
+    rows = hidden if hidden.dim() in (2, 3) else hidden.reshape(-1, hidden.shape[-1])
+    logp, entropy = impl.linear_logprobs(
+        rows, weight, bias, flat, active=None, temperature=temperature, return_entropy=return_entropy
+    )
+    logp = logp.reshape(labels.shape)
+    return (logp, entropy.reshape(labels.shape)) if return_entropy else logp
+
+
+def gspo_loss(
+    logits: Tensor,
+    labels: Tensor,
+    advantages: Tensor,
+    old_logprobs: Optional[Tensor] = None,
+    *,
+    mask: Optional[Tensor] = None,
+    cu_seqlens: Optional[Tensor] = None,
+    ref_logprobs: Optional[Tensor] = None,
+    is_ratio: Optional[Tensor] = None,
+    num_items_in_batch: Scalar = None,
+    config: Optional[GSPOConfig] = None,
+    backend: str = "auto",
+    inplace_backward: bool = False,
+) -> LossOutput:
+    """The GSPO / GRPO loss from logits (see ``GSPO_SPEC.md``).
+
+    Args:
+        logits: ``[B, T, V]`` (padded layout) or ``[N, V]`` (packed), any float dtype, any strides;
+            aligned so that position ``t`` predicts ``labels[t]``.
+        labels: ``[B, T]`` or ``[N]`` integer; unmasked entries in ``[0, V)``.
+        advantages: per response ``[S]`` or per token (labels' shape).
+        old_logprobs: log-probs of the sampling policy (labels' shape); None means on-policy.
+        mask: 0/1 token mask (labels' shape); cu_seqlens: ``[S + 1]`` int32/int64 (packed layout).
+        ref_logprobs: reference-model log-probs, required when ``config.beta > 0``.
+        is_ratio: inference-engine importance correction, per token or per response.
+        num_items_in_batch: global token count for ``loss_type="dapo"``.
+        inplace_backward: write the logits gradient into ``logits``' storage (the logits are consumed).
+    Returns:
+        ``LossOutput(loss, metrics)``: 0-dim differentiable loss, detached 0-dim metrics.
+    """
+    config = _check_config(config)
+    check_logits(logits, labels, cu_seqlens)
+    inputs = _inputs(labels, advantages, logits.shape[-1], old_logprobs, mask, cu_seqlens, ref_logprobs, is_ratio,
+                     num_items_in_batch, config)
+    impl = backends.resolve(backend, logits.device)
+    logp, entropy = impl.logits_logprobs(
+        logits, inputs.labels, active=inputs.batch.mask > 0, temperature=config.temperature,
+        return_entropy=True, inplace_backward=inplace_backward,
+    )
+    return (impl.objective or gspo_objective)(logp, entropy, inputs, config)
+
+
+def fused_linear_gspo_loss(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    advantages: Tensor,
+    old_logprobs: Optional[Tensor] = None,
+    *,
+    bias: Optional[Tensor] = None,
+    mask: Optional[Tensor] = None,
+    cu_seqlens: Optional[Tensor] = None,
+    ref_logprobs: Optional[Tensor] = None,
+    is_ratio: Optional[Tensor] = None,
+    num_items_in_batch: Scalar = None,
+    config: Optional[GSPOConfig] = None,
+    backend: str = "auto",
+    inplace_backward: bool = False,
+) -> LossOutput:
+    """:func:`gspo_loss` of ``hidden @ weight.T + bias`` without ever forming the logits.
+
+    Args:
+        hidden: ``[B, T, H]`` or ``[N, H]``; weight: ``[V, H]`` (the lm_head); bias: ``[V]`` or None.
+        The other arguments are those of :func:`gspo_loss` (``inplace_backward`` has no effect here).
+    """
+    config = _check_config(config)
+    check_linear(hidden, weight, bias, labels)
+    inputs = _inputs(labels, advantages, weight.shape[0], old_logprobs, mask, cu_seqlens, ref_logprobs, is_ratio,
+                     num_items_in_batch, config)
+    impl = backends.resolve(backend, hidden.device)
+    logp, entropy = impl.linear_logprobs(
+        hidden, weight, bias, inputs.labels, active=inputs.batch.mask > 0, temperature=config.temperature,
+        return_entropy=True,
+    )
+    return (impl.objective or gspo_objective)(logp, entropy, inputs, config)
+
+
+class GSPOLoss(nn.Module):
+    """Module form of :func:`gspo_loss`: ``GSPOLoss(config)(logits, labels, advantages, old, **kw)``."""
+
+    def __init__(self, config: Optional[GSPOConfig] = None, *, backend: str = "auto", inplace_backward: bool = False):
+        super().__init__()
+        self.config = _check_config(config)
+        self.backend = backend
+        self.inplace_backward = inplace_backward
+
+    def forward(self, logits: Tensor, labels: Tensor, advantages: Tensor, old_logprobs: Optional[Tensor] = None,
+                **kwargs) -> LossOutput:
+        return gspo_loss(logits, labels, advantages, old_logprobs, config=self.config, backend=self.backend,
+                         inplace_backward=self.inplace_backward, **kwargs)
+
+
+class FusedLinearGSPOLoss(nn.Module):
+    """Module form of :func:`fused_linear_gspo_loss`: ``(hidden, weight, labels, advantages, old, **kw)``."""
+
+    def __init__(self, config: Optional[GSPOConfig] = None, *, backend: str = "auto"):
+        super().__init__()
+        self.config = _check_config(config)
+        self.backend = backend
+
+    def forward(self, hidden: Tensor, weight: Tensor, labels: Tensor, advantages: Tensor,
+                old_logprobs: Optional[Tensor] = None, **kwargs) -> LossOutput:
+        return fused_linear_gspo_loss(hidden, weight, labels, advantages, old_logprobs, config=self.config,
+                                      backend=self.backend, **kwargs)
+
+
+def _check_config(config: Optional[GSPOConfig]) -> GSPOConfig:
+    if config is None:
+        return GSPOConfig()
+    if not isinstance(config, GSPOConfig):
+        raise TypeError(f"config must be a GSPOConfig, got {type(config).__name__}")
+    return config
+
+
+def _check_temperature(temperature: float) -> None:
+    if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or not temperature > 0:
+        raise ValueError(f"temperature must be a number > 0, got {temperature!r}")
+
+
+def _checked_labels(labels: Tensor, vocab_size: int) -> Tensor:
+    if labels.dtype.is_floating_point or labels.dtype == torch.bool or labels.dtype.is_complex:
+        raise TypeError(f"labels must be an integer tensor, got {labels.dtype}")
+    flat = labels.reshape(-1).to(torch.int64)
+    if flat.numel() and bool(((flat < 0) | (flat >= vocab_size)).any()):
+        raise ValueError(f"labels must lie in [0, {vocab_size}) (the vocabulary size), got values in "
+                         f"[{int(flat.min())}, {int(flat.max())}]")
+    return flat
+
+
+def _inputs(labels, advantages, vocab_size, old_logprobs, mask, cu_seqlens, ref_logprobs, is_ratio,
+            num_items_in_batch, config):
+    check_same_device(labels=labels, advantages=advantages, old_logprobs=old_logprobs, mask=mask,
+                      cu_seqlens=cu_seqlens, ref_logprobs=ref_logprobs, is_ratio=is_ratio)
+    return prepare_loss_inputs(
+        labels, advantages, vocab_size, old_logprobs=old_logprobs, mask=mask, cu_seqlens=cu_seqlens,
+        ref_logprobs=ref_logprobs, is_ratio=is_ratio, num_items_in_batch=num_items_in_batch, beta=config.beta,
+    )

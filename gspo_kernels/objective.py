@@ -1,0 +1,138 @@
+"""The light per-sequence stage in PyTorch: importance weights, clipping, KL, aggregation, metrics.
+
+Written once and used by every backend without a faster version of it. Everything here is
+``[N]``- or ``[S]``-sized; the heavy per-token stage (log-softmax / gather / entropy) has already run.
+Autograd through this function yields exactly zero ``dL/dlogp_t`` for masked tokens, clipped
+responses and zero advantages, which the heavy backward stages use to skip those rows.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, NamedTuple, Optional
+
+import torch
+from torch import Tensor
+
+from gspo_kernels.config import GSPOConfig
+from gspo_kernels.layout import LossInputs
+
+
+class LossOutput(NamedTuple):
+    """``loss``: 0-dim differentiable tensor; ``metrics``: detached 0-dim tensors (TRL's names)."""
+
+    loss: Tensor
+    metrics: Dict[str, Tensor]
+
+
+def segment_sum(values: Tensor, seq_index: Tensor, num_seqs: int) -> Tensor:
+    """``out[i] = sum of values[t] over tokens t of response i`` (differentiable)."""
+    return values.new_zeros(num_seqs).index_add(0, seq_index, values)
+
+
+def gspo_objective(
+    logp: Tensor, entropy: Optional[Tensor], inputs: LossInputs, config: GSPOConfig
+) -> LossOutput:
+    """GSPO / GRPO loss from per-token log-probs ``logp [N]`` and entropies ``entropy [N]`` (fp32).
+
+    ``entropy`` may be None only when ``config.entropy_coef == 0`` (the metric is then omitted).
+    """
+    batch = inputs.batch
+    S, seq = batch.num_seqs, batch.seq_index
+    valid = batch.mask > 0
+    mask = batch.mask.to(logp.dtype)
+    zero = logp.new_zeros(())
+
+    # Masked positions are zeroed before any exp, so padding values (-inf, garbage) never leak.
+    logp_m = torch.where(valid, logp, zero)
+    old = inputs.old_logprobs
+    old_m = logp_m.detach() if old is None else torch.where(valid, old.to(logp.dtype), zero)
+    log_ratio = logp_m - old_m
+
+    lengths = segment_sum(mask, seq, S)
+    denom = lengths.clamp(min=1)
+    level = config.importance_sampling_level
+    seq_log_ratio = segment_sum(log_ratio, seq, S) / denom  # [S], mean log-ratio per response
+    if level == "token":
+        log_w = log_ratio
+    elif level == "sequence":
+        log_w = seq_log_ratio[seq]
+    else:  # "sequence_token": value of the sequence weight, gradient of the token's own log-prob
+        log_w = seq_log_ratio.detach()[seq] + logp_m - logp_m.detach()
+    w = torch.exp(log_w)
+
+    adv = inputs.advantages.to(logp.dtype)
+    A = adv if inputs.advantages_per_token else adv[seq]
+    c1 = w if config.delta is None else torch.clamp(w, max=config.delta)
+    c2 = torch.clamp(w, 1.0 - config.epsilon_low, 1.0 + config.epsilon_high)
+    per_token = -torch.minimum(c1 * A, c2 * A)
+    if inputs.is_ratio is not None:
+        per_token = per_token * inputs.is_ratio.to(logp.dtype)
+
+    kl = None
+    if config.beta > 0:
+        d = torch.where(valid, inputs.ref_logprobs.to(logp.dtype), zero) - logp_m
+        kl = torch.exp(d) - d - 1.0
+        if config.use_bias_correction_kl:
+            kl = kl * w
+        per_token = per_token + config.beta * kl
+    per_token = torch.where(valid, per_token, zero)
+
+    num_tokens = mask.sum()
+    loss = _aggregate(per_token, denom, num_tokens, inputs, config)
+
+    token_mean = num_tokens.clamp(min=1)
+    if entropy is not None:
+        entropy_mean = torch.where(valid, entropy, zero).sum() / token_mean
+        if config.entropy_coef != 0:
+            loss = loss - config.entropy_coef * entropy_mean
+    elif config.entropy_coef != 0:
+        raise ValueError("entropy is required when config.entropy_coef != 0")
+
+    with torch.no_grad():
+        if level == "sequence" and not inputs.advantages_per_token:
+            metrics = _weight_metrics(torch.exp(seq_log_ratio), adv, lengths > 0, config)
+        else:
+            metrics = _weight_metrics(w.detach(), A, valid, config)
+        if entropy is not None:
+            metrics["entropy"] = entropy_mean.detach().float()
+        if kl is not None:
+            metrics["kl"] = (torch.where(valid, kl.detach(), zero).sum() / token_mean).float()
+    return LossOutput(loss, metrics)
+
+
+def _aggregate(per_token: Tensor, denom: Tensor, num_tokens: Tensor, inputs: LossInputs, config: GSPOConfig) -> Tensor:
+    batch = inputs.batch
+    S = batch.num_seqs
+    if config.loss_type == "grpo":
+        return (segment_sum(per_token, batch.seq_index, S) / denom).sum() / max(S, 1)
+    total = per_token.sum()
+    if config.loss_type == "bnpo":
+        return total / num_tokens.clamp(min=1)
+    if config.loss_type == "dr_grpo":
+        return total / (max(S, 1) * config.max_completion_length)
+    # "dapo": the caller's global token count, else this batch's
+    items = num_tokens if inputs.num_items_in_batch is None else inputs.num_items_in_batch.to(per_token.dtype)
+    return total / items.clamp(min=1)
+
+
+def _weight_metrics(w: Tensor, A: Tensor, valid: Tensor, config: GSPOConfig) -> Dict[str, Tensor]:
+    """Clip shares and importance-weight stats over the counted items (responses or tokens)."""
+    count = valid.sum()
+    n = count.clamp(min=1).to(torch.float32)
+    low = valid & (w < 1.0 - config.epsilon_low) & (A < 0)
+    high = valid & (w > 1.0 + config.epsilon_high) & (A > 0)
+    w32 = w.to(torch.float32)
+    some = count > 0
+    zero = w32.new_zeros(())
+    return {
+        "clip_ratio/low_mean": low.sum() / n,
+        "clip_ratio/high_mean": high.sum() / n,
+        "clip_ratio/region_mean": (low | high).sum() / n,
+        "importance_weight/mean": torch.where(valid, w32, zero).sum() / n,
+        "importance_weight/min": torch.where(some, torch.where(valid, w32, w32.new_tensor(float("inf"))).amin(), zero)
+        if w32.numel()
+        else zero,
+        "importance_weight/max": torch.where(some, torch.where(valid, w32, w32.new_tensor(float("-inf"))).amax(), zero)
+        if w32.numel()
+        else zero,
+    }
