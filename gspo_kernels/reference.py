@@ -139,15 +139,15 @@ def sequence_loss(logp: Tensor, entropy: Tensor, inputs: LossInputs, config: GSP
         c2 = torch.clamp(w, 1 - eps_low, 1 + eps_high)
         loss_t = -torch.minimum(c1 * A, c2 * A)
         if inputs.is_ratio is not None:
-            loss_t = l * inputs.is_ratio[s:e].double()
+            loss_t = loss_t * inputs.is_ratio[s:e].double()
         if config.beta > 0:
             d = torch.where(on, inputs.ref_logprobs[s:e].double(), 0.0) - lp
             kl = torch.exp(d) - d - 1
             if config.use_bias_correction_kl:
                 kl = kl * w
-            loss_t = l + config.beta * kl
+            loss_t = loss_t + config.beta * kl
             kls.append(kl.detach()[on])
-        loss_t = torch.where(on, l, 0.0)
+        loss_t = torch.where(on, loss_t, 0.0)
         if config.loss_type == "grpo":
             total = total + loss_t.sum() / n.clamp(min=1)
         else:
