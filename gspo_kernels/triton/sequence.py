@@ -1,0 +1,464 @@
+"""The fused sequence stage: importance weights, clipping, IS correction, KL, aggregation, metrics, gradients.
+
+Two launches, both deterministic (fixed reduction order, no floating-point atomics):
+
+1. ``_gspo_sequence_kernel``, one program per response ``i`` (a 1-D grid over ``cu_seqlens``; the padded
+   layout arrives as regular ``cu_seqlens``). Pass 1 sums ``mask`` and ``mask * (logp - old)`` over the
+   response; pass 2 computes, per token, the weight ``w``, the clipped surrogate ``l_t`` (times
+   ``is_ratio``, plus ``beta * kl_t``), the response's partial sums (loss, tokens, entropy, KL, clip
+   counts, weight stats) and the gradient coefficient ``c_t = dL/dlogp_t`` up to the global divisor;
+   pass 3 (``"sequence"`` level only) adds the term that flows through the response's mean log-ratio,
+   ``w_i / |y_i| * sum_t' mask_t' dl_t'/dw``.
+2. ``_gspo_reduce_kernel``, a single program: sums the ``[S, NUM_PARTIALS]`` partials in a fixed order
+   and writes the loss, the metrics and the two global gradient scales.
+
+The autograd Function (``logits_function.py``) turns the coefficients into gradients with
+``dL/dlogp = c * (grad_out * scale_logp)`` and ``dL/dH = mask * (grad_out * scale_entropy)``.
+
+Per token (GSPO_SPEC.md): ``c1 = min(w, delta)``, ``c2 = clamp(w, 1 - eps_low, 1 + eps_high)``,
+``l = -min(c1 A, c2 A)``. ``dl/dw`` follows PyTorch's subgradients of the reference: the clamps pass the
+gradient on their closed intervals, and a tie ``c1 A == c2 A`` splits it in halves (``torch.minimum``).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+# Per-response partial sums written by the first kernel: row i of a [S, 16] fp32 buffer holds, in columns
+# 0..10, the aggregated loss sum, |y_i|, sum of masked entropy, sum of masked KL, low / high / region clip
+# counts, weight sum, weight min, weight max and the number of counted items (the kernels use the literals).
+PARTIALS_STRIDE = 16
+# Outputs of the reduction kernel.
+O_LOSS, O_SCALE_LOGP, O_SCALE_ENTROPY, O_LOW, O_HIGH, O_REGION, O_W_MEAN, O_W_MIN, O_W_MAX, O_ENTROPY, O_KL = range(11)
+NUM_OUTPUTS = 11
+
+LEVELS = {"token": 0, "sequence": 1, "sequence_token": 2}
+LOSS_TYPES = {"grpo": 0, "bnpo": 1, "dr_grpo": 2, "dapo": 3}
+BLOCK_T = 1024
+BLOCK_S = 1024
+NUM_WARPS = 4
+
+
+@triton.jit
+def _gspo_sequence_kernel(
+    logp_ptr,
+    entropy_ptr,
+    old_ptr,
+    ref_ptr,
+    adv_ptr,
+    is_ratio_ptr,
+    mask_ptr,
+    cu_seqlens_ptr,
+    coef_ptr,
+    partials_ptr,
+    eps_low,
+    eps_high,
+    delta,
+    beta,
+    LEVEL: tl.constexpr,
+    HAS_OLD: tl.constexpr,
+    HAS_ENTROPY: tl.constexpr,
+    HAS_KL: tl.constexpr,
+    BIAS_CORRECTION_KL: tl.constexpr,
+    HAS_IS_RATIO: tl.constexpr,
+    HAS_DELTA: tl.constexpr,
+    ADV_PER_TOKEN: tl.constexpr,
+    SEQ_MEAN: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    start = tl.load(cu_seqlens_ptr + seq).to(tl.int64)
+    end = tl.load(cu_seqlens_ptr + seq + 1).to(tl.int64)
+    offs = tl.arange(0, BLOCK_T)
+    low_edge = 1.0 - eps_low
+    high_edge = 1.0 + eps_high
+
+    # Pass 1: |y_i| and the sum of masked log-ratios.
+    tok_acc = tl.zeros([BLOCK_T], tl.float32)
+    r_acc = tl.zeros([BLOCK_T], tl.float32)
+    for t0 in range(start, end, BLOCK_T):
+        idx = t0 + offs
+        inside = idx < end
+        m = tl.load(mask_ptr + idx, mask=inside, other=0.0)
+        tok_acc += m
+        if LEVEL != 0:
+            if HAS_OLD:
+                lp = tl.load(logp_ptr + idx, mask=inside, other=0.0)
+                old = tl.load(old_ptr + idx, mask=inside, other=0.0)
+                r_acc += tl.where(m > 0, lp - old, 0.0)
+    n_tok = tl.sum(tok_acc, axis=0)
+    denom = tl.maximum(n_tok, 1.0)
+    w_seq = tl.exp(tl.sum(r_acc, axis=0) / denom)
+    if SEQ_MEAN:
+        lam = 1.0 / denom
+    else:
+        lam = 1.0
+
+    # Pass 2: per-token surrogate, partial sums and (local) gradient coefficients.
+    loss_acc = tl.zeros([BLOCK_T], tl.float32)
+    ent_acc = tl.zeros([BLOCK_T], tl.float32)
+    kl_acc = tl.zeros([BLOCK_T], tl.float32)
+    q_acc = tl.zeros([BLOCK_T], tl.float32)
+    low_acc = tl.zeros([BLOCK_T], tl.float32)
+    high_acc = tl.zeros([BLOCK_T], tl.float32)
+    region_acc = tl.zeros([BLOCK_T], tl.float32)
+    w_acc = tl.zeros([BLOCK_T], tl.float32)
+    w_min = tl.full([BLOCK_T], float("inf"), tl.float32)
+    w_max = tl.full([BLOCK_T], float("-inf"), tl.float32)
+    if not ADV_PER_TOKEN:
+        adv_seq = tl.load(adv_ptr + seq)
+    for t0 in range(start, end, BLOCK_T):
+        idx = t0 + offs
+        inside = idx < end
+        m = tl.load(mask_ptr + idx, mask=inside, other=0.0)
+        on = m > 0
+        lp = tl.where(on, tl.load(logp_ptr + idx, mask=inside, other=0.0), 0.0)
+        if LEVEL == 0:
+            if HAS_OLD:
+                old = tl.where(on, tl.load(old_ptr + idx, mask=inside, other=0.0), 0.0)
+                w = tl.exp(lp - old)
+            else:
+                w = tl.full([BLOCK_T], 1.0, tl.float32)
+            dw = w  # d w_t / d logp_t
+        else:
+            w = tl.full([BLOCK_T], 1.0, tl.float32) * w_seq
+            if LEVEL == 2:
+                dw = w  # GSPO-token: the sequence value, the token's own gradient
+            else:
+                dw = tl.zeros([BLOCK_T], tl.float32)  # GSPO: flows through the mean (pass 3)
+        if ADV_PER_TOKEN:
+            adv = tl.load(adv_ptr + idx, mask=inside, other=0.0)
+        else:
+            adv = tl.full([BLOCK_T], 1.0, tl.float32) * adv_seq
+
+        c2 = tl.minimum(tl.maximum(w, low_edge), high_edge)
+        dc2 = ((w >= low_edge) & (w <= high_edge)).to(tl.float32)
+        if HAS_DELTA:
+            c1 = tl.minimum(w, delta)
+            dc1 = (w <= delta).to(tl.float32)
+        else:
+            c1 = w
+            dc1 = tl.full([BLOCK_T], 1.0, tl.float32)
+        u1 = c1 * adv
+        u2 = c2 * adv
+        loss = -tl.minimum(u1, u2)
+        dmin = tl.where(u1 < u2, dc1, tl.where(u1 > u2, dc2, 0.5 * (dc1 + dc2)))
+        dl_dw = -adv * dmin
+        if HAS_IS_RATIO:
+            isr = tl.load(is_ratio_ptr + idx, mask=inside, other=0.0)
+            loss = loss * isr
+            dl_dw = dl_dw * isr
+        direct = tl.zeros([BLOCK_T], tl.float32)  # d l_t / d logp_t not through w
+        if HAS_KL:
+            ref = tl.where(on, tl.load(ref_ptr + idx, mask=inside, other=0.0), 0.0)
+            d = ref - lp
+            ed = tl.exp(d)
+            kl = ed - d - 1.0
+            dkl = 1.0 - ed
+            if BIAS_CORRECTION_KL:
+                dl_dw += beta * kl
+                direct = beta * dkl * w
+                kl = kl * w
+            else:
+                direct = beta * dkl
+            loss += beta * kl
+            kl_acc += tl.where(on, kl, 0.0)
+        loss_acc += tl.where(on, loss, 0.0)
+        if HAS_ENTROPY:
+            ent_acc += tl.where(on, tl.load(entropy_ptr + idx, mask=inside, other=0.0), 0.0)
+        if LEVEL == 1:
+            q_acc += tl.where(on, dl_dw, 0.0)
+            coef = tl.where(on, lam * direct, 0.0)
+        else:
+            coef = tl.where(on, lam * (dl_dw * dw + direct), 0.0)
+        tl.store(coef_ptr + idx, coef, mask=inside)
+        if (LEVEL != 1) | ADV_PER_TOKEN:  # metrics over unmasked tokens
+            low = on & (w < low_edge) & (adv < 0)
+            high = on & (w > high_edge) & (adv > 0)
+            low_acc += low.to(tl.float32)
+            high_acc += high.to(tl.float32)
+            region_acc += (low | high).to(tl.float32)
+            w_acc += tl.where(on, w, 0.0)
+            w_min = tl.minimum(w_min, tl.where(on, w, float("inf")))
+            w_max = tl.maximum(w_max, tl.where(on, w, float("-inf")))
+
+    if LEVEL == 1:
+        # Pass 3: the gradient through the mean log-ratio reaches every unmasked token of the response.
+        cross = lam * tl.sum(q_acc, axis=0) * w_seq / denom
+        for t0 in range(start, end, BLOCK_T):
+            idx = t0 + offs
+            inside = idx < end
+            m = tl.load(mask_ptr + idx, mask=inside, other=0.0)
+            coef = tl.load(coef_ptr + idx, mask=inside, other=0.0)
+            tl.store(coef_ptr + idx, coef + tl.where(m > 0, cross, 0.0), mask=inside)
+
+    out = partials_ptr + seq.to(tl.int64) * 16
+    tl.store(out + 0, lam * tl.sum(loss_acc, axis=0))
+    tl.store(out + 1, n_tok)
+    tl.store(out + 2, tl.sum(ent_acc, axis=0))
+    tl.store(out + 3, tl.sum(kl_acc, axis=0))
+    if (LEVEL != 1) | ADV_PER_TOKEN:
+        tl.store(out + 4, tl.sum(low_acc, axis=0))
+        tl.store(out + 5, tl.sum(high_acc, axis=0))
+        tl.store(out + 6, tl.sum(region_acc, axis=0))
+        tl.store(out + 7, tl.sum(w_acc, axis=0))
+        tl.store(out + 8, tl.min(w_min, axis=0))
+        tl.store(out + 9, tl.max(w_max, axis=0))
+        tl.store(out + 10, n_tok)
+    else:  # GSPO with one advantage per response: metrics over responses with at least one token
+        counted = n_tok > 0
+        low = counted & (w_seq < low_edge) & (adv_seq < 0)
+        high = counted & (w_seq > high_edge) & (adv_seq > 0)
+        tl.store(out + 4, low.to(tl.float32))
+        tl.store(out + 5, high.to(tl.float32))
+        tl.store(out + 6, (low | high).to(tl.float32))
+        tl.store(out + 7, tl.where(counted, w_seq, 0.0))
+        tl.store(out + 8, tl.where(counted, w_seq, float("inf")))
+        tl.store(out + 9, tl.where(counted, w_seq, float("-inf")))
+        tl.store(out + 10, counted.to(tl.float32))
+
+
+@triton.jit
+def _gspo_reduce_kernel(
+    partials_ptr,
+    num_items_ptr,
+    out_ptr,
+    num_seqs,
+    grpo_denominator,
+    dr_grpo_denominator,
+    entropy_coef,
+    LOSS_TYPE: tl.constexpr,
+    HAS_NUM_ITEMS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    offs = tl.arange(0, BLOCK_S)
+    loss = tl.zeros([BLOCK_S], tl.float32)
+    tokens = tl.zeros([BLOCK_S], tl.float32)
+    ent = tl.zeros([BLOCK_S], tl.float32)
+    kl = tl.zeros([BLOCK_S], tl.float32)
+    low = tl.zeros([BLOCK_S], tl.float32)
+    high = tl.zeros([BLOCK_S], tl.float32)
+    region = tl.zeros([BLOCK_S], tl.float32)
+    w_sum = tl.zeros([BLOCK_S], tl.float32)
+    w_min = tl.full([BLOCK_S], float("inf"), tl.float32)
+    w_max = tl.full([BLOCK_S], float("-inf"), tl.float32)
+    units = tl.zeros([BLOCK_S], tl.float32)
+    for s0 in range(0, num_seqs, BLOCK_S):
+        rows = s0 + offs
+        inside = rows < num_seqs
+        p = partials_ptr + rows.to(tl.int64) * 16
+        loss += tl.load(p + 0, mask=inside, other=0.0)
+        tokens += tl.load(p + 1, mask=inside, other=0.0)
+        ent += tl.load(p + 2, mask=inside, other=0.0)
+        kl += tl.load(p + 3, mask=inside, other=0.0)
+        low += tl.load(p + 4, mask=inside, other=0.0)
+        high += tl.load(p + 5, mask=inside, other=0.0)
+        region += tl.load(p + 6, mask=inside, other=0.0)
+        w_sum += tl.load(p + 7, mask=inside, other=0.0)
+        w_min = tl.minimum(w_min, tl.load(p + 8, mask=inside, other=float("inf")))
+        w_max = tl.maximum(w_max, tl.load(p + 9, mask=inside, other=float("-inf")))
+        units += tl.load(p + 10, mask=inside, other=0.0)
+    total_tokens = tl.sum(tokens, axis=0)
+    token_mean = tl.maximum(total_tokens, 1.0)
+    n_units = tl.sum(units, axis=0)
+    unit_mean = tl.maximum(n_units, 1.0)
+    if LOSS_TYPE == 0:  # grpo: mean over responses of the per-response token means
+        denominator = grpo_denominator
+    elif LOSS_TYPE == 1:  # bnpo: token mean
+        denominator = token_mean
+    elif LOSS_TYPE == 2:  # dr_grpo: S * max_completion_length
+        denominator = dr_grpo_denominator
+    else:  # dapo: the caller's global token count, else this batch's
+        if HAS_NUM_ITEMS:
+            denominator = tl.maximum(tl.load(num_items_ptr).to(tl.float32), 1.0)
+        else:
+            denominator = token_mean
+    entropy_mean = tl.sum(ent, axis=0) / token_mean
+    tl.store(out_ptr + 0, tl.sum(loss, axis=0) / denominator - entropy_coef * entropy_mean)
+    tl.store(out_ptr + 1, 1.0 / denominator)
+    tl.store(out_ptr + 2, -entropy_coef / token_mean)
+    tl.store(out_ptr + 3, tl.sum(low, axis=0) / unit_mean)
+    tl.store(out_ptr + 4, tl.sum(high, axis=0) / unit_mean)
+    tl.store(out_ptr + 5, tl.sum(region, axis=0) / unit_mean)
+    tl.store(out_ptr + 6, tl.sum(w_sum, axis=0) / unit_mean)
+    some = n_units > 0
+    tl.store(out_ptr + 7, tl.where(some, tl.min(w_min, axis=0), 0.0))
+    tl.store(out_ptr + 8, tl.where(some, tl.max(w_max, axis=0), 0.0))
+    tl.store(out_ptr + 9, entropy_mean)
+    tl.store(out_ptr + 10, tl.sum(kl, axis=0) / token_mean)
+
+
+def _f32(x: Optional[Tensor]) -> Optional[Tensor]:
+    if x is None:
+        return None
+    return x.detach().reshape(-1).to(torch.float32).contiguous()
+
+
+def sequence_stage(
+    logp: Tensor,
+    entropy: Optional[Tensor],
+    mask: Tensor,
+    cu_seqlens: Tensor,
+    advantages: Tensor,
+    *,
+    advantages_per_token: bool,
+    old_logprobs: Optional[Tensor],
+    ref_logprobs: Optional[Tensor],
+    is_ratio: Optional[Tensor],
+    num_items_in_batch: Optional[Tensor],
+    importance_sampling_level: str,
+    loss_type: str,
+    epsilon_low: float,
+    epsilon_high: float,
+    delta: Optional[float],
+    beta: float,
+    use_bias_correction_kl: bool,
+    max_completion_length: Optional[int],
+    entropy_coef: float,
+) -> Tuple[Tensor, Tensor]:
+    """Launch both kernels.
+
+    Args:
+        logp, entropy, mask, old_logprobs, ref_logprobs, is_ratio: ``[N]`` (converted to contiguous fp32).
+        cu_seqlens: ``[S + 1]`` int32/int64 response boundaries.
+        advantages: ``[S]`` or ``[N]`` (``advantages_per_token``).
+        num_items_in_batch: 0-dim tensor or None (``"dapo"``'s divisor).
+        The rest: the fields of :class:`gspo_kernels.config.GSPOConfig` (``beta > 0`` needs ``ref_logprobs``).
+
+    Returns:
+        ``coef [N]`` fp32, ``dL/dlogp_t = coef_t * out[O_SCALE_LOGP]``, and ``out [NUM_OUTPUTS]`` fp32
+        (loss, gradient scales and metrics at the ``O_*`` indices).
+    """
+    device = logp.device
+    n_tokens = logp.numel()
+    num_seqs = cu_seqlens.numel() - 1
+    has_kl = beta > 0
+    if has_kl and ref_logprobs is None:
+        raise ValueError("ref_logprobs is required when beta > 0")
+    coef = torch.empty(n_tokens, device=device, dtype=torch.float32)
+    partials = torch.empty((max(num_seqs, 1), PARTIALS_STRIDE), device=device, dtype=torch.float32)
+    out = torch.empty(NUM_OUTPUTS, device=device, dtype=torch.float32)
+    logp32 = _f32(logp)
+    entropy32 = _f32(entropy)
+    old32, ref32, ratio32 = _f32(old_logprobs), _f32(ref_logprobs), _f32(is_ratio)
+    adv32 = _f32(advantages)
+    mask32 = _f32(mask)
+    cu = cu_seqlens.contiguous()
+    if num_seqs > 0:
+        _gspo_sequence_kernel[(num_seqs,)](
+            logp32,
+            entropy32 if entropy32 is not None else logp32,
+            old32 if old32 is not None else logp32,
+            ref32 if ref32 is not None else logp32,
+            adv32,
+            ratio32 if ratio32 is not None else logp32,
+            mask32,
+            cu,
+            coef,
+            partials,
+            float(epsilon_low),
+            float(epsilon_high),
+            float(delta) if delta is not None else 0.0,
+            float(beta),
+            LEVEL=LEVELS[importance_sampling_level],
+            HAS_OLD=old32 is not None,
+            HAS_ENTROPY=entropy32 is not None,
+            HAS_KL=has_kl,
+            BIAS_CORRECTION_KL=bool(use_bias_correction_kl),
+            HAS_IS_RATIO=ratio32 is not None,
+            HAS_DELTA=delta is not None,
+            ADV_PER_TOKEN=bool(advantages_per_token),
+            SEQ_MEAN=loss_type == "grpo",
+            BLOCK_T=BLOCK_T,
+            num_warps=NUM_WARPS,
+        )
+    grpo_denominator = float(max(num_seqs, 1))
+    dr_grpo_denominator = grpo_denominator * float(max_completion_length or 1)
+    items = None if num_items_in_batch is None else num_items_in_batch.detach().reshape(1).to(torch.float32)
+    _gspo_reduce_kernel[(1,)](
+        partials,
+        items if items is not None else out,
+        out,
+        num_seqs,
+        grpo_denominator,
+        dr_grpo_denominator,
+        float(entropy_coef),
+        LOSS_TYPE=LOSS_TYPES[loss_type],
+        HAS_NUM_ITEMS=items is not None,
+        BLOCK_S=BLOCK_S,
+        num_warps=NUM_WARPS,
+    )
+    return coef, out
+
+
+_SEQUENCE_SIGNATURE = {
+    "logp_ptr": "*fp32",
+    "entropy_ptr": "*fp32",
+    "old_ptr": "*fp32",
+    "ref_ptr": "*fp32",
+    "adv_ptr": "*fp32",
+    "is_ratio_ptr": "*fp32",
+    "mask_ptr": "*fp32",
+    "cu_seqlens_ptr": "*i32",
+    "coef_ptr": "*fp32",
+    "partials_ptr": "*fp32",
+    "eps_low": "fp32",
+    "eps_high": "fp32",
+    "delta": "fp32",
+    "beta": "fp32",
+}
+
+
+def _sequence_config(level: str, **flags: bool) -> dict:
+    constexprs = {
+        "LEVEL": LEVELS[level],
+        "HAS_OLD": True,
+        "HAS_ENTROPY": True,
+        "HAS_KL": False,
+        "BIAS_CORRECTION_KL": False,
+        "HAS_IS_RATIO": False,
+        "HAS_DELTA": False,
+        "ADV_PER_TOKEN": False,
+        "SEQ_MEAN": True,
+        "BLOCK_T": BLOCK_T,
+    }
+    constexprs.update(flags)
+    on = ",".join(k.lower() for k, v in flags.items() if v)
+    return {
+        "name": f"gspo_sequence[{level}{',' + on if on else ''}]",
+        "fn": _gspo_sequence_kernel,
+        "signature": dict(_SEQUENCE_SIGNATURE),
+        "constexprs": constexprs,
+        "num_warps": NUM_WARPS,
+        "num_stages": 3,
+    }
+
+
+# Launch configurations for the static H100 report (see gspo_kernels/h100_report.py).
+H100_CONFIGS = [
+    _sequence_config("sequence"),
+    _sequence_config("sequence", HAS_KL=True, BIAS_CORRECTION_KL=True, HAS_IS_RATIO=True, HAS_DELTA=True),
+    _sequence_config("sequence_token", ADV_PER_TOKEN=True, HAS_IS_RATIO=True),
+    _sequence_config("token", HAS_KL=True, HAS_DELTA=True),
+    {
+        "name": "gspo_reduce[dapo]",
+        "fn": _gspo_reduce_kernel,
+        "signature": {
+            "partials_ptr": "*fp32",
+            "num_items_ptr": "*fp32",
+            "out_ptr": "*fp32",
+            "num_seqs": "i32",
+            "grpo_denominator": "fp32",
+            "dr_grpo_denominator": "fp32",
+            "entropy_coef": "fp32",
+        },
+        "constexprs": {"LOSS_TYPE": LOSS_TYPES["dapo"], "HAS_NUM_ITEMS": True, "BLOCK_S": BLOCK_S},
+        "num_warps": NUM_WARPS,
+        "num_stages": 3,
+    },
+]
