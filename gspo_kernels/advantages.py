@@ -29,4 +29,5 @@ def group_advantages(rewards: Tensor, group_size: int, *, eps: float = 1e-4) -> 
     if group_size == 1:
         return centered.reshape(-1)
     std = grouped.std(dim=1, keepdim=True, unbiased=True)
-    return (centered / (std + eps)).reshape(-1)
+    # equal rewards give exactly 0, even with eps = 0
+    return torch.where(centered == 0, 0.0, centered / (std + eps)).reshape(-1)

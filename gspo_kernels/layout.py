@@ -52,11 +52,11 @@ class TokenBatch:
 
 @dataclass(frozen=True)
 class LossInputs:
-    """Validated, flattened loss inputs (all per-token tensors are ``[N]``, float32 unless said)."""
+    """Validated, flattened loss inputs: per-token tensors ``[N]``, fp16/bf16 upcast to fp32, fp64 kept."""
 
     labels: Tensor  # [N] int64, in [0, V) everywhere (masked positions set to 0)
     batch: TokenBatch
-    advantages: Tensor  # [S] (per response) or [N] (per token)
+    advantages: Tensor  # [S] (per response) or [N] (per token); fp32, or fp64 when given fp64
     advantages_per_token: bool
     old_logprobs: Optional[Tensor]
     ref_logprobs: Optional[Tensor]
@@ -175,7 +175,12 @@ def _per_token(name: str, value: Optional[Tensor], batch: TokenBatch, device: to
         raise ValueError(f"{name} must have the token shape {tuple(batch.token_shape)}, got {tuple(value.shape)}")
     if value.device != device:
         raise ValueError(f"{name} is on {value.device} but labels is on {device}")
-    return value.detach().reshape(-1).to(torch.float32)
+    return _upcast(value.detach().reshape(-1))
+
+
+def _upcast(x: Tensor) -> Tensor:
+    """fp16 / bf16 -> fp32; fp32 and fp64 are kept (the float64 oracle keeps full precision)."""
+    return x if x.dtype in (torch.float32, torch.float64) else x.to(torch.float32)
 
 
 def prepare_loss_inputs(
@@ -209,7 +214,7 @@ def prepare_loss_inputs(
             f"advantages must be [S] = ({S},) (one per response) or the token shape "
             f"{tuple(batch.token_shape)} (one per token), got {tuple(advantages.shape)}"
         )
-    adv = advantages.detach().reshape(-1).to(torch.float32)
+    adv = _upcast(advantages.detach().reshape(-1))
 
     old = _per_token("old_logprobs", old_logprobs, batch, device)
     ref = _per_token("ref_logprobs", ref_logprobs, batch, device)
@@ -222,9 +227,9 @@ def prepare_loss_inputs(
         if is_ratio.device != device:
             raise ValueError(f"is_ratio is on {is_ratio.device} but labels is on {device}")
         if tuple(is_ratio.shape) == tuple(batch.token_shape):
-            ratio = is_ratio.detach().reshape(-1).to(torch.float32)
+            ratio = _upcast(is_ratio.detach().reshape(-1))
         elif tuple(is_ratio.shape) in ((S,), (S, 1)):
-            ratio = is_ratio.detach().reshape(-1).to(torch.float32)[batch.seq_index]
+            ratio = _upcast(is_ratio.detach().reshape(-1))[batch.seq_index]
         else:
             raise ValueError(
                 f"is_ratio must be per token {tuple(batch.token_shape)} or per response ({S},), "
@@ -236,7 +241,7 @@ def prepare_loss_inputs(
         if isinstance(num_items_in_batch, Tensor):
             if num_items_in_batch.numel() != 1:
                 raise ValueError(f"num_items_in_batch must be a scalar, got shape {tuple(num_items_in_batch.shape)}")
-            items = num_items_in_batch.detach().reshape(()).to(device=device, dtype=torch.float32)
+            items = _upcast(num_items_in_batch.detach().reshape(()).to(device)).float()
         elif isinstance(num_items_in_batch, (int, float)) and not isinstance(num_items_in_batch, bool):
             if num_items_in_batch <= 0:
                 raise ValueError(f"num_items_in_batch must be > 0, got {num_items_in_batch}")

@@ -102,7 +102,8 @@ def group_advantages(rewards: Tensor, group_size: int, *, eps: float = 1e-4) -> 
         group = r[g0 : g0 + group_size]
         mean = group.sum() / group_size
         var = ((group - mean) ** 2).sum() / (group_size - 1) if group_size > 1 else torch.zeros((), dtype=torch.float64)
-        out[g0 : g0 + group_size] = (group - mean) / (var.sqrt() + eps)
+        centered = group - mean
+        out[g0 : g0 + group_size] = torch.where(centered == 0, 0.0, centered / (var.sqrt() + eps))
     return out
 
 

@@ -1,0 +1,83 @@
+"""Random loss inputs shared by the backend tests (fresh per call; seeded by conftest)."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from gspo_kernels import GSPOConfig
+
+LEVELS = ("sequence", "sequence_token", "token")
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+
+
+@dataclass
+class Case:
+    labels: torch.Tensor
+    advantages: torch.Tensor
+    old_logprobs: torch.Tensor
+    ref_logprobs: torch.Tensor
+    is_ratio: torch.Tensor
+    mask: Optional[torch.Tensor]
+    cu_seqlens: Optional[torch.Tensor]
+    vocab: int
+
+    def kwargs(self, with_ref: bool = True) -> dict:
+        kw = dict(mask=self.mask, cu_seqlens=self.cu_seqlens, is_ratio=self.is_ratio)
+        if with_ref:
+            kw["ref_logprobs"] = self.ref_logprobs
+        return kw
+
+
+def make_case(logp_of, vocab: int, *, packed: bool, lengths=(5, 1, 0, 7), pad_to: int = 8,
+              per_token_adv: bool = False, spread: float = 3e-4) -> Case:
+    """Inputs whose old log-probs sit within ``spread`` of the policy's, so some responses clip.
+
+    ``logp_of(labels)`` gives the current policy's per-token log-probs (float64) for the labels.
+    Includes a length-1 and an empty response; in the padded layout the mask also covers padding.
+    """
+    S = len(lengths)
+    if packed:
+        N = sum(lengths)
+        labels = torch.randint(0, vocab, (N,))
+        cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+        mask = (torch.rand(N) > 0.15).to(torch.float32)
+        token_shape = (N,)
+    else:
+        labels = torch.randint(0, vocab, (S, pad_to))
+        cu = None
+        mask = (torch.arange(pad_to)[None, :] < torch.tensor(lengths)[:, None]).to(torch.float32)
+        labels[mask == 0] = -100  # padding labels outside the vocabulary must be ignored
+        token_shape = (S, pad_to)
+    current = logp_of(labels.clamp(min=0))
+    seq_shift = torch.randn(S) * spread
+    if packed:
+        shift = seq_shift.repeat_interleave(torch.tensor(lengths))
+    else:
+        shift = seq_shift[:, None].expand(token_shape)
+    old = (current - shift - torch.randn(token_shape) * spread * 0.5).float()
+    adv = torch.randn(token_shape if per_token_adv else (S,))
+    adv[..., 0] = 0.0  # a zero advantage
+    ref = (current + torch.randn(token_shape) * 0.05).float()
+    is_ratio = (1 + 0.1 * torch.rand(token_shape)).float()
+    return Case(labels, adv, old, ref, is_ratio, mask, cu, vocab)
+
+
+def configs(levels=LEVELS, loss_types=LOSS_TYPES):
+    """Every level x loss type, each with a different mix of the optional terms."""
+    out = []
+    for i, (level, loss_type) in enumerate(itertools.product(levels, loss_types)):
+        out.append(GSPOConfig(
+            importance_sampling_level=level,
+            loss_type=loss_type,
+            max_completion_length=9,
+            beta=0.04 if i % 2 == 0 else 0.0,
+            use_bias_correction_kl=i % 4 == 0,
+            delta=1.0002 if i % 3 == 0 else None,
+            temperature=0.7 if i % 5 == 0 else 1.0,
+            entropy_coef=0.01 if i % 3 == 1 else 0.0,
+        ))
+    return out

@@ -1,0 +1,129 @@
+"""The float64 oracle against values worked out by hand from GSPO_SPEC.md (not from the code's output).
+
+With V = 1 every log-prob is exactly 0, so ``r_t = -old_t`` and each loss below is a few exps.
+"""
+
+import math
+
+import pytest
+import torch
+
+from gspo_kernels import GSPOConfig, reference
+
+WIDE = dict(epsilon_low=0.2, epsilon_high=0.2)  # GRPO-style band, so clipping is visible
+
+
+def one_token_vocab(B, T):
+    return torch.zeros(B, T, 1, dtype=torch.float64, requires_grad=True), torch.zeros(B, T, dtype=torch.long)
+
+
+def test_gspo_vs_grpo_on_the_same_inputs():
+    logits, labels = one_token_vocab(1, 2)
+    old = torch.tensor([[-0.2, 0.1]], dtype=torch.float64)  # r = [0.2, -0.1]
+    adv = torch.tensor([1.0], dtype=torch.float64)
+    gspo = reference.gspo_loss(logits, labels, adv, old, config=GSPOConfig(**WIDE))
+    grpo = reference.gspo_loss(logits, labels, adv, old, config=GSPOConfig(importance_sampling_level="token", **WIDE))
+    # GSPO: one weight exp(mean r) = exp(0.05), inside the band: l_t = -exp(0.05) for both tokens.
+    assert gspo.loss.item() == pytest.approx(-math.exp(0.05), rel=1e-12)
+    # GRPO: exp(0.2) = 1.2214 is clipped to 1.2 (A > 0), exp(-0.1) is not.
+    assert grpo.loss.item() == pytest.approx(-(1.2 + math.exp(-0.1)) / 2, rel=1e-12)
+    assert grpo.metrics["clip_ratio/high_mean"].item() == pytest.approx(0.5)
+    assert gspo.metrics["clip_ratio/high_mean"].item() == 0.0
+    assert gspo.metrics["importance_weight/mean"].item() == pytest.approx(math.exp(0.05), rel=1e-12)
+
+    neg = torch.tensor([-1.0], dtype=torch.float64)
+    gspo_n = reference.gspo_loss(logits, labels, neg, old, config=GSPOConfig(**WIDE))
+    grpo_n = reference.gspo_loss(logits, labels, neg, old, config=GSPOConfig(importance_sampling_level="token", **WIDE))
+    assert gspo_n.loss.item() == pytest.approx(math.exp(0.05), rel=1e-12)
+    # A < 0 keeps the larger of w and clip(w): exp(0.2) unclipped, exp(-0.1) inside the band.
+    assert grpo_n.loss.item() == pytest.approx((math.exp(0.2) + math.exp(-0.1)) / 2, rel=1e-12)
+
+
+def test_paper_band_clips_the_whole_response():
+    logits, labels = one_token_vocab(2, 2)
+    old = torch.tensor([[-1e-3, -1e-3], [-1e-4, 0.0]], dtype=torch.float64)
+    adv = torch.tensor([1.0, 1.0], dtype=torch.float64)
+    out = reference.gspo_loss(logits, labels, adv, old, config=GSPOConfig())
+    # Response 0: w = exp(1e-3) > 1 + 4e-4 -> clipped to 1.0004. Response 1: w = exp(5e-5), inside.
+    assert out.loss.item() == pytest.approx(-(1.0004 + math.exp(5e-5)) / 2, rel=1e-12)
+    assert out.metrics["clip_ratio/high_mean"].item() == pytest.approx(0.5)
+    assert out.metrics["importance_weight/max"].item() == pytest.approx(math.exp(1e-3), rel=1e-12)
+    assert out.metrics["importance_weight/min"].item() == pytest.approx(math.exp(5e-5), rel=1e-12)
+
+
+def test_aggregations_by_hand():
+    # Response 0: one token, r = 0.1; response 1: three tokens, r = 0, plus one masked token.
+    logits, labels = one_token_vocab(2, 4)
+    old = torch.tensor([[-0.1, 9.0, 9.0, 9.0], [0.0, 0.0, 0.0, -5.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 0, 0, 0], [1, 1, 1, 0]])
+    adv = torch.tensor([1.0, 2.0], dtype=torch.float64)
+    band = dict(epsilon_low=0.5, epsilon_high=0.5, importance_sampling_level="token")
+    l0, l1 = -math.exp(0.1), -2.0  # per-token losses of responses 0 and 1
+    expected = {
+        "grpo": (l0 / 1 + 3 * l1 / 3) / 2,
+        "bnpo": (l0 + 3 * l1) / 4,
+        "dr_grpo": (l0 + 3 * l1) / (2 * 6),
+        "dapo": (l0 + 3 * l1) / 10,
+    }
+    for loss_type, value in expected.items():
+        cfg = GSPOConfig(loss_type=loss_type, max_completion_length=6, **band)
+        out = reference.gspo_loss(logits, labels, adv, old, mask=mask, config=cfg, num_items_in_batch=10)
+        assert out.loss.item() == pytest.approx(value, rel=1e-12), loss_type
+
+
+def test_kl_is_ratio_and_delta_by_hand():
+    logits, labels = one_token_vocab(1, 1)
+    old = torch.tensor([[-0.5]], dtype=torch.float64)  # w = exp(0.5), far above the band
+    ref = torch.tensor([[0.3]], dtype=torch.float64)
+    adv = torch.tensor([-1.0], dtype=torch.float64)
+    cfg = GSPOConfig(beta=0.1, delta=1.5, epsilon_low=0.2, epsilon_high=0.2)
+    out = reference.gspo_loss(logits, labels, adv, old, ref_logprobs=ref, is_ratio=torch.tensor([0.5]), config=cfg)
+    # c1 = min(exp(0.5), 1.5) = 1.5, c2 = 1.2; A = -1: l = -min(-1.5, -1.2) = 1.5; times is_ratio 0.5.
+    kl = math.exp(0.3) - 0.3 - 1
+    assert out.loss.item() == pytest.approx(0.5 * 1.5 + 0.1 * kl, rel=1e-12)
+    assert out.metrics["kl"].item() == pytest.approx(kl, rel=1e-12)
+    biased = reference.gspo_loss(logits, labels, adv, old, ref_logprobs=ref,
+                                 config=GSPOConfig(beta=0.1, use_bias_correction_kl=True, **WIDE))
+    assert biased.loss.item() == pytest.approx(math.exp(0.5) + 0.1 * kl * math.exp(0.5), rel=1e-12)
+
+
+def test_temperature_and_entropy_by_hand():
+    logits = torch.tensor([[2.0, 0.0, 0.0, 0.0]], dtype=torch.float64)
+    logp, entropy = reference.token_logprobs(logits, torch.tensor([0]), temperature=2.0, return_entropy=True)
+    e = math.e
+    p = [e / (e + 3)] + [1 / (e + 3)] * 3
+    assert logp.item() == pytest.approx(1 - math.log(e + 3), rel=1e-12)
+    assert entropy.item() == pytest.approx(-sum(q * math.log(q) for q in p), rel=1e-12)
+
+
+def test_spec_gradient_formula_for_gspo():
+    """dL/dlogp_t = -(1/S) A_i w_i / |y_i| mask_t 1[not clipped] (sequence level, grpo, no KL)."""
+    S, T = 4, 6
+    mask = torch.ones(S, T)
+    mask[1, 4:] = 0
+    mask[3] = 0  # an empty response
+    logp = (torch.randn(S, T, dtype=torch.float64) * 0.5 - 2).requires_grad_()
+    shift = torch.tensor([1e-5, -2e-3, 3e-3, 0.0], dtype=torch.float64)[:, None]  # 1: low clip, 2: high clip
+    old = logp.detach() - shift
+    adv = torch.tensor([0.7, -1.3, 0.4, 2.0], dtype=torch.float64)
+    from gspo_kernels.layout import prepare_loss_inputs
+
+    labels = torch.zeros(S, T, dtype=torch.long)
+    inputs = prepare_loss_inputs(labels, adv, 1, old_logprobs=old, mask=mask)
+    out = reference.sequence_loss(logp.reshape(-1), torch.zeros(S * T, dtype=torch.float64), inputs, GSPOConfig())
+    (grad,) = torch.autograd.grad(out.loss, logp)
+    lengths = mask.sum(1).clamp(min=1).double()
+    w = torch.exp(shift[:, 0])
+    clipped = torch.tensor([False, True, True, False])
+    expected = -(1 / S) * adv[:, None] * w[:, None] / lengths[:, None] * mask * (~clipped)[:, None]
+    torch.testing.assert_close(grad, expected.double(), rtol=1e-12, atol=0)
+    assert out.metrics["clip_ratio/low_mean"].item() == pytest.approx(1 / 3)  # counted over 3 non-empty responses
+    assert out.metrics["clip_ratio/high_mean"].item() == pytest.approx(1 / 3)
+
+
+def test_group_advantages_by_hand():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 2.0])
+    adv = reference.group_advantages(rewards, 4, eps=0.0)
+    std = math.sqrt(4 * 0.25 / 3)  # unbiased std of (1, 0, 0, 1)
+    torch.testing.assert_close(adv[:4], torch.tensor([0.5, -0.5, -0.5, 0.5], dtype=torch.float64) / std)
+    assert torch.equal(adv[4:], torch.zeros(4, dtype=torch.float64))  # equal rewards: A = 0
