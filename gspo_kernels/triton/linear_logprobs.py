@@ -44,15 +44,16 @@ def logits_tile(
     weight_ptr,
     bias_ptr,
     h_row_off,
-    row_ok,
     offs_v,
     v_ok,
+    V,
     H,
     stride_hh,
     stride_wv,
     stride_wh,
     inv_temperature,
     HAS_BIAS: tl.constexpr,
+    EVEN_H: tl.constexpr,
     UPCAST: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_V: tl.constexpr,
@@ -60,24 +61,23 @@ def logits_tile(
 ):
     """``z [BLOCK_N, BLOCK_V]`` fp32 = ``(hidden[rows] @ weight[offs_v].T + bias[offs_v]) * inv_temperature``.
 
-    ``h_row_off`` [BLOCK_N] int64: element offsets of the rows in ``hidden``. Out-of-range rows and
-    columns read zeros (their values are finite and must be masked by the caller).
+    ``h_row_off`` [BLOCK_N] int64: element offsets of the rows in ``hidden`` (every one a valid row).
+    Columns ``>= V`` hold finite junk values that the caller must mask.
     """
     acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
-    w_col_off = offs_v.to(tl.int64) * stride_wv
+    # Out-of-range rows already point at a valid row and out-of-range columns are clamped to V - 1, so
+    # only a ragged H needs a load mask (EVEN_H drops it: fewer registers on the tensor-core path).
+    w_col_off = tl.minimum(offs_v, V - 1).to(tl.int64) * stride_wv
     for h0 in range(0, H, BLOCK_H):
         offs_h = h0 + tl.arange(0, BLOCK_H)
-        h_ok = offs_h < H
-        a = tl.load(
-            hidden_ptr + h_row_off[:, None] + offs_h[None, :] * stride_hh,
-            mask=row_ok[:, None] & h_ok[None, :],
-            other=0.0,
-        )
-        b = tl.load(
-            weight_ptr + w_col_off[None, :] + offs_h[:, None] * stride_wh,
-            mask=v_ok[None, :] & h_ok[:, None],
-            other=0.0,
-        )
+        a_ptrs = hidden_ptr + h_row_off[:, None] + offs_h[None, :] * stride_hh
+        b_ptrs = weight_ptr + w_col_off[None, :] + offs_h[:, None] * stride_wh
+        if EVEN_H:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            a = tl.load(a_ptrs, mask=(offs_h < H)[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=(offs_h < H)[:, None], other=0.0)
         if UPCAST:  # the interpreter's bf16 tl.dot is wrong (KERNEL_NOTES.md): multiply in fp32 there
             a = a.to(tl.float32)
             b = b.to(tl.float32)
@@ -117,6 +117,7 @@ def linear_logprobs_fwd_kernel(
     cols_per_split,
     num_splits,
     HAS_BIAS: tl.constexpr,
+    EVEN_H: tl.constexpr,
     UPCAST: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_V: tl.constexpr,
@@ -148,9 +149,9 @@ def linear_logprobs_fwd_kernel(
         offs_v = v0 + tl.arange(0, BLOCK_V)
         v_ok = offs_v < v_end
         z = logits_tile(
-            hidden_ptr, weight_ptr, bias_ptr, h_row_off, row_ok, offs_v, v_ok, H,
+            hidden_ptr, weight_ptr, bias_ptr, h_row_off, offs_v, v_ok, V, H,
             stride_hh, stride_wv, stride_wh, inv_temperature,
-            HAS_BIAS, UPCAST, BLOCK_N, BLOCK_V, BLOCK_H,
+            HAS_BIAS, EVEN_H, UPCAST, BLOCK_N, BLOCK_V, BLOCK_H,
         )
         m_new = tl.maximum(m_i, tl.max(tl.where(v_ok[None, :], z, float("-inf")), axis=1))
         shift = tl.where(s_i > 0, m_i - m_new, 0.0)
@@ -242,7 +243,7 @@ def linear_logprobs_forward(
         part[0], part[1], part[2], label_logit,
         M, V, H, T, stride_hb, stride_ht, stride_hh, weight.stride(0), weight.stride(1),
         1.0 / float(temperature), cols_per_split, num_splits,
-        HAS_BIAS=bias is not None, UPCAST=upcast,
+        HAS_BIAS=bias is not None, EVEN_H=H % cfg["BLOCK_H"] == 0, UPCAST=upcast,
         BLOCK_N=cfg["BLOCK_N"], BLOCK_V=block_v, BLOCK_H=cfg["BLOCK_H"], GROUP_N=cfg["GROUP_N"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
@@ -265,13 +266,13 @@ def _h100_configs() -> list:
         "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32", "part_ent_ptr": "*fp32", "label_logit_ptr": "*fp32",
         "M": "i32", "V": "i32", "H": "i32", "T": "i32", "stride_hb": "i64", "stride_ht": "i64", "stride_hh": "constexpr",
         "stride_wv": "i64", "stride_wh": "constexpr", "inv_temperature": "fp32", "cols_per_split": "i32",
-        "num_splits": "i32", "HAS_BIAS": "constexpr", "UPCAST": "constexpr", "BLOCK_N": "constexpr",
+        "num_splits": "i32", "HAS_BIAS": "constexpr", "EVEN_H": "constexpr", "UPCAST": "constexpr", "BLOCK_N": "constexpr",
         "BLOCK_V": "constexpr", "BLOCK_H": "constexpr", "GROUP_N": "constexpr",
     }
     out = []
     for has_bias in (False, True):
         constexprs = {
-            "stride_hh": 1, "stride_wh": 1, "HAS_BIAS": has_bias, "UPCAST": False,
+            "stride_hh": 1, "stride_wh": 1, "HAS_BIAS": has_bias, "EVEN_H": True, "UPCAST": False,
             "BLOCK_N": cfg["BLOCK_N"], "BLOCK_V": cfg["BLOCK_V"], "BLOCK_H": cfg["BLOCK_H"], "GROUP_N": cfg["GROUP_N"],
         }
         out.append({

@@ -39,8 +39,10 @@ import triton.language as tl
 
 from gspo_kernels.triton.linear_logprobs import hidden_row_offsets, hidden_strides, interpreting, logits_tile
 
-CUDA_BWD_CONFIG: Dict[str, int] = {"BLOCK_N": 128, "BLOCK_V": 128, "BLOCK_H": 64, "GROUP_N": 8, "num_warps": 8, "num_stages": 3}
-CUDA_BWD_DET_CONFIG: Dict[str, int] = {"BLOCK_N": 128, "BLOCK_V": 128, "BLOCK_H": 64, "GROUP_N": 8, "num_warps": 8, "num_stages": 3}
+# Tuned against the static sm_90a report (0 spills, HGMMA); see the module docstring of h100_report.
+CUDA_BWD_CONFIG: Dict[str, int] = {"BLOCK_N": 128, "BLOCK_V": 128, "BLOCK_H": 32, "GROUP_N": 8, "num_warps": 8, "num_stages": 4}
+CUDA_BWD_DH_CONFIG: Dict[str, int] = {"BLOCK_N": 128, "BLOCK_V": 128, "BLOCK_H": 64, "GROUP_N": 1, "num_warps": 8, "num_stages": 3}
+CUDA_BWD_DW_CONFIG: Dict[str, int] = {"BLOCK_N": 64, "BLOCK_V": 128, "BLOCK_H": 64, "GROUP_N": 1, "num_warps": 8, "num_stages": 3}
 CUDA_BWD_CONFIG_FP32: Dict[str, int] = {"BLOCK_N": 64, "BLOCK_V": 64, "BLOCK_H": 32, "GROUP_N": 8, "num_warps": 4, "num_stages": 2}
 INTERPRETER_BWD_CONFIG: Dict[str, int] = {"BLOCK_N": 16, "BLOCK_V": 32, "BLOCK_H": 16, "GROUP_N": 2, "num_warps": 4, "num_stages": 1}
 
@@ -49,18 +51,18 @@ INTERPRETER_BWD_CONFIG: Dict[str, int] = {"BLOCK_N": 16, "BLOCK_V": 32, "BLOCK_H
 def logits_grad_tile(
     hidden_ptr, weight_ptr, bias_ptr, h_row_off, row_ok, offs_n, offs_v, v_ok,
     labels_ptr, lse_ptr, ent_ptr, g_logp_ptr, g_ent_ptr,
-    H, stride_hh, stride_wv, stride_wh, inv_temperature, filter_eps,
-    HAS_BIAS: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr, FILTER: tl.constexpr, UPCAST: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+    V, H, stride_hh, stride_wv, stride_wh, inv_temperature, filter_eps,
+    HAS_BIAS: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr, FILTER: tl.constexpr, EVEN_H: tl.constexpr,
+    UPCAST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     """``(dl [BLOCK_N, BLOCK_V] fp32, keep)``: the gradient w.r.t. the raw logits ``h W^T + b`` of a tile.
 
     Invalid rows/columns hold 0. ``keep`` is False when filtering drops the tile.
     """
     z = logits_tile(
-        hidden_ptr, weight_ptr, bias_ptr, h_row_off, row_ok, offs_v, v_ok, H,
+        hidden_ptr, weight_ptr, bias_ptr, h_row_off, offs_v, v_ok, V, H,
         stride_hh, stride_wv, stride_wh, inv_temperature,
-        HAS_BIAS, UPCAST, BLOCK_N, BLOCK_V, BLOCK_H,
+        HAS_BIAS, EVEN_H, UPCAST, BLOCK_N, BLOCK_V, BLOCK_H,
     )
     lse = tl.load(lse_ptr + offs_n, mask=row_ok, other=0.0)
     g_logp = tl.load(g_logp_ptr + offs_n, mask=row_ok, other=0.0)
@@ -91,8 +93,8 @@ def linear_logprobs_bwd_kernel(
     stride_hb, stride_ht, stride_hh, stride_wv, stride_wh,
     inv_temperature, filter_eps,
     HAS_BIAS: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr, COMPUTE_DH: tl.constexpr,
-    COMPUTE_DW: tl.constexpr, COMPUTE_DB: tl.constexpr, FILTER: tl.constexpr, UPCAST: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, GROUP_N: tl.constexpr,
+    COMPUTE_DW: tl.constexpr, COMPUTE_DB: tl.constexpr, FILTER: tl.constexpr, EVEN_H: tl.constexpr,
+    UPCAST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, GROUP_N: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_row_tiles = tl.cdiv(M, BLOCK_N)
@@ -113,8 +115,8 @@ def linear_logprobs_bwd_kernel(
     dl, keep = logits_grad_tile(
         hidden_ptr, weight_ptr, bias_ptr, h_row_off, row_ok, offs_n, offs_v, v_ok,
         labels_ptr, lse_ptr, ent_ptr, g_logp_ptr, g_ent_ptr,
-        H, stride_hh, stride_wv, stride_wh, inv_temperature, filter_eps,
-        HAS_BIAS, HAS_ENTROPY_GRAD, FILTER, UPCAST, BLOCK_N, BLOCK_V, BLOCK_H,
+        V, H, stride_hh, stride_wv, stride_wh, inv_temperature, filter_eps,
+        HAS_BIAS, HAS_ENTROPY_GRAD, FILTER, EVEN_H, UPCAST, BLOCK_N, BLOCK_V, BLOCK_H,
     )
     if keep:
         if COMPUTE_DB:
@@ -123,17 +125,18 @@ def linear_logprobs_bwd_kernel(
             dl_op = dl
         else:
             dl_op = dl.to(weight_ptr.dtype.element_ty)
-        w_row_off = offs_v.to(tl.int64) * stride_wv
+        w_row_off = tl.minimum(offs_v, V - 1).to(tl.int64) * stride_wv
         dh_row_off = offs_n.to(tl.int64) * H
         dw_row_off = offs_v.to(tl.int64) * H
         for h0 in range(0, H, BLOCK_H):
             offs_h = h0 + tl.arange(0, BLOCK_H)
             h_ok = offs_h < H
             if COMPUTE_DH:
-                w = tl.load(
-                    weight_ptr + w_row_off[:, None] + offs_h[None, :] * stride_wh,
-                    mask=v_ok[:, None] & h_ok[None, :], other=0.0,
-                )
+                w_ptrs = weight_ptr + w_row_off[:, None] + offs_h[None, :] * stride_wh
+                if EVEN_H:
+                    w = tl.load(w_ptrs)
+                else:
+                    w = tl.load(w_ptrs, mask=h_ok[None, :], other=0.0)
                 if UPCAST:
                     w = w.to(tl.float32)
                 part = tl.dot(dl_op, w, input_precision="ieee")
@@ -142,10 +145,11 @@ def linear_logprobs_bwd_kernel(
                     mask=row_ok[:, None] & h_ok[None, :], sem="relaxed",
                 )
             if COMPUTE_DW:
-                x = tl.load(
-                    hidden_ptr + h_row_off[:, None] + offs_h[None, :] * stride_hh,
-                    mask=row_ok[:, None] & h_ok[None, :], other=0.0,
-                )
+                x_ptrs = hidden_ptr + h_row_off[:, None] + offs_h[None, :] * stride_hh
+                if EVEN_H:
+                    x = tl.load(x_ptrs)
+                else:
+                    x = tl.load(x_ptrs, mask=h_ok[None, :], other=0.0)
                 if UPCAST:
                     x = x.to(tl.float32)
                 part = tl.dot(tl.trans(dl_op), x, input_precision="ieee")
@@ -162,8 +166,8 @@ def linear_logprobs_bwd_dh_kernel(
     M, V, H, T,
     stride_hb, stride_ht, stride_hh, stride_wv, stride_wh,
     inv_temperature, filter_eps,
-    HAS_BIAS: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr, FILTER: tl.constexpr, UPCAST: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr, FILTER: tl.constexpr, EVEN_H: tl.constexpr,
+    UPCAST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     row_tile = tl.program_id(0)
     offs_n = row_tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -177,22 +181,23 @@ def linear_logprobs_bwd_dh_kernel(
         dl, keep = logits_grad_tile(
             hidden_ptr, weight_ptr, bias_ptr, h_row_off, row_ok, offs_n, offs_v, v_ok,
             labels_ptr, lse_ptr, ent_ptr, g_logp_ptr, g_ent_ptr,
-            H, stride_hh, stride_wv, stride_wh, inv_temperature, filter_eps,
-            HAS_BIAS, HAS_ENTROPY_GRAD, FILTER, UPCAST, BLOCK_N, BLOCK_V, BLOCK_H,
+            V, H, stride_hh, stride_wv, stride_wh, inv_temperature, filter_eps,
+            HAS_BIAS, HAS_ENTROPY_GRAD, FILTER, EVEN_H, UPCAST, BLOCK_N, BLOCK_V, BLOCK_H,
         )
         if keep:
             if UPCAST:
                 dl_op = dl
             else:
                 dl_op = dl.to(weight_ptr.dtype.element_ty)
-            w_row_off = offs_v.to(tl.int64) * stride_wv
+            w_row_off = tl.minimum(offs_v, V - 1).to(tl.int64) * stride_wv
             for h0 in range(0, H, BLOCK_H):
                 offs_h = h0 + tl.arange(0, BLOCK_H)
                 h_ok = offs_h < H
-                w = tl.load(
-                    weight_ptr + w_row_off[:, None] + offs_h[None, :] * stride_wh,
-                    mask=v_ok[:, None] & h_ok[None, :], other=0.0,
-                )
+                w_ptrs = weight_ptr + w_row_off[:, None] + offs_h[None, :] * stride_wh
+                if EVEN_H:
+                    w = tl.load(w_ptrs)
+                else:
+                    w = tl.load(w_ptrs, mask=h_ok[None, :], other=0.0)
                 if UPCAST:
                     w = w.to(tl.float32)
                 ptrs = dh_ptr + dh_row_off[:, None] + offs_h[None, :]
@@ -211,7 +216,7 @@ def linear_logprobs_bwd_dw_kernel(
     stride_hb, stride_ht, stride_hh, stride_wv, stride_wh,
     inv_temperature, filter_eps,
     HAS_BIAS: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr, COMPUTE_DW: tl.constexpr,
-    COMPUTE_DB: tl.constexpr, FILTER: tl.constexpr, UPCAST: tl.constexpr,
+    COMPUTE_DB: tl.constexpr, FILTER: tl.constexpr, EVEN_H: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     vocab_tile = tl.program_id(0)
@@ -227,8 +232,8 @@ def linear_logprobs_bwd_dw_kernel(
         dl, keep = logits_grad_tile(
             hidden_ptr, weight_ptr, bias_ptr, h_row_off, row_ok, offs_n, offs_v, v_ok,
             labels_ptr, lse_ptr, ent_ptr, g_logp_ptr, g_ent_ptr,
-            H, stride_hh, stride_wv, stride_wh, inv_temperature, filter_eps,
-            HAS_BIAS, HAS_ENTROPY_GRAD, FILTER, UPCAST, BLOCK_N, BLOCK_V, BLOCK_H,
+            V, H, stride_hh, stride_wv, stride_wh, inv_temperature, filter_eps,
+            HAS_BIAS, HAS_ENTROPY_GRAD, FILTER, EVEN_H, UPCAST, BLOCK_N, BLOCK_V, BLOCK_H,
         )
         if keep:
             if COMPUTE_DB:
@@ -241,10 +246,11 @@ def linear_logprobs_bwd_dw_kernel(
                 for h0 in range(0, H, BLOCK_H):
                     offs_h = h0 + tl.arange(0, BLOCK_H)
                     h_ok = offs_h < H
-                    x = tl.load(
-                        hidden_ptr + h_row_off[:, None] + offs_h[None, :] * stride_hh,
-                        mask=row_ok[:, None] & h_ok[None, :], other=0.0,
-                    )
+                    x_ptrs = hidden_ptr + h_row_off[:, None] + offs_h[None, :] * stride_hh
+                    if EVEN_H:
+                        x = tl.load(x_ptrs)
+                    else:
+                        x = tl.load(x_ptrs, mask=h_ok[None, :], other=0.0)
                     if UPCAST:
                         x = x.to(tl.float32)
                     ptrs = dw_ptr + dw_row_off[:, None] + offs_h[None, :]
@@ -256,14 +262,14 @@ def linear_logprobs_bwd_dw_kernel(
         tl.store(db_ptr + offs_v, db, mask=v_ok)
 
 
-def _pick_config(dtype: torch.dtype, deterministic: bool, config: Optional[Dict[str, int]]) -> Dict[str, int]:
+def _pick_config(dtype: torch.dtype, default: Dict[str, int], config: Optional[Dict[str, int]]) -> Dict[str, int]:
     if config is not None:
         return dict(config)
     if interpreting():
         return dict(INTERPRETER_BWD_CONFIG)
     if dtype == torch.float32:
         return dict(CUDA_BWD_CONFIG_FP32)
-    return dict(CUDA_BWD_DET_CONFIG if deterministic else CUDA_BWD_CONFIG)
+    return dict(default)
 
 
 def linear_logprobs_backward(
@@ -307,93 +313,90 @@ def linear_logprobs_backward(
     db = torch.zeros(V, device=device, dtype=torch.float32) if compute_db else None
     if M == 0 or not (compute_dh or compute_dw or compute_db):
         return dh, dw, db
-    cfg = _pick_config(hidden.dtype, deterministic, config)
     T, stride_hb, stride_ht, stride_hh = hidden_strides(hidden)
     upcast = interpreting() and (hidden.dtype == torch.bfloat16 or weight.dtype == torch.bfloat16)
     has_ent = grad_entropy is not None
     dummy = lse
-    common = (
+    args = (
         hidden, weight, bias if bias is not None else weight, rows, labels, lse, entropy,
         grad_logp, grad_entropy if has_ent else dummy,
     )
     sizes = (M, V, H, T, stride_hb, stride_ht, stride_hh, weight.stride(0), weight.stride(1),
              1.0 / float(temperature), float(filter_eps or 0.0))
-    flags = dict(HAS_BIAS=bias is not None, HAS_ENTROPY_GRAD=has_ent)
-    launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    blocks = dict(BLOCK_N=cfg["BLOCK_N"], BLOCK_V=cfg["BLOCK_V"], BLOCK_H=cfg["BLOCK_H"])
-    filt = dict(FILTER=filter_eps is not None, UPCAST=upcast)
-    row_tiles = triton.cdiv(M, cfg["BLOCK_N"])
-    vocab_tiles = triton.cdiv(V, cfg["BLOCK_V"])
+
+    def flags(cfg: Dict[str, int]) -> dict:
+        return dict(
+            HAS_BIAS=bias is not None, HAS_ENTROPY_GRAD=has_ent, FILTER=filter_eps is not None,
+            EVEN_H=H % cfg["BLOCK_H"] == 0, UPCAST=upcast,
+            BLOCK_N=cfg["BLOCK_N"], BLOCK_V=cfg["BLOCK_V"], BLOCK_H=cfg["BLOCK_H"],
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )
+
     if not deterministic:
-        linear_logprobs_bwd_kernel[(row_tiles * vocab_tiles,)](
-            *common,
+        cfg = _pick_config(hidden.dtype, CUDA_BWD_CONFIG, config)
+        grid = (triton.cdiv(M, cfg["BLOCK_N"]) * triton.cdiv(V, cfg["BLOCK_V"]),)
+        linear_logprobs_bwd_kernel[grid](
+            *args,
             dh if dh is not None else dummy, dw if dw is not None else dummy, db if db is not None else dummy,
-            *sizes, **flags, COMPUTE_DH=compute_dh, COMPUTE_DW=compute_dw, COMPUTE_DB=compute_db,
-            **filt, **blocks, GROUP_N=cfg["GROUP_N"], **launch,
+            *sizes, COMPUTE_DH=compute_dh, COMPUTE_DW=compute_dw, COMPUTE_DB=compute_db,
+            GROUP_N=cfg["GROUP_N"], **flags(cfg),
         )
         return dh, dw, db
     if compute_dh:
-        linear_logprobs_bwd_dh_kernel[(row_tiles,)](*common, dh, *sizes, **flags, **filt, **blocks, **launch)
+        cfg = _pick_config(hidden.dtype, CUDA_BWD_DH_CONFIG, config)
+        linear_logprobs_bwd_dh_kernel[(triton.cdiv(M, cfg["BLOCK_N"]),)](*args, dh, *sizes, **flags(cfg))
     if compute_dw or compute_db:
-        linear_logprobs_bwd_dw_kernel[(vocab_tiles,)](
-            *common, dw if dw is not None else dummy, db if db is not None else dummy, *sizes, **flags,
-            COMPUTE_DW=compute_dw, COMPUTE_DB=compute_db, **filt, **blocks, **launch,
+        cfg = _pick_config(hidden.dtype, CUDA_BWD_DW_CONFIG, config)
+        linear_logprobs_bwd_dw_kernel[(triton.cdiv(V, cfg["BLOCK_V"]),)](
+            *args, dw if dw is not None else dummy, db if db is not None else dummy, *sizes,
+            COMPUTE_DW=compute_dw, COMPUTE_DB=compute_db, **flags(cfg),
         )
     return dh, dw, db
 
 
+_POINTERS = {
+    "hidden_ptr": "*bf16", "weight_ptr": "*bf16", "bias_ptr": "*bf16", "rows_ptr": "*i64", "labels_ptr": "*i64",
+    "lse_ptr": "*fp32", "ent_ptr": "*fp32", "g_logp_ptr": "*fp32", "g_ent_ptr": "*fp32",
+}
+_SIZES = {
+    "M": "i32", "V": "i32", "H": "i32", "T": "i32", "stride_hb": "i64", "stride_ht": "i64",
+    "stride_hh": "constexpr", "stride_wv": "i64", "stride_wh": "constexpr",
+    "inv_temperature": "fp32", "filter_eps": "fp32",
+}
+
+
+def _h100_entry(name: str, fn, outputs: dict, cfg: Dict[str, int], constexprs: dict) -> dict:
+    blocks = {k: cfg[k] for k in ("BLOCK_N", "BLOCK_V", "BLOCK_H")}
+    if "GROUP_N" in fn.arg_names:
+        blocks["GROUP_N"] = cfg["GROUP_N"]
+    constexprs = {"stride_hh": 1, "stride_wh": 1, "FILTER": False, "EVEN_H": True, "UPCAST": False,
+                  **constexprs, **blocks}
+    types = {**_POINTERS, **outputs, **_SIZES, **{k: "constexpr" for k in constexprs}}
+    signature = {arg: types[arg] for arg in fn.arg_names}
+    return {"name": name, "fn": fn, "signature": signature, "constexprs": constexprs,
+            "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"], "uses_dot": True}
+
+
 def _h100_configs() -> list:
     """Launch configurations used on CUDA with bf16 operands (read by ``h100_report``)."""
-    common_sig = {
-        "hidden_ptr": "*bf16", "weight_ptr": "*bf16", "bias_ptr": "*bf16", "rows_ptr": "*i64", "labels_ptr": "*i64",
-        "lse_ptr": "*fp32", "ent_ptr": "*fp32", "g_logp_ptr": "*fp32", "g_ent_ptr": "*fp32",
-    }
-    sizes_sig = {
-        "M": "i32", "V": "i32", "H": "i32", "T": "i32", "stride_hb": "i64", "stride_ht": "i64",
-        "stride_hh": "constexpr", "stride_wv": "i64", "stride_wh": "constexpr",
-        "inv_temperature": "fp32", "filter_eps": "fp32",
-    }
-    unit = {"stride_hh": 1, "stride_wh": 1}
+    atomic_out = {"dh_ptr": "*fp32", "dw_ptr": "*fp32", "db_ptr": "*fp32"}
     out = []
-    cfg = CUDA_BWD_CONFIG
-    sig = {**common_sig, "dh_ptr": "*fp32", "dw_ptr": "*fp32", "db_ptr": "*fp32", **sizes_sig}
-    names = ("HAS_BIAS", "HAS_ENTROPY_GRAD", "COMPUTE_DH", "COMPUTE_DW", "COMPUTE_DB", "FILTER", "UPCAST",
-             "BLOCK_N", "BLOCK_V", "BLOCK_H", "GROUP_N")
-    sig.update({n: "constexpr" for n in names})
     for has_bias, has_ent in ((False, False), (True, True)):
-        out.append({
-            "name": f"linear_logprobs_bwd{'_bias' if has_bias else ''}{'_entropy' if has_ent else ''}",
-            "fn": linear_logprobs_bwd_kernel,
-            "signature": sig,
-            "constexprs": {
-                **unit, "HAS_BIAS": has_bias, "HAS_ENTROPY_GRAD": has_ent, "COMPUTE_DH": True, "COMPUTE_DW": True,
-                "COMPUTE_DB": has_bias, "FILTER": False, "UPCAST": False, "BLOCK_N": cfg["BLOCK_N"],
-                "BLOCK_V": cfg["BLOCK_V"], "BLOCK_H": cfg["BLOCK_H"], "GROUP_N": cfg["GROUP_N"],
-            },
-            "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"], "uses_dot": True,
-        })
-    cfg = CUDA_BWD_DET_CONFIG
-    blocks = {"BLOCK_N": cfg["BLOCK_N"], "BLOCK_V": cfg["BLOCK_V"], "BLOCK_H": cfg["BLOCK_H"]}
-    sig = {**common_sig, "dh_ptr": "*fp32", **sizes_sig}
-    sig.update({n: "constexpr" for n in ("HAS_BIAS", "HAS_ENTROPY_GRAD", "FILTER", "UPCAST", *blocks)})
-    out.append({
-        "name": "linear_logprobs_bwd_dh_deterministic",
-        "fn": linear_logprobs_bwd_dh_kernel,
-        "signature": sig,
-        "constexprs": {**unit, "HAS_BIAS": True, "HAS_ENTROPY_GRAD": True, "FILTER": False, "UPCAST": False, **blocks},
-        "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"], "uses_dot": True,
-    })
-    sig = {**common_sig, "dw_ptr": "*fp32", "db_ptr": "*fp32", **sizes_sig}
-    sig.update({n: "constexpr" for n in ("HAS_BIAS", "HAS_ENTROPY_GRAD", "COMPUTE_DW", "COMPUTE_DB", "FILTER",
-                                         "UPCAST", *blocks)})
-    out.append({
-        "name": "linear_logprobs_bwd_dw_deterministic",
-        "fn": linear_logprobs_bwd_dw_kernel,
-        "signature": sig,
-        "constexprs": {**unit, "HAS_BIAS": True, "HAS_ENTROPY_GRAD": True, "COMPUTE_DW": True, "COMPUTE_DB": True,
-                       "FILTER": False, "UPCAST": False, **blocks},
-        "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"], "uses_dot": True,
-    })
+        out.append(_h100_entry(
+            f"linear_logprobs_bwd{'_bias' if has_bias else ''}{'_entropy' if has_ent else ''}",
+            linear_logprobs_bwd_kernel, atomic_out, CUDA_BWD_CONFIG,
+            {"HAS_BIAS": has_bias, "HAS_ENTROPY_GRAD": has_ent, "COMPUTE_DH": True, "COMPUTE_DW": True,
+             "COMPUTE_DB": has_bias},
+        ))
+    out.append(_h100_entry(
+        "linear_logprobs_bwd_dh_deterministic", linear_logprobs_bwd_dh_kernel, {"dh_ptr": "*fp32"},
+        CUDA_BWD_DH_CONFIG, {"HAS_BIAS": True, "HAS_ENTROPY_GRAD": True},
+    ))
+    out.append(_h100_entry(
+        "linear_logprobs_bwd_dw_deterministic", linear_logprobs_bwd_dw_kernel, {"dw_ptr": "*fp32", "db_ptr": "*fp32"},
+        CUDA_BWD_DW_CONFIG,
+        {"HAS_BIAS": True, "HAS_ENTROPY_GRAD": True, "COMPUTE_DW": True, "COMPUTE_DB": True},
+    ))
     return out
 
 
