@@ -40,6 +40,16 @@ def token_logprobs(
     return logp, entropy
 
 
+def naive_token_logprobs(logits: Tensor, labels: Tensor, *, temperature: float = 1.0) -> Tensor:
+    """The plain PyTorch path in the logits' own dtype (``log_softmax`` + ``gather``), as fp32.
+
+    Not an oracle: the precision baseline that bf16 / fp16 tolerances are measured against
+    ("no worse than the plain PyTorch path in that dtype, plus a stated margin").
+    """
+    logp_all = (logits / temperature).log_softmax(dim=-1)
+    return logp_all.gather(-1, labels.long().unsqueeze(-1)).squeeze(-1).float()
+
+
 def linear_logprobs(
     hidden: Tensor,
     weight: Tensor,

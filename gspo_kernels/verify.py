@@ -1,0 +1,199 @@
+"""``gspo-kernels verify``: every available backend against the float64 reference.
+
+For each backend x path (logits, hidden states) x importance level x loss type x dtype (fp32, bf16),
+on fresh random inputs: the loss, the metrics and the input gradients are compared with
+:mod:`gspo_kernels.reference` run in float64 on the same (dtype-rounded) values.
+
+Tolerances (relative to the largest reference entry):
+* fp32: 1e-5 for the loss and the gradients, 1e-5 absolute for the metrics (the loss, a sum of terms of
+  either sign, is compared relative to ``max(|loss|, 1)``);
+* bf16: no worse than the plain bf16 PyTorch path (``log_softmax`` + ``gather`` in bf16, then the same
+  objective) plus 2^-8 (one bf16 rounding), for the loss and the gradients; metrics are reported only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import Dict, List
+
+FP32_RTOL = 1e-5
+BF16_MARGIN = 2.0**-8
+LEVELS = ("sequence", "sequence_token", "token")
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+
+
+def setup_triton_interpreter() -> str:
+    """Without a CUDA device, run Triton kernels in the interpreter (must precede importing triton)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return "cuda"
+    if "triton" not in sys.modules and os.environ.get("TRITON_INTERPRET") is None:
+        os.environ["TRITON_INTERPRET"] = "1"
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return "cpu (Triton kernels run in the Triton interpreter: correctness only, no GPU timing)"
+    return "cpu"
+
+
+@dataclass
+class Row:
+    backend: str
+    path: str
+    level: str
+    loss_type: str
+    dtype: str
+    layout: str
+    loss_err: float
+    grad_err: float
+    metric_err: float
+    loss_tol: float
+    grad_tol: float
+    metric_tol: float
+    seconds: float
+
+    @property
+    def ok(self) -> bool:
+        return self.loss_err <= self.loss_tol and self.grad_err <= self.grad_tol and self.metric_err <= self.metric_tol
+
+
+def _rel(a, b) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    if b.numel() == 0:
+        return 0.0
+    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-30))
+
+
+def _loss_err(loss, expected) -> float:
+    return float((loss.detach().double() - expected.detach()).abs() / expected.detach().abs().clamp(min=1.0))
+
+
+def check_case(backend: str, path: str, level: str, loss_type: str, dtype_name: str, *, seed: int,
+               B: int = 3, T: int = 10, V: int = 1000, H: int = 48) -> Row:
+    """One comparison; returns the errors and the tolerances they are held to."""
+    import torch
+
+    import gspo_kernels as gk
+    from gspo_kernels import reference
+    from gspo_kernels.layout import prepare_loss_inputs
+    from gspo_kernels.objective import gspo_objective
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    gen = torch.Generator().manual_seed(seed)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
+    packed = loss_type in ("bnpo", "dapo")
+    cfg = gk.GSPOConfig(importance_sampling_level=level, loss_type=loss_type, max_completion_length=T,
+                        beta=0.04 if loss_type in ("grpo", "dapo") else 0.0,
+                        entropy_coef=0.01 if loss_type == "bnpo" else 0.0)
+
+    lengths = [T, 1, 0] + [T - 3] * (B - 3)
+    mask = (torch.arange(T)[None, :] < torch.tensor(lengths)[:, None]).float()
+    labels = torch.randint(0, V, (B, T), generator=gen)
+    if path == "logits":
+        inputs = [(torch.randn(B, T, V, generator=gen) * 3).to(dtype)]
+        as_logits = lambda xs: xs[0]  # noqa: E731
+    else:
+        inputs = [torch.randn(B, T, H, generator=gen).to(dtype), (torch.randn(V, H, generator=gen) * 0.3).to(dtype)]
+        as_logits = lambda xs: xs[0] @ xs[1].T  # noqa: E731
+    base = [x.double() for x in inputs]
+    current = reference.token_logprobs(as_logits(base), labels)
+    old = (current - torch.randn(B, 1, generator=gen).double() * 3e-4).float()
+    ref_lp = (current + 0.05 * torch.randn(B, T, generator=gen).double()).float()
+    adv = torch.randn(B, generator=gen)
+    kw: Dict = dict(ref_logprobs=ref_lp if cfg.beta > 0 else None)
+    if packed:  # the same tokens as one packed stream
+        keep = mask.reshape(-1) > 0
+        cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+        labels = labels.reshape(-1)[keep]
+        old, kw["ref_logprobs"] = old.reshape(-1)[keep], ref_lp.reshape(-1)[keep] if cfg.beta > 0 else None
+        inputs = [inputs[0].reshape(-1, inputs[0].shape[-1])[keep]] + inputs[1:]
+        base = [x.double() for x in inputs]
+        kw.update(cu_seqlens=cu)
+    else:
+        kw.update(mask=mask)
+
+    def run(fn, xs):
+        leaves = [x.clone().requires_grad_() for x in xs]
+        out = fn(leaves)
+        grads = torch.autograd.grad(out.loss, leaves)
+        return out, grads
+
+    def ours(xs):
+        xs = [x.to(device) for x in xs]
+        dev_kw = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
+        args = (labels.to(device), adv.to(device), old.to(device))
+        if path == "logits":
+            return gk.gspo_loss(xs[0], *args, config=cfg, backend=backend, **dev_kw)
+        return gk.fused_linear_gspo_loss(xs[0], xs[1], *args, config=cfg, backend=backend, **dev_kw)
+
+    def oracle(xs):
+        return reference.gspo_loss(as_logits(xs), labels, adv, old, config=cfg, **kw)
+
+    start = time.perf_counter()
+    out, grads = run(ours, inputs)
+    seconds = time.perf_counter() - start
+    expected, ref_grads = run(oracle, base)
+    loss_err = _loss_err(out.loss.cpu(), expected.loss)
+    grad_err = max(_rel(g.cpu(), r) for g, r in zip(grads, ref_grads))
+    metric_err = max(abs(float(out.metrics[k]) - float(v)) for k, v in expected.metrics.items())
+    if dtype_name == "fp32":
+        return Row(backend, path, level, loss_type, dtype_name, "packed" if packed else "padded", loss_err, grad_err,
+                   metric_err, FP32_RTOL, FP32_RTOL, FP32_RTOL, seconds)
+
+    # bf16: the plain bf16 PyTorch path sets the bar
+    def naive(xs):
+        flat = as_logits(xs).reshape(-1, V)
+        logp = reference.naive_token_logprobs(flat, labels.reshape(-1).clamp(min=0), temperature=cfg.temperature)
+        ent = torch.zeros_like(logp) if cfg.entropy_coef else None
+        if cfg.entropy_coef:
+            p_all = (flat.float() / cfg.temperature).log_softmax(-1)
+            ent = -(p_all.exp() * p_all).sum(-1)
+        loss_in = prepare_loss_inputs(labels, adv, V, old_logprobs=old, beta=cfg.beta, **kw)
+        return gspo_objective(logp, ent, loss_in, cfg)
+
+    plain, plain_grads = run(naive, inputs)
+    plain_loss_err = _loss_err(plain.loss, expected.loss)
+    plain_grad_err = max(_rel(g, r) for g, r in zip(plain_grads, ref_grads))
+    return Row(backend, path, level, loss_type, dtype_name, "packed" if packed else "padded", loss_err, grad_err,
+               metric_err, plain_loss_err + BF16_MARGIN, plain_grad_err + BF16_MARGIN, float("inf"), seconds)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--backends", nargs="*", default=None, help="backends to check (default: all available)")
+    parser.add_argument("--paths", nargs="*", default=["logits", "linear"], choices=["logits", "linear"])
+    parser.add_argument("--dtypes", nargs="*", default=["fp32", "bf16"], choices=["fp32", "bf16"])
+    parser.add_argument("--seed", type=int, default=None, help="default: a fresh seed, printed")
+
+
+def run(args: argparse.Namespace) -> int:
+    where = setup_triton_interpreter()
+    import torch
+
+    from gspo_kernels import backends
+
+    seed = args.seed if args.seed is not None else int(time.time()) % 100000
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    print(f"gspo-kernels verify: device {where}; torch {torch.__version__}; seed {seed}")
+    names = args.backends or backends.available(device)
+    for name in backends.BACKENDS:
+        if name not in names:
+            reason = backends.unavailable_reason(name) or f"does not run on {device.type}"
+            print(f"  backend {name!r} not checked: {reason}")
+    rows: List[Row] = []
+    cases = list(itertools.product(names, args.paths, LEVELS, LOSS_TYPES, args.dtypes))
+    header = f"{'backend':8} {'path':6} {'level':14} {'loss':8} {'dtype':5} {'layout':6} " \
+             f"{'loss err':>9} {'tol':>8} {'grad err':>9} {'tol':>8} {'metric':>8} {'s':>6}  result"
+    print(header)
+    for i, (name, path, level, loss_type, dtype) in enumerate(cases):
+        row = check_case(name, path, level, loss_type, dtype, seed=seed + i)
+        rows.append(row)
+        print(f"{row.backend:8} {row.path:6} {row.level:14} {row.loss_type:8} {row.dtype:5} {row.layout:6} "
+              f"{row.loss_err:9.2e} {row.loss_tol:8.1e} {row.grad_err:9.2e} {row.grad_tol:8.1e} "
+              f"{row.metric_err:8.1e} {row.seconds:6.2f}  {'pass' if row.ok else 'FAIL'}", flush=True)
+    failed = [r for r in rows if not r.ok]
+    print(f"{len(rows) - len(failed)} passed, {len(failed)} failed")
+    return 1 if failed else 0
