@@ -22,7 +22,7 @@ import triton.language as tl
 from torch import Tensor
 
 # A finite "minus infinity" for the running max: exp(_NEG_BIG - m) is 0 and (_NEG_BIG - m) * 0 is 0 (no NaN).
-_NEG_BIG = -1.0e30
+_NEG_BIG = tl.constexpr(-1.0e30)
 MAX_BLOCK_V = 4096
 NUM_WARPS = 8
 
@@ -175,13 +175,19 @@ def _config(dtype: str, has_active: bool, has_entropy: bool) -> dict:
             "entropy_ptr": "*fp32",
             "lse_ptr": "*fp32",
             "rows_per_batch": "i32",
-            "stride_b": "i64",
-            "stride_t": "i64",
-            "stride_v": "i32",
+            "stride_b": "i32",
+            "stride_t": "i32",
+            "stride_v": "constexpr",
             "vocab_size": "i32",
             "inv_temperature": "fp32",
         },
-        "constexprs": {"BLOCK_V": MAX_BLOCK_V, "HAS_ACTIVE": has_active, "HAS_ENTROPY": has_entropy},
+        # A contiguous [N, V] or [B, T, V] tensor: the runtime specializes stride_v == 1 to a constant.
+        "constexprs": {"stride_v": 1, "BLOCK_V": MAX_BLOCK_V, "HAS_ACTIVE": has_active, "HAS_ENTROPY": has_entropy},
+        # What the runtime sees for a fresh allocation with V % 16 == 0 (Qwen, Llama-3, Gemma-3 vocabularies):
+        # 16-divisible pointers, row strides and vocabulary size, which is what lets the loads use 128 bits.
+        "aligned": ["logits_ptr", "labels_ptr", "active_ptr", "logp_ptr", "entropy_ptr", "lse_ptr", "stride_b",
+                    "stride_t", "vocab_size"],
+        "vector_loads": True,
         "num_warps": NUM_WARPS,
         "num_stages": 3,
     }

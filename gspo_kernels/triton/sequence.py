@@ -428,7 +428,9 @@ def _sequence_config(level: str, **flags: bool) -> dict:
         "BLOCK_T": BLOCK_T,
     }
     constexprs.update(flags)
-    on = ",".join(k.lower() for k, v in flags.items() if v)
+    short = {"HAS_KL": "kl", "BIAS_CORRECTION_KL": "kl_bias_corr", "HAS_IS_RATIO": "is_ratio", "HAS_DELTA": "delta",
+             "ADV_PER_TOKEN": "token_adv"}
+    on = ",".join(short.get(k, k.lower()) for k, v in flags.items() if v)
     return {
         "name": f"gspo_sequence[{level}{',' + on if on else ''}]",
         "fn": _gspo_sequence_kernel,
