@@ -276,13 +276,15 @@ def _h100_configs() -> list:
             "BLOCK_N": cfg["BLOCK_N"], "BLOCK_V": cfg["BLOCK_V"], "BLOCK_H": cfg["BLOCK_H"], "GROUP_N": cfg["GROUP_N"],
         }
         out.append({
-            "name": f"linear_logprobs_fwd{'_bias' if has_bias else ''}",
+            "name": f"linear_logprobs_fwd{'_bias' if has_bias else ''}[bf16]",
             "fn": linear_logprobs_fwd_kernel,
             "signature": signature,
             "constexprs": constexprs,
             "num_warps": cfg["num_warps"],
             "num_stages": cfg["num_stages"],
             "uses_dot": True,
+            # pointers, and the sizes/strides that are multiples of 16 for real models (H, H * T, H)
+            "aligned": [k for k, v in signature.items() if v.startswith("*")] + ["H", "stride_hb", "stride_ht", "stride_wv"],
         })
     return out
 

@@ -373,8 +373,9 @@ def _h100_entry(name: str, fn, outputs: dict, cfg: Dict[str, int], constexprs: d
                   **constexprs, **blocks}
     types = {**_POINTERS, **outputs, **_SIZES, **{k: "constexpr" for k in constexprs}}
     signature = {arg: types[arg] for arg in fn.arg_names}
-    return {"name": name, "fn": fn, "signature": signature, "constexprs": constexprs,
-            "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"], "uses_dot": True}
+    aligned = [k for k, v in signature.items() if v.startswith("*")] + ["H", "stride_hb", "stride_ht", "stride_wv"]
+    return {"name": f"{name}[bf16]", "fn": fn, "signature": signature, "constexprs": constexprs,
+            "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"], "uses_dot": True, "aligned": aligned}
 
 
 def _h100_configs() -> list:
