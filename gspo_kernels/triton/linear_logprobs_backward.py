@@ -23,7 +23,9 @@ Two schedules:
 Optional gradient filtering (``filter_eps``, off by default, as in Cut Cross-Entropy): a tile whose
 softmax entries are all below ``filter_eps`` and that holds none of its rows' labels adds nothing.
 The dropped contributions are ``|dl| <= (|g_logp| + |g_ent| * (|log p| + entropy)) * filter_eps / tau``
-per entry; ``tests/test_triton_linear.py`` measures the resulting error.
+per entry. Measured in ``tests/test_triton_linear.py`` (confident rows): relative dH/dW error of about
+``4 * filter_eps`` (3e-3 at 2^-10, 5e-4 at 2^-13) against 3e-6 for the exact path. The test for
+"holds a label" is per tile, so a tile holding any of its rows' labels is always kept.
 
 Device memory beyond inputs and outputs: the fp32 accumulators ``dH [M, H]``, ``dW [V, H]``,
 ``dbias [V]`` (cast to the parameters' dtypes by the caller).
