@@ -93,7 +93,8 @@ def hidden_row_offsets(rows, T, stride_hb, stride_ht):
     return (rows // T) * stride_hb + (rows % T) * stride_ht
 
 
-@triton.jit
+# Row and split counts vary per batch: never specialize on them (no recompile for M == 1 or M % 16 == 0).
+@triton.jit(do_not_specialize=["M", "T", "cols_per_split", "num_splits"])
 def linear_logprobs_fwd_kernel(
     hidden_ptr,  # [B, T, H] or [N, H], any strides, fp16/bf16/fp32
     weight_ptr,  # [V, H], same dtype
@@ -264,8 +265,8 @@ def _h100_configs() -> list:
     signature = {
         "hidden_ptr": "*bf16", "weight_ptr": "*bf16", "bias_ptr": "*bf16", "rows_ptr": "*i64", "labels_ptr": "*i64",
         "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32", "part_ent_ptr": "*fp32", "label_logit_ptr": "*fp32",
-        "M": "i32", "V": "i32", "H": "i32", "T": "i32", "stride_hb": "i64", "stride_ht": "i64", "stride_hh": "constexpr",
-        "stride_wv": "i64", "stride_wh": "constexpr", "inv_temperature": "fp32", "cols_per_split": "i32",
+        "M": "i32", "V": "i32", "H": "i32", "T": "i32", "stride_hb": "i32", "stride_ht": "i32", "stride_hh": "constexpr",
+        "stride_wv": "i32", "stride_wh": "constexpr", "inv_temperature": "fp32", "cols_per_split": "i32",
         "num_splits": "i32", "HAS_BIAS": "constexpr", "EVEN_H": "constexpr", "UPCAST": "constexpr", "BLOCK_N": "constexpr",
         "BLOCK_V": "constexpr", "BLOCK_H": "constexpr", "GROUP_N": "constexpr",
     }

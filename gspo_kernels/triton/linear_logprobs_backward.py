@@ -85,7 +85,7 @@ def logits_grad_tile(
     return dl, keep
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "T"])
 def linear_logprobs_bwd_kernel(
     hidden_ptr, weight_ptr, bias_ptr, rows_ptr, labels_ptr, lse_ptr, ent_ptr, g_logp_ptr, g_ent_ptr,
     dh_ptr,  # [M, H] fp32, zero-initialised (compact rows)
@@ -161,7 +161,7 @@ def linear_logprobs_bwd_kernel(
                 )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "T"])
 def linear_logprobs_bwd_dh_kernel(
     hidden_ptr, weight_ptr, bias_ptr, rows_ptr, labels_ptr, lse_ptr, ent_ptr, g_logp_ptr, g_ent_ptr,
     dh_ptr,  # [M, H] fp32, zero-initialised; each program owns BLOCK_N rows
@@ -209,7 +209,7 @@ def linear_logprobs_bwd_dh_kernel(
                 tl.store(ptrs, acc, mask=io_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "T"])
 def linear_logprobs_bwd_dw_kernel(
     hidden_ptr, weight_ptr, bias_ptr, rows_ptr, labels_ptr, lse_ptr, ent_ptr, g_logp_ptr, g_ent_ptr,
     dw_ptr,  # [V, H] fp32, zero-initialised; each program owns BLOCK_V vocabulary rows
@@ -361,8 +361,8 @@ _POINTERS = {
     "lse_ptr": "*fp32", "ent_ptr": "*fp32", "g_logp_ptr": "*fp32", "g_ent_ptr": "*fp32",
 }
 _SIZES = {
-    "M": "i32", "V": "i32", "H": "i32", "T": "i32", "stride_hb": "i64", "stride_ht": "i64",
-    "stride_hh": "constexpr", "stride_wv": "i64", "stride_wh": "constexpr",
+    "M": "i32", "V": "i32", "H": "i32", "T": "i32", "stride_hb": "i32", "stride_ht": "i32",
+    "stride_hh": "constexpr", "stride_wv": "i32", "stride_wh": "constexpr",
     "inv_temperature": "fp32", "filter_eps": "fp32",
 }
 
