@@ -20,6 +20,14 @@ Two schedules:
   dimension in a fixed order with plain loads/stores of its own fp32 rows (no atomics; 8 M H V flops,
   the logits are recomputed twice).
 
+Expected cost (not measured: no GPU was available when this was written). Each (row tile, vocab tile)
+adds a ``[BLOCK_N, H]`` partial into ``dH`` and a ``[BLOCK_V, H]`` partial into ``dW``: ``2 M H V / 128``
+fp32 reductions for 6 M H V flops, i.e. about 96 flops per reduced byte. The default schedule issues
+them as ``red.global.add.v4.f32`` (checked in the PTX); if the H100 benchmark shows it reduction-bound,
+larger tiles along ``V``/``M`` are the lever. The deterministic kernels read and write their fp32 rows
+once per tile of the other dimension (the same byte count, as plain loads/stores, with only
+``M / BLOCK_N`` programs for ``dH``): expect them to be slower than the default.
+
 Optional gradient filtering (``filter_eps``, off by default, as in Cut Cross-Entropy): a tile whose
 softmax entries are all below ``filter_eps`` and that holds none of its rows' labels adds nothing.
 The dropped contributions are ``|dl| <= (|g_logp| + |g_ent| * (|log p| + entropy)) * filter_eps / tau``
