@@ -112,7 +112,7 @@ def resolve(name: str, device: torch.device) -> Backend:
                         f"{c} ({unavailable_reason(c) or 'does not support ' + device.type})"
                         for c in _AUTO_ORDER.get(device.type, ())[: _AUTO_ORDER.get(device.type, ()).index(candidate)]
                     ] if candidate in _AUTO_ORDER.get(device.type, ()) else []
-                    logger.info(
+                    logger.debug(
                         "gspo_kernels: backend 'auto' on %s runs %r%s",
                         device.type,
                         candidate,

@@ -31,7 +31,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if name == chosen:
             importlib.import_module(module_name).add_arguments(p)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(message)s")
     module = importlib.import_module(SUBCOMMANDS[args.command][0])
     return int(module.run(args) or 0)
 
