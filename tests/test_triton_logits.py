@@ -170,6 +170,21 @@ def test_qwen_vocabulary_few_rows():
     assert bool(((x_req.grad.cpu().double() - ref_grad).abs() <= tol * ref_grad.abs() + 1e-12).all())
 
 
+def test_float64_logits_are_computed_in_float64():
+    """Like the torch backend: fp64 logits give fp64 log-probs and gradients (temperature 0.5 is exact in fp32)."""
+    x = (torch.randn(2, 5, 70, dtype=torch.float64) * 3).to(DEVICE).requires_grad_(True)
+    labels = torch.randint(0, 70, (2, 5), device=DEVICE)
+    logp, entropy = gk.token_logprobs(x, labels, temperature=0.5, return_entropy=True, backend="triton")
+    (logp.sum() + entropy.sum()).backward()
+    x_ref = x.detach().cpu().clone().requires_grad_(True)
+    ref_logp, ref_entropy = reference.token_logprobs(x_ref, labels.cpu(), temperature=0.5, return_entropy=True)
+    (ref_logp.sum() + ref_entropy.sum()).backward()
+    assert logp.dtype == entropy.dtype == x.grad.dtype == torch.float64
+    _close(logp.detach(), ref_logp.detach(), rtol=1e-12, atol=1e-12)
+    _close(entropy.detach(), ref_entropy.detach(), rtol=1e-12, atol=1e-12)
+    _close(x.grad, x_ref.grad, rtol=1e-12, atol=1e-12)
+
+
 def _loss_case(layout: str, adv_per_token: bool, V: int = 29):
     """Five responses: a normal one, an empty one, a length-1 one (clipped low), one clipped high and a
     zero-advantage one. Returns logits (strided), labels, advantages, old log-probs and keyword arguments."""

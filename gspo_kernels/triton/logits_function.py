@@ -35,7 +35,7 @@ METRIC_NAMES = (
 
 
 class TritonLogitsLogprobs(torch.autograd.Function):
-    """``(logits [N, V] | [B, T, V], labels [N]) -> (logp [N] fp32, entropy [N] fp32)``."""
+    """``(logits [N, V] | [B, T, V], labels [N]) -> (logp [N], entropy [N])``, fp32 (fp64 for fp64 logits)."""
 
     @staticmethod
     def forward(ctx, logits, labels, active, temperature, return_entropy, inplace_backward):
@@ -69,8 +69,8 @@ class TritonLogitsLogprobs(torch.autograd.Function):
             labels,
             lse,
             entropy if grad_entropy is not None else None,
-            None if grad_logp is None else grad_logp.to(torch.float32).contiguous(),
-            None if grad_entropy is None else grad_entropy.to(torch.float32).contiguous(),
+            None if grad_logp is None else grad_logp.to(lse.dtype).contiguous(),
+            None if grad_entropy is None else grad_entropy.to(lse.dtype).contiguous(),
             active=active if ctx.has_active else None,
             temperature=ctx.temperature,
             inplace=ctx.inplace,
@@ -90,10 +90,11 @@ def logits_logprobs(
     """The backend contract's ``logits_logprobs`` (see ``gspo_kernels/backends.py``).
 
     Args:
-        logits: ``[N, V]`` or ``[B, T, V]`` fp16/bf16/fp32 (fp64 is read and computed in fp32), any strides.
+        logits: ``[N, V]`` or ``[B, T, V]`` fp16/bf16/fp32/fp64, any strides.
         labels: ``[N]`` int64 in ``[0, V)``; active: ``[N]`` bool or None (False rows are not read, output 0).
     Returns:
-        ``(logp [N] fp32, entropy [N] fp32 or None)``, differentiable with respect to ``logits``.
+        ``(logp [N], entropy [N] or None)`` in fp32 (fp64 for fp64 logits, like the torch backend),
+        differentiable with respect to ``logits``.
     """
     logp, entropy = TritonLogitsLogprobs.apply(
         logits, labels, active, float(temperature), bool(return_entropy), bool(inplace_backward)

@@ -2,7 +2,7 @@
 
 Each program owns one row (token) of the caller's logits, ``[N, V]`` or ``[B, T, V]`` with any strides
 (e.g. ``logits[:, :-1]`` of a model output, never copied). It streams the row once in ``BLOCK_V`` tiles,
-keeping per-lane running statistics of ``x = logit / temperature`` in fp32:
+keeping per-lane running statistics of ``x = logit / temperature`` in fp32 (fp64 for fp64 logits):
 
 * ``m``: the running max, ``s = sum exp(x - m)``, ``a = sum exp(x - m) * (x - m)``.
 
@@ -54,13 +54,14 @@ def _logprobs_fwd_kernel(
         row64 = row.to(tl.int64)
         base = logits_ptr + (row64 // rows_per_batch) * stride_b + (row64 % rows_per_batch) * stride_t
         cols = tl.arange(0, BLOCK_V)
-        m = tl.full([BLOCK_V], _NEG_BIG, tl.float32)
-        s = tl.zeros([BLOCK_V], tl.float32)
-        a = tl.zeros([BLOCK_V], tl.float32)
+        acc_dtype = logp_ptr.dtype.element_ty  # fp32 (fp64 for fp64 logits)
+        m = tl.full([BLOCK_V], _NEG_BIG, acc_dtype)
+        s = tl.zeros([BLOCK_V], acc_dtype)
+        a = tl.zeros([BLOCK_V], acc_dtype)
         for start in range(0, vocab_size, BLOCK_V):
             idx = start + cols
             x = tl.load(base + idx.to(tl.int64) * stride_v, mask=idx < vocab_size, other=float("-inf"))
-            x = x.to(tl.float32) * inv_temperature
+            x = x.to(acc_dtype) * inv_temperature
             m_new = tl.maximum(m, x)
             scale = tl.exp(m - m_new)
             e = tl.exp(x - m_new)
@@ -74,7 +75,7 @@ def _logprobs_fwd_kernel(
         s_row = tl.sum(s * lane_scale, axis=0)
         lse = m_row + tl.log(s_row)
         label = tl.load(labels_ptr + row)
-        x_label = tl.load(base + label * stride_v).to(tl.float32) * inv_temperature
+        x_label = tl.load(base + label * stride_v).to(acc_dtype) * inv_temperature
         tl.store(logp_ptr + row, x_label - lse)
         tl.store(lse_ptr + row, lse)
         if HAS_ENTROPY:
@@ -124,14 +125,16 @@ def logprobs_forward(
         out: optional preallocated ``(logp, entropy or None, lse)`` ``[N]`` fp32 buffers.
 
     Returns:
-        ``(logp [N] fp32, entropy [N] fp32 or None, lse [N] fp32)`` where ``lse = logsumexp(logits / T)``.
+        ``(logp [N], entropy [N] or None, lse [N])``, fp32 (fp64 for fp64 logits; the temperature is an fp32
+        scalar either way), where ``lse = logsumexp(logits / T)``.
     """
     vocab_size = logits.shape[-1]
     n_rows = labels.numel()
     if logits.numel() // max(vocab_size, 1) != n_rows and logits.numel() != 0:
         raise ValueError(f"logits {tuple(logits.shape)} do not hold one row per label ({n_rows} labels)")
     if out is None:
-        logp = torch.empty(n_rows, device=logits.device, dtype=torch.float32)
+        acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
+        logp = torch.empty(n_rows, device=logits.device, dtype=acc)
         entropy = torch.empty_like(logp) if return_entropy else None
         lse = torch.empty_like(logp)
     else:

@@ -56,12 +56,13 @@ def _logprobs_bwd_kernel(
     dst = dlogits_ptr + batch * dstride_b + pos * dstride_t
     cols = tl.arange(0, BLOCK_V)
 
+    acc_dtype = lse_ptr.dtype.element_ty  # fp32 (fp64 for fp64 logits)
     g = 0.0
     h = 0.0
     if HAS_GRAD_LOGP:
-        g = tl.load(grad_logp_ptr + row).to(tl.float32) * inv_temperature
+        g = tl.load(grad_logp_ptr + row).to(acc_dtype) * inv_temperature
     if HAS_GRAD_ENTROPY:
-        h = tl.load(grad_entropy_ptr + row).to(tl.float32) * inv_temperature
+        h = tl.load(grad_entropy_ptr + row).to(acc_dtype) * inv_temperature
     if HAS_ACTIVE:
         keep = tl.load(active_ptr + row) != 0
         g = tl.where(keep, g, 0.0)
@@ -76,7 +77,7 @@ def _logprobs_bwd_kernel(
         for start in range(0, vocab_size, BLOCK_V):
             idx = start + cols
             inside = idx < vocab_size
-            x = tl.load(src + idx.to(tl.int64) * stride_v, mask=inside, other=0.0).to(tl.float32)
+            x = tl.load(src + idx.to(tl.int64) * stride_v, mask=inside, other=0.0).to(acc_dtype)
             logp = x * inv_temperature - lse
             p = tl.exp(logp)
             grad = tl.where(idx == label, g, 0.0) - g * p
@@ -107,7 +108,8 @@ def logprobs_backward(
 
     Args:
         logits: the forward's logits, ``[N, V]`` or ``[B, T, V]``, any strides.
-        labels: ``[N]`` int64; ``lse``, ``entropy``: ``[N]`` fp32 from :func:`logprobs_forward`.
+        labels: ``[N]`` int64; ``lse``, ``entropy``: ``[N]`` from :func:`logprobs_forward` (their dtype, fp32 or
+            fp64, is the compute dtype).
         grad_logp, grad_entropy: ``[N]`` incoming gradients (any float dtype) or None (= zero).
         active: ``[N]`` bool or None: rows with False get a zero gradient.
         inplace: write the gradient into ``logits`` itself (the caller's logits are consumed).
