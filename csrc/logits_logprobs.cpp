@@ -1,0 +1,200 @@
+// Logits path: per-token log-probability and entropy from materialized logits, and its backward.
+//
+// Forward, per row (OpenMP over rows via at::parallel_for): one pass over memory, chunk by chunk
+// (a chunk is converted to fp32 in L1, then a max pass and an exp pass fold it into the running
+// max / sum-exp / entropy sums); the label logit is gathered directly. Saves lse [N] fp32.
+// Backward, per row: from the saved lse, grad = (g/tau)(onehot - p) - (ge/tau) p (log p + H),
+// written into a new tensor or into the logits' own storage; rows with g = ge = 0 (or inactive)
+// are zero-filled without reading the logits.
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstring>
+#include <tuple>
+
+#include "gspo_cpu.h"
+
+namespace gspo {
+namespace {
+
+// Row r of a [N, V] or [B, T, V] tensor whose last stride is 1 (T = N, sb = 0 for 2-D).
+struct RowIndex {
+  int64_t T, sb, st;
+  explicit RowIndex(const at::Tensor& x) {
+    if (x.dim() == 3) {
+      T = std::max<int64_t>(x.size(1), 1);
+      sb = x.stride(0);
+      st = x.stride(1);
+    } else {
+      T = std::max<int64_t>(x.size(0), 1);
+      sb = 0;
+      st = x.stride(0);
+    }
+  }
+  int64_t offset(int64_t r) const { return (r / T) * sb + (r % T) * st; }
+};
+
+void check_logits_inputs(const at::Tensor& logits, const at::Tensor& labels, const c10::optional<at::Tensor>& active) {
+  TORCH_CHECK(logits.device().is_cpu(), "gspo_kernels cpu ops need CPU tensors, got logits on ", logits.device());
+  TORCH_CHECK(logits.dim() == 2 || logits.dim() == 3, "logits must be [N, V] or [B, T, V], got ", logits.sizes());
+  TORCH_CHECK(logits.size(-1) >= 1, "logits must have V >= 1");
+  TORCH_CHECK(logits.stride(-1) == 1 || logits.size(-1) == 1, "logits must have a unit last stride");
+  const int64_t N = logits.numel() / logits.size(-1);
+  TORCH_CHECK(labels.dim() == 1 && labels.size(0) == N && labels.scalar_type() == at::kLong && labels.is_contiguous(),
+              "labels must be a contiguous [N] int64 tensor with N = ", N, ", got ", labels.sizes());
+  if (active.has_value()) {
+    TORCH_CHECK(active->dim() == 1 && active->size(0) == N && active->scalar_type() == at::kBool &&
+                    active->is_contiguous(),
+                "active must be a contiguous [N] bool tensor");
+  }
+  const int64_t V = logits.size(-1);
+  const int64_t* y = labels.data_ptr<int64_t>();
+  const bool* act = active.has_value() ? active->data_ptr<bool>() : nullptr;
+  for (int64_t r = 0; r < N; ++r) {
+    TORCH_CHECK(!(act == nullptr || act[r]) || (y[r] >= 0 && y[r] < V), "labels[", r, "] = ", y[r],
+                " is outside [0, ", V, ")");
+  }
+}
+
+template <typename T, bool kEntropy>
+void forward_rows(const at::Tensor& logits, const int64_t* y, const bool* act, float inv_t, float* logp, float* ent,
+                  float* lse, int64_t N) {
+  const T* base = logits.data_ptr<T>();
+  const RowIndex rows(logits);
+  const int64_t V = logits.size(-1);
+  at::parallel_for(0, N, 1, [&](int64_t r0, int64_t r1) {
+    alignas(64) float buf[kChunk];
+    for (int64_t r = r0; r < r1; ++r) {
+      if (act != nullptr && !act[r]) {
+        logp[r] = 0.0f;
+        ent[r] = 0.0f;
+        lse[r] = 0.0f;
+        continue;
+      }
+      const T* row = base + rows.offset(r);
+      RowStats st;
+      for (int64_t c0 = 0; c0 < V; c0 += kChunk) {
+        const int64_t n = std::min(kChunk, V - c0);
+        st.fold<kEntropy, false>(load_chunk(row + c0, n, buf), nullptr, n, inv_t);
+      }
+      const float l = st.lse();
+      lse[r] = l;
+      logp[r] = to_float(row[y[r]]) * inv_t - l;
+      ent[r] = kEntropy ? st.entropy() : 0.0f;
+    }
+  });
+}
+
+// out may alias in (in-place backward); out_rows describes out's layout.
+template <typename T, bool kEntropy>
+void backward_rows(const T* in, const RowIndex& in_rows, T* out, const RowIndex& out_rows, int64_t V, const int64_t* y,
+                   const bool* act, const float* g, const float* ge, const float* lse, const float* ent, float inv_t,
+                   int64_t N) {
+  at::parallel_for(0, N, 1, [&](int64_t r0, int64_t r1) {
+    alignas(64) float buf[kChunk];
+    alignas(64) float obuf[kChunk];
+    for (int64_t r = r0; r < r1; ++r) {
+      T* orow = out + out_rows.offset(r);
+      const float gr = g[r];
+      const float ger = kEntropy ? ge[r] : 0.0f;
+      if ((act != nullptr && !act[r]) || (gr == 0.0f && ger == 0.0f)) {
+        std::memset(static_cast<void*>(orow), 0, sizeof(T) * V);
+        continue;
+      }
+      const T* irow = in + in_rows.offset(r);
+      const int64_t label = y[r];
+      for (int64_t c0 = 0; c0 < V; c0 += kChunk) {
+        const int64_t n = std::min(kChunk, V - c0);
+        const float* x = load_chunk(irow + c0, n, buf);
+        float* o = std::is_same<T, float>::value ? reinterpret_cast<float*>(orow + c0) : obuf;
+        softmax_grad<kEntropy, false>(x, nullptr, o, n, inv_t, lse[r], gr, ger, ent[r]);
+        if (label >= c0 && label < c0 + n) o[label - c0] += inv_t * gr;
+        if (!std::is_same<T, float>::value) {
+          T* dst = orow + c0;
+#pragma omp simd
+          for (int64_t i = 0; i < n; ++i) dst[i] = from_float<T>(o[i]);
+        }
+      }
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> logits_fwd(const at::Tensor& logits, const at::Tensor& labels,
+                                                          const c10::optional<at::Tensor>& active, double temperature,
+                                                          bool return_entropy, bool /*inplace_backward*/) {
+  check_logits_inputs(logits, labels, active);
+  const int64_t N = labels.size(0);
+  auto opts = logits.options().dtype(at::kFloat);
+  at::Tensor logp = at::empty({N}, opts), ent = at::empty({N}, opts), lse = at::empty({N}, opts);
+  const float inv_t = static_cast<float>(1.0 / temperature);
+  const bool* act = active.has_value() ? active->data_ptr<bool>() : nullptr;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "gspo_logits_fwd", [&] {
+    if (return_entropy) {
+      forward_rows<scalar_t, true>(logits, labels.data_ptr<int64_t>(), act, inv_t, logp.data_ptr<float>(),
+                                   ent.data_ptr<float>(), lse.data_ptr<float>(), N);
+    } else {
+      forward_rows<scalar_t, false>(logits, labels.data_ptr<int64_t>(), act, inv_t, logp.data_ptr<float>(),
+                                    ent.data_ptr<float>(), lse.data_ptr<float>(), N);
+    }
+  });
+  return {logp, ent, lse};
+}
+
+void run_backward(const at::Tensor& grad_logp, const c10::optional<at::Tensor>& grad_entropy, const at::Tensor& logits,
+                  at::Tensor& out, const at::Tensor& labels, const c10::optional<at::Tensor>& active,
+                  const at::Tensor& lse, const at::Tensor& entropy, double temperature) {
+  check_logits_inputs(logits, labels, active);
+  const int64_t N = labels.size(0);
+  auto as_f32 = [N](const at::Tensor& t, const char* name) {
+    TORCH_CHECK(t.numel() == N, name, " must have N = ", N, " elements, got ", t.sizes());
+    return t.reshape({N}).to(at::kFloat).contiguous();
+  };
+  const at::Tensor g = as_f32(grad_logp, "grad_logp");
+  const at::Tensor l = as_f32(lse, "lse");
+  const at::Tensor h = as_f32(entropy, "entropy");
+  const bool has_ge = grad_entropy.has_value() && grad_entropy->defined();
+  const at::Tensor ge = has_ge ? as_f32(*grad_entropy, "grad_entropy") : at::Tensor();
+  const float inv_t = static_cast<float>(1.0 / temperature);
+  const bool* act = active.has_value() ? active->data_ptr<bool>() : nullptr;
+  const RowIndex in_rows(logits), out_rows(out);
+  const int64_t V = logits.size(-1);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "gspo_logits_bwd", [&] {
+    const scalar_t* in = logits.data_ptr<scalar_t>();
+    scalar_t* o = out.data_ptr<scalar_t>();
+    if (has_ge) {
+      backward_rows<scalar_t, true>(in, in_rows, o, out_rows, V, labels.data_ptr<int64_t>(), act,
+                                    g.data_ptr<float>(), ge.data_ptr<float>(), l.data_ptr<float>(),
+                                    h.data_ptr<float>(), inv_t, N);
+    } else {
+      backward_rows<scalar_t, false>(in, in_rows, o, out_rows, V, labels.data_ptr<int64_t>(), act,
+                                     g.data_ptr<float>(), nullptr, l.data_ptr<float>(), h.data_ptr<float>(), inv_t,
+                                     N);
+    }
+  });
+}
+
+at::Tensor logits_bwd(const at::Tensor& grad_logp, const c10::optional<at::Tensor>& grad_entropy,
+                      const at::Tensor& logits, const at::Tensor& labels, const c10::optional<at::Tensor>& active,
+                      const at::Tensor& lse, const at::Tensor& entropy, double temperature) {
+  at::Tensor out = at::empty(logits.sizes(), logits.options().memory_format(at::MemoryFormat::Contiguous));
+  run_backward(grad_logp, grad_entropy, logits, out, labels, active, lse, entropy, temperature);
+  return out;
+}
+
+void logits_bwd_(at::Tensor& logits, const at::Tensor& grad_logp, const c10::optional<at::Tensor>& grad_entropy,
+                 const at::Tensor& labels, const c10::optional<at::Tensor>& active, const at::Tensor& lse,
+                 const at::Tensor& entropy, double temperature) {
+  run_backward(grad_logp, grad_entropy, logits, logits, labels, active, lse, entropy, temperature);
+}
+
+}  // namespace
+}  // namespace gspo
+
+TORCH_LIBRARY_IMPL(gspo_kernels, CPU, m) {
+  m.impl("logits_fwd", &gspo::logits_fwd);
+  m.impl("logits_bwd", &gspo::logits_bwd);
+  m.impl("logits_bwd_", &gspo::logits_bwd_);
+}

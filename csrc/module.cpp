@@ -1,0 +1,38 @@
+// The gspo_kernels._C extension module: declares the torch.ops.gspo_kernels.* operator schemas.
+// The CPU kernels register their implementations in logits_logprobs.cpp and linear_logprobs.cpp;
+// gspo_kernels/cpu_backend.py registers the fake (meta) implementations and the autograd formulas.
+#include <Python.h>
+#include <torch/library.h>
+
+TORCH_LIBRARY(gspo_kernels, m) {
+  // logits [N, V] or [B, T, V] (last stride 1), labels [N] int64, active [N] bool.
+  // Returns logp [N] fp32, entropy [N] fp32 (zeros unless return_entropy), lse [N] fp32 (saved for
+  // the backward). inplace_backward is only recorded for the autograd formula.
+  m.def(
+      "logits_fwd(Tensor logits, Tensor labels, Tensor? active, float temperature, bool return_entropy, "
+      "bool inplace_backward) -> (Tensor, Tensor, Tensor)");
+  // Gradient of sum(grad_logp * logp + grad_entropy * entropy) w.r.t. logits, in logits' dtype.
+  m.def(
+      "logits_bwd(Tensor grad_logp, Tensor? grad_entropy, Tensor logits, Tensor labels, Tensor? active, "
+      "Tensor lse, Tensor entropy, float temperature) -> Tensor");
+  // Same, written into logits' own storage.
+  m.def(
+      "logits_bwd_(Tensor(a!) logits, Tensor grad_logp, Tensor? grad_entropy, Tensor labels, Tensor? active, "
+      "Tensor lse, Tensor entropy, float temperature) -> ()");
+  // hidden [N, H], weight [V, H], bias [V]; logits = hidden @ weight.T + bias, never materialized.
+  m.def(
+      "linear_fwd(Tensor hidden, Tensor weight, Tensor? bias, Tensor labels, Tensor? active, float temperature, "
+      "bool return_entropy, int row_block, int vocab_block) -> (Tensor, Tensor, Tensor)");
+  // Returns (grad_hidden [N, H], grad_weight [V, H] fp32-accumulated (or [0, H] when not
+  // weight_grad), grad_bias [V] (or [0] fp32 without a bias)).
+  m.def(
+      "linear_bwd(Tensor grad_logp, Tensor? grad_entropy, Tensor hidden, Tensor weight, Tensor? bias, "
+      "Tensor labels, Tensor? active, Tensor lse, Tensor entropy, float temperature, int row_block, "
+      "int vocab_block, bool weight_grad) -> (Tensor, Tensor, Tensor)");
+}
+
+extern "C" PyObject* PyInit__C(void) {
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", "gspo_kernels CPU operators", -1,
+                                          nullptr};
+  return PyModule_Create(&module_def);
+}
