@@ -130,6 +130,30 @@ def test_active_rows_and_empty():
     assert torch.all(hidden.grad == 0) and torch.all(weight.grad == 0)
 
 
+def test_deterministic_default_follows_torch(monkeypatch):
+    """``deterministic=None`` picks the atomic-free kernels when torch's deterministic mode is on."""
+    from gspo_kernels.triton import linear_function
+
+    seen = []
+    real = linear_function.linear_logprobs_backward
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["deterministic"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(linear_function, "linear_logprobs_backward", spy)
+    hidden, weight = torch.randn(5, 16, requires_grad=True), torch.randn(40, 16, requires_grad=True)
+    labels = torch.randint(0, 40, (5,))
+    previous = torch.are_deterministic_algorithms_enabled()
+    try:
+        for mode in (False, True):
+            torch.use_deterministic_algorithms(mode)
+            linear_logprobs(hidden, weight, None, labels)[0].sum().backward()
+    finally:
+        torch.use_deterministic_algorithms(previous)
+    assert seen == [False, True]
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_half_precision_no_worse_than_plain_pytorch(dtype):
     B, T, H, V = 2, 12, 48, 300
