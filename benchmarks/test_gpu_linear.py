@@ -162,11 +162,9 @@ def test_baseline_liger_fused_linear_grpo():
     h3 = hidden.detach().view(B, T, H).requires_grad_()
     mask = torch.ones(B, T, device="cuda", dtype=torch.long)
     adv = torch.randn(B, device="cuda")
-    with torch.no_grad():
-        old = torch.zeros(B, T, device="cuda")
 
-    def step():
-        out = loss_fn(h3, weight, labels.view(B, T), mask, adv, old_per_token_logps=old)
+    def step():  # on-policy (old log-probs = detached current ones), like the Triton rows above
+        out = loss_fn(h3, weight, labels.view(B, T), mask, adv)
         loss = out[0] if isinstance(out, tuple) else out
         torch.autograd.grad(loss, (h3, weight))
 
