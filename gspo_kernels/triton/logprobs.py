@@ -2,13 +2,14 @@
 
 Each program owns one row (token) of the caller's logits, ``[N, V]`` or ``[B, T, V]`` with any strides
 (e.g. ``logits[:, :-1]`` of a model output, never copied). It streams the row once in ``BLOCK_V`` tiles,
-keeping per-lane running statistics of ``x = logit / temperature`` in fp32 (fp64 for fp64 logits):
+keeping running statistics of ``x = logit / temperature`` in fp32 (fp64 for fp64 logits):
 
-* ``m``: the running max, ``s = sum exp(x - m)``, ``a = sum exp(x - m) * (x - m)``.
+* ``m``: the row's running max (one per row, so each element costs a single ``exp``);
+* per lane: ``s = sum exp(x - m)`` and ``a = sum exp(x - m) * (x - m)``.
 
-When the max moves from ``m`` to ``m'`` the lane's sums are rescaled:
-``s' = e^(m - m') s`` and ``a' = e^(m - m') (a + (m - m') s)``. At the end the lanes are merged the same
-way, and ``lse = M + log S``, ``H = log S - A / S`` (entropy without the cancellation of ``lse - E[x]``),
+When a tile moves the max from ``m`` to ``m'`` the lanes' sums are rescaled:
+``s' = e^(m - m') s`` and ``a' = e^(m - m') (a + (m - m') s)``. At the end ``S = sum_lanes s``,
+``lse = m + log S``, ``H = log S - A / S`` (entropy without the cancellation of ``lse - E[x]``) and
 ``logp = x[label] - lse``. Rows whose ``active`` flag is False are not read; their outputs are 0.
 """
 
@@ -55,14 +56,14 @@ def _logprobs_fwd_kernel(
         base = logits_ptr + (row64 // rows_per_batch) * stride_b + (row64 % rows_per_batch) * stride_t
         cols = tl.arange(0, BLOCK_V)
         acc_dtype = logp_ptr.dtype.element_ty  # fp32 (fp64 for fp64 logits)
-        m = tl.full([BLOCK_V], _NEG_BIG, acc_dtype)
-        s = tl.zeros([BLOCK_V], acc_dtype)
+        m = tl.full([], _NEG_BIG, acc_dtype)  # one running max per row: one exp per element
+        s = tl.zeros([BLOCK_V], acc_dtype)  # per-lane sums, reduced once at the end
         a = tl.zeros([BLOCK_V], acc_dtype)
         for start in range(0, vocab_size, BLOCK_V):
             idx = start + cols
             x = tl.load(base + idx.to(tl.int64) * stride_v, mask=idx < vocab_size, other=float("-inf"))
             x = x.to(acc_dtype) * inv_temperature
-            m_new = tl.maximum(m, x)
+            m_new = tl.maximum(m, tl.max(x, axis=0))
             scale = tl.exp(m - m_new)
             e = tl.exp(x - m_new)
             if HAS_ENTROPY:
@@ -70,17 +71,14 @@ def _logprobs_fwd_kernel(
                 a = scale * (a + (m - m_new) * s) + e * tl.where(e > 0, x - m_new, 0.0)
             s = s * scale + e
             m = m_new
-        m_row = tl.max(m, axis=0)
-        lane_scale = tl.exp(m - m_row)
-        s_row = tl.sum(s * lane_scale, axis=0)
-        lse = m_row + tl.log(s_row)
+        s_row = tl.sum(s, axis=0)
+        lse = m + tl.log(s_row)
         label = tl.load(labels_ptr + row)
         x_label = tl.load(base + label * stride_v).to(acc_dtype) * inv_temperature
         tl.store(logp_ptr + row, x_label - lse)
         tl.store(lse_ptr + row, lse)
         if HAS_ENTROPY:
-            a_row = tl.sum(lane_scale * (a + (m - m_row) * s), axis=0)
-            tl.store(entropy_ptr + row, tl.log(s_row) - a_row / s_row)
+            tl.store(entropy_ptr + row, tl.log(s_row) - tl.sum(a, axis=0) / s_row)
     else:
         tl.store(logp_ptr + row, 0.0)
         tl.store(lse_ptr + row, 0.0)
