@@ -316,6 +316,25 @@ def test_inplace_backward_matches_and_consumes_logits():
     assert grads[0][:, :-1].abs().sum() > 0
 
 
+def test_autograd_saves_only_token_sized_tensors():
+    """Besides a reference to the logits, everything saved for backward is ``O(N)`` (or ``O(S)``)."""
+    base, logits, labels, adv, old, kwargs = _loss_case("padded", adv_per_token=False, V=301)
+    x = base.clone().to(DEVICE).requires_grad_(True)
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = gk.gspo_loss(x[:, :-1], labels.to(DEVICE), adv.to(DEVICE), old.to(DEVICE), config=GSPOConfig(
+            entropy_coef=0.01), backend="triton", mask=kwargs["mask"].to(DEVICE))
+    N = labels.numel()
+    big = [t for t in saved if t.numel() > N]
+    assert saved and all(t.untyped_storage().data_ptr() == x.untyped_storage().data_ptr() for t in big)
+    out.loss.backward()
+
+
 def test_sequence_stage_partials_and_poisoned_coefficients():
     """The fused stage alone: the coefficient buffer is fully written (empty tensors are fine too)."""
     mask = torch.tensor([1.0, 1.0, 0.0, 1.0], device=DEVICE)
@@ -362,3 +381,28 @@ def test_gpu_deterministic_and_long_sequences():
         runs.append((out.loss.clone(), {k: v.clone() for k, v in out.metrics.items()}, logits.grad.clone()))
     assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][2], runs[1][2])
     assert all(torch.equal(runs[0][1][k], runs[1][1][k]) for k in runs[0][1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("inplace", [False, True])
+def test_gpu_peak_memory(inplace):
+    """Extra memory of forward + backward beyond the logits: one gradient buffer, or none with inplace."""
+    N, V = 4096, 32768
+    logits = torch.randn(N, V, device="cuda", dtype=torch.bfloat16).requires_grad_(True)
+    labels = torch.randint(0, V, (N,), device="cuda")
+    cu = torch.arange(0, N + 1, 512, dtype=torch.int32, device="cuda")
+    adv = torch.randn(cu.numel() - 1, device="cuda")
+    torch.cuda.synchronize()
+    start = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = gk.gspo_loss(logits, labels, adv, cu_seqlens=cu, backend="triton", inplace_backward=inplace,
+                       config=GSPOConfig(importance_sampling_level="token", entropy_coef=0.01))
+    (grad,) = torch.autograd.grad(out.loss, [logits])
+    extra = torch.cuda.max_memory_allocated() - start
+    logits_bytes = N * V * 2
+    token_bytes = 64 * N * 4  # a generous bound on the [N]-sized buffers
+    if inplace:
+        assert grad.data_ptr() == logits.data_ptr()
+        assert extra <= token_bytes, extra
+    else:
+        assert extra <= logits_bytes + token_bytes, extra
