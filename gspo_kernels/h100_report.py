@@ -157,20 +157,20 @@ def build_report(only: Optional[str] = None) -> List[dict]:
 
 
 def format_table(rows: List[dict]) -> str:
-    header = (f"{'kernel':<48} {'warps':>5} {'stages':>6} {'regs':>5} {'smem B':>8} {'local B':>7} {'HGMMA':>6} "
+    header = (f"{'kernel':<56} {'warps':>5} {'stages':>6} {'regs':>5} {'smem B':>8} {'local B':>7} {'HGMMA':>6} "
               f"{'ld128':>6}  status")
     lines = [header, "-" * len(header)]
     for row in rows:
         issues = problems(row)
         status = "ok" if not issues else "FAIL: " + "; ".join(issues)
         if row["error"]:
-            lines.append(f"{row['name']:<48} {row['num_warps']:>5} {row['num_stages']:>6} {'-':>5} {'-':>8} {'-':>7} "
+            lines.append(f"{row['name']:<56} {row['num_warps']:>5} {row['num_stages']:>6} {'-':>5} {'-':>8} {'-':>7} "
                          f"{'-':>6} {'-':>6}  {status}")
             continue
         hgmma = "yes" if row["hgmma"] else ("HMMA" if row["hmma"] else "no")
         loads = "yes" if row["loads_128"] else "no"
         lines.append(
-            f"{row['name']:<48} {row['num_warps']:>5} {row['num_stages']:>6} {row['registers']:>5} "
+            f"{row['name']:<56} {row['num_warps']:>5} {row['num_stages']:>6} {row['registers']:>5} "
             f"{row['shared_bytes']:>8} {row['local_bytes']:>7} {hgmma:>6} {loads:>6}  {status}"
         )
     return "\n".join(lines)

@@ -31,8 +31,8 @@ from torch import Tensor
 
 # Per-response partial sums written by the first kernel: row i of a [S, 16] fp32 buffer holds, in columns
 # 0..10, the aggregated loss sum, |y_i|, sum of masked entropy, sum of masked KL, low / high / region clip
-# counts, weight sum, weight min, weight max and the number of counted items (the kernels use the literals).
-PARTIALS_STRIDE = 16
+# counts, weight sum, weight min, weight max and the number of counted items.
+PARTIALS_STRIDE = tl.constexpr(16)
 # Outputs of the reduction kernel.
 O_LOSS, O_SCALE_LOGP, O_SCALE_ENTROPY, O_LOW, O_HIGH, O_REGION, O_W_MEAN, O_W_MIN, O_W_MAX, O_ENTROPY, O_KL = range(11)
 NUM_OUTPUTS = 11
@@ -197,7 +197,7 @@ def _gspo_sequence_kernel(
             coef = tl.load(coef_ptr + idx, mask=inside, other=0.0)
             tl.store(coef_ptr + idx, coef + tl.where(m > 0, cross, 0.0), mask=inside)
 
-    out = partials_ptr + seq.to(tl.int64) * 16
+    out = partials_ptr + seq.to(tl.int64) * PARTIALS_STRIDE
     tl.store(out + 0, lam * tl.sum(loss_acc, axis=0))
     tl.store(out + 1, n_tok)
     tl.store(out + 2, tl.sum(ent_acc, axis=0))
@@ -251,7 +251,7 @@ def _gspo_reduce_kernel(
     for s0 in range(0, num_seqs, BLOCK_S):
         rows = s0 + offs
         inside = rows < num_seqs
-        p = partials_ptr + rows.to(tl.int64) * 16
+        p = partials_ptr + rows.to(tl.int64) * PARTIALS_STRIDE
         loss += tl.load(p + 0, mask=inside, other=0.0)
         tokens += tl.load(p + 1, mask=inside, other=0.0)
         ent += tl.load(p + 2, mask=inside, other=0.0)
@@ -341,7 +341,7 @@ def sequence_stage(
     if has_kl and ref_logprobs is None:
         raise ValueError("ref_logprobs is required when beta > 0")
     coef = torch.empty(n_tokens, device=device, dtype=torch.float32)
-    partials = torch.empty((max(num_seqs, 1), PARTIALS_STRIDE), device=device, dtype=torch.float32)
+    partials = torch.empty((max(num_seqs, 1), PARTIALS_STRIDE.value), device=device, dtype=torch.float32)
     out = torch.empty(NUM_OUTPUTS, device=device, dtype=torch.float32)
     logp32 = _f32(logp)
     entropy32 = _f32(entropy)
