@@ -279,7 +279,8 @@ for cfg in linear_logprobs.H100_CONFIGS + linear_logprobs_backward.H100_CONFIGS:
 
 
 def test_h100_static_report_linear_kernels():
-    """sm_90a compile of every launch configuration: no spills (LOCAL, stack frame, STL) and HGMMA present.
+    """sm_90a compile of every launch configuration: no spills (LOCAL, stack frame, STL), HGMMA present,
+    and shared memory within the H100's 227 KB per block (a larger request fails only at launch).
 
     ptxas places register spills in the stack frame: ``LOCAL`` in cuobjdump's resource line stays 0 while
     ``STACK`` > 0 and the SASS holds ``STL`` stores, so all three are checked.
@@ -290,9 +291,10 @@ def test_h100_static_report_linear_kernels():
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [line.split() for line in proc.stdout.splitlines() if line.strip()]
     assert len(rows) == 6
-    for name, regs, stack, local, stl, hgmma, _smem in rows:
+    for name, regs, stack, local, stl, hgmma, smem in rows:
         assert int(local) == 0 and int(stack) == 0 and int(stl) == 0, f"{name} spills ({regs} registers)"
         assert int(hgmma) == 1, f"{name} calls tl.dot but its SASS has no HGMMA"
+        assert int(smem) <= 227 * 1024, f"{name} needs {smem} B of shared memory (H100: 227 KB per block)"
 
 
 @pytest.mark.gpu

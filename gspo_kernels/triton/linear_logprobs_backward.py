@@ -50,11 +50,20 @@ import triton.language as tl
 from gspo_kernels.triton.linear_logprobs import hidden_row_offsets, hidden_strides, interpreting, logits_tile
 
 # Tuned against the static sm_90a report (0 spills, HGMMA); see the module docstring of h100_report.
-CUDA_BWD_CONFIG: Dict[str, int] = {"BLOCK_N": 128, "BLOCK_V": 128, "BLOCK_H": 32, "GROUP_N": 8, "num_warps": 8, "num_stages": 4}
+# BLOCK_H: the K step of the logits recompute; BLOCK_HG: the width (wgmma N) of the dH / dW products.
+# Also 0 spills, to compare on a GPU: BLOCK_H = BLOCK_HG = 64 with num_stages = 2 (wider wgmma, shallower
+# pipeline). BLOCK_HG = 64 with num_stages >= 3 spills in the bias + entropy variant.
+CUDA_BWD_CONFIG: Dict[str, int] = {
+    "BLOCK_N": 128, "BLOCK_V": 128, "BLOCK_H": 32, "BLOCK_HG": 32, "GROUP_N": 8, "num_warps": 8, "num_stages": 4,
+}
 CUDA_BWD_DH_CONFIG: Dict[str, int] = {"BLOCK_N": 128, "BLOCK_V": 128, "BLOCK_H": 64, "GROUP_N": 1, "num_warps": 8, "num_stages": 3}
 CUDA_BWD_DW_CONFIG: Dict[str, int] = {"BLOCK_N": 64, "BLOCK_V": 128, "BLOCK_H": 64, "GROUP_N": 1, "num_warps": 8, "num_stages": 3}
-CUDA_BWD_CONFIG_FP32: Dict[str, int] = {"BLOCK_N": 64, "BLOCK_V": 64, "BLOCK_H": 32, "GROUP_N": 8, "num_warps": 4, "num_stages": 2}
-INTERPRETER_BWD_CONFIG: Dict[str, int] = {"BLOCK_N": 16, "BLOCK_V": 32, "BLOCK_H": 16, "GROUP_N": 2, "num_warps": 4, "num_stages": 1}
+CUDA_BWD_CONFIG_FP32: Dict[str, int] = {
+    "BLOCK_N": 64, "BLOCK_V": 64, "BLOCK_H": 32, "BLOCK_HG": 32, "GROUP_N": 8, "num_warps": 4, "num_stages": 2,
+}
+INTERPRETER_BWD_CONFIG: Dict[str, int] = {
+    "BLOCK_N": 16, "BLOCK_V": 32, "BLOCK_H": 16, "BLOCK_HG": 32, "GROUP_N": 2, "num_warps": 4, "num_stages": 1,
+}
 
 
 @triton.jit
@@ -104,7 +113,8 @@ def linear_logprobs_bwd_kernel(
     inv_temperature, filter_eps,
     HAS_BIAS: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr, COMPUTE_DH: tl.constexpr,
     COMPUTE_DW: tl.constexpr, COMPUTE_DB: tl.constexpr, FILTER: tl.constexpr, EVEN_H: tl.constexpr,
-    UPCAST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, GROUP_N: tl.constexpr,
+    UPCAST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HG: tl.constexpr,
+    GROUP_N: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_row_tiles = tl.cdiv(M, BLOCK_N)
@@ -138,8 +148,8 @@ def linear_logprobs_bwd_kernel(
         w_row_off = tl.minimum(offs_v, V - 1).to(tl.int64) * stride_wv
         dh_row_off = offs_n.to(tl.int64) * H
         dw_row_off = offs_v.to(tl.int64) * H
-        for h0 in range(0, H, BLOCK_H):
-            offs_h = h0 + tl.arange(0, BLOCK_H)
+        for h0 in range(0, H, BLOCK_HG):  # BLOCK_HG: the N of the gradient products (wider wgmma)
+            offs_h = h0 + tl.arange(0, BLOCK_HG)
             h_ok = offs_h < H
             if COMPUTE_DH:
                 w_ptrs = weight_ptr + w_row_off[:, None] + offs_h[None, :] * stride_wh
@@ -337,7 +347,7 @@ def linear_logprobs_backward(
     def flags(cfg: Dict[str, int]) -> dict:
         return dict(
             HAS_BIAS=bias is not None, HAS_ENTROPY_GRAD=has_ent, FILTER=filter_eps is not None,
-            EVEN_H=H % cfg["BLOCK_H"] == 0, UPCAST=upcast,
+            EVEN_H=H % max(cfg["BLOCK_H"], cfg.get("BLOCK_HG", 1)) == 0, UPCAST=upcast,
             BLOCK_N=cfg["BLOCK_N"], BLOCK_V=cfg["BLOCK_V"], BLOCK_H=cfg["BLOCK_H"],
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
@@ -349,7 +359,7 @@ def linear_logprobs_backward(
             *args,
             dh if dh is not None else dummy, dw if dw is not None else dummy, db if db is not None else dummy,
             *sizes, COMPUTE_DH=compute_dh, COMPUTE_DW=compute_dw, COMPUTE_DB=compute_db,
-            GROUP_N=cfg["GROUP_N"], **flags(cfg),
+            BLOCK_HG=cfg.get("BLOCK_HG", cfg["BLOCK_H"]), GROUP_N=cfg["GROUP_N"], **flags(cfg),
         )
         return dh, dw, db
     if compute_dh:
@@ -377,8 +387,9 @@ _SIZES = {
 
 def _h100_entry(name: str, fn, outputs: dict, cfg: Dict[str, int], constexprs: dict) -> dict:
     blocks = {k: cfg[k] for k in ("BLOCK_N", "BLOCK_V", "BLOCK_H")}
-    if "GROUP_N" in fn.arg_names:
-        blocks["GROUP_N"] = cfg["GROUP_N"]
+    for extra in ("BLOCK_HG", "GROUP_N"):
+        if extra in fn.arg_names:
+            blocks[extra] = cfg[extra]
     constexprs = {"stride_hh": 1, "stride_wh": 1, "FILTER": False, "EVEN_H": True, "UPCAST": False,
                   **constexprs, **blocks}
     types = {**_POINTERS, **outputs, **_SIZES, **{k: "constexpr" for k in constexprs}}
