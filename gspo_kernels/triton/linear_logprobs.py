@@ -260,33 +260,38 @@ def linear_logprobs_forward(
 
 
 def _h100_configs() -> list:
-    """Launch configurations the library uses on CUDA with bf16 operands (read by ``h100_report``)."""
-    cfg = CUDA_FWD_CONFIG
-    signature = {
-        "hidden_ptr": "*bf16", "weight_ptr": "*bf16", "bias_ptr": "*bf16", "rows_ptr": "*i64", "labels_ptr": "*i64",
-        "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32", "part_ent_ptr": "*fp32", "label_logit_ptr": "*fp32",
-        "M": "i32", "V": "i32", "H": "i32", "T": "i32", "stride_hb": "i32", "stride_ht": "i32", "stride_hh": "constexpr",
-        "stride_wv": "i32", "stride_wh": "constexpr", "inv_temperature": "fp32", "cols_per_split": "i32",
-        "num_splits": "i32", "HAS_BIAS": "constexpr", "EVEN_H": "constexpr", "UPCAST": "constexpr", "BLOCK_N": "constexpr",
-        "BLOCK_V": "constexpr", "BLOCK_H": "constexpr", "GROUP_N": "constexpr",
-    }
+    """Launch configurations the library uses on CUDA (read by ``h100_report``).
+
+    bf16 operands (the production case) must use HGMMA. fp32 operands are multiplied exactly
+    (``input_precision="ieee"``: FMA, no tensor cores, by design), so their rows only check spills.
+    """
     out = []
-    for has_bias in (False, True):
-        constexprs = {
-            "stride_hh": 1, "stride_wh": 1, "HAS_BIAS": has_bias, "EVEN_H": True, "UPCAST": False,
-            "BLOCK_N": cfg["BLOCK_N"], "BLOCK_V": cfg["BLOCK_V"], "BLOCK_H": cfg["BLOCK_H"], "GROUP_N": cfg["GROUP_N"],
+    for dtype, cfg, variants in (("bf16", CUDA_FWD_CONFIG, (False, True)), ("fp32", CUDA_FWD_CONFIG_FP32, (True,))):
+        signature = {
+            "hidden_ptr": f"*{dtype}", "weight_ptr": f"*{dtype}", "bias_ptr": f"*{dtype}", "rows_ptr": "*i64",
+            "labels_ptr": "*i64", "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32", "part_ent_ptr": "*fp32",
+            "label_logit_ptr": "*fp32", "M": "i32", "V": "i32", "H": "i32", "T": "i32", "stride_hb": "i32",
+            "stride_ht": "i32", "stride_hh": "constexpr", "stride_wv": "i32", "stride_wh": "constexpr",
+            "inv_temperature": "fp32", "cols_per_split": "i32", "num_splits": "i32", "HAS_BIAS": "constexpr",
+            "EVEN_H": "constexpr", "UPCAST": "constexpr", "BLOCK_N": "constexpr", "BLOCK_V": "constexpr",
+            "BLOCK_H": "constexpr", "GROUP_N": "constexpr",
         }
-        out.append({
-            "name": f"linear_logprobs_fwd{'_bias' if has_bias else ''}[bf16]",
-            "fn": linear_logprobs_fwd_kernel,
-            "signature": signature,
-            "constexprs": constexprs,
-            "num_warps": cfg["num_warps"],
-            "num_stages": cfg["num_stages"],
-            "uses_dot": True,
-            # pointers, and the sizes/strides that are multiples of 16 for real models (H, H * T, H)
-            "aligned": [k for k, v in signature.items() if v.startswith("*")] + ["H", "stride_hb", "stride_ht", "stride_wv"],
-        })
+        for has_bias in variants:
+            constexprs = {
+                "stride_hh": 1, "stride_wh": 1, "HAS_BIAS": has_bias, "EVEN_H": True, "UPCAST": False,
+                "BLOCK_N": cfg["BLOCK_N"], "BLOCK_V": cfg["BLOCK_V"], "BLOCK_H": cfg["BLOCK_H"], "GROUP_N": cfg["GROUP_N"],
+            }
+            out.append({
+                "name": f"linear_logprobs_fwd{'_bias' if has_bias else ''}[{dtype}]",
+                "fn": linear_logprobs_fwd_kernel,
+                "signature": signature,
+                "constexprs": constexprs,
+                "num_warps": cfg["num_warps"],
+                "num_stages": cfg["num_stages"],
+                "uses_dot": dtype != "fp32",
+                # pointers, and the sizes/strides that are multiples of 16 for real models (H, H * T, H)
+                "aligned": [k for k, v in signature.items() if v.startswith("*")] + ["H", "stride_hb", "stride_ht", "stride_wv"],
+            })
     return out
 
 

@@ -58,8 +58,9 @@ CUDA_BWD_CONFIG: Dict[str, int] = {
 }
 CUDA_BWD_DH_CONFIG: Dict[str, int] = {"BLOCK_N": 128, "BLOCK_V": 128, "BLOCK_H": 64, "GROUP_N": 1, "num_warps": 8, "num_stages": 3}
 CUDA_BWD_DW_CONFIG: Dict[str, int] = {"BLOCK_N": 64, "BLOCK_V": 128, "BLOCK_H": 64, "GROUP_N": 1, "num_warps": 8, "num_stages": 3}
+# fp32 operands (exact FMA products): 8 warps; with 4 warps ptxas spills kilobytes per thread.
 CUDA_BWD_CONFIG_FP32: Dict[str, int] = {
-    "BLOCK_N": 64, "BLOCK_V": 64, "BLOCK_H": 32, "BLOCK_HG": 32, "GROUP_N": 8, "num_warps": 4, "num_stages": 2,
+    "BLOCK_N": 64, "BLOCK_V": 64, "BLOCK_H": 32, "BLOCK_HG": 32, "GROUP_N": 8, "num_warps": 8, "num_stages": 2,
 }
 INTERPRETER_BWD_CONFIG: Dict[str, int] = {
     "BLOCK_N": 16, "BLOCK_V": 32, "BLOCK_H": 16, "BLOCK_HG": 32, "GROUP_N": 2, "num_warps": 4, "num_stages": 1,
@@ -385,23 +386,30 @@ _SIZES = {
 }
 
 
-def _h100_entry(name: str, fn, outputs: dict, cfg: Dict[str, int], constexprs: dict) -> dict:
+def _h100_entry(name: str, fn, outputs: dict, cfg: Dict[str, int], constexprs: dict, dtype: str = "bf16") -> dict:
     blocks = {k: cfg[k] for k in ("BLOCK_N", "BLOCK_V", "BLOCK_H")}
     for extra in ("BLOCK_HG", "GROUP_N"):
         if extra in fn.arg_names:
             blocks[extra] = cfg[extra]
     constexprs = {"stride_hh": 1, "stride_wh": 1, "FILTER": False, "EVEN_H": True, "UPCAST": False,
                   **constexprs, **blocks}
-    types = {**_POINTERS, **outputs, **_SIZES, **{k: "constexpr" for k in constexprs}}
+    pointers = {k: v.replace("bf16", dtype) for k, v in _POINTERS.items()}
+    types = {**pointers, **outputs, **_SIZES, **{k: "constexpr" for k in constexprs}}
     signature = {arg: types[arg] for arg in fn.arg_names}
     aligned = [k for k, v in signature.items() if v.startswith("*")] + ["H", "stride_hb", "stride_ht", "stride_wv"]
-    return {"name": f"{name}[bf16]", "fn": fn, "signature": signature, "constexprs": constexprs,
-            "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"], "uses_dot": True, "aligned": aligned}
+    return {"name": f"{name}[{dtype}]", "fn": fn, "signature": signature, "constexprs": constexprs,
+            "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"], "uses_dot": dtype != "fp32",
+            "aligned": aligned}
 
 
 def _h100_configs() -> list:
-    """Launch configurations used on CUDA with bf16 operands (read by ``h100_report``)."""
+    """Launch configurations used on CUDA (read by ``h100_report``).
+
+    bf16 operands (the production case) must use HGMMA; fp32 operands are multiplied exactly
+    (``input_precision="ieee"``: FMA, no tensor cores, by design), so their rows only check spills.
+    """
     atomic_out = {"dh_ptr": "*fp32", "dw_ptr": "*fp32", "db_ptr": "*fp32"}
+    full = {"HAS_BIAS": True, "HAS_ENTROPY_GRAD": True}
     out = []
     for has_bias, has_ent in ((False, False), (True, True)):
         out.append(_h100_entry(
@@ -412,13 +420,22 @@ def _h100_configs() -> list:
         ))
     out.append(_h100_entry(
         "linear_logprobs_bwd_dh_deterministic", linear_logprobs_bwd_dh_kernel, {"dh_ptr": "*fp32"},
-        CUDA_BWD_DH_CONFIG, {"HAS_BIAS": True, "HAS_ENTROPY_GRAD": True},
+        CUDA_BWD_DH_CONFIG, full,
     ))
+    dw_out = {"dw_ptr": "*fp32", "db_ptr": "*fp32"}
+    dw_flags = {**full, "COMPUTE_DW": True, "COMPUTE_DB": True}
     out.append(_h100_entry(
-        "linear_logprobs_bwd_dw_deterministic", linear_logprobs_bwd_dw_kernel, {"dw_ptr": "*fp32", "db_ptr": "*fp32"},
-        CUDA_BWD_DW_CONFIG,
-        {"HAS_BIAS": True, "HAS_ENTROPY_GRAD": True, "COMPUTE_DW": True, "COMPUTE_DB": True},
+        "linear_logprobs_bwd_dw_deterministic", linear_logprobs_bwd_dw_kernel, dw_out, CUDA_BWD_DW_CONFIG, dw_flags,
     ))
+    fp32 = CUDA_BWD_CONFIG_FP32
+    out.append(_h100_entry(
+        "linear_logprobs_bwd_bias_entropy", linear_logprobs_bwd_kernel, atomic_out, fp32,
+        {**full, "COMPUTE_DH": True, "COMPUTE_DW": True, "COMPUTE_DB": True}, dtype="fp32",
+    ))
+    out.append(_h100_entry("linear_logprobs_bwd_dh_deterministic", linear_logprobs_bwd_dh_kernel, {"dh_ptr": "*fp32"},
+                           fp32, full, dtype="fp32"))
+    out.append(_h100_entry("linear_logprobs_bwd_dw_deterministic", linear_logprobs_bwd_dw_kernel, dw_out, fp32,
+                           dw_flags, dtype="fp32"))
     return out
 
 
