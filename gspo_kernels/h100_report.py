@@ -123,6 +123,8 @@ def compile_config(config: dict) -> dict:
             shared_bytes=int(kernel.metadata.shared),
             static_shared_bytes=usage.get("SHARED", 0),
             local_bytes=usage.get("LOCAL", 0),
+            stack_bytes=usage.get("STACK", 0),
+            stl_count=sass.count("STL"),
             hgmma="HGMMA" in sass,
             hmma="HMMA" in sass,
             loads_128=any(op in kernel.asm["ptx"] for op in ("ld.global.v4", "ld.global.nc.v4")),
@@ -133,6 +135,9 @@ def compile_config(config: dict) -> dict:
     return row
 
 
+MAX_SHARED_BYTES = 227 * 1024  # per block on H100, after opt-in
+
+
 def problems(row: dict) -> List[str]:
     """Why a row fails the report (empty when it passes)."""
     if row["error"]:
@@ -140,6 +145,10 @@ def problems(row: dict) -> List[str]:
     out = []
     if row["local_bytes"] > 0:
         out.append(f"spills: {row['local_bytes']} local bytes")
+    if row.get("stack_bytes", 0) > 0 or row.get("stl_count", 0) > 0:
+        out.append(f"spills to the stack: {row.get('stack_bytes', 0)} stack bytes, {row.get('stl_count', 0)} STL")
+    if row.get("shared_bytes", 0) > MAX_SHARED_BYTES:
+        out.append(f"needs {row['shared_bytes']} B of shared memory, over the {MAX_SHARED_BYTES} B an H100 block gets")
     if row["uses_dot"] and not row["hgmma"]:
         out.append("calls tl.dot but its SASS has no HGMMA" + (" (HMMA only)" if row["hmma"] else ""))
     if row["vector_loads"] and not row["loads_128"]:
