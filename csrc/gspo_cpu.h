@@ -13,6 +13,10 @@
 #include <cstring>
 #include <limits>
 
+#ifdef __linux__
+#include <sys/mman.h>
+#endif
+
 namespace gspo {
 
 // Elements of one row processed per chunk: the chunk is converted to fp32 (when needed) into a
@@ -48,6 +52,22 @@ inline float exp_nonpos(float x) {
   p = p * r + 1.0f;
   const int32_t e = static_cast<int32_t>(k) + 127;
   return p * bits_to_float(static_cast<uint32_t>(e) << 23);
+}
+
+// Ask for transparent huge pages on a fresh, not yet touched buffer of `bytes` bytes (a gradient or
+// saved-logits buffer of hundreds of MB): first-touch page faults then cost 512x fewer traps.
+// A hint only: ignored where THP is off or unsupported.
+inline void advise_huge_pages(void* ptr, size_t bytes) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  constexpr uintptr_t kHuge = uintptr_t(1) << 21;
+  if (bytes < 4 * kHuge) return;
+  const uintptr_t begin = (reinterpret_cast<uintptr_t>(ptr) + kHuge - 1) & ~(kHuge - 1);
+  const uintptr_t end = (reinterpret_cast<uintptr_t>(ptr) + bytes) & ~(kHuge - 1);
+  if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
+#else
+  (void)ptr;
+  (void)bytes;
+#endif
 }
 
 // fp32 <-> storage dtype conversions, vectorizable.

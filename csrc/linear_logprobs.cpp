@@ -7,11 +7,15 @@
 // folded in one pass per row (OpenMP over rows): running max / sum-exp / entropy sums and the label
 // logit. The backward recomputes each tile for the rows with gradient only, turns it in place into
 // dlogits, and accumulates dH += dZ @ W_tile and dW_tile = dZ.T @ H in fp32.
+// Memory for speed: the forward may keep the first `save_cols` vocabulary columns of the logits
+// (a budget chosen by the caller); the backward then reads those tiles instead of recomputing them,
+// which saves one of the four N x H x V GEMMs for that share of the vocabulary.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstring>
 #include <tuple>
 #include <vector>
 
@@ -61,22 +65,29 @@ at::Tensor tile_view(at::Tensor& flat, int64_t rows, int64_t cols) {
   return flat.narrow(0, 0, rows * cols).view({rows, cols});
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_fwd(const at::Tensor& hidden, const at::Tensor& weight,
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_fwd(const at::Tensor& hidden, const at::Tensor& weight,
                                                           const c10::optional<at::Tensor>& bias,
                                                           const at::Tensor& labels,
                                                           const c10::optional<at::Tensor>& active, double temperature,
                                                           bool return_entropy, int64_t row_block,
-                                                          int64_t vocab_block) {
+                                                          int64_t vocab_block, int64_t save_cols) {
   check_linear_inputs(hidden, weight, bias, labels, active);
   const int64_t N = hidden.size(0), H = hidden.size(1), V = weight.size(0);
   const float inv_t = static_cast<float>(1.0 / temperature);
   auto f32 = hidden.options().dtype(at::kFloat);
   at::Tensor logp = at::zeros({N}, f32), ent = at::zeros({N}, f32), lse = at::zeros({N}, f32);
+  const int64_t VB = std::min(std::max<int64_t>(vocab_block, 1), V);
+  TORCH_CHECK(save_cols >= 0 && save_cols <= V && (save_cols % VB == 0 || save_cols == V),
+              "save_cols must be a multiple of vocab_block in [0, V], or V; got ", save_cols);
+  at::Tensor saved = at::empty({N * save_cols}, f32);
+  advise_huge_pages(saved.data_ptr(), saved.nbytes());
+  float* saved_p = save_cols > 0 ? saved.data_ptr<float>() : nullptr;
 
   const bool all_rows = !active.has_value();
   const at::Tensor idx = all_rows ? at::Tensor() : at::nonzero(*active).flatten();
   const int64_t Na = all_rows ? N : idx.size(0);
-  if (Na == 0) return {logp, ent, lse};
+  if (Na == 0) return {logp, ent, lse, saved};
+  const int64_t* idx_p = all_rows ? nullptr : idx.data_ptr<int64_t>();
   const at::Tensor h = (all_rows ? hidden : hidden.index_select(0, idx)).to(at::kFloat).contiguous();
   const at::Tensor y = (all_rows ? labels : labels.index_select(0, idx)).contiguous();
   const at::Tensor b = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
@@ -84,7 +95,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_fwd(const at::Tensor& hidd
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
 
   const int64_t R = std::min(std::max<int64_t>(row_block, 1), Na);
-  const int64_t VB = std::min(std::max<int64_t>(vocab_block, 1), V);
   at::Tensor zbuf = at::empty({R * VB}, f32);
   at::Tensor wbuf = weight.scalar_type() == at::kFloat ? at::Tensor() : at::empty({VB, H}, f32);
   std::vector<RowStats> stats(Na);
@@ -112,6 +122,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_fwd(const at::Tensor& hidd
           if (label >= v0 && label < v0 + nv) {
             label_x[r0 + i] = (zrow[label - v0] + (btile ? btile[label - v0] : 0.0f)) * inv_t;
           }
+          if (v0 < save_cols) {  // keep the tile row (still in cache) at the row's own position
+            const int64_t row = idx_p ? idx_p[r0 + i] : r0 + i;
+            std::memcpy(saved_p + v0 * N + row * nv, zrow, sizeof(float) * nv);
+          }
         }
       });
     }
@@ -126,18 +140,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_fwd(const at::Tensor& hidd
     lp[i] = label_x[i] - sp[i];
     ep[i] = return_entropy ? stats[i].entropy() : 0.0f;
   }
-  if (all_rows) return {logp_a, ent_a, lse_a};
+  if (all_rows) return {logp_a, ent_a, lse_a, saved};
   logp.index_copy_(0, idx, logp_a);
   ent.index_copy_(0, idx, ent_a);
   lse.index_copy_(0, idx, lse_a);
-  return {logp, ent, lse};
+  return {logp, ent, lse, saved};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_bwd(
     const at::Tensor& grad_logp, const c10::optional<at::Tensor>& grad_entropy, const at::Tensor& hidden,
     const at::Tensor& weight, const c10::optional<at::Tensor>& bias, const at::Tensor& labels,
-    const c10::optional<at::Tensor>& active, const at::Tensor& lse, const at::Tensor& entropy, double temperature,
-    int64_t row_block, int64_t vocab_block, bool weight_grad) {
+    const c10::optional<at::Tensor>& active, const at::Tensor& lse, const at::Tensor& entropy, const at::Tensor& saved,
+    double temperature, int64_t row_block, int64_t vocab_block, int64_t save_cols, bool weight_grad) {
   check_linear_inputs(hidden, weight, bias, labels, active);
   const int64_t N = hidden.size(0), H = hidden.size(1), V = weight.size(0);
   const float inv_t = static_cast<float>(1.0 / temperature);
@@ -156,6 +170,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_bwd(
   // Every vocabulary tile of dW is overwritten by its first row block when some row has gradient.
   const int64_t VW = weight_grad ? V : 0;
   at::Tensor dW = Ng > 0 ? at::empty({VW, H}, f32) : at::zeros({VW, H}, f32);
+  if (Ng > 0) advise_huge_pages(dW.data_ptr(), dW.nbytes());
   at::Tensor dB = at::zeros({bias.has_value() ? V : 0}, f32);
   at::Tensor grad_hidden = at::zeros({N, H}, hidden.options());
   if (Ng > 0) {
@@ -167,6 +182,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_bwd(
     const at::Tensor ent = entropy.reshape({N}).to(at::kFloat).index_select(0, idx).contiguous();
     const at::Tensor b = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
     const int64_t* yp = y.data_ptr<int64_t>();
+    const int64_t* idx_p = idx.data_ptr<int64_t>();
+    TORCH_CHECK(saved.numel() == N * save_cols && saved.scalar_type() == at::kFloat && saved.is_contiguous(),
+                "saved must be the [N * save_cols] fp32 tensor returned by linear_fwd");
+    const float* saved_p = save_cols > 0 ? saved.data_ptr<float>() : nullptr;
     const float* gp = g.data_ptr<float>();
     const float* gep = has_ge ? ge.data_ptr<float>() : nullptr;
     const float* lp = l.data_ptr<float>();
@@ -188,19 +207,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_bwd(
         const int64_t nr = std::min(R, Ng - r0);
         const at::Tensor hb = h.narrow(0, r0, nr);
         at::Tensor z = tile_view(zbuf, nr, nv);
-        at::mm_out(z, hb, w.t());
+        const bool from_saved = v0 < save_cols;
+        if (!from_saved) at::mm_out(z, hb, w.t());
         float* zp = z.data_ptr<float>();
         at::parallel_for(0, nr, 4, [&](int64_t a, int64_t e) {
           for (int64_t i = a; i < e; ++i) {
             const int64_t k = r0 + i;
             float* zrow = zp + i * nv;
+            const float* src = from_saved ? saved_p + v0 * N + idx_p[k] * nv : zrow;
             const float gk = gp[k], gek = has_ge ? gep[k] : 0.0f;
             if (has_ge) {
-              btile ? softmax_grad<true, true>(zrow, btile, zrow, nv, inv_t, lp[k], gk, gek, entp[k])
-                    : softmax_grad<true, false>(zrow, nullptr, zrow, nv, inv_t, lp[k], gk, gek, entp[k]);
+              btile ? softmax_grad<true, true>(src, btile, zrow, nv, inv_t, lp[k], gk, gek, entp[k])
+                    : softmax_grad<true, false>(src, nullptr, zrow, nv, inv_t, lp[k], gk, gek, entp[k]);
             } else {
-              btile ? softmax_grad<false, true>(zrow, btile, zrow, nv, inv_t, lp[k], gk, 0.0f, 0.0f)
-                    : softmax_grad<false, false>(zrow, nullptr, zrow, nv, inv_t, lp[k], gk, 0.0f, 0.0f);
+              btile ? softmax_grad<false, true>(src, btile, zrow, nv, inv_t, lp[k], gk, 0.0f, 0.0f)
+                    : softmax_grad<false, false>(src, nullptr, zrow, nv, inv_t, lp[k], gk, 0.0f, 0.0f);
             }
             const int64_t label = yp[k];
             if (label >= v0 && label < v0 + nv) zrow[label - v0] += inv_t * gk;

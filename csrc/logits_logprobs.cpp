@@ -180,6 +180,7 @@ at::Tensor logits_bwd(const at::Tensor& grad_logp, const c10::optional<at::Tenso
                       const at::Tensor& logits, const at::Tensor& labels, const c10::optional<at::Tensor>& active,
                       const at::Tensor& lse, const at::Tensor& entropy, double temperature) {
   at::Tensor out = at::empty(logits.sizes(), logits.options().memory_format(at::MemoryFormat::Contiguous));
+  advise_huge_pages(out.data_ptr(), out.nbytes());
   run_backward(grad_logp, grad_entropy, logits, out, labels, active, lse, entropy, temperature);
   return out;
 }

@@ -19,16 +19,19 @@ TORCH_LIBRARY(gspo_kernels, m) {
   m.def(
       "logits_bwd_(Tensor(a!) logits, Tensor grad_logp, Tensor? grad_entropy, Tensor labels, Tensor? active, "
       "Tensor lse, Tensor entropy, float temperature) -> ()");
-  // hidden [N, H], weight [V, H], bias [V]; logits = hidden @ weight.T + bias, never materialized.
+  // hidden [N, H], weight [V, H], bias [V]; logits = hidden @ weight.T + bias, never materialized in
+  // full. The 4th output keeps the first save_cols vocabulary columns of the logits (without bias)
+  // of the active rows for the backward: [N * save_cols] fp32, vocabulary tile v0 stored as a
+  // contiguous [N, width] block at offset v0 * N (save_cols = 0: recompute everything).
   m.def(
       "linear_fwd(Tensor hidden, Tensor weight, Tensor? bias, Tensor labels, Tensor? active, float temperature, "
-      "bool return_entropy, int row_block, int vocab_block) -> (Tensor, Tensor, Tensor)");
+      "bool return_entropy, int row_block, int vocab_block, int save_cols) -> (Tensor, Tensor, Tensor, Tensor)");
   // Returns (grad_hidden [N, H], grad_weight [V, H] fp32-accumulated (or [0, H] when not
   // weight_grad), grad_bias [V] (or [0] fp32 without a bias)).
   m.def(
       "linear_bwd(Tensor grad_logp, Tensor? grad_entropy, Tensor hidden, Tensor weight, Tensor? bias, "
-      "Tensor labels, Tensor? active, Tensor lse, Tensor entropy, float temperature, int row_block, "
-      "int vocab_block, bool weight_grad) -> (Tensor, Tensor, Tensor)");
+      "Tensor labels, Tensor? active, Tensor lse, Tensor entropy, Tensor saved, float temperature, int row_block, "
+      "int vocab_block, int save_cols, bool weight_grad) -> (Tensor, Tensor, Tensor)");
 }
 
 extern "C" PyObject* PyInit__C(void) {

@@ -9,6 +9,10 @@ implementations, so ``torch.compile(fullgraph=True)`` traces through them, and a
   the backward reads the logits once more from the saved logsumexp and skips rows without gradient.
 * hidden-state path: ``[ROW_BLOCK, VOCAB_BLOCK]`` logits tiles produced by ATen's matmul and folded
   in one pass; the backward recomputes tiles for the rows with gradient only, dH/dW in fp32.
+  Memory for speed: the forward keeps up to ``SAVE_LOGITS_BYTES`` of fp32 logits tiles (whole
+  vocabulary tiles, from the first one on) and the backward reads them instead of recomputing them,
+  saving one of the four ``N*H*V`` GEMMs for that share of the vocabulary. ``SAVE_LOGITS_BYTES = 0``
+  recomputes everything (the least memory: one tile plus the fp32 ``dW``).
 
 fp64 inputs run the portable ``torch`` backend (fp64 math), and that is logged once.
 The light sequence stage is the PyTorch one (:func:`gspo_kernels.objective.gspo_objective`).
@@ -29,7 +33,8 @@ from gspo_kernels.layout import as_rows
 logger = logging.getLogger("gspo_kernels")
 
 ROW_BLOCK = 1024  # rows per logits tile of the hidden-state path (the weight is streamed once per block)
-VOCAB_BLOCK = 2048  # vocabulary entries per tile: a [1024, 2048] fp32 tile is 8 MiB
+VOCAB_BLOCK = 8192  # vocabulary entries per tile: a [1024, 8192] fp32 tile is 32 MiB
+SAVE_LOGITS_BYTES = 1 << 30  # logits kept from the forward for the backward (1 GiB; 0: recompute all)
 
 _registered = False
 _fp64_announced = False
@@ -74,13 +79,14 @@ def _register_fakes() -> None:
         return None
 
     @torch.library.register_fake(lib + "linear_fwd")
-    def _(hidden, weight, bias, labels, active, temperature, return_entropy, row_block, vocab_block):
+    def _(hidden, weight, bias, labels, active, temperature, return_entropy, row_block, vocab_block, save_cols):
         n = hidden.shape[0]
-        return tuple(hidden.new_empty((n,), dtype=torch.float32) for _ in range(3))
+        stats = tuple(hidden.new_empty((n,), dtype=torch.float32) for _ in range(3))
+        return (*stats, hidden.new_empty((n * save_cols,), dtype=torch.float32))
 
     @torch.library.register_fake(lib + "linear_bwd")
-    def _(grad_logp, grad_entropy, hidden, weight, bias, labels, active, lse, entropy, temperature, row_block,
-          vocab_block, weight_grad):
+    def _(grad_logp, grad_entropy, hidden, weight, bias, labels, active, lse, entropy, saved, temperature,
+          row_block, vocab_block, save_cols, weight_grad):
         grad_hidden = hidden.new_empty(hidden.shape)
         grad_weight = weight.new_empty(weight.shape if weight_grad else (0, weight.shape[1]))
         grad_bias = bias.new_empty(bias.shape) if bias is not None else hidden.new_empty((0,), dtype=torch.float32)
@@ -119,26 +125,26 @@ def _register_autograd() -> None:
     )
 
     def linear_setup(ctx, inputs, output):
-        hidden, weight, bias, labels, active, temperature, _return_entropy, row_block, vocab_block = inputs
-        _logp, entropy, lse = output
-        ctx.save_for_backward(hidden, weight, bias, labels, active, lse, entropy)
+        hidden, weight, bias, labels, active, temperature, _return_entropy, row_block, vocab_block, save_cols = inputs
+        _logp, entropy, lse, saved = output
+        ctx.save_for_backward(hidden, weight, bias, labels, active, lse, entropy, saved)
         ctx.temperature = temperature
-        ctx.blocks = (row_block, vocab_block)
+        ctx.blocks = (row_block, vocab_block, save_cols)
 
-    def linear_backward(ctx, grad_logp, grad_entropy, _grad_lse):
-        hidden, weight, bias, labels, active, lse, entropy = ctx.saved_tensors
+    def linear_backward(ctx, grad_logp, grad_entropy, _grad_lse, _grad_saved):
+        hidden, weight, bias, labels, active, lse, entropy, saved = ctx.saved_tensors
         if grad_logp is None:
             grad_logp = torch.zeros_like(lse)
         weight_grad = bool(ctx.needs_input_grad[1])
         grad_hidden, grad_weight, grad_bias = ops.linear_bwd(
-            grad_logp, grad_entropy, hidden, weight, bias, labels, active, lse, entropy, ctx.temperature,
+            grad_logp, grad_entropy, hidden, weight, bias, labels, active, lse, entropy, saved, ctx.temperature,
             *ctx.blocks, weight_grad,
         )
         return (
             grad_hidden if ctx.needs_input_grad[0] else None,
             grad_weight if weight_grad else None,
             grad_bias if bias is not None and ctx.needs_input_grad[2] else None,
-            None, None, None, None, None, None,
+            None, None, None, None, None, None, None,
         )
 
     torch.library.register_autograd(
@@ -212,7 +218,8 @@ def linear_logprobs(
 
     ``hidden``: ``[N, H]`` or ``[B, T, H]``; ``weight``: ``[V, H]``; ``bias``: ``[V]`` or None.
     Extra memory: ``O(N)`` plus one ``[ROW_BLOCK, VOCAB_BLOCK]`` fp32 tile (and an fp32 copy of the
-    active rows of ``hidden`` when it is not fp32); the backward adds the fp32 ``dW`` accumulator.
+    active rows of ``hidden`` when it is not fp32), up to ``SAVE_LOGITS_BYTES`` of saved logits
+    between forward and backward, and the fp32 ``dW`` accumulator in the backward.
     """
     if torch.float64 in (hidden.dtype, weight.dtype):
         return _fp64_fallback("hidden states").linear_logprobs(
@@ -220,10 +227,21 @@ def linear_logprobs(
         )
     rows = as_rows(hidden)
     labels, active = _flags(labels, active)
-    logp, entropy, _lse = torch.ops.gspo_kernels.linear_fwd(
-        rows, weight, bias, labels, active, float(temperature), bool(return_entropy), ROW_BLOCK, VOCAB_BLOCK
+    save_cols = saved_columns(rows.shape[0], weight.shape[0], VOCAB_BLOCK, SAVE_LOGITS_BYTES)
+    logp, entropy, _lse, _saved = torch.ops.gspo_kernels.linear_fwd(
+        rows, weight, bias, labels, active, float(temperature), bool(return_entropy), ROW_BLOCK, VOCAB_BLOCK,
+        save_cols,
     )
     return logp, (entropy if return_entropy else None)
+
+
+def saved_columns(rows: int, vocab: int, vocab_block: int, budget_bytes: int) -> int:
+    """How many leading vocabulary columns of the ``[rows, vocab]`` fp32 logits fit in the budget
+    (whole tiles of ``vocab_block`` columns, or the whole vocabulary)."""
+    block = max(1, min(vocab_block, vocab))
+    if rows == 0 or rows * vocab * 4 <= budget_bytes:
+        return vocab if rows else 0
+    return min(vocab, (budget_bytes // (rows * 4)) // block * block)
 
 
 def make_backend() -> Backend:

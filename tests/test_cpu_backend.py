@@ -104,12 +104,20 @@ def test_logits_op_label_out_of_range_raises():
     assert out[0][1] == 0
 
 
+# saved logits: none (recompute every tile), the first two of four tiles, all of them
+SAVE_BUDGETS = {"recompute": 0, "save-half": 23 * 4 * 66, "save-all": 1 << 30}
+
+
+@pytest.mark.parametrize("save", list(SAVE_BUDGETS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "nobias"])
-def test_linear_op_matches_float64(dtype, with_bias, monkeypatch):
+def test_linear_op_matches_float64(dtype, with_bias, save, monkeypatch):
     monkeypatch.setattr(cpu_backend, "ROW_BLOCK", 5)  # several row blocks, the last one partial
     monkeypatch.setattr(cpu_backend, "VOCAB_BLOCK", 33)  # several vocabulary tiles, the last one partial
+    monkeypatch.setattr(cpu_backend, "SAVE_LOGITS_BYTES", SAVE_BUDGETS[save])
     N, H, V = 23, 20, 101
+    assert cpu_backend.saved_columns(N, V, 33, SAVE_BUDGETS[save]) == {"recompute": 0, "save-half": 66,
+                                                                        "save-all": V}[save]
     temperature = 1.3
     hidden = torch.randn(N, H).to(dtype)
     weight = (torch.randn(V, H) * 0.4).to(dtype)
@@ -137,6 +145,18 @@ def test_linear_op_matches_float64(dtype, with_bias, monkeypatch):
         assert rel_err(grad, ref) < RTOL + OUT_ROUNDING[dtype]
     skipped = (~active) | ((g == 0) & (ge == 0))
     assert torch.all(grads[0][skipped] == 0)
+
+
+@pytest.mark.parametrize("save", ["recompute", "save-all"])
+def test_linear_op_backward_twice_gives_the_same_gradients(save, monkeypatch):
+    monkeypatch.setattr(cpu_backend, "SAVE_LOGITS_BYTES", SAVE_BUDGETS[save])
+    hidden = torch.randn(9, 16, requires_grad=True)
+    weight = (torch.randn(50, 16) * 0.3).requires_grad_()
+    labels = torch.randint(0, 50, (9,))
+    logp, _ = cpu_backend.linear_logprobs(hidden, weight, None, labels)
+    first = torch.autograd.grad(logp.sum(), (hidden, weight), retain_graph=True)
+    second = torch.autograd.grad(logp.sum(), (hidden, weight))  # the saved logits were not consumed
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
 
 
 def test_linear_op_frozen_weight_and_3d_hidden():
