@@ -58,6 +58,16 @@ def policy_dir(tmp_path_factory):
     return path
 
 
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    """A tiny Qwen3-MoE saved to disk (8 experts, 2 routed per token)."""
+    path = tmp_path_factory.mktemp("tiny_qwen3_moe")
+    model = build_policy("moe", ToyTokenizer(), hidden_size=32, num_layers=2, seed=0)
+    model.config._name_or_path = str(path)
+    model.save_pretrained(path)
+    return path
+
+
 def _trainer(cls, policy_dir, tmp_path, **config):
     from transformers import AutoModelForCausalLM
 
@@ -160,6 +170,56 @@ def test_compute_loss_matches_trl(policy_dir, tmp_path, level, loss_type, beta, 
         assert ours._metrics["train"][name][-1] == pytest.approx(theirs._metrics["train"][name][-1], abs=1e-6)
     if beta > 0:
         assert ours._metrics["train"]["kl"][-1] == pytest.approx(theirs._metrics["train"]["kl"][-1], rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    "level, loss_type, ratio_shape, extra",
+    [
+        ("token", "dapo", "token", dict(delta=1.5, entropy_coef=0.01, beta=0.05, use_bias_correction_kl=False)),
+        ("sequence", "grpo", "sequence", dict(entropy_coef=0.02, beta=0.05, use_bias_correction_kl=True)),
+    ],
+)
+def test_vllm_ratio_delta_entropy_bonus_match_trl(policy_dir, tmp_path, level, loss_type, ratio_shape, extra):
+    """The vLLM importance-sampling ratio ([B, T] or [B, 1]), two-sided clipping and the entropy bonus."""
+    epsilon, epsilon_high = (0.2, 0.28) if level == "token" else (3e-4, 4e-4)
+    config = dict(importance_sampling_level=level, loss_type=loss_type, epsilon=epsilon, epsilon_high=epsilon_high,
+                  **extra)
+    theirs = _trainer(trl.GRPOTrainer, policy_dir, tmp_path, **config)
+    ours = _trainer(GRPOTrainer, policy_dir, tmp_path, **config)
+    for trainer in (theirs, ours):  # as if generation ran in vLLM (TRL reads only these two flags here)
+        trainer.use_vllm = True
+        trainer.vllm_importance_sampling_correction = True
+    gen = torch.Generator().manual_seed(11)
+    inputs = _inputs(theirs.model, gen, with_old=True, beta=extra["beta"], band=epsilon)
+    B, C = inputs["completion_ids"].shape
+    shape = (B, C) if ratio_shape == "token" else (B, 1)
+    inputs["importance_sampling_ratio"] = 0.5 + torch.rand(shape, generator=gen)
+
+    loss_t, grads_t = _loss_and_grads(theirs, copy.deepcopy(inputs))
+    loss_o, grads_o = _loss_and_grads(ours, copy.deepcopy(inputs))
+    torch.testing.assert_close(loss_o, loss_t, rtol=1e-5, atol=1e-7)
+    for name, g_t in grads_t.items():
+        torch.testing.assert_close(grads_o[name], g_t, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+    assert ours._metrics["train"]["policy_loss"][-1] == pytest.approx(theirs._metrics["train"]["policy_loss"][-1],
+                                                                      rel=1e-5, abs=1e-7)
+
+
+def test_moe_router_aux_loss_matches_trl(moe_dir, tmp_path):
+    """A Qwen3-MoE policy with TRL's router load-balancing loss added to the GSPO loss."""
+    config = dict(importance_sampling_level="sequence", loss_type="grpo", epsilon=3e-4, epsilon_high=4e-4,
+                  router_aux_loss_coef=0.05)
+    theirs = _trainer(trl.GRPOTrainer, moe_dir, tmp_path, **config)
+    ours = _trainer(GRPOTrainer, moe_dir, tmp_path, **config)
+    assert theirs.aux_loss_enabled and ours.aux_loss_enabled
+    inputs = _inputs(theirs.model, torch.Generator().manual_seed(2), with_old=True, beta=0.0)
+    loss_t, grads_t = _loss_and_grads(theirs, copy.deepcopy(inputs))
+    loss_o, grads_o = _loss_and_grads(ours, copy.deepcopy(inputs))
+    torch.testing.assert_close(loss_o, loss_t, rtol=1e-5, atol=1e-7)
+    router = [name for name in grads_t if "gate.weight" in name or "router" in name]
+    assert router and any(float(grads_t[name].abs().max()) > 1e-6 for name in router)
+    for name, g_t in grads_t.items():
+        torch.testing.assert_close(grads_o[name], g_t, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+    assert ours._metrics["train"]["aux_loss"][-1] == pytest.approx(theirs._metrics["train"]["aux_loss"][-1], rel=1e-5)
 
 
 def test_on_policy_inputs_without_old_logps(policy_dir, tmp_path):
