@@ -125,19 +125,33 @@ def flatten_token_layout(
     if cu_seqlens.device != device:
         raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but labels is on {device}")
     N = labels.shape[0]
-    cu_host = cu_seqlens.detach().to("cpu", torch.int64)
-    if int(cu_host[0]) != 0:
-        raise ValueError(f"cu_seqlens must start at 0, got cu_seqlens[0] = {int(cu_host[0])}")
-    lengths = cu_host[1:] - cu_host[:-1]
-    if bool((lengths < 0).any()):
-        bad = int(torch.nonzero(lengths < 0)[0, 0])
-        raise ValueError(f"cu_seqlens must be non-decreasing, but cu_seqlens[{bad + 1}] < cu_seqlens[{bad}]")
-    if int(cu_host[-1]) != N:
-        raise ValueError(f"cu_seqlens must end at N = {N} (the number of labels), got cu_seqlens[-1] = {int(cu_host[-1])}")
     S = cu_seqlens.numel() - 1
     token_mask = _token_mask(mask, (N,), device)
-    seq_index = torch.repeat_interleave(torch.arange(S), lengths).to(device)
-    return TokenBatch(token_mask, seq_index, cu_host.to(device=device, dtype=torch.int32), S, (N,))
+    cu = cu_seqlens.detach()
+    lengths = cu[1:] - cu[:-1]
+    if not tracing():
+        cu_host = cu.to("cpu", torch.int64)
+        if int(cu_host[0]) != 0:
+            raise ValueError(f"cu_seqlens must start at 0, got cu_seqlens[0] = {int(cu_host[0])}")
+        host_lengths = cu_host[1:] - cu_host[:-1]
+        if bool((host_lengths < 0).any()):
+            bad = int(torch.nonzero(host_lengths < 0)[0, 0])
+            raise ValueError(f"cu_seqlens must be non-decreasing, but cu_seqlens[{bad + 1}] < cu_seqlens[{bad}]")
+        if int(cu_host[-1]) != N:
+            raise ValueError(
+                f"cu_seqlens must end at N = {N} (the number of labels), got cu_seqlens[-1] = {int(cu_host[-1])}"
+            )
+    seq_index = torch.repeat_interleave(torch.arange(S, device=device), lengths.to(torch.int64), output_size=N)
+    return TokenBatch(token_mask, seq_index, cu.to(torch.int32), S, (N,))
+
+
+def tracing() -> bool:
+    """True under ``torch.compile`` tracing: value checks (a host sync each) are skipped there.
+
+    Shape, dtype and device checks always run; the checks that read values (labels in range,
+    ``cu_seqlens`` well formed) run in eager mode only.
+    """
+    return torch.compiler.is_compiling()
 
 
 def _token_mask(mask: Optional[Tensor], shape: tuple, device: torch.device) -> Tensor:
@@ -158,7 +172,7 @@ def check_labels(labels: Tensor, batch: TokenBatch, vocab_size: int) -> Tensor:
     flat = labels.reshape(-1).to(torch.int64)
     counted = batch.mask > 0
     bad = counted & ((flat < 0) | (flat >= vocab_size))
-    if flat.numel() and bool(bad.any()):
+    if flat.numel() and not tracing() and bool(bad.any()):
         index = int(torch.nonzero(bad)[0, 0])
         raise ValueError(
             f"labels must lie in [0, {vocab_size}) (the vocabulary size) at unmasked positions; "

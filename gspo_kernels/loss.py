@@ -9,7 +9,7 @@ from torch import Tensor, nn
 
 from gspo_kernels import backends
 from gspo_kernels.config import GSPOConfig
-from gspo_kernels.layout import check_linear, check_logits, check_same_device, prepare_loss_inputs
+from gspo_kernels.layout import check_linear, check_logits, check_same_device, prepare_loss_inputs, tracing
 from gspo_kernels.objective import LossOutput, gspo_objective
 
 Scalar = Union[None, int, float, Tensor]
@@ -198,7 +198,7 @@ def _checked_labels(labels: Tensor, vocab_size: int) -> Tensor:
     if labels.dtype.is_floating_point or labels.dtype == torch.bool or labels.dtype.is_complex:
         raise TypeError(f"labels must be an integer tensor, got {labels.dtype}")
     flat = labels.reshape(-1).to(torch.int64)
-    if flat.numel() and bool(((flat < 0) | (flat >= vocab_size)).any()):
+    if flat.numel() and not tracing() and bool(((flat < 0) | (flat >= vocab_size)).any()):
         raise ValueError(f"labels must lie in [0, {vocab_size}) (the vocabulary size), got values in "
                          f"[{int(flat.min())}, {int(flat.max())}]")
     return flat
