@@ -104,6 +104,7 @@ def _register_autograd() -> None:
     def logits_setup(ctx, inputs, output):
         logits, labels, active, temperature, _return_entropy, inplace_backward = inputs
         _logp, entropy, lse = output
+        ctx.set_materialize_grads(False)  # no zero-filled gradients for unused outputs
         ctx.save_for_backward(logits, labels, active, lse, entropy)
         ctx.temperature = temperature
         ctx.inplace = inplace_backward
@@ -127,6 +128,7 @@ def _register_autograd() -> None:
     def linear_setup(ctx, inputs, output):
         hidden, weight, bias, labels, active, temperature, _return_entropy, row_block, vocab_block, save_cols = inputs
         _logp, entropy, lse, saved = output
+        ctx.set_materialize_grads(False)  # else the unused `saved` output gets an [N, save_cols] zero gradient
         ctx.save_for_backward(hidden, weight, bias, labels, active, lse, entropy, saved)
         ctx.temperature = temperature
         ctx.blocks = (row_block, vocab_block, save_cols)
@@ -227,7 +229,9 @@ def linear_logprobs(
         )
     rows = as_rows(hidden)
     labels, active = _flags(labels, active)
-    save_cols = saved_columns(rows.shape[0], weight.shape[0], VOCAB_BLOCK, SAVE_LOGITS_BYTES)
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (rows, weight, bias))
+    budget = SAVE_LOGITS_BYTES if needs_grad else 0  # no backward will read them
+    save_cols = saved_columns(rows.shape[0], weight.shape[0], VOCAB_BLOCK, budget)
     logp, entropy, _lse, _saved = torch.ops.gspo_kernels.linear_fwd(
         rows, weight, bias, labels, active, float(temperature), bool(return_entropy), ROW_BLOCK, VOCAB_BLOCK,
         save_cols,
