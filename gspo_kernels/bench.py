@@ -141,17 +141,26 @@ def build_impl(name: str, case: Dict, inputs: Dict) -> Tuple[Callable, List]:
             raise Skip(f"backend {backend!r} unavailable: {backends.unavailable_reason(backend)}")
         if not impl.supports(device):
             raise Skip(f"backend {backend!r} does not run on {device.type} (GPU-only)")
-        if name == "gspo-cpu-recompute":  # no logits kept between forward and backward: the least memory
-            from gspo_kernels import cpu_backend
 
-            cpu_backend.SAVE_LOGITS_BYTES = 0
     if case["path"] == "linear":
         hidden = inputs["hidden"].requires_grad_()
         weight = inputs["weight"].requires_grad_()
         leaves = [hidden, weight]
         if name.startswith("gspo-"):
-            return (lambda: gk.fused_linear_gspo_loss(hidden, weight, labels, adv, old, mask=mask,
-                                                      backend=backend).loss), leaves
+            def step():
+                return gk.fused_linear_gspo_loss(hidden, weight, labels, adv, old, mask=mask, backend=backend).loss
+
+            if name != "gspo-cpu-recompute":
+                return step, leaves
+            from gspo_kernels import cpu_backend
+
+            def recompute_step():  # no logits kept between forward and backward: the least memory
+                budget, cpu_backend.SAVE_LOGITS_BYTES = cpu_backend.SAVE_LOGITS_BYTES, 0
+                try:
+                    return step()
+                finally:
+                    cpu_backend.SAVE_LOGITS_BYTES = budget
+            return recompute_step, leaves
         if name == "plain-torch":
             def step():
                 logp = (hidden @ weight.T).float().log_softmax(-1).gather(-1, labels[..., None])[..., 0]
