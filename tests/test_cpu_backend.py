@@ -274,7 +274,7 @@ def test_bf16_no_worse_than_plain_bf16(path):
         ref_grad = ref_grad @ weight16.double()  # dH = dZ @ W
         plain_grad = plain_grad.double() @ weight16.double()
     margin = 2**-8 * abs(expected.loss.item())
-    assert abs(float(out.loss) - float(expected.loss)) <= abs(float(plain.loss) - float(expected.loss)) + margin
+    assert abs(out.loss.item() - expected.loss.item()) <= abs(plain.loss.item() - expected.loss.item()) + margin
     assert rel_err(grad, ref_grad) <= rel_err(plain_grad, ref_grad) + 2**-8
 
 
