@@ -57,16 +57,24 @@ class _OnlineSoftmax:
 
 
 def _logit_grad(z: Tensor, lse: Tensor, entropy: Tensor, g: Tensor, h: Optional[Tensor], local: Tensor, tau: float) -> Tensor:
-    """``dL/dlogits`` of one tile: ``(g/tau)(onehot - p) - (h/tau) p (log p + H)`` (``z`` is scaled)."""
-    logp_all = z - lse[:, None]
-    p = torch.exp(logp_all)
-    dz = p * (-g)[:, None]
+    """``dL/dlogits`` of one tile: ``(g/tau)(onehot - p) - (h/tau) p (log p + H)``.
+
+    ``z`` is the scaled logits tile, a fresh tensor that is overwritten in place (one tile of memory).
+    """
+    dz = z.sub_(lse[:, None])  # log p
     if h is not None:
-        dz -= torch.where(p > 0, (h[:, None] * p) * (logp_all + entropy[:, None]), 0.0)
+        log_p_plus_h = dz + entropy[:, None]
+    dz.exp_()  # p
+    if h is not None:
+        # p (log p + H) with 0 where p == 0 (a -inf logit): no 0 * inf
+        entropy_term = log_p_plus_h.mul_(dz).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0).mul_(h[:, None])
+    dz.mul_((-g / tau)[:, None])
+    if h is not None:
+        dz.sub_(entropy_term.mul_(1.0 / tau))
     inside = (local >= 0) & (local < z.shape[1])
     rows = torch.nonzero(inside)[:, 0]
-    dz[rows, local[rows]] += g[rows]
-    return dz / tau
+    dz[rows, local[rows]] += g[rows] / tau
+    return dz
 
 
 def _nonzero_rows(grad_logp: Optional[Tensor], grad_entropy: Optional[Tensor], n: int, device) -> Tensor:
@@ -122,16 +130,19 @@ class _LogitsLogprobs(torch.autograd.Function):
                 if ctx.inplace:
                     target.zero_()
                 continue
-            sub = rows[index - r0] if index.numel() < r1 - r0 else rows
+            full = index.numel() == r1 - r0
+            sub = rows if full else rows[index - r0]
             g = g_all[index]
             h = grad_entropy[index] if grad_entropy is not None else None
-            tiles = []
-            for v0 in range(0, V, VOCAB_BLOCK):
-                z = sub[:, v0 : v0 + VOCAB_BLOCK].to(lse.dtype) / tau
-                tiles.append(_logit_grad(z, lse[index], entropy[index], g, h, labels[index] - v0, tau).to(grad.dtype))
-            if ctx.inplace and index.numel() < r1 - r0:
+            if ctx.inplace and not full:
                 target.zero_()
-            target[index - r0] = torch.cat(tiles, dim=1)
+            for v0 in range(0, V, VOCAB_BLOCK):
+                z = sub[:, v0 : v0 + VOCAB_BLOCK].to(lse.dtype, copy=True).div_(tau)
+                dz = _logit_grad(z, lse[index], entropy[index], g, h, labels[index] - v0, tau)
+                if full:
+                    target[:, v0 : v0 + VOCAB_BLOCK].copy_(dz)
+                else:
+                    target[index - r0, v0 : v0 + VOCAB_BLOCK] = dz.to(grad.dtype)
         return grad, None, None, None, None, None
 
 
