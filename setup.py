@@ -17,7 +17,7 @@ def _extensions():
     ext = CppExtension(
         name="gspo_kernels._C",
         sources=sources,
-        extra_compile_args={"cxx": ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", *openmp]},
+        extra_compile_args={"cxx": ["-O3", "-g0", "-march=native", "-ffast-math", "-fno-finite-math-only", *openmp]},
         extra_link_args=openmp,
     )
     return [ext], {"build_ext": BuildExtension.with_options(use_ninja=False)}
