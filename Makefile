@@ -24,7 +24,7 @@ demo: $(STAMP)
 	$(VENV)/bin/gspo-kernels bench --quick
 
 test: $(STAMP)
-	$(PY) -m pytest tests -q -ra
+	GSPO_KERNELS_REQUIRE_EXT=1 $(PY) -m pytest tests -q -ra
 
 bench: $(STAMP)
 	$(VENV)/bin/gspo-kernels bench

@@ -5,9 +5,11 @@ entropies, losses, metrics and gradients, like the other backends. fp16/bf16 inp
 is computed in fp32 from the exactly representable inputs, so log-probs stay within 1e-5 of the
 float64 values of the same rounded inputs; gradients come back in the input dtype, so they may
 differ by one rounding of the output (2^-8 relative for bf16, 2^-11 for fp16) plus 1e-5.
-The whole module is skipped, with the reason, when the extension is not built.
+The whole module is skipped, with the reason, when the extension is not built, except where
+GSPO_KERNELS_REQUIRE_EXT=1 (set by `make test`, so CI fails instead of skipping).
 """
 
+import os
 import sys
 
 import pytest
@@ -19,6 +21,8 @@ from tests.cases import configs, make_case
 
 cpu_backend = pytest.importorskip("gspo_kernels.cpu_backend")
 _REASON = backends.unavailable_reason("cpu")
+if _REASON is not None and os.environ.get("GSPO_KERNELS_REQUIRE_EXT") == "1":
+    raise RuntimeError(f"GSPO_KERNELS_REQUIRE_EXT=1 but the C++ extension is not available: {_REASON}")
 pytestmark = pytest.mark.skipif(_REASON is not None, reason=f"C++ extension not available: {_REASON}")
 
 RTOL = 1e-5
