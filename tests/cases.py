@@ -61,7 +61,8 @@ def make_case(logp_of, vocab: int, *, packed: bool, lengths=(5, 1, 0, 7), pad_to
     old = (current - shift - torch.randn(token_shape) * spread * 0.5).float()
     adv = torch.randn(token_shape if per_token_adv else (S,))
     adv[..., 0] = 0.0  # a zero advantage
-    ref = (current + torch.randn(token_shape) * 0.05).float()
+    # 0.3 apart: the KL gradient (1 - e^d) stays well above the fp32 rounding of logp
+    ref = (current + torch.randn(token_shape) * 0.3).float()
     is_ratio = (1 + 0.1 * torch.rand(token_shape)).float()
     return Case(labels, adv, old, ref, is_ratio, mask, cu, vocab)
 
