@@ -82,3 +82,76 @@ def configs(levels=LEVELS, loss_types=LOSS_TYPES):
             entropy_coef=0.01 if i % 3 == 1 else 0.0,
         ))
     return out
+
+
+RTOL = 1e-5
+LENGTHS = (5, 1, 0, 7)  # includes a length-1 and an empty response
+
+
+def rel_err(a, b) -> float:
+    """Largest absolute difference relative to the largest reference entry."""
+    a, b = a.detach().double(), b.detach().double()
+    if b.numel() == 0:
+        return 0.0
+    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-30))
+
+
+def check_against_reference(out, expected, grads, ref_grads, rtol: float = RTOL) -> None:
+    """Loss (relative to max(|loss|, 1): it sums terms of either sign), metrics and gradients."""
+    assert torch.isfinite(out.loss)
+    loss_err = abs(out.loss.item() - expected.loss.item()) / max(abs(expected.loss.item()), 1.0)
+    assert loss_err < rtol, (out.loss.item(), expected.loss.item())
+    assert set(out.metrics) == set(expected.metrics)
+    for name, value in expected.metrics.items():
+        assert abs(float(out.metrics[name]) - float(value)) <= rtol * max(1.0, abs(float(value))), name
+    for g, r in zip(grads, ref_grads):
+        assert rel_err(g, r) < rtol
+
+
+def logits_loss_vs_reference(backend: str, config, packed: bool, V: int = 97):
+    """``gspo_loss(backend=...)`` and the float64 oracle on one fresh case: ``(out, expected, [grad], [ref])``."""
+    import gspo_kernels as gk
+    from gspo_kernels import reference
+
+    shape = (sum(LENGTHS), V) if packed else (len(LENGTHS), 8, V)
+    logits = torch.randn(*shape) * 2
+    case = make_case(lambda y: reference.token_logprobs(logits.double(), y, temperature=config.temperature), V,
+                     packed=packed, lengths=LENGTHS)
+    x = logits.clone().requires_grad_()
+    out = gk.gspo_loss(x, case.labels, case.advantages, case.old_logprobs, config=config, backend=backend,
+                       **case.kwargs(config.beta > 0))
+    grads = torch.autograd.grad(out.loss, (x,))
+    x64 = logits.double().requires_grad_()
+    expected = reference.gspo_loss(x64, case.labels, case.advantages, case.old_logprobs, config=config,
+                                   **case.kwargs(config.beta > 0))
+    return out, expected, grads, torch.autograd.grad(expected.loss, (x64,))
+
+
+def linear_loss_vs_reference(backend: str, config, packed: bool, V: int = 75, H: int = 24):
+    """``fused_linear_gspo_loss(backend=...)`` (with a bias) and the float64 oracle: grads of (hidden, W, b)."""
+    import gspo_kernels as gk
+    from gspo_kernels import reference
+
+    tokens = (sum(LENGTHS),) if packed else (len(LENGTHS), 8)
+    hidden, weight, bias = torch.randn(*tokens, H), torch.randn(V, H) * 0.3, torch.randn(V) * 0.1
+    case = make_case(
+        lambda y: reference.linear_logprobs(hidden, weight, y, bias=bias, temperature=config.temperature), V,
+        packed=packed, lengths=LENGTHS,
+    )
+    h, w, b = (t.clone().requires_grad_() for t in (hidden, weight, bias))
+    out = gk.fused_linear_gspo_loss(h, w, case.labels, case.advantages, case.old_logprobs, bias=b, config=config,
+                                    backend=backend, **case.kwargs(config.beta > 0))
+    grads = torch.autograd.grad(out.loss, (h, w, b))
+    h64, w64, b64 = (t.double().requires_grad_() for t in (hidden, weight, bias))
+    expected = reference.fused_linear_gspo_loss(h64, w64, case.labels, case.advantages, case.old_logprobs, bias=b64,
+                                                config=config, **case.kwargs(config.beta > 0))
+    return out, expected, grads, torch.autograd.grad(expected.loss, (h64, w64, b64))
+
+
+def assert_zero_rows_get_zero_dh(config, grads, ref_grads) -> None:
+    """Rows that carry no gradient (masked, clipped, zero advantage) get exactly zero dH."""
+    if config.beta == 0 and config.entropy_coef == 0:
+        H = ref_grads[0].shape[-1]
+        zero_rows = ref_grads[0].reshape(-1, H).abs().amax(dim=1) == 0
+        assert bool(zero_rows.any())
+        assert torch.all(grads[0].reshape(-1, H)[zero_rows] == 0)

@@ -17,7 +17,13 @@ import torch
 
 import gspo_kernels as gk
 from gspo_kernels import backends, reference
-from tests.cases import configs, make_case
+from tests.cases import (
+    assert_zero_rows_get_zero_dh,
+    check_against_reference,
+    configs,
+    linear_loss_vs_reference,
+    logits_loss_vs_reference,
+)
 
 cpu_backend = pytest.importorskip("gspo_kernels.cpu_backend")
 _REASON = backends.unavailable_reason("cpu")
@@ -182,35 +188,11 @@ def test_linear_op_frozen_weight_and_3d_hidden():
 # ---------------------------------------------------------------------------------------------
 
 
-def check_against_reference(out, expected, grads, ref_grads, rtol=RTOL):
-    assert torch.isfinite(out.loss)
-    loss_err = abs(out.loss.item() - expected.loss.item()) / max(abs(expected.loss.item()), 1.0)
-    assert loss_err < rtol, (out.loss.item(), expected.loss.item())
-    assert set(out.metrics) == set(expected.metrics)
-    for name, value in expected.metrics.items():
-        assert abs(float(out.metrics[name]) - float(value)) <= rtol * max(1.0, abs(float(value))), name
-    for g, r in zip(grads, ref_grads):
-        assert rel_err(g, r) < rtol
-
-
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 @pytest.mark.parametrize("config", configs(), ids=lambda c: f"{c.importance_sampling_level}-{c.loss_type}")
 def test_gspo_loss_logits_path(config, packed):
-    V = 97  # the multi-chunk rows (V > 2048) are covered at the operator level above
-    lengths = (5, 1, 0, 7)
-    shape = (sum(lengths), V) if packed else (len(lengths), 8, V)
-    logits = torch.randn(*shape) * 2
-    case = make_case(lambda y: reference.token_logprobs(logits.double(), y, temperature=config.temperature), V,
-                     packed=packed, lengths=lengths)
-    x = logits.clone().requires_grad_()
-    out = gk.gspo_loss(x, case.labels, case.advantages, case.old_logprobs, config=config, backend="cpu",
-                       **case.kwargs(config.beta > 0))
-    (grad,) = torch.autograd.grad(out.loss, x)
-    x64 = logits.double().requires_grad_()
-    expected = reference.gspo_loss(x64, case.labels, case.advantages, case.old_logprobs, config=config,
-                                   **case.kwargs(config.beta > 0))
-    (ref_grad,) = torch.autograd.grad(expected.loss, x64)
-    check_against_reference(out, expected, [grad], [ref_grad])
+    # V = 97: the multi-chunk rows (V > 2048) are covered at the operator level above
+    check_against_reference(*logits_loss_vs_reference("cpu", config, packed))
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
@@ -218,28 +200,9 @@ def test_gspo_loss_logits_path(config, packed):
 def test_fused_linear_gspo_loss(config, packed, monkeypatch):
     monkeypatch.setattr(cpu_backend, "ROW_BLOCK", 4)
     monkeypatch.setattr(cpu_backend, "VOCAB_BLOCK", 32)
-    V, H = 75, 24
-    lengths = (5, 1, 0, 7)
-    tokens = (sum(lengths),) if packed else (len(lengths), 8)
-    hidden = torch.randn(*tokens, H)
-    weight = torch.randn(V, H) * 0.3
-    bias = torch.randn(V) * 0.1
-    case = make_case(
-        lambda y: reference.linear_logprobs(hidden, weight, y, bias=bias, temperature=config.temperature), V,
-        packed=packed, lengths=lengths,
-    )
-    h, w, b = (t.clone().requires_grad_() for t in (hidden, weight, bias))
-    out = gk.fused_linear_gspo_loss(h, w, case.labels, case.advantages, case.old_logprobs, bias=b, config=config,
-                                    backend="cpu", **case.kwargs(config.beta > 0))
-    grads = torch.autograd.grad(out.loss, (h, w, b))
-    h64, w64, b64 = (t.double().requires_grad_() for t in (hidden, weight, bias))
-    expected = reference.fused_linear_gspo_loss(h64, w64, case.labels, case.advantages, case.old_logprobs, bias=b64,
-                                                config=config, **case.kwargs(config.beta > 0))
-    ref_grads = torch.autograd.grad(expected.loss, (h64, w64, b64))
+    out, expected, grads, ref_grads = linear_loss_vs_reference("cpu", config, packed)
     check_against_reference(out, expected, grads, ref_grads)
-    if config.beta == 0 and config.entropy_coef == 0:
-        zero_rows = ref_grads[0].reshape(-1, H).abs().amax(dim=1) == 0
-        assert torch.all(grads[0].reshape(-1, H)[zero_rows] == 0)
+    assert_zero_rows_get_zero_dh(config, grads, ref_grads)
 
 
 @pytest.mark.parametrize("path", ["logits", "linear"])

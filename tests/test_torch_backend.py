@@ -10,31 +10,15 @@ import torch
 
 import gspo_kernels as gk
 from gspo_kernels import reference, torch_backend
-from tests.cases import configs, make_case
-
-RTOL = 1e-5
-
-
-def rel_err(a, b):
-    a, b = a.double(), b.double()
-    scale = b.abs().max().clamp(min=1e-30) if b.numel() else 1.0
-    return float((a - b).abs().max() / scale) if b.numel() else 0.0
-
-
-def policy(logits, temperature):
-    return lambda labels: reference.token_logprobs(logits, labels, temperature=temperature)
-
-
-def check_against_reference(out, expected, grads, ref_grads, rtol=RTOL):
-    assert torch.isfinite(out.loss)
-    # the loss sums terms of either sign: compare it relative to max(|loss|, 1)
-    loss_err = abs(out.loss.item() - expected.loss.item()) / max(abs(expected.loss.item()), 1.0)
-    assert loss_err < rtol, (out.loss.item(), expected.loss.item())
-    assert set(out.metrics) == set(expected.metrics)
-    for name, value in expected.metrics.items():
-        assert abs(float(out.metrics[name]) - float(value)) <= rtol * max(1.0, abs(float(value))), name
-    for g, r in zip(grads, ref_grads):
-        assert rel_err(g, r) < rtol
+from tests.cases import (
+    RTOL,
+    assert_zero_rows_get_zero_dh,
+    check_against_reference,
+    configs,
+    linear_loss_vs_reference,
+    logits_loss_vs_reference,
+    rel_err,
+)
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
@@ -42,20 +26,7 @@ def check_against_reference(out, expected, grads, ref_grads, rtol=RTOL):
 def test_logits_path_fp32(config, packed, monkeypatch):
     monkeypatch.setattr(torch_backend, "VOCAB_BLOCK", 40)  # several vocabulary tiles, the last one partial
     monkeypatch.setattr(torch_backend, "ROW_BLOCK", 3)
-    V = 97
-    lengths = (5, 1, 0, 7)
-    shape = (sum(lengths), V) if packed else (len(lengths), 8, V)
-    logits = torch.randn(*shape) * 2
-    case = make_case(policy(logits.double(), config.temperature), V, packed=packed, lengths=lengths)
-    x = logits.clone().requires_grad_()
-    out = gk.gspo_loss(x, case.labels, case.advantages, case.old_logprobs, config=config, backend="torch",
-                       **case.kwargs(config.beta > 0))
-    (grad,) = torch.autograd.grad(out.loss, x)
-    x64 = logits.double().requires_grad_()
-    expected = reference.gspo_loss(x64, case.labels, case.advantages, case.old_logprobs, config=config,
-                                   **case.kwargs(config.beta > 0))
-    (ref_grad,) = torch.autograd.grad(expected.loss, x64)
-    check_against_reference(out, expected, [grad], [ref_grad])
+    check_against_reference(*logits_loss_vs_reference("torch", config, packed))
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
@@ -63,30 +34,9 @@ def test_logits_path_fp32(config, packed, monkeypatch):
 def test_linear_path_fp32(config, packed, monkeypatch):
     monkeypatch.setattr(torch_backend, "LINEAR_VOCAB_BLOCK", 32)
     monkeypatch.setattr(torch_backend, "LINEAR_ROW_BLOCK", 5)
-    V, H = 75, 24
-    lengths = (5, 1, 0, 7)
-    tokens = (sum(lengths),) if packed else (len(lengths), 8)
-    hidden = torch.randn(*tokens, H)
-    weight = torch.randn(V, H) * 0.3
-    bias = torch.randn(V) * 0.1
-
-    def logp_of(labels):
-        return reference.linear_logprobs(hidden, weight, labels, bias=bias, temperature=config.temperature)
-
-    case = make_case(logp_of, V, packed=packed, lengths=lengths)
-    h, w, b = (t.clone().requires_grad_() for t in (hidden, weight, bias))
-    out = gk.fused_linear_gspo_loss(h, w, case.labels, case.advantages, case.old_logprobs, bias=b, config=config,
-                                    backend="torch", **case.kwargs(config.beta > 0))
-    grads = torch.autograd.grad(out.loss, (h, w, b))
-    h64, w64, b64 = (t.double().requires_grad_() for t in (hidden, weight, bias))
-    expected = reference.fused_linear_gspo_loss(h64, w64, case.labels, case.advantages, case.old_logprobs, bias=b64,
-                                                config=config, **case.kwargs(config.beta > 0))
-    ref_grads = torch.autograd.grad(expected.loss, (h64, w64, b64))
+    out, expected, grads, ref_grads = linear_loss_vs_reference("torch", config, packed)
     check_against_reference(out, expected, grads, ref_grads)
-    # rows that carry no gradient (masked tokens, clipped responses, zero advantage) get exactly zero dH
-    if config.beta == 0 and config.entropy_coef == 0:
-        zero_rows = ref_grads[0].reshape(-1, H).abs().amax(dim=1) == 0
-        assert torch.all(grads[0].reshape(-1, H)[zero_rows] == 0)
+    assert_zero_rows_get_zero_dh(config, grads, ref_grads)
 
 
 @pytest.mark.parametrize("path", ["logits", "linear"])

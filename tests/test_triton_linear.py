@@ -18,11 +18,10 @@ import sys
 import pytest
 import torch
 
-import gspo_kernels as gk
-from gspo_kernels import backends, reference
+from gspo_kernels import backends
 from gspo_kernels.triton.linear_function import linear_logprobs
 from gspo_kernels.triton.linear_logprobs import linear_logprobs_forward
-from tests.cases import configs, make_case
+from tests.cases import assert_zero_rows_get_zero_dh, check_against_reference, configs, linear_loss_vs_reference
 
 RTOL = 1e-5
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -223,36 +222,9 @@ def triton_backend_or_skip():
 @pytest.mark.parametrize("config", configs(), ids=lambda c: f"{c.importance_sampling_level}-{c.loss_type}")
 def test_fused_linear_gspo_loss_triton_fp32(config, packed):
     triton_backend_or_skip()
-    V, H = 75, 24
-    lengths = (5, 1, 0, 7)
-    tokens = (sum(lengths),) if packed else (len(lengths), 8)
-    hidden = torch.randn(*tokens, H)
-    weight = torch.randn(V, H) * 0.3
-    bias = torch.randn(V) * 0.1
-
-    def logp_of(labels):
-        return reference.linear_logprobs(hidden, weight, labels, bias=bias, temperature=config.temperature)
-
-    case = make_case(logp_of, V, packed=packed, lengths=lengths)
-    h, w, b = (t.clone().requires_grad_() for t in (hidden, weight, bias))
-    out = gk.fused_linear_gspo_loss(h, w, case.labels, case.advantages, case.old_logprobs, bias=b, config=config,
-                                    backend="triton", **case.kwargs(config.beta > 0))
-    grads = torch.autograd.grad(out.loss, (h, w, b))
-    h64, w64, b64 = (t.double().requires_grad_() for t in (hidden, weight, bias))
-    expected = reference.fused_linear_gspo_loss(h64, w64, case.labels, case.advantages, case.old_logprobs, bias=b64,
-                                                config=config, **case.kwargs(config.beta > 0))
-    ref_grads = torch.autograd.grad(expected.loss, (h64, w64, b64))
-    loss_err = abs(out.loss.item() - expected.loss.item()) / max(abs(expected.loss.item()), 1.0)
-    assert loss_err < RTOL, (out.loss.item(), expected.loss.item())
-    assert set(out.metrics) == set(expected.metrics)
-    for name, value in expected.metrics.items():
-        assert abs(float(out.metrics[name]) - float(value)) <= RTOL * max(1.0, abs(float(value))), name
-    for g, r in zip(grads, ref_grads):
-        assert rel_err(g, r) < RTOL
-    if config.beta == 0 and config.entropy_coef == 0:  # rows without gradient: exactly zero dH
-        zero_rows = ref_grads[0].reshape(-1, H).abs().amax(dim=1) == 0
-        assert bool(zero_rows.any())
-        assert torch.all(grads[0].reshape(-1, H)[zero_rows] == 0)
+    out, expected, grads, ref_grads = linear_loss_vs_reference("triton", config, packed)
+    check_against_reference(out, expected, grads, ref_grads)
+    assert_zero_rows_get_zero_dh(config, grads, ref_grads)
 
 
 _STATIC_CHECK = r"""
