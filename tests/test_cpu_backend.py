@@ -18,6 +18,7 @@ import torch
 import gspo_kernels as gk
 from gspo_kernels import backends, reference
 from tests.cases import (
+    assert_bf16_no_worse_than_plain_bf16,
     assert_zero_rows_get_zero_dh,
     check_against_reference,
     configs,
@@ -207,42 +208,7 @@ def test_fused_linear_gspo_loss(config, packed, monkeypatch):
 
 @pytest.mark.parametrize("path", ["logits", "linear"])
 def test_bf16_no_worse_than_plain_bf16(path):
-    torch.manual_seed(7)
-    B, T, V, H = 4, 16, 1000, 64
-    if path == "logits":
-        logits16 = (torch.randn(B, T, V) * 3).bfloat16()
-        base = logits16.double()
-    else:
-        hidden16, weight16 = torch.randn(B, T, H).bfloat16(), (torch.randn(V, H) * 0.2).bfloat16()
-        base = hidden16.double() @ weight16.double().T
-    labels = torch.randint(0, V, (B, T))
-    old = (reference.token_logprobs(base, labels) - torch.randn(B, 1) * 2e-4).float()
-    adv = torch.randn(B)
-    cfg = gk.GSPOConfig()
-    x64 = base.clone().requires_grad_()
-    expected = reference.gspo_loss(x64, labels, adv, old, config=cfg)
-    (ref_grad,) = torch.autograd.grad(expected.loss, x64)
-    # the plain bf16 PyTorch path sets the bar: bf16 log_softmax + gather, the same objective in fp32
-    plain_in = base.bfloat16().requires_grad_()
-    plain_logp = plain_in.log_softmax(-1).gather(-1, labels[..., None])[..., 0].float()
-    from gspo_kernels.layout import prepare_loss_inputs
-    from gspo_kernels.objective import gspo_objective
-
-    plain = gspo_objective(plain_logp.reshape(-1), None, prepare_loss_inputs(labels, adv, V, old_logprobs=old), cfg)
-    (plain_grad,) = torch.autograd.grad(plain.loss, plain_in)
-    if path == "logits":
-        x = logits16.clone().requires_grad_()
-        out = gk.gspo_loss(x, labels, adv, old, config=cfg, backend="cpu")
-        (grad,) = torch.autograd.grad(out.loss, x)
-    else:
-        h, w = hidden16.clone().requires_grad_(), weight16.clone().requires_grad_()
-        out = gk.fused_linear_gspo_loss(h, w, labels, adv, old, config=cfg, backend="cpu")
-        (grad,) = torch.autograd.grad(out.loss, h)
-        ref_grad = ref_grad @ weight16.double()  # dH = dZ @ W
-        plain_grad = plain_grad.double() @ weight16.double()
-    margin = 2**-8 * abs(expected.loss.item())
-    assert abs(out.loss.item() - expected.loss.item()) <= abs(plain.loss.item() - expected.loss.item()) + margin
-    assert rel_err(grad, ref_grad) <= rel_err(plain_grad, ref_grad) + 2**-8
+    assert_bf16_no_worse_than_plain_bf16("cpu", path)
 
 
 def test_all_masked_and_empty_batches():
