@@ -103,6 +103,28 @@ def logits_grad_tile(
     return dl, keep
 
 
+@triton.jit
+def load_h_slab(base_ptr, row_off, offs_h, h_ok, stride_h, EVEN_H: tl.constexpr, UPCAST: tl.constexpr):
+    """``[rows, BLOCK_H]`` operand slab at ``base + row_off[:, None] + offs_h * stride_h`` (masked unless EVEN_H)."""
+    ptrs = base_ptr + row_off[:, None] + offs_h[None, :] * stride_h
+    if EVEN_H:
+        x = tl.load(ptrs)
+    else:
+        x = tl.load(ptrs, mask=h_ok[None, :], other=0.0)
+    if UPCAST:
+        x = x.to(tl.float32)
+    return x
+
+
+@triton.jit
+def as_dot_operand(dl, weight_ptr, UPCAST: tl.constexpr):
+    """The logits-gradient tile in the dtype of the other ``tl.dot`` operand (fp32 when upcasting)."""
+    if UPCAST:
+        return dl
+    else:
+        return dl.to(weight_ptr.dtype.element_ty)
+
+
 @triton.jit(do_not_specialize=["M", "T"])
 def linear_logprobs_bwd_kernel(
     hidden_ptr, weight_ptr, bias_ptr, rows_ptr, labels_ptr, lse_ptr, ent_ptr, g_logp_ptr, g_ent_ptr,
@@ -142,10 +164,7 @@ def linear_logprobs_bwd_kernel(
     if keep:
         if COMPUTE_DB:
             tl.atomic_add(db_ptr + offs_v, tl.sum(dl, axis=0), mask=v_ok, sem="relaxed")
-        if UPCAST:
-            dl_op = dl
-        else:
-            dl_op = dl.to(weight_ptr.dtype.element_ty)
+        dl_op = as_dot_operand(dl, weight_ptr, UPCAST)
         w_row_off = tl.minimum(offs_v, V - 1).to(tl.int64) * stride_wv
         dh_row_off = offs_n.to(tl.int64) * H
         dw_row_off = offs_v.to(tl.int64) * H
@@ -153,26 +172,14 @@ def linear_logprobs_bwd_kernel(
             offs_h = h0 + tl.arange(0, BLOCK_HG)
             h_ok = offs_h < H
             if COMPUTE_DH:
-                w_ptrs = weight_ptr + w_row_off[:, None] + offs_h[None, :] * stride_wh
-                if EVEN_H:
-                    w = tl.load(w_ptrs)
-                else:
-                    w = tl.load(w_ptrs, mask=h_ok[None, :], other=0.0)
-                if UPCAST:
-                    w = w.to(tl.float32)
+                w = load_h_slab(weight_ptr, w_row_off, offs_h, h_ok, stride_wh, EVEN_H, UPCAST)
                 part = tl.dot(dl_op, w, input_precision="ieee")
                 tl.atomic_add(
                     dh_ptr + dh_row_off[:, None] + offs_h[None, :], part,
                     mask=row_ok[:, None] & h_ok[None, :], sem="relaxed",
                 )
             if COMPUTE_DW:
-                x_ptrs = hidden_ptr + h_row_off[:, None] + offs_h[None, :] * stride_hh
-                if EVEN_H:
-                    x = tl.load(x_ptrs)
-                else:
-                    x = tl.load(x_ptrs, mask=h_ok[None, :], other=0.0)
-                if UPCAST:
-                    x = x.to(tl.float32)
+                x = load_h_slab(hidden_ptr, h_row_off, offs_h, h_ok, stride_hh, EVEN_H, UPCAST)
                 part = tl.dot(tl.trans(dl_op), x, input_precision="ieee")
                 tl.atomic_add(
                     dw_ptr + dw_row_off[:, None] + offs_h[None, :], part,
@@ -206,21 +213,12 @@ def linear_logprobs_bwd_dh_kernel(
             HAS_BIAS, HAS_ENTROPY_GRAD, FILTER, EVEN_H, UPCAST, BLOCK_N, BLOCK_V, BLOCK_H,
         )
         if keep:
-            if UPCAST:
-                dl_op = dl
-            else:
-                dl_op = dl.to(weight_ptr.dtype.element_ty)
+            dl_op = as_dot_operand(dl, weight_ptr, UPCAST)
             w_row_off = tl.minimum(offs_v, V - 1).to(tl.int64) * stride_wv
             for h0 in range(0, H, BLOCK_H):
                 offs_h = h0 + tl.arange(0, BLOCK_H)
                 h_ok = offs_h < H
-                w_ptrs = weight_ptr + w_row_off[:, None] + offs_h[None, :] * stride_wh
-                if EVEN_H:
-                    w = tl.load(w_ptrs)
-                else:
-                    w = tl.load(w_ptrs, mask=h_ok[None, :], other=0.0)
-                if UPCAST:
-                    w = w.to(tl.float32)
+                w = load_h_slab(weight_ptr, w_row_off, offs_h, h_ok, stride_wh, EVEN_H, UPCAST)
                 ptrs = dh_ptr + dh_row_off[:, None] + offs_h[None, :]
                 io_mask = row_ok[:, None] & h_ok[None, :]
                 acc = tl.load(ptrs, mask=io_mask, other=0.0)
@@ -260,20 +258,11 @@ def linear_logprobs_bwd_dw_kernel(
             if COMPUTE_DB:
                 db += tl.sum(dl, axis=0)
             if COMPUTE_DW:
-                if UPCAST:
-                    dl_t = tl.trans(dl)
-                else:
-                    dl_t = tl.trans(dl.to(weight_ptr.dtype.element_ty))
+                dl_t = tl.trans(as_dot_operand(dl, weight_ptr, UPCAST))
                 for h0 in range(0, H, BLOCK_H):
                     offs_h = h0 + tl.arange(0, BLOCK_H)
                     h_ok = offs_h < H
-                    x_ptrs = hidden_ptr + h_row_off[:, None] + offs_h[None, :] * stride_hh
-                    if EVEN_H:
-                        x = tl.load(x_ptrs)
-                    else:
-                        x = tl.load(x_ptrs, mask=h_ok[None, :], other=0.0)
-                    if UPCAST:
-                        x = x.to(tl.float32)
+                    x = load_h_slab(hidden_ptr, h_row_off, offs_h, h_ok, stride_hh, EVEN_H, UPCAST)
                     ptrs = dw_ptr + dw_row_off[:, None] + offs_h[None, :]
                     io_mask = v_ok[:, None] & h_ok[None, :]
                     acc = tl.load(ptrs, mask=io_mask, other=0.0)
