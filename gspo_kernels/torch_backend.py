@@ -77,13 +77,14 @@ def _logit_grad(z: Tensor, lse: Tensor, entropy: Tensor, g: Tensor, h: Optional[
     return dz
 
 
-def _nonzero_rows(grad_logp: Optional[Tensor], grad_entropy: Optional[Tensor], n: int, device) -> Tensor:
+def _carries_gradient(grad_logp: Optional[Tensor], grad_entropy: Optional[Tensor], n: int, device) -> Tensor:
+    """``[N]`` bool: rows whose incoming gradient (of log-prob or entropy) is non-zero."""
     carries = torch.zeros(n, dtype=torch.bool, device=device)
     if grad_logp is not None:
         carries |= grad_logp != 0
     if grad_entropy is not None:
         carries |= grad_entropy != 0
-    return torch.nonzero(carries)[:, 0]
+    return carries
 
 
 class _LogitsLogprobs(torch.autograd.Function):
@@ -119,8 +120,7 @@ class _LogitsLogprobs(torch.autograd.Function):
         tau = ctx.temperature
         V = logits.shape[-1]
         n = labels.shape[0]
-        carries = torch.zeros(n, dtype=torch.bool, device=logits.device)
-        carries[_nonzero_rows(grad_logp, grad_entropy, n, logits.device)] = True
+        carries = _carries_gradient(grad_logp, grad_entropy, n, logits.device)
         grad = logits.detach() if ctx.inplace else torch.zeros_like(logits)
         g_all = grad_logp if grad_logp is not None else torch.zeros_like(lse)
         for r0, r1, rows in row_blocks(logits.detach(), ROW_BLOCK):
@@ -192,7 +192,7 @@ class _LinearLogprobs(torch.autograd.Function):
         cdt = lse.dtype
         device = hidden.device
         rows_all = as_rows(hidden)
-        index_all = _nonzero_rows(grad_logp, grad_entropy, n, device)
+        index_all = torch.nonzero(_carries_gradient(grad_logp, grad_entropy, n, device))[:, 0]
         g_all = grad_logp if grad_logp is not None else torch.zeros_like(lse)
         d_hidden = torch.zeros(n, H, dtype=cdt, device=device)
         d_weight = torch.zeros(V, H, dtype=cdt, device=device)  # fp32 accumulator: V*H*4 bytes
