@@ -33,4 +33,4 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check gspo_kernels tests benchmarks
 
 clean:
-	rm -rf $(VENV) build *.egg-info gspo_kernels/_C*.so
+	rm -rf $(VENV) build *.egg-info gspo_kernels/backends/_C*.so

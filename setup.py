@@ -15,7 +15,7 @@ def _extensions():
 
     openmp = [] if sys.platform == "darwin" else ["-fopenmp"]
     ext = CppExtension(
-        name="gspo_kernels._C",
+        name="gspo_kernels.backends._C",
         sources=sources,
         extra_compile_args={"cxx": ["-O3", "-g0", "-march=native", "-ffast-math", "-fno-finite-math-only", *openmp]},
         extra_link_args=openmp,
@@ -45,7 +45,7 @@ setup(
         "plot": ["matplotlib"],
         "gpu": ["flash-attn"],
     },
-    entry_points={"console_scripts": ["gspo-kernels=gspo_kernels.cli:main"]},
+    entry_points={"console_scripts": ["gspo-kernels=gspo_kernels.tools.cli:main"]},
     ext_modules=ext_modules,
     cmdclass=cmdclass,
 )

@@ -2,7 +2,7 @@
 
 Each (case, implementation) is one benchmark; peers that are not installed and backends that
 cannot run on this device are skipped with the reason. ``extra_info`` holds the throughput
-(GFLOP/s for the hidden-state path, GB/s for the logits path; formulas in gspo_kernels/bench.py).
+(GFLOP/s for the hidden-state path, GB/s for the logits path; formulas in gspo_kernels/tools/bench.py).
 """
 
 import os

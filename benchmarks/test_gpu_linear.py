@@ -88,7 +88,7 @@ def make_inputs(n: int = N, h: int = H, v: int = V, device: str = "cuda", dtype=
 
 def triton_step(hidden, weight, labels, grad_logp: torch.Tensor, deterministic: bool = False):
     """Forward seconds, backward seconds of the Triton path for one incoming gradient."""
-    from gspo_kernels.triton.linear_function import linear_logprobs
+    from gspo_kernels.backends.triton.autograd import linear_logprobs
 
     state = {}
 

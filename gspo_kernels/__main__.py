@@ -1,5 +1,5 @@
 import sys
 
-from gspo_kernels.cli import main
+from gspo_kernels.tools.cli import main
 
 sys.exit(main())

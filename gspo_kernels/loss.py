@@ -9,8 +9,8 @@ from torch import Tensor, nn
 
 from gspo_kernels import backends
 from gspo_kernels.config import GSPOConfig
-from gspo_kernels.layout import check_linear, check_logits, check_same_device, prepare_loss_inputs, tracing
 from gspo_kernels.objective import LossOutput, gspo_objective
+from gspo_kernels.validation import check_linear, check_logits, check_same_device, prepare_loss_inputs, tracing
 
 Scalar = Union[None, int, float, Tensor]
 

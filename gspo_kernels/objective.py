@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from gspo_kernels.config import GSPOConfig
-from gspo_kernels.layout import LossInputs
+from gspo_kernels.validation import LossInputs
 
 
 class LossOutput(NamedTuple):

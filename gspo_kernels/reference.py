@@ -14,13 +14,13 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from gspo_kernels.config import GSPOConfig
-from gspo_kernels.layout import (
+from gspo_kernels.objective import LossOutput
+from gspo_kernels.validation import (
     LossInputs,
     check_linear,
     check_logits,
     prepare_loss_inputs,
 )
-from gspo_kernels.objective import LossOutput
 
 
 def token_logprobs(

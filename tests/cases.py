@@ -166,8 +166,8 @@ def assert_bf16_no_worse_than_plain_bf16(backend: str, path: str) -> None:
     """
     import gspo_kernels as gk
     from gspo_kernels import reference
-    from gspo_kernels.layout import prepare_loss_inputs
     from gspo_kernels.objective import gspo_objective
+    from gspo_kernels.validation import prepare_loss_inputs
 
     torch.manual_seed(7)
     B, T, V, H = 4, 16, 1000, 64

@@ -1,4 +1,4 @@
-"""backend="cpu" (the C++ extension gspo_kernels._C) against float64 math.
+"""backend="cpu" (the C++ extension gspo_kernels.backends._C) against float64 math.
 
 Tolerances: fp32 inputs within 1e-5 relative (of the largest reference entry) for log-probs,
 entropies, losses, metrics and gradients, like the other backends. fp16/bf16 inputs: the forward
@@ -26,7 +26,7 @@ from tests.cases import (
     logits_loss_vs_reference,
 )
 
-cpu_backend = pytest.importorskip("gspo_kernels.cpu_backend")
+cpu_backend = pytest.importorskip("gspo_kernels.backends.cpu")
 _REASON = backends.unavailable_reason("cpu")
 if _REASON is not None and os.environ.get("GSPO_KERNELS_REQUIRE_EXT") == "1":
     raise RuntimeError(f"GSPO_KERNELS_REQUIRE_EXT=1 but the C++ extension is not available: {_REASON}")
@@ -255,7 +255,7 @@ def test_auto_picks_cpu_backend():
 
 
 def test_missing_extension_says_not_built(monkeypatch):
-    monkeypatch.setitem(sys.modules, "gspo_kernels._C", None)  # makes `from gspo_kernels import _C` fail
+    monkeypatch.setitem(sys.modules, "gspo_kernels.backends._C", None)  # makes `from gspo_kernels import _C` fail
     monkeypatch.setattr(cpu_backend, "_registered", False)
     with pytest.raises(RuntimeError, match="not built"):
         cpu_backend.make_backend()
@@ -290,8 +290,8 @@ def _eager_and_compiled(step, hidden, weight):
 def test_torch_compile_fullgraph_over_cpu_ops_matches_eager():
     """The custom ops, their fake implementations and autograd formulas trace without graph breaks
     in both paths, with the PyTorch sequence stage on validated inputs."""
-    from gspo_kernels.layout import prepare_loss_inputs
     from gspo_kernels.objective import gspo_objective
+    from gspo_kernels.validation import prepare_loss_inputs
 
     hidden, weight, labels, adv, old, kw = _compile_case()
     cfg = gk.GSPOConfig(loss_type="bnpo", beta=0.04, entropy_coef=0.01)

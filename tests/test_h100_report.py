@@ -17,7 +17,7 @@ import pytest
 
 triton = pytest.importorskip("triton")
 
-from gspo_kernels import h100_report  # noqa: E402
+from gspo_kernels.tools import h100_report  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -30,10 +30,10 @@ def _is_kernel(obj) -> bool:
 
 
 def _kernel_modules():
-    import gspo_kernels.triton as package
+    import gspo_kernels.backends.triton as package
 
     for info in pkgutil.iter_modules(package.__path__):
-        module = importlib.import_module(f"gspo_kernels.triton.{info.name}")
+        module = importlib.import_module(f"gspo_kernels.backends.triton.{info.name}")
         kernels = {name for name, obj in vars(module).items()
                    if _is_kernel(obj) and obj.fn.__module__ == module.__name__}
         if kernels:

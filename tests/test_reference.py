@@ -106,7 +106,7 @@ def test_spec_gradient_formula_for_gspo():
     shift = torch.tensor([1e-5, -2e-3, 3e-3, 0.0], dtype=torch.float64)[:, None]  # 1: low clip, 2: high clip
     old = logp.detach() - shift
     adv = torch.tensor([0.7, -1.3, 0.4, 2.0], dtype=torch.float64)
-    from gspo_kernels.layout import prepare_loss_inputs
+    from gspo_kernels.validation import prepare_loss_inputs
 
     labels = torch.zeros(S, T, dtype=torch.long)
     inputs = prepare_loss_inputs(labels, adv, 1, old_logprobs=old, mask=mask)

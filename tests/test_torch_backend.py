@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import gspo_kernels as gk
-from gspo_kernels import reference, torch_backend
+from gspo_kernels import reference
+from gspo_kernels.backends import pytorch as torch_backend
 from tests.cases import (
     RTOL,
     assert_bf16_no_worse_than_plain_bf16,

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from gspo_kernels import available_backends
-from gspo_kernels.tasks import TASKS, ToyTokenizer, get_task, hf_tokenizer
-from gspo_kernels.trainer import (
+from gspo_kernels.train.tasks import TASKS, ToyTokenizer, get_task, hf_tokenizer
+from gspo_kernels.train.trainer import (
     TrainConfig,
     add_arguments,
     build_policy,

@@ -1,4 +1,4 @@
-"""Triton hidden-state path (``gspo_kernels/triton/linear_*.py``) against float64 math.
+"""Triton hidden-state path (``gspo_kernels/backends/triton/linear_*.py``) against float64 math.
 
 On machines without CUDA the kernels run in the Triton interpreter (conftest sets ``TRITON_INTERPRET=1``)
 with the small interpreter block sizes (16 rows x 32 vocabulary x 16 hidden), so every shape below spans
@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from gspo_kernels import backends
-from gspo_kernels.triton.linear_function import linear_logprobs
-from gspo_kernels.triton.linear_logprobs import linear_logprobs_forward
+from gspo_kernels.backends.triton.autograd import linear_logprobs
+from gspo_kernels.backends.triton.linear_forward import linear_logprobs_forward
 from tests.cases import assert_zero_rows_get_zero_dh, check_against_reference, configs, linear_loss_vs_reference
 
 RTOL = 1e-5
@@ -131,7 +131,7 @@ def test_active_rows_and_empty():
 
 def test_deterministic_default_follows_torch(monkeypatch):
     """``deterministic=None`` picks the atomic-free kernels when torch's deterministic mode is on."""
-    from gspo_kernels.triton import linear_function
+    from gspo_kernels.backends.triton import autograd as linear_function
 
     seen = []
     real = linear_function.linear_logprobs_backward
@@ -232,8 +232,8 @@ import os, subprocess, tempfile
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from gspo_kernels import h100_report
-from gspo_kernels.triton import linear_logprobs, linear_logprobs_backward
+from gspo_kernels.tools import h100_report
+from gspo_kernels.backends.triton import linear_forward as linear_logprobs, linear_backward as linear_logprobs_backward
 for cfg in linear_logprobs.H100_CONFIGS + linear_logprobs_backward.H100_CONFIGS:
     fn = cfg["fn"]
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in cfg["aligned"]}

@@ -17,11 +17,13 @@ triton = pytest.importorskip("triton")
 
 import gspo_kernels as gk  # noqa: E402
 from gspo_kernels import backends, reference  # noqa: E402
+from gspo_kernels.backends.triton import (
+    interpreter_active,  # noqa: E402
+    sequence,  # noqa: E402
+)
+from gspo_kernels.backends.triton.logits_backward import logprobs_backward  # noqa: E402
+from gspo_kernels.backends.triton.logits_forward import logprobs_forward  # noqa: E402
 from gspo_kernels.config import GSPOConfig  # noqa: E402
-from gspo_kernels.triton import sequence  # noqa: E402
-from gspo_kernels.triton.logprobs import logprobs_forward  # noqa: E402
-from gspo_kernels.triton.logprobs_backward import logprobs_backward  # noqa: E402
-from gspo_kernels.triton_backend import interpreter_active  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu" and not interpreter_active():

@@ -47,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gspo_kernels.triton.linear_logprobs import hidden_row_offsets, hidden_strides, interpreting, logits_tile
+from gspo_kernels.backends.triton.linear_forward import hidden_row_offsets, hidden_strides, interpreting, logits_tile
 
 # Tuned against the static sm_90a report (0 spills, HGMMA); see the module docstring of h100_report.
 # BLOCK_H: the K step of the logits recompute; BLOCK_HG: the width (wgmma N) of the dH / dW products.

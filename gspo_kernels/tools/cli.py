@@ -13,10 +13,10 @@ import sys
 from typing import Optional, Sequence
 
 SUBCOMMANDS = {
-    "verify": ("gspo_kernels.verify", "compare every available backend with the float64 reference"),
-    "bench": ("gspo_kernels.bench", "time and measure memory of every implementation side by side"),
-    "h100-report": ("gspo_kernels.h100_report", "compile every Triton kernel for sm_90a and report resources"),
-    "train": ("gspo_kernels.trainer", "run the reference GSPO/GRPO trainer on a toy task"),
+    "verify": ("gspo_kernels.tools.verify", "compare every available backend with the float64 reference"),
+    "bench": ("gspo_kernels.tools.bench", "time and measure memory of every implementation side by side"),
+    "h100-report": ("gspo_kernels.tools.h100_report", "compile every Triton kernel for sm_90a and report resources"),
+    "train": ("gspo_kernels.train.trainer", "run the reference GSPO/GRPO trainer on a toy task"),
 }
 
 

@@ -194,7 +194,7 @@ def _config(dtype: str, has_active: bool, has_entropy: bool) -> dict:
     }
 
 
-# Launch configurations for the static H100 report (see gspo_kernels/h100_report.py).
+# Launch configurations for the static H100 report (see gspo_kernels/tools/h100_report.py).
 H100_CONFIGS = [
     _config("bf16", True, True),
     _config("bf16", False, False),

@@ -2,7 +2,7 @@
 
 One step (the GSPO paper's setup):
 
-1. rollout: ``prompts_per_step`` prompts of a toy task (:mod:`gspo_kernels.tasks`), ``group_size``
+1. rollout: ``prompts_per_step`` prompts of a toy task (:mod:`gspo_kernels.train.tasks`), ``group_size``
    samples each with ``model.generate`` at ``temperature``; rewards; group advantages;
 2. the old policy's log-probs (and the reference model's, when ``beta > 0``), once per rollout batch;
 3. the rollout batch is split into ``num_minibatches`` mini-batches, one AdamW step each; the loss comes
@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from gspo_kernels.config import GSPOConfig
-from gspo_kernels.tasks import Task, ToyTokenizer, get_task
+from gspo_kernels.train.tasks import Task, ToyTokenizer, get_task
 
 LOSSES = ("reference", "torch", "cpu", "triton", "auto")
 ALGORITHMS = {

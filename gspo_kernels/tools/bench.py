@@ -152,7 +152,7 @@ def build_impl(name: str, case: Dict, inputs: Dict) -> Tuple[Callable, List]:
 
             if name != "gspo-cpu-recompute":
                 return step, leaves
-            from gspo_kernels import cpu_backend
+            from gspo_kernels.backends import cpu as cpu_backend
 
             def recompute_step():  # no logits kept between forward and backward: the least memory
                 budget, cpu_backend.SAVE_LOGITS_BYTES = cpu_backend.SAVE_LOGITS_BYTES, 0
@@ -310,7 +310,7 @@ def _worker_main() -> None:
 
 def run_one(impl: str, case: Dict, repeats: int, device: str, timeout: float) -> Dict:
     spec = json.dumps(dict(impl=impl, case=case, repeats=repeats, device=device))
-    cmd = [sys.executable, "-c", "from gspo_kernels.bench import _worker_main; _worker_main()"]
+    cmd = [sys.executable, "-c", "from gspo_kernels.tools.bench import _worker_main; _worker_main()"]
     env = dict(os.environ)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # gspo_kernels importable as here
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")

@@ -1,23 +1,28 @@
 """``backend="triton"``: fused Triton kernels for the logits path, the hidden-state path and the sequence stage.
 
+One module per kernel direction (``logits_forward``, ``logits_backward``, ``linear_forward``,
+``linear_backward``, ``sequence``: the ``@triton.jit`` kernel, then its launcher) and one module of
+autograd Functions (``autograd``) that composes them. Every kernel module exposes ``H100_CONFIGS``
+for ``gspo-kernels h100-report``.
+
 Runs on CUDA tensors, and on CPU tensors when the Triton interpreter is active (``TRITON_INTERPRET=1`` set
 before ``triton`` was imported), which is how the kernels are tested on machines without a GPU.
+Importing this package imports neither triton nor any kernel module, so that ``TRITON_INTERPRET`` can
+still be set first.
 """
 
 from __future__ import annotations
 
 import torch
 
-from gspo_kernels.backends import Backend
-
 
 def interpreter_active() -> bool:
     """True when the Triton kernels of this library run in the Triton interpreter (CPU tensors)."""
     from triton.runtime.interpreter import InterpretedFunction
 
-    from gspo_kernels.triton import logprobs
+    from gspo_kernels.backends.triton import logits_forward
 
-    return isinstance(logprobs._logprobs_fwd_kernel, InterpretedFunction)
+    return isinstance(logits_forward._logprobs_fwd_kernel, InterpretedFunction)
 
 
 def supports(device: torch.device) -> bool:
@@ -30,9 +35,9 @@ def supports(device: torch.device) -> bool:
     return False
 
 
-def make_backend() -> Backend:
+def make_backend():
     """The Triton backend; raises (reported by ``backends.load``) when triton cannot be imported."""
-    from gspo_kernels.triton.linear_function import linear_logprobs
-    from gspo_kernels.triton.logits_function import gspo_objective, logits_logprobs
+    from gspo_kernels.backends import Backend
+    from gspo_kernels.backends.triton.autograd import gspo_objective, linear_logprobs, logits_logprobs
 
     return Backend("triton", logits_logprobs, linear_logprobs, objective=gspo_objective, supports=supports)

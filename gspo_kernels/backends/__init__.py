@@ -33,9 +33,9 @@ logger = logging.getLogger("gspo_kernels")
 
 BACKENDS = ("torch", "triton", "cpu")
 _MODULES = {
-    "torch": "gspo_kernels.torch_backend",
-    "triton": "gspo_kernels.triton_backend",
-    "cpu": "gspo_kernels.cpu_backend",
+    "torch": "gspo_kernels.backends.pytorch",
+    "triton": "gspo_kernels.backends.triton",
+    "cpu": "gspo_kernels.backends.cpu",
 }
 _AUTO_ORDER = {"cuda": ("triton", "torch"), "cpu": ("cpu", "torch")}
 _announced: set = set()

@@ -1,4 +1,4 @@
-"""``backend="cpu"``: the C++ heavy stage (``csrc/``, built as ``gspo_kernels._C``) for CPU tensors.
+"""``backend="cpu"``: the C++ heavy stage (``csrc/``, built as ``gspo_kernels.backends._C``) for CPU tensors.
 
 The extension registers the operators ``torch.ops.gspo_kernels.{logits_fwd, logits_bwd, logits_bwd_,
 linear_fwd, linear_bwd}`` (schemas in ``csrc/module.cpp``). This module gives them fake (meta)
@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from gspo_kernels.backends import Backend
-from gspo_kernels.layout import as_rows
+from gspo_kernels.backends.tiling import as_rows
 
 logger = logging.getLogger("gspo_kernels")
 
@@ -41,15 +41,15 @@ _fp64_announced = False
 
 
 def _load_extension() -> None:
-    """Import ``gspo_kernels._C`` and register the fake and autograd implementations once."""
+    """Import ``gspo_kernels.backends._C`` and register the fake and autograd implementations once."""
     global _registered
     if _registered:
         return
     try:
-        importlib.import_module("gspo_kernels._C")  # registers torch.ops.gspo_kernels.*
+        importlib.import_module("gspo_kernels.backends._C")  # registers torch.ops.gspo_kernels.*
     except ImportError as exc:
         raise RuntimeError(
-            "the C++ extension gspo_kernels._C is not built (run `pip install --no-build-isolation -e .` "
+            "the C++ extension gspo_kernels.backends._C is not built (run `pip install --no-build-isolation -e .` "
             f"or `python setup.py build_ext --inplace` in the repository): {exc}"
         ) from exc
     _register_fakes()
@@ -155,7 +155,7 @@ def _register_autograd() -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# The backend functions (contract: gspo_kernels/backends.py).
+# The backend functions (contract: gspo_kernels/backends/__init__.py).
 # ---------------------------------------------------------------------------------------------
 
 
@@ -164,7 +164,7 @@ def _fp64_fallback(what: str):
     if not _fp64_announced:
         _fp64_announced = True
         logger.info("gspo_kernels: backend 'cpu' runs fp64 %s through the 'torch' backend (fp64 math)", what)
-    from gspo_kernels import torch_backend
+    from gspo_kernels.backends import pytorch as torch_backend
 
     return torch_backend
 

@@ -79,8 +79,8 @@ def check_case(backend: str, path: str, level: str, loss_type: str, dtype_name: 
 
     import gspo_kernels as gk
     from gspo_kernels import reference
-    from gspo_kernels.layout import prepare_loss_inputs
     from gspo_kernels.objective import gspo_objective
+    from gspo_kernels.validation import prepare_loss_inputs
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     gen = torch.Generator().manual_seed(seed)

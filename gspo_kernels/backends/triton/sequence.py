@@ -12,7 +12,7 @@ Two launches, both deterministic (fixed reduction order, no floating-point atomi
 2. ``_gspo_reduce_kernel``, a single program: sums the ``[S, NUM_PARTIALS]`` partials in a fixed order
    and writes the loss, the metrics and the two global gradient scales.
 
-The autograd Function (``logits_function.py``) turns the coefficients into gradients with
+The autograd Function (``autograd.py``) turns the coefficients into gradients with
 ``dL/dlogp = c * (grad_out * scale_logp)`` and ``dL/dH = mask * (grad_out * scale_entropy)``.
 
 Per token (GSPO_SPEC.md): ``c1 = min(w, delta)``, ``c2 = clamp(w, 1 - eps_low, 1 + eps_high)``,
@@ -441,7 +441,7 @@ def _sequence_config(level: str, **flags: bool) -> dict:
     }
 
 
-# Launch configurations for the static H100 report (see gspo_kernels/h100_report.py).
+# Launch configurations for the static H100 report (see gspo_kernels/tools/h100_report.py).
 H100_CONFIGS = [
     _sequence_config("sequence"),
     _sequence_config("sequence", HAS_KL=True, BIAS_CORRECTION_KL=True, HAS_IS_RATIO=True, HAS_DELTA=True),

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from gspo_kernels.triton.logprobs import MAX_BLOCK_V, NUM_WARPS, block_v, row_strides
+from gspo_kernels.backends.triton.logits_forward import MAX_BLOCK_V, NUM_WARPS, block_v, row_strides
 
 
 @triton.jit
@@ -198,5 +198,5 @@ def _config(dtype: str, has_grad_entropy: bool) -> dict:
     }
 
 
-# Launch configurations for the static H100 report (see gspo_kernels/h100_report.py).
+# Launch configurations for the static H100 report (see gspo_kernels/tools/h100_report.py).
 H100_CONFIGS = [_config("bf16", False), _config("bf16", True), _config("fp16", False), _config("fp32", True)]

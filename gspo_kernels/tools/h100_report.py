@@ -56,7 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def collect_configs() -> List[dict]:
     """``H100_CONFIGS`` of every module of ``gspo_kernels.triton``, in module order."""
-    import gspo_kernels.triton as package
+    import gspo_kernels.backends.triton as package
 
     configs = []
     for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda m: m.name):

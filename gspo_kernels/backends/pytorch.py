@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from gspo_kernels.backends import Backend
-from gspo_kernels.layout import as_rows, row_blocks
+from gspo_kernels.backends.tiling import as_rows, row_blocks
 
 ROW_BLOCK = 256  # rows per tile
 VOCAB_BLOCK = 16384  # vocabulary entries per tile (64 KiB of fp32 per row)

@@ -11,7 +11,7 @@ Every check raises ``ValueError`` / ``TypeError`` naming the argument, before an
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from typing import Optional, Union
 
 import torch
 from torch import Tensor
@@ -303,32 +303,3 @@ def check_linear(
         if tuple(bias.shape) != (weight.shape[0],):
             raise ValueError(f"bias must be [V] = ({weight.shape[0]},), got {tuple(bias.shape)}")
     check_same_device(labels=labels, hidden=hidden, weight=weight, bias=bias)
-
-
-def as_rows(x: Tensor) -> Tensor:
-    """``[..., D]`` -> ``[rows, D]`` without a copy when the leading dimensions can be merged."""
-    try:
-        return x.view(-1, x.shape[-1])
-    except RuntimeError:
-        return x.reshape(-1, x.shape[-1])
-
-
-def row_blocks(x: Tensor, block: int) -> Sequence[tuple]:
-    """Split ``x [..., D]`` into ``(r0, r1, view [r1 - r0, D])`` row blocks that never copy.
-
-    A ``[B, T, V]`` tensor whose ``B`` and ``T`` cannot be merged into one strided dimension
-    (e.g. ``logits[:, :-1]``) is walked one batch element at a time.
-    """
-    if x.dim() == 2:
-        return [(r0, min(r0 + block, x.shape[0]), x[r0 : r0 + block]) for r0 in range(0, x.shape[0], block)]
-    try:
-        flat = x.view(-1, x.shape[-1])
-        return row_blocks(flat, block)
-    except RuntimeError:
-        pass
-    out = []
-    T = x.shape[1]
-    for b in range(x.shape[0]):
-        for r0, r1, view in row_blocks(x[b], block):
-            out.append((b * T + r0, b * T + r1, view))
-    return out
