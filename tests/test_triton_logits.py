@@ -17,10 +17,7 @@ triton = pytest.importorskip("triton")
 
 import gspo_kernels as gk  # noqa: E402
 from gspo_kernels import backends, reference  # noqa: E402
-from gspo_kernels.backends.triton import (
-    interpreter_active,  # noqa: E402
-    sequence,  # noqa: E402
-)
+from gspo_kernels.backends.triton import interpreter_active, sequence  # noqa: E402
 from gspo_kernels.backends.triton.logits_backward import logprobs_backward  # noqa: E402
 from gspo_kernels.backends.triton.logits_forward import logprobs_forward  # noqa: E402
 from gspo_kernels.config import GSPOConfig  # noqa: E402

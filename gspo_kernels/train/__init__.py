@@ -1,0 +1,1 @@
+"""The reference GSPO / GRPO trainer (``gspo-kernels train``) and its toy tasks."""
