@@ -30,7 +30,7 @@ pytestmark = [
 ]
 
 N, H, V = 16384, 4096, 151936
-H100_BF16_TFLOPS = 790.0  # measured dense bf16 peak on this workplace's H100 (KERNEL_NOTES.md)
+H100_BF16_TFLOPS = 790.0  # measured dense bf16 peak on this workplace's H100 (docs/kernels.md)
 
 
 def step_flops(n: int = N, h: int = H, v: int = V) -> float:

@@ -12,7 +12,7 @@ LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 
 @dataclass(frozen=True)
 class GSPOConfig:
-    """Options of the GSPO / GRPO objective (see ``GSPO_SPEC.md``).
+    """Options of the GSPO / GRPO objective (see ``docs/math.md``).
 
     Attributes:
         importance_sampling_level: ``"sequence"`` (GSPO), ``"sequence_token"`` (GSPO-token) or

@@ -89,7 +89,7 @@ def gspo_loss(
     backend: str = "auto",
     inplace_backward: bool = False,
 ) -> LossOutput:
-    """The GSPO / GRPO loss from logits (see ``GSPO_SPEC.md``).
+    """The GSPO / GRPO loss from logits (see ``docs/math.md``).
 
     Args:
         logits: ``[B, T, V]`` (padded layout) or ``[N, V]`` (packed), any float dtype, any strides;

@@ -1,6 +1,6 @@
 """The oracle: plain PyTorch in float64, everything materialized, one response at a time.
 
-Every formula is the one in ``GSPO_SPEC.md``; nothing here is meant to be fast. Tests compare every
+Every formula is the one in ``docs/math.md``; nothing here is meant to be fast. Tests compare every
 backend with these functions. Input validation is shared with the fast paths (``layout.py``);
 the math is not.
 """

@@ -1,4 +1,4 @@
-"""The float64 oracle against values worked out by hand from GSPO_SPEC.md (not from the code's output).
+"""The float64 oracle against values worked out by hand from docs/math.md (not from the code's output).
 
 With V = 1 every log-prob is exactly 0, so ``r_t = -old_t`` and each loss below is a few exps.
 """

@@ -3,7 +3,7 @@
 On machines without CUDA the kernels run in the Triton interpreter (conftest sets ``TRITON_INTERPRET=1``)
 with the small interpreter block sizes (16 rows x 32 vocabulary x 16 hidden), so every shape below spans
 several row, vocabulary and hidden tiles with ragged last tiles. The interpreter's ``tl.dot`` is wrong
-for bf16 operands (KERNEL_NOTES.md): the kernels then upcast their dot operands to fp32 (the ``UPCAST``
+for bf16 operands (docs/kernels.md): the kernels then upcast their dot operands to fp32 (the ``UPCAST``
 constexpr), so the bf16 tests here check the bf16 loads/stores and roundings, not bf16 tensor cores.
 
 Tolerances: fp32 within 1e-5 relative to the largest reference entry (logp, entropy, dH, dW, dbias,

@@ -78,7 +78,7 @@ def logits_tile(
         else:
             a = tl.load(a_ptrs, mask=(offs_h < H)[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=(offs_h < H)[:, None], other=0.0)
-        if UPCAST:  # the interpreter's bf16 tl.dot is wrong (KERNEL_NOTES.md): multiply in fp32 there
+        if UPCAST:  # the interpreter's bf16 tl.dot is wrong (docs/kernels.md): multiply in fp32 there
             a = a.to(tl.float32)
             b = b.to(tl.float32)
         acc = tl.dot(a, b, acc, input_precision="ieee")

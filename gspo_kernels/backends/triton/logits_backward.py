@@ -5,7 +5,7 @@ For row ``t`` with ``x = logit / T``, ``p = exp(x - lse)``, label ``y``, incomin
 
     dL/dlogit[v] = (g / T) * (1[v = y] - p[v])  -  (h / T) * p[v] * (log p[v] + H_t)
 
-(see GSPO_SPEC.md, "Gradients"). One program per row, one streaming pass over the row. A row whose
+(see docs/math.md, "Gradients"). One program per row, one streaming pass over the row. A row whose
 ``g`` and ``h`` are both zero (masked, clipped or zero-advantage tokens, or rows that were inactive in the
 forward) is not read: the program only writes zeros. With the output pointing at the logits' own
 storage (``inplace``), each tile is read before it is overwritten by the same program, so no extra

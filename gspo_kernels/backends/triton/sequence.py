@@ -15,7 +15,7 @@ Two launches, both deterministic (fixed reduction order, no floating-point atomi
 The autograd Function (``autograd.py``) turns the coefficients into gradients with
 ``dL/dlogp = c * (grad_out * scale_logp)`` and ``dL/dH = mask * (grad_out * scale_entropy)``.
 
-Per token (GSPO_SPEC.md): ``c1 = min(w, delta)``, ``c2 = clamp(w, 1 - eps_low, 1 + eps_high)``,
+Per token (docs/math.md): ``c1 = min(w, delta)``, ``c2 = clamp(w, 1 - eps_low, 1 + eps_high)``,
 ``l = -min(c1 A, c2 A)``. ``dl/dw`` follows PyTorch's subgradients of the reference: the clamps pass the
 gradient on their closed intervals, and a tie ``c1 A == c2 A`` splits it in halves (``torch.minimum``).
 """
