@@ -5,6 +5,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
+PEERS ?= trl==1.16.0 liger-kernel==0.8.5 cut-cross-entropy==25.1.1
+VERL_SPEC ?= verl==0.9.1
+VERL_IMPORTS ?= ray omegaconf tensordict orjson codetiming hydra-core
 
 .PHONY: demo test bench lint clean install
 
@@ -13,7 +16,12 @@ $(STAMP): setup.py pyproject.toml $(wildcard csrc/*.cpp csrc/*.h)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
 	$(PY) -m pip install -q "$(TORCH_SPEC)" numpy
 	$(PY) -m pip install -q triton transformers pytest pytest-benchmark ruff matplotlib tqdm
-	$(PY) -m pip install -q trl liger-kernel cut-cross-entropy || echo "peers not installed: their comparisons are skipped"
+	# Test peers: a failed install fails the build (their parity tests must run, never skip).
+	$(PY) -m pip install -q $(PEERS)
+	# verl pins transformers/tensordict ranges it does not need on the CPU: installed without its
+	# dependency list, plus the few packages its loss and model-patching modules import.
+	$(PY) -m pip install -q --no-deps $(VERL_SPEC)
+	$(PY) -m pip install -q $(VERL_IMPORTS)
 	$(PY) -m pip install -q --no-build-isolation -e .
 	touch $(STAMP)
 
