@@ -9,10 +9,7 @@ import copy
 
 import pytest
 import torch
-
-trl = pytest.importorskip("trl")
-pytest.importorskip("datasets")
-
+import trl  # a test peer: `make test` installs it, and a missing peer fails this module (never skips)
 from datasets import Dataset  # noqa: E402
 
 from gspo_kernels.integrations.trl import GRPOTrainer  # noqa: E402
