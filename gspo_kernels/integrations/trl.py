@@ -53,6 +53,11 @@ from gspo_kernels.objective import gspo_objective
 from gspo_kernels.precision import backend_context
 from gspo_kernels.validation import prepare_loss_inputs
 
+_FSDP1_OWN_UNIT = (
+    "an lm_head wrapped as its own FSDP (FullyShardedDataParallel) unit is not supported by gspo_kernels' "
+    "GRPOTrainer; keep lm_head in the root FSDP unit (use_orig_params=True), or use FSDP2 (fully_shard), DDP or "
+    "DeepSpeed ZeRO-3"
+)
 SUPPORTED_IMPORTANCE_LEVELS = ("token", "sequence", "sequence_token")
 _MULTIMODAL_KEYS = (
     "pixel_values", "image_grid_thw", "pixel_attention_mask", "spatial_shapes", "image_sizes",
@@ -263,6 +268,8 @@ def install_head(model, *, temperature: float, fp32_head: bool, backend: str) ->
         else:
             hidden, labels = backbone.last_hidden_state, shift_labels
         head = self.get_output_embeddings()
+        if type(head).__name__ == "FullyShardedDataParallel":
+            raise ValueError(_FSDP1_OWN_UNIT)
         if not isinstance(head, torch.nn.Linear) or hasattr(head, "lora_A"):
             raise ValueError(
                 "gspo_kernels' GRPOTrainer needs a plain linear lm_head (its weight is the projection), got "
@@ -313,11 +320,8 @@ def _gathered(head: torch.nn.Linear, hidden_size: int):
     if getattr(weight, "ds_shape", None) is not None:  # DeepSpeed ZeRO-3: gathered by the caller's context
         return weight, bias
     if weight.dim() != 2 or weight.shape[-1] != hidden_size:
-        raise ValueError(
-            f"the lm_head weight is sharded where the head runs (shape {tuple(weight.shape)}): an lm_head wrapped as "
-            "its own FSDP (FullyShardedDataParallel) unit is not supported by gspo_kernels' GRPOTrainer; keep lm_head "
-            "in the root FSDP unit (use_orig_params=True), or use FSDP2 (fully_shard), DDP or DeepSpeed ZeRO-3"
-        )
+        raise ValueError(f"the lm_head weight is sharded where the head runs (shape {tuple(weight.shape)}): "
+                         + _FSDP1_OWN_UNIT)
     return weight, bias
 
 
