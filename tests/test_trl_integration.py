@@ -289,3 +289,19 @@ def test_two_step_train_end_to_end(policy_dir, tmp_path):
             assert key in row and row[key] == row[key]  # present and not NaN
     moved = sum(int(not torch.equal(before[n], p)) for n, p in trainer.model.named_parameters())
     assert moved > 0
+
+
+def test_deepspeed_zero3_loss_is_refused_naming_it(policy_dir, tmp_path):
+    """DeepSpeed is not installed here; a ZeRO-3 parameter (marked by its ``ds_shape``) is refused for the
+    loss, by name, while the gradient-free old-log-prob pass still runs."""
+    ours = _trainer(GRPOTrainer, policy_dir, tmp_path, importance_sampling_level="sequence", loss_type="grpo")
+    inputs = _inputs(ours.model, torch.Generator().manual_seed(5), with_old=True, beta=0.0)
+    ours.model.lm_head.weight.ds_shape = ours.model.lm_head.weight.shape
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+    attn = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+    with torch.no_grad():
+        logp, _, _ = ours._get_per_token_logps_and_entropies(ours.model, ids, attn, inputs["completion_ids"].shape[1])
+    assert torch.isfinite(logp).all()
+    ours.current_gradient_accumulation_steps = 1
+    with pytest.raises(ValueError, match="DeepSpeed ZeRO-3"):
+        ours._compute_loss(ours.model, inputs)

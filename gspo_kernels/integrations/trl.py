@@ -16,9 +16,10 @@ Sharded heads: the head runs *inside* the model's forward, where the wrappers ha
 parameters: DDP; FSDP1 (``use_orig_params=True``, lm_head inside the root unit or any unit enclosing the
 forward); FSDP2 (``fully_shard``; an lm_head that is its own unit has ``DTensor`` weight/bias, gathered
 with ``full_tensor`` whose gradient is reduce-scattered back to ``Shard(0)`` and averaged over the
-ranks, as FSDP2 averages every other gradient); DeepSpeed ZeRO-3 (TRL's ``maybe_gather_lm_head_ctx``).
-An lm_head that is its own FSDP1 unit (its weight still flat or empty in the enclosing forward) raises an
-error naming FSDP.
+ranks, as FSDP2 averages every other gradient). Refused with an error naming the wrapper: an lm_head
+that is its own FSDP1 unit (its weight still flat or empty in the enclosing forward), and the loss under
+DeepSpeed ZeRO-3 (the backward recomputes the logits from a weight ZeRO-3 has re-partitioned by then;
+the gradient-free old / reference passes run, gathered with TRL's ``maybe_gather_lm_head_ctx``).
 
 Honoured from ``GRPOConfig``: ``importance_sampling_level`` (``token``, ``sequence``, and
 ``sequence_token``, GSPO-token, which TRL's own trainer rejects), ``loss_type`` (``grpo``, ``bnpo``,
@@ -55,8 +56,7 @@ from gspo_kernels.validation import prepare_loss_inputs
 
 _FSDP1_OWN_UNIT = (
     "an lm_head wrapped as its own FSDP (FullyShardedDataParallel) unit is not supported by gspo_kernels' "
-    "GRPOTrainer; keep lm_head in the root FSDP unit (use_orig_params=True), or use FSDP2 (fully_shard), DDP or "
-    "DeepSpeed ZeRO-3"
+    "GRPOTrainer; keep lm_head in the root FSDP unit (use_orig_params=True), or use FSDP2 (fully_shard) or DDP"
 )
 SUPPORTED_IMPORTANCE_LEVELS = ("token", "sequence", "sequence_token")
 _MULTIMODAL_KEYS = (
@@ -318,6 +318,12 @@ def _gathered(head: torch.nn.Linear, hidden_size: int):
             bias = bias.full_tensor(grad_placements=grad)
         return weight, bias
     if getattr(weight, "ds_shape", None) is not None:  # DeepSpeed ZeRO-3: gathered by the caller's context
+        if torch.is_grad_enabled() and weight.requires_grad:
+            raise ValueError(
+                "DeepSpeed ZeRO-3: gspo_kernels' GRPOTrainer computes log-probs without gradient (old and reference "
+                "log-probs) under ZeRO-3, but not the loss: the library's backward recomputes the logits from the "
+                "lm_head weight, which ZeRO-3 has re-partitioned by then. Use ZeRO-2, FSDP, DDP, or trl.GRPOTrainer"
+            )
         return weight, bias
     if weight.dim() != 2 or weight.shape[-1] != hidden_size:
         raise ValueError(f"the lm_head weight is sharded where the head runs (shape {tuple(weight.shape)}): "
