@@ -100,11 +100,15 @@ def _worker(rank, port, policy_dir, out_dir):
             )
             gen = torch.Generator().manual_seed(100 + rank)  # each rank its own batch
             inputs = _inputs(model, gen, with_old=True, beta=0.0)
+            if rank == 1:  # fewer tokens on rank 1: token-weighted metrics differ from a mean of per-rank means
+                inputs["completion_mask"][:, 3:] = 0
             wrapped = _wrap(trainer.model, setting)
             ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
             attn = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
             with torch.no_grad():  # the old-log-prob pass, through the wrapper
-                old, _, _ = trainer._get_per_token_logps_and_entropies(wrapped, ids, attn, ids.shape[1] - 5)
+                old, ent, _ = trainer._get_per_token_logps_and_entropies(wrapped, ids, attn, ids.shape[1] - 5,
+                                                                         compute_entropy=True)
+            local_entropy = ((ent * inputs["completion_mask"]).sum(), inputs["completion_mask"].sum())
             offsets = torch.tensor([[6e-4], [-5e-4], [1e-4], [8e-4], [-2e-3], [0.0]])
             inputs["old_per_token_logps"] = (old - offsets) * inputs["completion_mask"]
             model.train()
@@ -114,6 +118,7 @@ def _worker(rank, port, policy_dir, out_dir):
             results[(setting, cls.__module__.split(".")[0], rank)] = dict(
                 loss=loss.detach(), old=old, grads=_full_grads(model, wrapped, setting),
                 clip=trainer._metrics["train"]["clip_ratio/region_mean"][-1],
+                metrics={k: v[-1] for k, v in trainer._metrics["train"].items()}, local_entropy=local_entropy,
             )
     # an lm_head that is its own FSDP1 unit: refused with an error naming FSDP
     import functools
@@ -172,6 +177,21 @@ def test_loss_and_gradients_match_stock_trl(results, setting):
             torch.testing.assert_close(ours["grads"][name], g, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
     clip = results[(setting, "trl", 0)]["clip"]
     assert 0 < clip < 1, "some responses must clip and some not"
+
+
+@pytest.mark.parametrize("setting", SETTINGS)
+def test_metrics_across_processes_weighted_as_trl(results, setting):
+    """Every metric TRL logs, equal on both ranks to stock TRL's; the entropy is token-weighted over ranks."""
+    for rank in range(WORLD):
+        theirs, ours = results[(setting, "trl", rank)]["metrics"], results[(setting, "gspo_kernels", rank)]["metrics"]
+        assert set(theirs) <= set(ours)
+        for name, value in theirs.items():
+            assert ours[name] == pytest.approx(value, rel=1e-5, abs=1e-6), name
+    (s0, n0), (s1, n1) = (results[(setting, "gspo_kernels", r)]["local_entropy"] for r in range(WORLD))
+    weighted, per_rank_mean = float((s0 + s1) / (n0 + n1)), float((s0 / n0 + s1 / n1) / 2)
+    # (a tiny random policy: entropies near log V everywhere, so the two readings differ by ~6e-5)
+    assert abs(weighted - per_rank_mean) > 2e-5, "the ranks must hold different token counts"
+    assert results[(setting, "gspo_kernels", 0)]["metrics"]["entropy"] == pytest.approx(weighted, abs=2e-6)
 
 
 @pytest.mark.parametrize("setting", ("fsdp2", "fsdp1"))
