@@ -305,3 +305,12 @@ def test_deepspeed_zero3_loss_is_refused_naming_it(policy_dir, tmp_path):
     ours.current_gradient_accumulation_steps = 1
     with pytest.raises(ValueError, match="DeepSpeed ZeRO-3"):
         ours._compute_loss(ours.model, inputs)
+
+
+def test_unknown_backend_raises(policy_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    with pytest.raises(ValueError, match="gspo_backend must be one of"):
+        GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(policy_dir), reward_funcs=trl_reward_function(TASK),
+                    args=_config(tmp_path), train_dataset=_dataset(), processing_class=hf_tokenizer(),
+                    gspo_backend="cuda")

@@ -74,6 +74,8 @@ class GRPOTrainer(trl.GRPOTrainer):
     """
 
     def __init__(self, *args: Any, gspo_backend: str = "auto", **kwargs: Any) -> None:
+        if gspo_backend != "auto" and gspo_backend not in backends.BACKENDS:
+            raise ValueError(f"gspo_backend must be one of {('auto',) + backends.BACKENDS}, got {gspo_backend!r}")
         super().__init__(*args, **kwargs)
         self.gspo_backend = gspo_backend
         self._check_supported()
