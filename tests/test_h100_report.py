@@ -50,7 +50,9 @@ def test_every_kernel_module_declares_its_launch_configs():
         top_level = {k for k in kernels if k.endswith("_kernel")}  # launched kernels, not @jit helpers
         assert top_level <= covered, f"{module.__name__}: kernels missing from H100_CONFIGS: {top_level - covered}"
         for config in configs:
-            assert {"name", "fn", "signature", "constexprs", "num_warps", "num_stages"} <= set(config)
+            assert {"name", "fn", "constexprs", "num_warps", "num_stages"} <= set(config)
+            full = h100_report.normalize_config(config)  # the signature is derived when not given
+            assert list(full["signature"]) == list(config["fn"].arg_names)
         seen += 1
     assert seen >= 3  # logprobs, logprobs_backward, sequence (and the hidden-state path's modules)
 
@@ -89,3 +91,38 @@ def test_h100_report_compiles_every_kernel_without_spills(tmp_path):
             assert row["hgmma"], f"{row['name']} has no HGMMA"
         if row["vector_loads"]:
             assert row["loads_128"], f"{row['name']} has no 128-bit loads"
+
+
+def test_signature_derived_from_the_kernel_arguments():
+    """Pointers from ``*_ptr`` names (fp32 unless told), fp32 scalars when listed, i32 otherwise; constexprs
+    from the annotation or the given values; a name the kernel does not have is an error."""
+    from gspo_kernels.backends.triton import logits_backward, sequence
+
+    sig = h100_report.derive_signature(
+        logits_backward._logprobs_bwd_kernel,
+        {"stride_v": 1, "dstride_v": 1, "BLOCK_V": 64, "HAS_ACTIVE": True, "HAS_GRAD_LOGP": True,
+         "HAS_GRAD_ENTROPY": False},
+        pointers={"logits_ptr": "bf16", "dlogits_ptr": "bf16", "labels_ptr": "i64", "active_ptr": "i1"},
+        floats=["inv_temperature"],
+    )
+    assert sig["logits_ptr"] == "*bf16" and sig["labels_ptr"] == "*i64" and sig["stats_ptr"] == "*fp32"
+    assert sig["stride_b"] == "i32" and sig["inv_temperature"] == "fp32"
+    assert sig["stride_v"] == "constexpr" and sig["BLOCK_V"] == "constexpr"
+    with pytest.raises(ValueError, match="no argument"):
+        h100_report.derive_signature(sequence._gspo_reduce_kernel, {}, floats=["entropy_coeff"])
+    with pytest.raises(ValueError, match="needs a value"):
+        h100_report.derive_signature(sequence._gspo_reduce_kernel, {"LOSS_TYPE": 0, "HAS_NUM_ITEMS": True})
+    # The sequence kernels' codes come from the config's tuples.
+    from gspo_kernels.config import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES
+
+    assert list(sequence.LEVEL_CODES) == list(IMPORTANCE_SAMPLING_LEVELS)
+    assert list(sequence.LOSS_TYPE_CODES) == list(LOSS_TYPES)
+
+
+def test_static_report_api_in_a_subprocess():
+    """``static_report`` (the function the other kernel tests call) returns the rows of the named modules."""
+    if not os.path.exists(h100_report._cuobjdump()):
+        pytest.skip("triton's bundled cuobjdump is missing")
+    rows = h100_report.static_report(modules=["sequence"], only="gspo_reduce")
+    assert [row["name"] for row in rows] == ["gspo_reduce[dapo]"]
+    assert h100_report.problems(rows[0]) == [] and rows[0]["registers"] > 0

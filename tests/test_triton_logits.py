@@ -19,8 +19,9 @@ import gspo_kernels as gk  # noqa: E402
 from gspo_kernels import backends, reference  # noqa: E402
 from gspo_kernels.backends.triton import interpreter_active, sequence  # noqa: E402
 from gspo_kernels.backends.triton.logits_backward import logprobs_backward  # noqa: E402
-from gspo_kernels.backends.triton.logits_forward import logprobs_forward  # noqa: E402
+from gspo_kernels.backends.triton.logits_forward import logprobs_forward, logsumexp_from_stats  # noqa: E402
 from gspo_kernels.config import GSPOConfig  # noqa: E402
+from gspo_kernels.validation import LossInputs, TokenBatch  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu" and not interpreter_active():
@@ -69,13 +70,15 @@ def test_forward_matches_float64(kind, V):
     active = torch.ones(9, dtype=torch.bool, device=DEVICE)
     active[[1, 5]] = False
     poison = [torch.full((9,), float("nan"), device=DEVICE) for _ in range(3)]
-    logp, entropy, lse = logprobs_forward(x, labels, active=active, temperature=0.7, return_entropy=True,
-                                          out=tuple(poison))
+    poison[2] = torch.full((2, 9), float("nan"), device=DEVICE)
+    logp, entropy, stats = logprobs_forward(x, labels, active=active, temperature=0.7, return_entropy=True,
+                                            out=tuple(poison))
     ref_logp, ref_entropy = _ref_logprobs(x64, labels, 0.7)
     on = active.cpu()
     _close(logp.cpu()[on], ref_logp[on])
     _close(entropy.cpu()[on], ref_entropy[on])
-    _close(lse.cpu()[on], torch.logsumexp(x64.reshape(-1, V) / 0.7, -1)[on])
+    _close(logsumexp_from_stats(stats, 0.7).cpu()[on], torch.logsumexp(x64.reshape(-1, V) / 0.7, -1)[on])
+    _close(stats[0].cpu()[on], x64.reshape(-1, V).max(-1).values[on])
     assert torch.equal(logp.cpu()[~on], torch.zeros(2)) and torch.equal(entropy.cpu()[~on], torch.zeros(2))
 
 
@@ -97,9 +100,9 @@ def test_backward_matches_float64(kind, V):
     h = torch.randn(9, device=DEVICE)
     g[[0, 4]] = 0.0
     h[[0, 4, 7]] = 0.0  # rows 0 and 4 carry no gradient at all; row 7 only through logp
-    logp, entropy, lse = logprobs_forward(x, labels, temperature=1.3, return_entropy=True)
+    logp, entropy, stats = logprobs_forward(x, labels, temperature=1.3, return_entropy=True)
     poisoned = torch.full(x.shape, float("nan"), device=DEVICE)
-    grad = logprobs_backward(x, labels, lse, entropy, g, h, temperature=1.3, out=poisoned)
+    grad = logprobs_backward(x, labels, stats, entropy, g, h, temperature=1.3, out=poisoned)
     assert grad is poisoned and torch.isfinite(grad).all()  # every element written, skipped rows included
 
     x64 = x64.clone().requires_grad_(True)
@@ -111,7 +114,7 @@ def test_backward_matches_float64(kind, V):
     assert torch.equal(got[[0, 4]], torch.zeros(2, V))
 
     inplace = x.clone()
-    out = logprobs_backward(inplace, labels, lse, entropy, g, h, temperature=1.3, inplace=True)
+    out = logprobs_backward(inplace, labels, stats, entropy, g, h, temperature=1.3, inplace=True)
     assert out is inplace and torch.equal(out.cpu(), grad.cpu())
 
 
@@ -329,7 +332,7 @@ def test_autograd_saves_only_token_sized_tensors():
         out = gk.gspo_loss(x[:, :-1], labels.to(DEVICE), adv.to(DEVICE), old.to(DEVICE), config=GSPOConfig(
             entropy_coef=0.01), backend="triton", mask=kwargs["mask"].to(DEVICE))
     N = labels.numel()
-    big = [t for t in saved if t.numel() > N]
+    big = [t for t in saved if t.numel() > 2 * N]  # the row statistics are [2, N]
     assert saved and all(t.untyped_storage().data_ptr() == x.untyped_storage().data_ptr() for t in big)
     out.loss.backward()
 
@@ -339,11 +342,12 @@ def test_sequence_stage_partials_and_poisoned_coefficients():
     mask = torch.tensor([1.0, 1.0, 0.0, 1.0], device=DEVICE)
     cu = torch.tensor([0, 3, 3, 4], dtype=torch.int32, device=DEVICE)
     logp = torch.tensor([-1.0, -2.0, float("nan"), -0.5], device=DEVICE)  # the masked token is garbage
-    coef, out = sequence.sequence_stage(
-        logp, None, mask, cu, torch.tensor([1.0, 2.0, -0.5], device=DEVICE), advantages_per_token=False,
-        old_logprobs=logp.detach() + 1e-4, ref_logprobs=None, is_ratio=None, num_items_in_batch=None,
-        importance_sampling_level="sequence", loss_type="grpo", epsilon_low=3e-4, epsilon_high=4e-4, delta=None,
-        beta=0.0, use_bias_correction_kl=False, max_completion_length=None, entropy_coef=0.0)
+    batch = TokenBatch(mask=mask, seq_index=torch.tensor([0, 0, 0, 2], device=DEVICE), cu_seqlens=cu, num_seqs=3,
+                       token_shape=(4,))
+    inputs = LossInputs(labels=torch.zeros(4, dtype=torch.long, device=DEVICE), batch=batch,
+                        advantages=torch.tensor([1.0, 2.0, -0.5], device=DEVICE), advantages_per_token=False,
+                        old_logprobs=logp.detach() + 1e-4, ref_logprobs=None, is_ratio=None, num_items_in_batch=None)
+    coef, out = sequence.sequence_stage(logp, None, inputs, GSPOConfig())
     assert torch.isfinite(coef).all() and torch.isfinite(out).all()
     assert float(coef[2]) == 0.0
     w = torch.exp(torch.tensor(-1e-4, dtype=torch.float64))  # inside the clip band for both responses
