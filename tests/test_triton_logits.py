@@ -409,3 +409,261 @@ def test_gpu_peak_memory(inplace):
         assert extra <= token_bytes, extra
     else:
         assert extra <= logits_bytes + token_bytes, extra
+
+
+# --- Edge inputs (issues 12 and 13): each test below failed before its fix. ------------------------------------
+
+
+class _Allocations(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records every op and every *new* tensor (storage not aliasing an input) of at least ``min_numel``."""
+
+    def __init__(self, min_numel: int):
+        super().__init__()
+        self.min_numel = min_numel
+        self.ops = []
+        self.big = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+        inputs = {t.untyped_storage().data_ptr() for t in leaves if isinstance(t, torch.Tensor)}
+        self.ops.append(str(func))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.numel() >= self.min_numel and \
+                    t.untyped_storage().data_ptr() not in inputs:
+                self.big.append((str(func), tuple(t.shape)))
+        return out
+
+
+def _softmax_stats64(x64, labels, temperature=1.0):
+    """Float64 log-prob of the label and entropy, with ``0 * log 0 = 0`` (``-inf`` logits allowed)."""
+    logp_all = torch.log_softmax(x64.reshape(-1, x64.shape[-1]) / temperature, dim=-1)
+    p = logp_all.exp()
+    entropy = -(p * torch.where(p > 0, logp_all, torch.zeros_like(logp_all))).sum(-1)
+    return logp_all.gather(1, labels.reshape(-1, 1).cpu())[:, 0], entropy
+
+
+def _grads_vs_float64(x, labels, g, h, temperature=1.0):
+    """(d(g.logp + h.H)/dx from the Triton backend, the same from float64, logp, H, and their float64 values)."""
+    xr = x.detach().clone().requires_grad_(True)
+    logp, entropy = gk.token_logprobs(xr, labels, temperature=temperature, return_entropy=True, backend="triton")
+    (logp * g + entropy * h).sum().backward()
+    x64 = x.detach().cpu().double().requires_grad_(True)
+    ref_logp, ref_entropy = _softmax_stats64(x64, labels, temperature)
+    (ref_logp * g.cpu().double() + ref_entropy * h.cpu().double()).sum().backward()
+    return xr.grad.cpu().double(), x64.grad, logp, entropy, ref_logp, ref_entropy
+
+
+def test_minus_inf_logits_give_finite_gradients_with_entropy():
+    """Issue 12 / 13 class 1: a -inf logit on a non-label column, the entropy carrying gradient:
+    ``p * (log p + H)`` with ``p = 0`` and ``log p = -inf`` was NaN."""
+    V = 40
+    x = torch.randn(6, V, device=DEVICE) * 2
+    x[:, 0] = float("-inf")
+    x[2, 5:30] = float("-inf")  # a row with most of its vocabulary masked out
+    labels = torch.randint(1, 5, (6,), device=DEVICE)
+    g, h = torch.randn(6, device=DEVICE), torch.randn(6, device=DEVICE)
+    grad, ref_grad, logp, entropy, ref_logp, ref_entropy = _grads_vs_float64(x, labels, g, h, temperature=0.7)
+    assert torch.isfinite(grad).all() and torch.isfinite(entropy).all()
+    _close(logp, ref_logp)
+    _close(entropy, ref_entropy)
+    _close(grad, ref_grad, atol=1e-6)
+    assert torch.equal(grad[:, 0], torch.zeros(6, dtype=grad.dtype))
+
+
+def test_minus_inf_logits_in_the_loss_with_entropy_coef():
+    """Class 1 reproducer, the whole loss: finite and equal to float64 (torch backend on float64 logits)."""
+    x = torch.randn(2, 4, 11)
+    x[..., 0] = float("-inf")
+    y = torch.randint(1, 11, (2, 4))
+    adv = torch.tensor([1.0, -1.0])
+    config = GSPOConfig(entropy_coef=0.01)
+    xl = x.clone().to(DEVICE).requires_grad_()
+    out = gk.gspo_loss(xl, y.to(DEVICE), adv.to(DEVICE), config=config, backend="triton")
+    out.loss.backward()
+    x64 = x.double().requires_grad_()
+    ref = gk.gspo_loss(x64, y, adv.double(), config=config, backend="torch")
+    ref.loss.backward()
+    assert torch.isfinite(out.loss) and torch.isfinite(xl.grad).all()
+    _close(out.loss, ref.loss)
+    _close(out.metrics["entropy"], ref.metrics["entropy"])
+    _close(xl.grad, x64.grad, atol=1e-7)
+
+
+@pytest.mark.parametrize("case", ["offset_1e4", "temperature_1e-6"])
+def test_precision_huge_offsets_and_tiny_temperature(case):
+    """Issue 13 class 4: fp32 logits near 1e4 (a single fp32 logsumexp rounds to ~5e-4 there) and
+    temperature 1e-6: gradients within 1e-5 of float64 (relative to their largest magnitude)."""
+    N, V = 8, 300
+    if case == "offset_1e4":
+        x, temperature = torch.randn(N, V, device=DEVICE) + 1e4, 1.0
+    else:
+        x, temperature = torch.randn(N, V, device=DEVICE), 1e-6
+        x[0, :2] = x[0].max() + torch.tensor([0.0, 3e-7])  # two near-tied maxima: p far from one-hot
+    labels = torch.randint(0, V, (N,), device=DEVICE)
+    labels[0] = 0
+    g, h = torch.randn(N, device=DEVICE), torch.randn(N, device=DEVICE)
+    grad, ref_grad, logp, entropy, ref_logp, ref_entropy = _grads_vs_float64(x, labels, g, h, temperature)
+    scale = float(ref_grad.abs().max())
+    assert float((grad - ref_grad).abs().max()) <= 1e-5 * scale, float((grad - ref_grad).abs().max()) / scale
+    _close(logp, ref_logp, rtol=1e-5, atol=1e-5)
+    _close(entropy, ref_entropy, rtol=1e-5, atol=1e-5)
+
+
+def test_out_of_range_labels_are_never_read():
+    """Decision 5: with the eager check skipped (torch.compile) an unmasked -100 or V must not be used as an
+    address: the logits sit inside a larger buffer whose neighbouring elements are finite, so an
+    out-of-bounds read would give a finite, wrong log-prob. The row's log-prob (and gradient) is NaN."""
+    from gspo_kernels.backends.triton.autograd import logits_logprobs
+
+    V = 23
+    storage = torch.randn(8, V, device=DEVICE)
+    x = storage[1:-1].detach().requires_grad_(True)  # shares the storage: rows 0 and 7 are its neighbours
+    labels = torch.tensor([3, -100, -1, V, 5, 0], device=DEVICE)
+    logp, _ = logits_logprobs(x, labels, return_entropy=False)
+    bad = torch.tensor([False, True, True, True, False, False])
+    assert torch.isnan(logp.cpu()[bad]).all() and torch.isfinite(logp.cpu()[~bad]).all()
+    g = torch.ones(6, device=DEVICE)
+    g[3] = 0.0  # an out-of-range row without gradient stays finite (zeros)
+    (grad,) = torch.autograd.grad(logp, x, g)
+    assert torch.isnan(grad.cpu()[[1, 2]]).all() and torch.equal(grad.cpu()[3], torch.zeros(V))
+    assert torch.isfinite(grad.cpu()[[0, 4, 5]]).all()
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_shifted_logits_no_second_logits_sized_buffer(inplace):
+    """Issue 12: ``model_output[:, :-1]`` with ``[B, T + 1, V]`` model output. Counted with a dispatch mode
+    during the backward: no new logits-sized tensor with ``inplace_backward`` (the gradient is written
+    into the model output), exactly one (the gradient) without; autograd's ``slice_backward`` never runs.
+    The gradient equals float64's, with zeros at the last position."""
+    B, T, V = 3, 5, 64
+    base = torch.randn(B, T + 1, V)
+    leaf = base.clone().to(DEVICE).requires_grad_(True)
+    model_out = leaf * 1.0  # a non-leaf, like a model's output
+    labels = torch.randint(0, V, (B, T), device=DEVICE)
+    adv = torch.tensor([1.0, -0.5, 0.3], device=DEVICE)
+    config = GSPOConfig(entropy_coef=0.01, importance_sampling_level="token")
+    out = gk.gspo_loss(model_out[:, :-1], labels, adv, config=config, backend="triton", inplace_backward=inplace)
+    with _Allocations(min_numel=B * T * V) as allocations:
+        (grad,) = torch.autograd.grad(out.loss, model_out)
+    assert "aten.slice_backward.default" not in allocations.ops
+    assert len(allocations.big) == (0 if inplace else 1), allocations.big
+    if inplace:
+        assert grad.data_ptr() == model_out.data_ptr()
+    x64 = base.double().requires_grad_(True)
+    ref = gk.gspo_loss(x64[:, :-1], labels.cpu(), adv.cpu().double(), config=config, backend="torch")
+    ref.loss.backward()
+    assert torch.equal(grad[:, -1].cpu(), torch.zeros(B, V))
+    _close(grad, x64.grad, atol=1e-7)
+
+
+def test_views_that_are_not_a_plain_shift_keep_their_own_gradient():
+    """Only an exact ``[:, :-1]`` slice is routed to its base: other views (a shift from the left, a narrowed
+    vocabulary) go through autograd's own view backward and stay right."""
+    B, T, V = 2, 4, 30
+    for take in (lambda t: t[:, 1:], lambda t: t[:, :-1, :V - 2], lambda t: t[:, :-2]):
+        base = torch.randn(B, T + 1, V, device=DEVICE, requires_grad=True)
+        view = take(base)
+        labels = torch.randint(0, view.shape[-1], view.shape[:2], device=DEVICE)
+        logp = gk.token_logprobs(view, labels, backend="triton")
+        (grad,) = torch.autograd.grad(logp.sum(), base)
+        b64 = base.detach().double().requires_grad_(True)
+        ref = torch.log_softmax(take(b64), -1).gather(-1, labels.cpu()[..., None]).sum()
+        ref.backward()
+        _close(grad, b64.grad, atol=1e-7)
+
+
+def test_logits_path_autograd_has_no_host_synchronization():
+    """Issue 12: no ``.item()`` / ``nonzero`` / ``.any()`` in the logits path's autograd (forward, backward
+    and the sequence stage), so it can be captured in a CUDA graph. Recorded under a dispatch mode."""
+    from gspo_kernels.backends.triton.autograd import gspo_objective, logits_logprobs
+
+    base, logits, labels, adv, old, kwargs = _loss_case("padded", adv_per_token=False)
+    x = base.clone().to(DEVICE).requires_grad_(True)
+    config = GSPOConfig(entropy_coef=0.01, beta=0.04)
+    inputs = _prepared(labels, adv, old, kwargs["mask"], config, V=base.shape[-1])
+    syncs = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.is_nonzero.default",
+             "aten.item.default", "aten.equal.default"}
+    with _Allocations(min_numel=1 << 60) as record:
+        logp, entropy = logits_logprobs(x[:, :-1], inputs.labels, active=inputs.batch.mask > 0,
+                                        temperature=config.temperature, return_entropy=True)
+        loss = gspo_objective(logp, entropy, inputs, config).loss
+        loss.backward()
+    assert not syncs & set(record.ops), syncs & set(record.ops)
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
+def _prepared(labels, adv, old, mask, config, V):
+    """The validated inputs of ``gspo_loss`` (built outside the recorded region: the eager value checks
+    read values on purpose)."""
+    from gspo_kernels import loss as loss_module
+
+    return loss_module._inputs(labels.to(DEVICE), adv.to(DEVICE), V, old.to(DEVICE), mask.to(DEVICE), None,
+                               old.to(DEVICE), None, None, config)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("clip", ["all_clipped", "delta"])
+def test_overflowing_importance_weight_never_gives_nan(level, clip):
+    """Issue 13 class 5: ``old = logp - 100`` (w = e^100: inf in fp32, finite in float64). Every response
+    clipped (A > 0), or ``delta = 2`` capping the weight (A of both signs): a zero gradient meets the inf
+    weight and must stay 0. The loss and the gradient match float64."""
+    B, T, V = 3, 4, 17
+    base = torch.randn(B, T + 1, V)
+    labels = torch.randint(0, V, (B, T))
+    old = reference.token_logprobs(base[:, :-1], labels).float() - 100.0
+    if clip == "all_clipped":
+        adv, config = torch.tensor([1.0, 0.5, 0.0]), GSPOConfig(importance_sampling_level=level)
+    else:
+        adv, config = torch.tensor([1.0, -0.5, 0.0]), GSPOConfig(importance_sampling_level=level, delta=2.0)
+    x = base.clone().to(DEVICE).requires_grad_(True)
+    out = gk.gspo_loss(x[:, :-1], labels.to(DEVICE), adv.to(DEVICE), old.to(DEVICE), config=config,
+                       backend="triton")
+    out.loss.backward()
+    assert torch.isfinite(out.loss) and torch.isfinite(x.grad).all()
+    x64 = base.double().requires_grad_(True)
+    ref = reference.gspo_loss(x64[:, :-1], labels, adv.double(), old.double(), config=config)
+    ref.loss.backward()
+    _close(out.loss, ref.loss)
+    _close(x.grad, x64.grad, atol=1e-7)
+
+
+def test_every_launch_runs_under_the_device_guard(monkeypatch):
+    """Issue 12: each launcher enters ``device_guard`` of its tensors (Triton launches on the *current* CUDA
+    device otherwise). The GPU test below checks the behaviour on two devices."""
+    import contextlib
+
+    from gspo_kernels.backends.triton import logits_backward, logits_forward
+
+    seen = []
+
+    def recording_guard(tensor):
+        seen.append(tensor.device)
+        return contextlib.nullcontext()
+
+    for module in (logits_forward, logits_backward, sequence):
+        monkeypatch.setattr(module, "device_guard", recording_guard)
+    x = torch.randn(2, 3, 9, device=DEVICE, requires_grad=True)
+    out = gk.gspo_loss(x, torch.randint(0, 9, (2, 3), device=DEVICE), torch.ones(2, device=DEVICE),
+                       backend="triton", config=GSPOConfig(entropy_coef=0.1))
+    out.loss.backward()
+    assert len(seen) == 3  # forward, sequence stage (both its kernels), backward
+
+
+@pytest.mark.gpu
+def test_gpu_tensors_on_a_non_current_device():
+    """Tensors on ``cuda:1`` while ``cuda:0`` is current: same results as on ``cuda:0``."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA devices")
+    torch.cuda.set_device(0)
+    x = torch.randn(64, 1000)
+    labels = torch.randint(0, 1000, (64,))
+    results = []
+    for device in ("cuda:0", "cuda:1"):
+        xd = x.to(device).requires_grad_(True)
+        logp, entropy = gk.token_logprobs(xd, labels.to(device), return_entropy=True, backend="triton")
+        (logp.sum() + entropy.sum()).backward()
+        torch.cuda.synchronize(device)
+        results.append((logp.cpu(), entropy.cpu(), xd.grad.cpu()))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
