@@ -1,25 +1,21 @@
 """The static H100 report: every Triton kernel of the library compiles for sm_90a without spilling.
 
 No GPU is needed (``triton.compile`` targets ``GPUTarget("cuda", 90, 32)`` on the CPU). The report runs
-in a subprocess with the interpreter off, exactly as ``gspo-kernels h100-report`` does.
+in a subprocess with the interpreter off (``h100_report.static_report``), exactly as
+``gspo-kernels h100-report`` does.
 """
 
 from __future__ import annotations
 
 import importlib
-import json
 import os
 import pkgutil
-import subprocess
-import sys
 
 import pytest
 
 triton = pytest.importorskip("triton")
 
 from gspo_kernels.tools import h100_report  # noqa: E402
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _is_kernel(obj) -> bool:
@@ -69,22 +65,18 @@ def test_failure_rules():
     assert usage["REG"] == 80 and usage["LOCAL"] == 24
 
 
-def test_h100_report_compiles_every_kernel_without_spills(tmp_path):
+def test_h100_report_compiles_every_kernel_without_spills():
     if not os.path.exists(h100_report._cuobjdump()):
         pytest.skip("triton's bundled cuobjdump is missing")
-    out = tmp_path / "report.json"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
-    proc = subprocess.run([sys.executable, "-m", "gspo_kernels", "h100-report", "--json", str(out)], env=env,
-                          capture_output=True, text=True, timeout=600)
-    rows = json.loads(out.read_text())
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    rows = h100_report.static_report()  # the same subprocess as `gspo-kernels h100-report`
     names = {row["name"] for row in rows}
     assert any(n.startswith("logprobs_fwd") for n in names) and any(n.startswith("logprobs_bwd") for n in names)
     assert any(n.startswith("gspo_sequence") for n in names) and any(n.startswith("gspo_reduce") for n in names)
     for row in rows:
         assert row["error"] is None, row
+        assert h100_report.problems(row) == [], (row["name"], h100_report.problems(row))
         assert row["local_bytes"] == 0, f"{row['name']} spills {row['local_bytes']} bytes"
+        assert row["stack_bytes"] == 0 and row["stl_count"] == 0, f"{row['name']} spills to the stack"
         assert 0 < row["registers"] <= 255
         assert row["shared_bytes"] <= 227 * 1024
         if row["uses_dot"]:
