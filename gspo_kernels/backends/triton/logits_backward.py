@@ -30,7 +30,13 @@ import triton.language as tl
 from torch import Tensor
 
 from gspo_kernels.backends.triton import device_guard
-from gspo_kernels.backends.triton.logits_forward import MAX_BLOCK_V, NUM_STAGES, NUM_WARPS, block_v, row_strides
+from gspo_kernels.backends.triton.logits_forward import (
+    _ELEMENT_SIZES,
+    NUM_STAGES,
+    NUM_WARPS,
+    block_v,
+    row_strides,
+)
 
 
 @triton.jit
@@ -179,7 +185,7 @@ def logprobs_backward(
             dstride_v,
             vocab_size,
             1.0 / float(temperature),
-            BLOCK_V=block_v(vocab_size),
+            BLOCK_V=block_v(vocab_size, logits.element_size()),
             HAS_ACTIVE=active is not None,
             HAS_GRAD_LOGP=grad_logp is not None,
             HAS_GRAD_ENTROPY=grad_entropy is not None,
@@ -201,7 +207,7 @@ def _config(dtype: str, has_grad_entropy: bool) -> dict:
         "constexprs": {
             "stride_v": 1,
             "dstride_v": 1,
-            "BLOCK_V": MAX_BLOCK_V,
+            "BLOCK_V": block_v(1 << 20, _ELEMENT_SIZES[dtype]),
             "HAS_ACTIVE": True,
             "HAS_GRAD_LOGP": True,
             "HAS_GRAD_ENTROPY": has_grad_entropy,

@@ -43,6 +43,10 @@ from gspo_kernels.backends.triton import device_guard
 # A finite "minus infinity" for the running max: exp((_NEG_BIG - m) / T) is 0 (no NaN from -inf - -inf).
 _NEG_BIG = tl.constexpr(-1.0e30)
 MAX_BLOCK_V = 4096
+# One tile is at most 8 KiB of logits (4096 bf16/fp16, 2048 fp32, 1024 fp64 values): with the prefetched next
+# tile in registers, fp32 rows at 4096 would take 98 registers per thread (2 blocks of 8 warps per SM instead
+# of 3); at 2048 they stay near the bf16 kernel's count.
+MAX_TILE_BYTES = 8192
 NUM_WARPS = 8
 NUM_STAGES = 3
 
@@ -114,9 +118,11 @@ def _logprobs_fwd_kernel(
             tl.store(entropy_ptr + row, 0.0)
 
 
-def block_v(vocab_size: int) -> int:
-    """Tile width over the vocabulary: the whole row up to ``MAX_BLOCK_V`` (a power of two)."""
-    return min(MAX_BLOCK_V, triton.next_power_of_2(max(int(vocab_size), 1)))
+def block_v(vocab_size: int, element_size: int = 2) -> int:
+    """Tile width over the vocabulary: the whole row up to ``MAX_TILE_BYTES`` of ``element_size``-byte logits
+    (a power of two, at most ``MAX_BLOCK_V``)."""
+    widest = min(MAX_BLOCK_V, MAX_TILE_BYTES // max(int(element_size), 1))
+    return min(widest, triton.next_power_of_2(max(int(vocab_size), 1)))
 
 
 def row_strides(logits: Tensor) -> Tuple[int, int, int, int]:
@@ -192,13 +198,16 @@ def logprobs_forward(
             stride_v,
             vocab_size,
             1.0 / float(temperature),
-            BLOCK_V=block_v(vocab_size),
+            BLOCK_V=block_v(vocab_size, logits.element_size()),
             HAS_ACTIVE=active is not None,
             HAS_ENTROPY=return_entropy,
             num_warps=NUM_WARPS,
             num_stages=NUM_STAGES,
         )
     return logp, entropy, stats
+
+
+_ELEMENT_SIZES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp64": 8}
 
 
 def _config(dtype: str, has_active: bool, has_entropy: bool) -> dict:
@@ -210,7 +219,8 @@ def _config(dtype: str, has_active: bool, has_entropy: bool) -> dict:
         "pointers": {"logits_ptr": dtype, "labels_ptr": "i64", "active_ptr": "i1"},
         "floats": ["inv_temperature"],
         # A contiguous [N, V] or [B, T, V] tensor: the runtime specializes stride_v == 1 to a constant.
-        "constexprs": {"stride_v": 1, "BLOCK_V": MAX_BLOCK_V, "HAS_ACTIVE": has_active, "HAS_ENTROPY": has_entropy},
+        "constexprs": {"stride_v": 1, "BLOCK_V": block_v(1 << 20, _ELEMENT_SIZES[dtype]), "HAS_ACTIVE": has_active,
+                       "HAS_ENTROPY": has_entropy},
         # What the runtime sees for a fresh allocation with V % 16 == 0 (Qwen, Llama-3, Gemma-3 vocabularies):
         # 16-divisible pointers, row strides and vocabulary size, which is what lets the loads use 128 bits.
         "aligned_ints": ["stride_b", "stride_t", "vocab_size"],
