@@ -667,3 +667,31 @@ def test_gpu_tensors_on_a_non_current_device():
         results.append((logp.cpu(), entropy.cpu(), xd.grad.cpu()))
     for a, b in zip(*results):
         assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("inplace", [False, True])
+def test_gpu_peak_memory_shifted_logits(inplace):
+    """A model's ``[B, T+1, V]`` output read as ``[:, :-1]``: beyond the output itself, the backward needs the
+    gradient buffer (out of place) or nothing logits-sized (in place); ``slice_backward``'s second
+    ``[B, T+1, V]`` buffer is gone."""
+    B, T, V = 4, 1023, 32768
+    leaf = torch.randn(B, T + 1, V, device="cuda", dtype=torch.bfloat16).requires_grad_(True)
+    model_out = leaf * 1.0
+    labels = torch.randint(0, V, (B, T), device="cuda")
+    adv = torch.randn(B, device="cuda")
+    torch.cuda.synchronize()
+    start = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = gk.gspo_loss(model_out[:, :-1], labels, adv, backend="triton", inplace_backward=inplace,
+                       config=GSPOConfig(importance_sampling_level="token", entropy_coef=0.01))
+    (grad,) = torch.autograd.grad(out.loss, [model_out])
+    extra = torch.cuda.max_memory_allocated() - start
+    logits_bytes = B * (T + 1) * V * 2
+    token_bytes = 64 * B * (T + 1) * 4
+    assert grad.shape == model_out.shape and torch.equal(grad[:, -1], torch.zeros_like(grad[:, -1]))
+    if inplace:
+        assert grad.data_ptr() == model_out.data_ptr()
+        assert extra <= token_bytes, extra
+    else:
+        assert extra <= logits_bytes + token_bytes, extra
