@@ -20,7 +20,7 @@ from gspo_kernels import backends, reference  # noqa: E402
 from gspo_kernels.backends.triton import interpreter_active, sequence  # noqa: E402
 from gspo_kernels.backends.triton.logits_backward import logprobs_backward  # noqa: E402
 from gspo_kernels.backends.triton.logits_forward import logprobs_forward, logsumexp_from_stats  # noqa: E402
-from gspo_kernels.config import GSPOConfig  # noqa: E402
+from gspo_kernels.config import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, GSPOConfig  # noqa: E402
 from gspo_kernels.validation import LossInputs, TokenBatch  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -28,14 +28,11 @@ if DEVICE == "cpu" and not interpreter_active():
     pytest.skip("no GPU and the Triton interpreter is off (TRITON_INTERPRET=1 must be set before importing triton)",
                 allow_module_level=True)
 
-LEVELS = ("sequence", "sequence_token", "token")
-
 
 def _rounding_ulps(dtype) -> float:
     """Error of one rounding to ``dtype``, in ulps. The interpreter's fp32 -> bf16 cast truncates (triton 3.9
     ``cast_impl`` passes no rounding mode) where the GPU rounds to nearest even: one ulp there, half on a GPU."""
     return 1.0 if dtype == torch.bfloat16 and DEVICE == "cpu" else 0.5
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 
 
 def _close(actual, expected, rtol=1e-5, atol=1e-6):
@@ -241,7 +238,7 @@ def _check(out, grad, ref, ref_grad):
     _close(grad, ref_grad, atol=1e-5 * max(float(ref_grad.abs().max()), 1e-12))
 
 
-@pytest.mark.parametrize("level,loss_type", list(itertools.product(LEVELS, LOSS_TYPES)))
+@pytest.mark.parametrize("level,loss_type", list(itertools.product(IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES)))
 def test_gspo_loss_matches_reference(level, loss_type):
     """Padded, strided logits; an empty and a length-1 response; clipped responses; no KL / entropy."""
     base, logits, labels, adv, old, kwargs = _loss_case("padded", adv_per_token=False)
@@ -255,7 +252,7 @@ def test_gspo_loss_matches_reference(level, loss_type):
         assert grad[0].abs().sum() > 0
 
 
-@pytest.mark.parametrize("level,loss_type", list(itertools.product(LEVELS, LOSS_TYPES)))
+@pytest.mark.parametrize("level,loss_type", list(itertools.product(IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES)))
 def test_gspo_loss_all_options_packed(level, loss_type):
     """Packed layout with transposed logits; per-token advantages; KL with bias correction, delta, per-response
     is_ratio, entropy bonus, temperature and num_items_in_batch."""
@@ -275,7 +272,7 @@ def test_gspo_loss_all_options_packed(level, loss_type):
 def test_sequence_level_per_token_advantages_and_no_old_logprobs():
     """On-policy (no old log-probs: every weight is 1) and per-token advantages at the sequence level."""
     base, logits, labels, adv, old, kwargs = _loss_case("padded", adv_per_token=True)
-    for level in LEVELS:
+    for level in IMPORTANCE_SAMPLING_LEVELS:
         config = GSPOConfig(importance_sampling_level=level, entropy_coef=-0.02)
         x = base.clone().to(DEVICE).requires_grad_(True)
         out = gk.gspo_loss(x[:, :-1], labels.to(DEVICE), adv.to(DEVICE), None, config=config, backend="triton",
@@ -602,7 +599,7 @@ def _prepared(labels, adv, old, mask, config, V):
                                old.to(DEVICE), None, None, config)
 
 
-@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("level", IMPORTANCE_SAMPLING_LEVELS)
 @pytest.mark.parametrize("clip", ["all_clipped", "delta"])
 def test_overflowing_importance_weight_never_gives_nan(level, clip):
     """Issue 13 class 5: ``old = logp - 100`` (w = e^100: inf in fp32, finite in float64). Every response

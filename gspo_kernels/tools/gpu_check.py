@@ -377,7 +377,7 @@ def format_markdown(results: Sequence[StepResult], header: Optional[Dict[str, ob
 
 
 def workload(device: str = "cuda", vocab_size: int = 4099, linear_vocab_size: int = 1000,
-             loss_types: Sequence[str] = ("grpo", "bnpo", "dr_grpo", "dapo")) -> None:
+             loss_types: Optional[Sequence[str]] = None) -> None:
     """Small shapes through every Triton launch of the library (run under ``compute-sanitizer``).
 
     Logits path: padded ``[:, :-1]`` view (routed to its base), transposed rows, in place, ``-inf`` logits,
@@ -390,11 +390,12 @@ def workload(device: str = "cuda", vocab_size: int = 4099, linear_vocab_size: in
 
     import gspo_kernels as gk
     from gspo_kernels.backends.triton.autograd import logits_logprobs
+    from gspo_kernels.config import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES
 
     torch.manual_seed(0)
     B, T, V = 3, 5, vocab_size
-    for level in ("sequence", "sequence_token", "token"):
-        for loss_type in loss_types:
+    for level in IMPORTANCE_SAMPLING_LEVELS:
+        for loss_type in loss_types or LOSS_TYPES:
             for inplace in (False, True):
                 model_out = torch.randn(B, T + 1, V, device=device, requires_grad=True) * 1.0  # non-leaf
                 labels = torch.randint(0, V, (B, T), device=device)
