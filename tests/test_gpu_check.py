@@ -107,6 +107,25 @@ def test_a_pytest_step_where_everything_skipped_fails(tmp_path, monkeypatch):
     assert result.status == "failed" and "every test skipped" in result.summary
 
 
+def test_benchmarks_step_with_nothing_measured_fails(tmp_path, monkeypatch):
+    """Every benchmark skipped (no measurement) is a failed step; measured rows are collected."""
+    written = []
+
+    def fake_subprocess(name, argv, limit_s, env=None, log_path=None):
+        for line in written:
+            with open(env["GSPO_BENCH_JSON"], "a") as f:
+                f.write(line + "\n")
+        return StepResult(name, "ok", 1.0, "exit status 0")
+
+    monkeypatch.setattr(gpu_check, "_subprocess", fake_subprocess)
+    result = gpu_check.step_benchmarks(str(tmp_path), 10)
+    assert result.status == "failed" and "every benchmark skipped" in result.summary
+    written.append('{"impl": "gspo_kernels triton backward", "active_share": 0.5, "bwd_ms": 80.0}')
+    result = gpu_check.step_benchmarks(str(tmp_path), 10)
+    assert result.status == "ok"
+    assert result.data["rows"] == [{"impl": "gspo_kernels triton backward", "active_share": 0.5, "bwd_ms": 80.0}]
+
+
 def test_memcheck_workload_runs_in_the_interpreter():
     from gspo_kernels.backends.triton import interpreter_active
 

@@ -279,6 +279,9 @@ def step_benchmarks(out_dir: str, limit_s: float) -> StepResult:
     rows = _benchmark_rows(out_dir)
     result.data["rows"] = rows
     result.summary = f"{len(rows)} measurements" + ("" if result.status == "ok" else f"; {result.summary}")
+    if result.status == "ok" and not rows:
+        result.status = "failed"  # every benchmark skipped: nothing was measured
+        result.summary += " (every benchmark skipped)"
     return result
 
 
