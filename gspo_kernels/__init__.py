@@ -14,6 +14,7 @@ from gspo_kernels.loss import (
     fused_linear_gspo_loss,
     gspo_loss,
     linear_logprobs,
+    policy_loss,
     token_logprobs,
 )
 from gspo_kernels.objective import LossOutput
@@ -27,6 +28,7 @@ __all__ = [
     "fused_linear_gspo_loss",
     "token_logprobs",
     "linear_logprobs",
+    "policy_loss",
     "group_advantages",
     "GSPOLoss",
     "FusedLinearGSPOLoss",

@@ -10,7 +10,14 @@ from torch import Tensor, nn
 from gspo_kernels import backends
 from gspo_kernels.config import GSPOConfig
 from gspo_kernels.objective import LossOutput, gspo_objective
-from gspo_kernels.validation import check_linear, check_logits, check_same_device, prepare_loss_inputs, tracing
+from gspo_kernels.validation import (
+    check_float,
+    check_linear,
+    check_logits,
+    check_same_device,
+    prepare_loss_inputs,
+    tracing,
+)
 
 Scalar = Union[None, int, float, Tensor]
 
@@ -150,6 +157,62 @@ def fused_linear_gspo_loss(
         return_entropy=True,
     )
     return (impl.objective or gspo_objective)(logp, entropy, inputs, config)
+
+
+def policy_loss(
+    logprobs: Tensor,
+    advantages: Tensor,
+    old_logprobs: Optional[Tensor] = None,
+    *,
+    mask: Optional[Tensor] = None,
+    cu_seqlens: Optional[Tensor] = None,
+    ref_logprobs: Optional[Tensor] = None,
+    is_ratio: Optional[Tensor] = None,
+    entropy: Optional[Tensor] = None,
+    num_items_in_batch: Scalar = None,
+    config: Optional[GSPOConfig] = None,
+    backend: str = "auto",
+) -> LossOutput:
+    """The sequence stage alone: the GSPO / GRPO loss from per-token log-probs the caller already has.
+
+    For trainers that compute log-probs themselves (verl's policy losses receive them, never logits).
+
+    Args:
+        logprobs: ``[B, T]`` (padded layout) or ``[N]`` (packed, with ``cu_seqlens``) float tensor, the
+            current policy's log-probs of the sampled tokens; differentiable. fp16/bf16 are upcast to fp32.
+        advantages, old_logprobs, mask, cu_seqlens, ref_logprobs, is_ratio, num_items_in_batch: as in
+            :func:`gspo_loss` (token-shaped tensors have ``logprobs``' shape).
+        entropy: per-token entropies (``logprobs``' shape), differentiable; required when
+            ``config.entropy_coef != 0``, optional otherwise (it then only feeds the ``entropy`` metric).
+        config: ``config.temperature`` has no effect here (the log-probs are given).
+        backend: ``"triton"`` runs the fused Triton sequence stage; the others run the PyTorch one.
+    Returns:
+        ``LossOutput(loss, metrics)``: 0-dim loss (fp32, fp64 for fp64 log-probs), detached 0-dim metrics.
+    """
+    config = _check_config(config)
+    logprobs = check_float("logprobs", logprobs)
+    token_shape = tuple(logprobs.shape)
+    if cu_seqlens is None and logprobs.dim() != 2:
+        raise ValueError(f"logprobs must be [B, T] (padded layout) or [N] with cu_seqlens (packed layout), "
+                         f"got shape {token_shape}")
+    if cu_seqlens is not None and logprobs.dim() != 1:
+        raise ValueError(f"logprobs must be [N] when cu_seqlens is given (packed layout), got shape {token_shape}")
+    if entropy is not None:
+        entropy = check_float("entropy", entropy)
+        if tuple(entropy.shape) != token_shape:
+            raise ValueError(f"entropy must have logprobs' shape {token_shape}, got {tuple(entropy.shape)}")
+    check_same_device(logprobs=logprobs, entropy=entropy)
+    labels = torch.zeros(token_shape, dtype=torch.int64, device=logprobs.device)  # the layout only
+    inputs = _inputs(labels, advantages, 1, old_logprobs, mask, cu_seqlens, ref_logprobs, is_ratio,
+                     num_items_in_batch, config)
+    logp = _upcast_half(logprobs.reshape(-1))
+    ent = None if entropy is None else _upcast_half(entropy.reshape(-1))
+    impl = backends.resolve(backend, logprobs.device)
+    return (impl.objective or gspo_objective)(logp, ent, inputs, config)
+
+
+def _upcast_half(x: Tensor) -> Tensor:
+    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
 
 
 class GSPOLoss(nn.Module):
