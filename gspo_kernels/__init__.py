@@ -18,6 +18,7 @@ from gspo_kernels.loss import (
     token_logprobs,
 )
 from gspo_kernels.objective import LossOutput
+from gspo_kernels.parallel import VocabParallel
 
 __version__ = "0.1.0"
 
@@ -28,9 +29,10 @@ __all__ = [
     "fused_linear_gspo_loss",
     "token_logprobs",
     "linear_logprobs",
-    "policy_loss",
     "group_advantages",
     "GSPOLoss",
     "FusedLinearGSPOLoss",
     "available_backends",
+    "policy_loss",
+    "VocabParallel",
 ]

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Optional, Tuple, Union
 
 import torch
 from torch import Tensor, nn
 
-from gspo_kernels import backends
+from gspo_kernels import backends, parallel
 from gspo_kernels.config import GSPOConfig
 from gspo_kernels.objective import LossOutput, gspo_objective
+from gspo_kernels.parallel import VocabParallel, check_vocab_parallel
 from gspo_kernels.validation import (
     check_float,
     check_linear,
@@ -29,22 +31,26 @@ def token_logprobs(
     temperature: float = 1.0,
     return_entropy: bool = False,
     backend: str = "auto",
+    vocab_parallel: Optional[VocabParallel] = None,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Differentiable per-token log-probs ``log softmax(logits / temperature)[labels]`` in fp32.
 
     Args:
         logits: ``[..., V]`` fp16/bf16/fp32/fp64, any strides (never copied to fp32 in full).
         labels: ``[...]`` integer, in ``[0, V)``.
+        vocab_parallel: this rank holds the logits columns ``[start, end)`` of a vocabulary split over a
+            process group (``logits [..., end - start]``, global labels; see ``docs/tensor_parallel.md``).
     Returns:
         ``logp`` shaped like ``labels`` (fp32; fp64 for fp64 logits), and the entropy ``H`` of each
         row's distribution when ``return_entropy``.
     """
     check_logits(logits, labels, None)
     _check_temperature(temperature)
-    flat = _checked_labels(labels, logits.shape[-1])
+    vp = check_vocab_parallel(vocab_parallel)
+    flat = _checked_labels(labels, logits.shape[-1] if vp is None else vp.vocab_size)
     impl = backends.resolve(backend, logits.device)
     rows = logits if logits.dim() in (2, 3) else logits.reshape(-1, logits.shape[-1])
-    logp, entropy = impl.logits_logprobs(
+    logp, entropy = _logits_stage(impl, vp)(
         rows, flat, active=None, temperature=temperature, return_entropy=return_entropy, inplace_backward=False
     )
     logp = logp.reshape(labels.shape)
@@ -60,21 +66,25 @@ def linear_logprobs(
     temperature: float = 1.0,
     return_entropy: bool = False,
     backend: str = "auto",
+    vocab_parallel: Optional[VocabParallel] = None,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Per-token log-probs (and entropy) of ``hidden @ weight.T + bias``; the logits never exist.
 
     Args:
         hidden: ``[..., H]``; weight: ``[V, H]`` (the lm_head); bias: ``[V]`` or None;
         labels: ``[...]`` integer in ``[0, V)``.
+        vocab_parallel: this rank holds the lm_head rows ``[start, end)`` of a vocabulary split over a
+            process group (``weight [end - start, H]``, global labels; ``dH`` summed over the group).
     Returns:
         fp32 tensors shaped like ``labels``; differentiable for hidden, weight and bias.
     """
     check_linear(hidden, weight, bias, labels)
     _check_temperature(temperature)
-    flat = _checked_labels(labels, weight.shape[0])
+    vp = check_vocab_parallel(vocab_parallel)
+    flat = _checked_labels(labels, weight.shape[0] if vp is None else vp.vocab_size)
     impl = backends.resolve(backend, hidden.device)
     rows = hidden if hidden.dim() in (2, 3) else hidden.reshape(-1, hidden.shape[-1])
-    logp, entropy = impl.linear_logprobs(
+    logp, entropy = _linear_stage(impl, vp)(
         rows, weight, bias, flat, active=None, temperature=temperature, return_entropy=return_entropy
     )
     logp = logp.reshape(labels.shape)
@@ -95,6 +105,7 @@ def gspo_loss(
     config: Optional[GSPOConfig] = None,
     backend: str = "auto",
     inplace_backward: bool = False,
+    vocab_parallel: Optional[VocabParallel] = None,
 ) -> LossOutput:
     """The GSPO / GRPO loss from logits (see ``docs/math.md``).
 
@@ -109,15 +120,18 @@ def gspo_loss(
         is_ratio: inference-engine importance correction, per token or per response.
         num_items_in_batch: global token count for ``loss_type="dapo"``.
         inplace_backward: write the logits gradient into ``logits``' storage (the logits are consumed).
+        vocab_parallel: ``logits [..., end - start]`` is this rank's vocabulary shard (see :func:`token_logprobs`);
+            the loss and metrics are the same on every rank.
     Returns:
         ``LossOutput(loss, metrics)``: 0-dim differentiable loss, detached 0-dim metrics.
     """
     config = _check_config(config)
     check_logits(logits, labels, cu_seqlens)
-    inputs = _inputs(labels, advantages, logits.shape[-1], old_logprobs, mask, cu_seqlens, ref_logprobs, is_ratio,
+    vp = check_vocab_parallel(vocab_parallel)
+    inputs = _inputs(labels, advantages, logits.shape[-1] if vp is None else vp.vocab_size, old_logprobs, mask, cu_seqlens, ref_logprobs, is_ratio,
                      num_items_in_batch, config)
     impl = backends.resolve(backend, logits.device)
-    logp, entropy = impl.logits_logprobs(
+    logp, entropy = _logits_stage(impl, vp)(
         logits, inputs.labels, active=inputs.batch.mask > 0, temperature=config.temperature,
         return_entropy=True, inplace_backward=inplace_backward,
     )
@@ -140,19 +154,23 @@ def fused_linear_gspo_loss(
     config: Optional[GSPOConfig] = None,
     backend: str = "auto",
     inplace_backward: bool = False,
+    vocab_parallel: Optional[VocabParallel] = None,
 ) -> LossOutput:
     """:func:`gspo_loss` of ``hidden @ weight.T + bias`` without ever forming the logits.
 
     Args:
         hidden: ``[B, T, H]`` or ``[N, H]``; weight: ``[V, H]`` (the lm_head); bias: ``[V]`` or None.
         The other arguments are those of :func:`gspo_loss` (``inplace_backward`` has no effect here).
+        vocab_parallel: ``weight [end - start, H]`` (and ``bias``) is this rank's lm_head shard (see
+            :func:`linear_logprobs`).
     """
     config = _check_config(config)
     check_linear(hidden, weight, bias, labels)
-    inputs = _inputs(labels, advantages, weight.shape[0], old_logprobs, mask, cu_seqlens, ref_logprobs, is_ratio,
+    vp = check_vocab_parallel(vocab_parallel)
+    inputs = _inputs(labels, advantages, weight.shape[0] if vp is None else vp.vocab_size, old_logprobs, mask, cu_seqlens, ref_logprobs, is_ratio,
                      num_items_in_batch, config)
     impl = backends.resolve(backend, hidden.device)
-    logp, entropy = impl.linear_logprobs(
+    logp, entropy = _linear_stage(impl, vp)(
         hidden, weight, bias, inputs.labels, active=inputs.batch.mask > 0, temperature=config.temperature,
         return_entropy=True,
     )
@@ -209,6 +227,14 @@ def policy_loss(
     ent = None if entropy is None else _upcast_half(entropy.reshape(-1))
     impl = backends.resolve(backend, logprobs.device)
     return (impl.objective or gspo_objective)(logp, ent, inputs, config)
+
+
+def _logits_stage(impl, vp: Optional[VocabParallel]):
+    return impl.logits_logprobs if vp is None else functools.partial(parallel.logits_logprobs, impl, vp)
+
+
+def _linear_stage(impl, vp: Optional[VocabParallel]):
+    return impl.linear_logprobs if vp is None else functools.partial(parallel.linear_logprobs, impl, vp)
 
 
 def _upcast_half(x: Tensor) -> Tensor:
