@@ -2,7 +2,8 @@
 
 Public API: :class:`GSPOConfig`, :func:`gspo_loss`, :func:`fused_linear_gspo_loss`,
 :func:`token_logprobs`, :func:`linear_logprobs`, :func:`group_advantages`, :class:`GSPOLoss`,
-:class:`FusedLinearGSPOLoss`, :class:`LossOutput`; the float64 oracle is :mod:`gspo_kernels.reference`.
+:class:`FusedLinearGSPOLoss`, :class:`LossOutput`, :func:`policy_loss` (the loss from per-token log-probs),
+:class:`VocabParallel` (a vocabulary-parallel lm_head); the float64 oracle is :mod:`gspo_kernels.reference`.
 """
 
 from gspo_kernels.advantages import group_advantages
