@@ -7,7 +7,8 @@ The step is ``fused_linear_gspo_loss(...)`` forward + backward (GSPO, fp32, 4 re
 With ``world > 1`` each process holds ``V / world`` lm_head rows (``VocabParallel``) and uses
 ``threads / world`` threads, so every configuration runs on the same cores. Per rank: the median step
 time over ``--repeats`` steps after one warm-up step, and "peak extra", the process's peak RSS during the
-steps minus its RSS once its inputs exist (it includes this rank's weight gradient and dH). Not a test:
+steps minus its RSS once its inputs exist (Linux: the peak is reset through ``/proc/self/clear_refs``) (it includes this rank's weight gradient and dH). Every
+configuration computes the same loss (printed). Not a test:
 timings on a shared machine are noisy; compare the rows of one run.
 """
 
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
 import socket
 import statistics
 import sys
@@ -42,11 +42,10 @@ def _worker(rank: int, world: int, port: int, args, results) -> None:
     hidden = (torch.randn(S, N // S, H, generator=gen) * 0.5).requires_grad_()
     labels = torch.randint(0, V, (S, N // S), generator=gen)
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
-    gen_w = torch.Generator().manual_seed(1 + rank)
-    weight = (torch.randn(end - start, H, generator=gen_w) * 0.02).requires_grad_()
+    weight = _weight_rows(start, end, H).requires_grad_()
     old = torch.full((S, N // S), -12.0)
     config = gk.GSPOConfig(epsilon_low=0.2, epsilon_high=0.28)
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    base = _reset_peak_rss()
     times = []
     for step in range(args.repeats + 1):
         hidden.grad = weight.grad = None
@@ -58,10 +57,35 @@ def _worker(rank: int, world: int, port: int, args, results) -> None:
         out.loss.backward()
         if step:
             times.append(time.perf_counter() - t0)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    results.put((world, rank, statistics.median(times), (peak - base) / 1024 ** 2, float(out.loss)))
+    peak = _status_kib("VmHWM")
+    results.put((world, rank, statistics.median(times), (peak - base) / 1024 ** 2, float(out.loss.detach())))
     if vp is not None:
         dist.destroy_process_group()
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _reset_peak_rss() -> int:
+    """Reset the process's peak RSS (VmHWM) to its current RSS (Linux); returns that RSS in KiB."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _status_kib("VmRSS")
+
+
+def _weight_rows(start: int, end: int, H: int, block: int = 1024) -> torch.Tensor:
+    """Rows [start, end) of one fixed [V, H] weight, made block by block (no rank builds the whole)."""
+    parts = []
+    for b in range(start // block, (end + block - 1) // block):
+        rows = torch.randn(block, H, generator=torch.Generator().manual_seed(100 + b)) * 0.02
+        lo, hi = max(start, b * block), min(end, (b + 1) * block)
+        parts.append(rows[lo - b * block:hi - b * block])
+    return torch.cat(parts)
 
 
 def _port() -> int:
