@@ -31,7 +31,7 @@ LENGTHS = (5, 1, 0, 7)
 TOL = 2e-5
 # The interpreter is slow: for triton, a subset of configs() still covering every level, every loss type
 # and both paths (index i: level i // 4, loss type i % 4; the hidden-state path when i % 3 == 2).
-TRITON_CONFIGS = (0, 3, 5, 7, 8, 10)
+TRITON_CONFIGS = (0, 5, 10, 11)
 
 
 def _free_port() -> int:
