@@ -135,3 +135,16 @@ def test_policy_loss_bad_input_names_the_argument():
     for bad in (0.0, -1.0, float("inf"), True):
         with pytest.raises(ValueError, match="log_ratio_clamp"):
             gk.GSPOConfig(log_ratio_clamp=bad)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_policy_loss_on_cuda_runs_the_fused_sequence_stage(packed):
+    """On CUDA, backend="auto" is the compiled Triton sequence stage (clamp included): against the oracle."""
+    for config in CONFIGS:
+        c = _case(packed, per_token_adv=config.loss_type in ("bnpo", "dapo"))
+        expected, ref_grads = _oracle(c, config)
+        c = {k: None if v is None else v.cuda() for k, v in c.items()}
+        out, grads = _run("auto", c, config)
+        assert out.loss.is_cuda
+        check_against_reference(out, expected, [g.cpu() for g in grads], ref_grads)
