@@ -288,7 +288,7 @@ def _backend_grads(outputs, grad_outputs, leaves) -> list:
     return result
 
 
-def _repair_stand_ins(rows: Tensor, owned: Tensor, active: Optional[Tensor], temperature: float,
+def _repair_stand_ins(logits: Tensor, owned: Tensor, active: Optional[Tensor], temperature: float,
                       lp_loc: Tensor, ent_loc: Optional[Tensor], z: Tensor, run: Callable):
     """Rows whose stand-in column holds ``-inf`` (valid input on a non-label column) use the row's argmax."""
     bad = (z == float("-inf")) & ~owned
@@ -297,6 +297,7 @@ def _repair_stand_ins(rows: Tensor, owned: Tensor, active: Optional[Tensor], tem
     if tracing() or not bool(bad.any()):
         return lp_loc, ent_loc, z
     idx = torch.nonzero(bad).reshape(-1)
+    rows = logits if logits.dim() == 2 else logits.flatten(0, 1)
     sub = rows.index_select(0, idx)
     stand_in = sub.detach().argmax(-1)
     lp_r, ent_r = run(sub, stand_in)
@@ -325,8 +326,7 @@ def logits_logprobs(impl, vp: VocabParallel, logits: Tensor, labels: Tensor, *, 
 
     lp_loc, ent_loc, z = _LogitsShard.apply(logits, local, float(temperature), run)
     ent_loc = ent_loc if return_entropy else None
-    rows = logits.reshape(-1, logits.shape[-1]) if logits.dim() == 2 else logits.flatten(0, 1)
-    lp_loc, ent_loc, z = _repair_stand_ins(rows, owned, active, temperature, lp_loc, ent_loc, z,
+    lp_loc, ent_loc, z = _repair_stand_ins(logits, owned, active, temperature, lp_loc, ent_loc, z,
                                            lambda x, lab: run(x, lab, False, None))
     return _combine(vp, lp_loc, ent_loc, z, owned, active, return_entropy)
 
