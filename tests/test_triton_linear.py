@@ -234,6 +234,59 @@ def test_batch_invariance(dtype):
             assert torch.equal(among[k][carries], base[k][perm][carries]), (shift, k)
 
 
+def test_rows_without_gradient_are_not_visited():
+    """Rows whose incoming gradient is zero are skipped, not multiplied by zero: their hidden states hold
+    NaN (e.g. garbage in padding) and the gradients stay finite and equal to the oracle's on the other rows.
+    A backward that visited every row would put ``0 * NaN = NaN`` into ``dW``."""
+    hidden, weight, bias, labels, g_logp, g_ent = _problem(N=30, V=70)
+    g_logp[::2], g_ent[::2] = 0, 0
+    poisoned = hidden.clone()
+    poisoned[::2] = float("nan")
+    logp, entropy, dh, dw, db = run(poisoned, weight, bias, labels, g_logp, g_ent)
+    assert torch.isnan(logp[::2]).all()  # the forward computed them (no active mask)
+    ref = float64_math(hidden, weight, bias, labels, 1.0, g_logp, g_ent)
+    assert torch.all(dh[::2] == 0) and rel_err(dh, ref[2]) < RTOL
+    assert rel_err(dw, ref[3]) < RTOL and rel_err(db, ref[4]) < RTOL
+
+
+@pytest.mark.parametrize("tiles", [1, 3])
+def test_chunk_buffers_stay_within_the_memory_budget(tiles):
+    """Every allocation of the backward with a vocabulary-sized last dimension (the chunk buffers ``dZ`` and the
+    bias partial sums) counted, in bytes, against a budget of ``tiles`` row tiles; dH keeps its bits."""
+
+    class Allocations(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.sizes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func.__name__.startswith(("empty", "zeros", "new_empty")) and isinstance(out, torch.Tensor):
+                self.sizes.append((tuple(out.shape), out.numel() * out.element_size()))
+            return out
+
+    hidden, weight, bias, labels, g_logp, g_ent = _problem(N=70, V=90)
+    budget = tiles * (16 * 90 * 4 + 4 * 90)  # fp32 dZ rows of one interpreter row tile + its bias partials
+    h, w, b = (t.clone().requires_grad_() for t in (hidden, weight, bias))
+    logp, entropy = linear_logprobs(h, w, b, labels, return_entropy=True, memory_budget=budget)
+    with Allocations() as rec:
+        grads = torch.autograd.grad((logp * g_logp + entropy * g_ent).sum(), (h, w, b))
+    chunk = [size for shape, size in rec.sizes if len(shape) == 2 and shape[-1] == 90]
+    assert chunk and sum(chunk) <= budget, rec.sizes
+    whole = run(hidden, weight, bias, labels, g_logp, g_ent)
+    assert torch.equal(grads[0], whole[2])  # dH rows: the same bits for any budget
+    for a, c in zip(grads[1:], whole[3:]):  # dW, dbias: sums over the chunks, in another order
+        assert rel_err(a, c) < RTOL
+
+
+def test_fp64_inputs_give_fp64_outputs_computed_in_fp32():
+    hidden, weight, bias, labels, g_logp, g_ent = _problem(N=14, V=50)
+    out = run(hidden.double(), weight.double(), bias.double(), labels, g_logp.double(), g_ent.double())
+    ref = float64_math(hidden, weight, bias, labels, 1.0, g_logp, g_ent)
+    for got, want in zip(out, ref):
+        assert got.dtype == torch.float64 and rel_err(got, want) < RTOL
+
+
 def test_no_floating_point_atomics_in_any_kernel():
     """No ``atomic_add`` (or any other ``tl.atomic_*`` reduction) in the library's Triton sources."""
     sources = sorted(glob.glob(os.path.join(ROOT, "gspo_kernels", "backends", "triton", "*.py")))
