@@ -5,8 +5,9 @@
   the rows with zero incoming gradient. ``inplace_backward=True`` writes the gradient into the logits'
   storage (the caller's logits are consumed): no ``[N, V]`` buffer is allocated.
 * :class:`LinearLogprobsFunction`: ``hidden @ weight.T (+ bias) -> (logp, entropy)`` without the ``[N, V]``
-  logits; saves the inputs plus ``lse [N]`` and ``entropy [N]``; the backward visits only the rows whose
-  incoming gradient is non-zero.
+  logits; saves the inputs plus the row max, log-sum and entropy ``[N]``; the backward (no atomics,
+  deterministic, batch-invariant) visits only the rows whose incoming gradient is non-zero, compacted on
+  the device, in chunks bounded by ``memory_budget``.
 * :class:`TritonSequenceObjective`: ``(logp, entropy) -> loss`` via the two kernels of ``sequence.py``;
   saves the per-token coefficients ``[N]``, so its backward is two ``[N]`` multiplications.
 
