@@ -287,6 +287,17 @@ def test_fp64_inputs_give_fp64_outputs_computed_in_fp32():
         assert got.dtype == torch.float64 and rel_err(got, want) < RTOL
 
 
+@pytest.mark.parametrize("n", [0, 1, 37])
+def test_device_compaction_is_a_stable_permutation(n):
+    """``compact_rows``: the True indices in order, then the False ones; ``count`` on the device."""
+    from gspo_kernels.backends.triton.linear_forward import compact_rows
+
+    mask = torch.rand(n) > 0.6
+    order, count = compact_rows(mask)
+    assert torch.equal(order, torch.cat([mask.nonzero()[:, 0], (~mask).nonzero()[:, 0]]))
+    assert count.shape == (1,) and int(count) == int(mask.sum())
+
+
 def test_no_floating_point_atomics_in_any_kernel():
     """No ``atomic_add`` (or any other ``tl.atomic_*`` reduction) in the library's Triton sources."""
     sources = sorted(glob.glob(os.path.join(ROOT, "gspo_kernels", "backends", "triton", "*.py")))

@@ -229,18 +229,21 @@ def upcast_dots(*tensors: torch.Tensor) -> bool:
 def compact_rows(mask: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """Device-side stable compaction: ``(order [N] int64, count [1] int64)``, no host synchronisation.
 
-    ``order[:count]`` holds the indices of the True entries of ``mask [N]`` in increasing order; the rest of
-    ``order`` is unspecified. Built from an inclusive ``cumsum`` (the position of each True entry) and a
-    scatter whose colliding writes all go to one discarded slot.
+    ``order`` is a permutation of ``0 .. N-1``: the indices of the True entries of ``mask [N]`` in increasing
+    order (the first ``count``), then those of the False entries. Built from an inclusive ``cumsum`` (the
+    number of True entries up to each index) and a scatter without collisions (deterministic in every mode).
     """
     mask = mask.reshape(-1).to(torch.bool)
     n = mask.numel()
-    pos = torch.cumsum(mask, 0) - 1
-    slot = torch.where(mask, pos, torch.full_like(pos, n))
-    order = torch.zeros(n + 1, device=mask.device, dtype=torch.int64)
-    order.scatter_(0, slot, torch.arange(n, device=mask.device, dtype=torch.int64))
-    count = pos[-1:] + 1 if n else torch.zeros(1, device=mask.device, dtype=torch.int64)
-    return order[:n], count
+    if n == 0:
+        return torch.zeros(0, device=mask.device, dtype=torch.int64), torch.zeros(1, device=mask.device,
+                                                                                  dtype=torch.int64)
+    seen = torch.cumsum(mask, 0)  # True entries in [0, i]
+    count = seen[-1:]
+    index = torch.arange(n, device=mask.device, dtype=torch.int64)
+    slot = torch.where(mask, seen - 1, count + index - seen)
+    order = torch.empty(n, device=mask.device, dtype=torch.int64).scatter_(0, slot, index)
+    return order, count.clone()
 
 
 def shifted_bias(bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
