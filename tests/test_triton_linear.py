@@ -298,6 +298,13 @@ def test_device_compaction_is_a_stable_permutation(n):
     assert count.shape == (1,) and int(count) == int(mask.sum())
 
 
+@pytest.mark.parametrize("budget", [-1, 1.5, "1GB", True])
+def test_bad_memory_budget_is_refused(budget):
+    hidden, weight, _, labels, _, _ = _problem(N=4, V=20)
+    with pytest.raises(ValueError, match="memory_budget"):
+        linear_logprobs(hidden, weight, None, labels, memory_budget=budget)
+
+
 def test_no_floating_point_atomics_in_any_kernel():
     """No ``atomic_add`` (or any other ``tl.atomic_*`` reduction) in the library's Triton sources."""
     sources = sorted(glob.glob(os.path.join(ROOT, "gspo_kernels", "backends", "triton", "*.py")))

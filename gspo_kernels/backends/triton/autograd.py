@@ -287,6 +287,9 @@ def linear_logprobs(
         differentiable w.r.t. hidden, weight and bias. The backward is deterministic (no atomics) and
         batch-invariant (a row's results do not depend on the other rows); see ``linear_backward.py``.
     """
+    if memory_budget is not None and (isinstance(memory_budget, bool) or not isinstance(memory_budget, int)
+                                      or memory_budget < 0):
+        raise ValueError(f"memory_budget must be None or a number of bytes >= 0, got {memory_budget!r}")
     logp, entropy = LinearLogprobsFunction.apply(
         hidden, weight, bias, labels, active, float(temperature), memory_budget
     )
