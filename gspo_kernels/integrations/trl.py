@@ -10,7 +10,8 @@ share one computation and one precision (:mod:`gspo_kernels.precision`: under ``
 dtype is the operand dtype, products accumulate in fp32, log-probs are fp32; a bf16 policy without
 autocast gives bf16 operands; ``cast_lm_head_to_fp32`` gives fp32 operands), so an unchanged policy has
 importance weights of exactly 1 up to the backbone's own rounding. The per-sequence stage (ratios,
-clipping, KL, aggregation) is the library's; ``_compute_loss`` is the only other override.
+clipping, KL, aggregation) is the library's (:func:`gspo_kernels.policy_loss`); ``_compute_loss`` is
+the only other override.
 
 Sharded heads: the head runs *inside* the model's forward, where the wrappers have gathered the
 parameters: DDP; FSDP1 (``use_orig_params=True``, lm_head inside the root unit or any unit enclosing the
@@ -49,10 +50,7 @@ from trl.trainer.utils import FusedCausalLMOutput, maybe_gather_lm_head_ctx, nan
 
 from gspo_kernels import backends
 from gspo_kernels.config import LOSS_TYPES, GSPOConfig
-from gspo_kernels.loss import linear_logprobs
-from gspo_kernels.objective import gspo_objective
-from gspo_kernels.precision import backend_context
-from gspo_kernels.validation import prepare_loss_inputs
+from gspo_kernels.loss import linear_logprobs, policy_loss
 
 _FSDP1_OWN_UNIT = (
     "an lm_head wrapped as its own FSDP (FullyShardedDataParallel) unit is not supported by gspo_kernels' "
@@ -169,14 +167,9 @@ class GRPOTrainer(trl.GRPOTrainer):
         if self.use_vllm and self.vllm_importance_sampling_correction:
             is_ratio = inputs["importance_sampling_ratio"]
         ref = inputs.get("ref_per_token_logps") if self.beta != 0.0 else None
-        prepared = prepare_loss_inputs(
-            completion_ids, loss_advantages, _vocab_size(model, self), old_logprobs=old, mask=mask, ref_logprobs=ref,
-            is_ratio=is_ratio, num_items_in_batch=num_items, beta=config.beta,
-        )
-        objective = backends.resolve(self.gspo_backend, logp.device).objective or gspo_objective
-        with backend_context(logp.device):
-            out = objective(logp.reshape(-1), None, prepared, config)
-        policy_loss = out.loss.detach()
+        out = policy_loss(logp, loss_advantages, old, mask=mask, ref_logprobs=ref, is_ratio=is_ratio,
+                          num_items_in_batch=num_items, config=config, backend=self.gspo_backend)
+        detached_loss = out.loss.detach()
         loss = out.loss if self.loss_type == "dapo" else out.loss / accumulation
         metrics = self._metrics[mode]
 
@@ -184,7 +177,7 @@ class GRPOTrainer(trl.GRPOTrainer):
             effective = mask if policy_mask is None else mask * policy_mask
             bonus = (entropies * effective).sum() / effective.sum().clamp(min=1.0) / accumulation
             loss = loss - self.entropy_coef * bonus
-            metrics["policy_loss"].append(self.accelerator.gather(policy_loss).nanmean().item())
+            metrics["policy_loss"].append(self.accelerator.gather(detached_loss).nanmean().item())
             if mode == "train" and self.accelerator.sync_gradients:
                 metrics["entropy_coef"].append(self.entropy_coef)
         if self.aux_loss_enabled:
@@ -331,12 +324,6 @@ def _gathered(head: torch.nn.Linear, hidden_size: int):
         raise ValueError(f"the lm_head weight is sharded where the head runs (shape {tuple(weight.shape)}): "
                          + _FSDP1_OWN_UNIT)
     return weight, bias
-
-
-def _vocab_size(model, trainer) -> int:
-    head = trainer.accelerator.unwrap_model(model).get_output_embeddings()
-    shape = getattr(head.weight, "ds_shape", None) or head.weight.shape
-    return int(shape[0]) if len(shape) == 2 else int(trainer.model.config.get_text_config().vocab_size)
 
 
 def _logit_scale(text_config) -> float:
