@@ -12,6 +12,7 @@ from gspo_kernels import backends, parallel
 from gspo_kernels.config import GSPOConfig
 from gspo_kernels.objective import LossOutput, gspo_objective
 from gspo_kernels.parallel import VocabParallel, check_vocab_parallel
+from gspo_kernels.precision import apply_precision, backend_context
 from gspo_kernels.validation import (
     check_float,
     check_linear,
@@ -67,6 +68,7 @@ def linear_logprobs(
     return_entropy: bool = False,
     backend: str = "auto",
     vocab_parallel: Optional[VocabParallel] = None,
+    fp32_head: bool = False,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Per-token log-probs (and entropy) of ``hidden @ weight.T + bias``; the logits never exist.
 
@@ -75,18 +77,23 @@ def linear_logprobs(
         labels: ``[...]`` integer in ``[0, V)``.
         vocab_parallel: this rank holds the lm_head rows ``[start, end)`` of a vocabulary split over a
             process group (``weight [end - start, H]``, global labels; ``dH`` summed over the group).
+        fp32_head: fp32 operands whatever the inputs' dtypes and autocast say; otherwise the operand
+            dtype follows :mod:`gspo_kernels.precision` (the autocast dtype under ``torch.autocast``,
+            the lower-precision dtype of a mixed pair outside it).
     Returns:
-        fp32 tensors shaped like ``labels``; differentiable for hidden, weight and bias.
+        fp32 tensors shaped like ``labels`` (fp64 for fp64 inputs); differentiable for hidden, weight and bias.
     """
     check_linear(hidden, weight, bias, labels)
     _check_temperature(temperature)
     vp = check_vocab_parallel(vocab_parallel)
     flat = _checked_labels(labels, weight.shape[0] if vp is None else vp.vocab_size)
     impl = backends.resolve(backend, hidden.device)
+    hidden, weight, bias = apply_precision(hidden, weight, bias, fp32_head=fp32_head)
     rows = hidden if hidden.dim() in (2, 3) else hidden.reshape(-1, hidden.shape[-1])
-    logp, entropy = _linear_stage(impl, vp)(
-        rows, weight, bias, flat, active=None, temperature=temperature, return_entropy=return_entropy
-    )
+    with backend_context(hidden.device):
+        logp, entropy = _linear_stage(impl, vp)(
+            rows, weight, bias, flat, active=None, temperature=temperature, return_entropy=return_entropy
+        )
     logp = logp.reshape(labels.shape)
     return (logp, entropy.reshape(labels.shape)) if return_entropy else logp
 
@@ -155,11 +162,14 @@ def fused_linear_gspo_loss(
     backend: str = "auto",
     inplace_backward: bool = False,
     vocab_parallel: Optional[VocabParallel] = None,
+    fp32_head: bool = False,
 ) -> LossOutput:
     """:func:`gspo_loss` of ``hidden @ weight.T + bias`` without ever forming the logits.
 
     Args:
         hidden: ``[B, T, H]`` or ``[N, H]``; weight: ``[V, H]`` (the lm_head); bias: ``[V]`` or None.
+        fp32_head: fp32 operands; otherwise the operand dtype follows :mod:`gspo_kernels.precision`
+            (products accumulate in fp32 and the log-probs, entropies and loss are fp32 either way).
         The other arguments are those of :func:`gspo_loss` (``inplace_backward`` has no effect here).
         vocab_parallel: ``weight [end - start, H]`` (and ``bias``) is this rank's lm_head shard (see
             :func:`linear_logprobs`).
@@ -170,11 +180,13 @@ def fused_linear_gspo_loss(
     inputs = _inputs(labels, advantages, weight.shape[0] if vp is None else vp.vocab_size, old_logprobs, mask, cu_seqlens, ref_logprobs, is_ratio,
                      num_items_in_batch, config)
     impl = backends.resolve(backend, hidden.device)
-    logp, entropy = _linear_stage(impl, vp)(
-        hidden, weight, bias, inputs.labels, active=inputs.batch.mask > 0, temperature=config.temperature,
-        return_entropy=True,
-    )
-    return (impl.objective or gspo_objective)(logp, entropy, inputs, config)
+    hidden, weight, bias = apply_precision(hidden, weight, bias, fp32_head=fp32_head)
+    with backend_context(hidden.device):
+        logp, entropy = _linear_stage(impl, vp)(
+            hidden, weight, bias, inputs.labels, active=inputs.batch.mask > 0, temperature=config.temperature,
+            return_entropy=True,
+        )
+        return (impl.objective or gspo_objective)(logp, entropy, inputs, config)
 
 
 def policy_loss(
