@@ -36,7 +36,7 @@ def call(**kw):
     (dict(ref_logprobs=torch.randn(1, T), config=GSPOConfig(beta=0.1)), ValueError, "ref_logprobs must have"),
     (dict(config=GSPOConfig(beta=0.1)), ValueError, "ref_logprobs is required"),
     (dict(config={"beta": 0.1}), TypeError, "config must be a GSPOConfig"),
-    (dict(num_items_in_batch=0), ValueError, "num_items_in_batch must be > 0"),
+    (dict(num_items_in_batch=0), ValueError, "num_items_in_batch must be a finite number > 0"),
     (dict(advantages=torch.randn(B, device="meta")), ValueError, "advantages is on meta"),
 ])
 def test_padded_errors(over, error, words):
