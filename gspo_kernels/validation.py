@@ -433,7 +433,7 @@ def prepare_loss_inputs(
         if per_token:
             check_finite_values("advantages", adv, checks, counted)
         else:  # the advantage of a response with at least one unmasked token
-            has_tokens = torch.zeros(S, device=device, dtype=torch.bool).index_fill_(0, batch.seq_index[counted], True)
+            has_tokens = torch.zeros(S, device=device).index_add_(0, batch.seq_index, batch.mask) > 0
             check_finite_values("advantages", adv, checks, has_tokens)
         for name, value in (("old_logprobs", old), ("ref_logprobs", ref if beta > 0 else None), ("is_ratio", ratio)):
             if value is not None:
@@ -467,7 +467,8 @@ def check_finite_logits(logits: Tensor, labels: Tensor, checks: ValueChecks, cou
     """
     logits = logits.detach()
     row_max = logits.amax(dim=-1).reshape(-1)  # NaN if the row holds a NaN, +inf if it holds +inf
-    at_label = logits.gather(-1, labels.reshape(logits.shape[:-1]).unsqueeze(-1)).reshape(-1)
+    index = labels.clamp(0, logits.shape[-1] - 1).reshape(logits.shape[:-1]).unsqueeze(-1)  # in bounds, always
+    at_label = logits.gather(-1, index).reshape(-1)
     bad = ~(torch.isfinite(row_max) & torch.isfinite(at_label))
     if counted is not None:
         bad = bad & counted
@@ -490,6 +491,8 @@ def check_finite_linear(
     check_finite_values("weight", weight, checks)
     if bias is not None:
         b = bias.detach()
-        at_label = b[labels] if counted is None else torch.where(counted, b[labels], b.new_zeros(()))
+        at_label = b[labels.clamp(0, b.shape[0] - 1)]
+        if counted is not None:
+            at_label = torch.where(counted, at_label, b.new_zeros(()))
         bad = torch.isnan(b).any() | (b == float("inf")).any() | ~torch.isfinite(at_label).all()
         checks.add(bad, "bias must hold no NaN or +inf, and be finite at the labels of unmasked rows (check_finite=True)")

@@ -565,6 +565,10 @@ def test_class10_labels_mask_and_num_items_checked_under_compile(backend, compil
         step(x, labels, adv, mask=dev(torch.tensor([[1.0, 0.5, 1.0], [1.0, 1.0, 0.0]])))
     with pytest.raises(RuntimeError, match="num_items_in_batch must be a finite number > 0"):
         step(x, labels, adv, num_items_in_batch=dev(torch.tensor(float("nan"))), config=C(loss_type="dapo"))
+    with pytest.raises(RuntimeError, match="advantages must be finite"):
+        step(x, labels, adv.masked_fill(adv == adv[1], float("nan")), check_finite=True)
+    with pytest.raises(RuntimeError, match="logits must hold no NaN"):
+        step(x.masked_fill(x == x[1, 1, 1], float("inf")), labels, adv, check_finite=True)
     masked = labels.clone()
     masked[1, 2] = -100  # out of range but masked: valid
     out = step(x, masked, adv, mask=dev(torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])))
