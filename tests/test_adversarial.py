@@ -415,7 +415,7 @@ def test_class7_reproducer_bad_num_items_in_batch(backend, items):
         run_logits(backend, logits, labels, adv, old, num_items_in_batch=items, config=C(loss_type="dapo"))
 
 
-@pytest.mark.parametrize("backend", backends(with_reference=True))
+@pytest.mark.parametrize("backend", backends())
 @pytest.mark.parametrize("items, error", [
     (True, TypeError), (torch.tensor([3.0, 4.0]), ValueError), (torch.tensor(True), TypeError),
     ("7", TypeError), (torch.tensor(3.0, device="meta"), ValueError),
@@ -466,7 +466,9 @@ def test_class8_reproducer_non_binary_mask_is_an_error(backend, value):
     logits, labels, adv, old = logits_case(B=2, T=4, V=7)
     mask = torch.ones(2, 4)
     mask[1, 2] = value
-    with pytest.raises(ValueError, match=r"mask must hold only 0 and 1 .*flat position 6 holds"):
+    # the oracle has its own checks and words; the library names the position too
+    words = "mask must hold only 0 and 1" + ("" if backend == "reference" else r" .*flat position 6 holds")
+    with pytest.raises(ValueError, match=words):
         run_logits(backend, logits, labels, adv, old, mask=mask)
 
 
