@@ -1,9 +1,10 @@
 """Every autograd Function of ``backend="triton"``: the logits path, the hidden-state path, the sequence stage.
 
 * :class:`TritonLogitsLogprobs`: ``logits -> (logp, entropy)``. Saves only ``[N]`` tensors (labels, active,
-  logsumexp, entropy) plus a reference to the logits; the backward streams the logits once and skips
-  the rows with zero incoming gradient. ``inplace_backward=True`` writes the gradient into the logits'
-  storage (the caller's logits are consumed): no ``[N, V]`` buffer is allocated.
+  the row max and log-sum ``stats [2, N]``, entropy) plus a reference to the logits; the backward streams
+  the logits once and skips the rows with zero incoming gradient. ``inplace_backward=True`` writes the
+  gradient into the logits' storage (the caller's logits are consumed): no ``[N, V]`` buffer is allocated,
+  also for a model's ``[B, T + 1, V]`` output passed as ``logits[:, :-1]`` (:func:`shifted_base`).
 * :class:`LinearLogprobsFunction`: ``hidden @ weight.T (+ bias) -> (logp, entropy)`` without the ``[N, V]``
   logits; saves the inputs plus ``lse [N]`` and ``entropy [N]``; the backward visits only the rows whose
   incoming gradient is non-zero.
@@ -39,48 +40,87 @@ METRIC_NAMES = (
 )
 
 
+def shifted_base(logits: Tensor) -> Optional[Tensor]:
+    """The ``[B, T + 1, V]`` tensor ``base`` when ``logits`` is exactly ``base[:, :-1]`` in autograd's eyes.
+
+    True when ``logits`` requires grad, is a 3-D view of a 3-D ``base`` with the same strides and start, and
+    was produced from ``base`` by one slice (its ``grad_fn`` is a ``SliceBackward0`` whose input is
+    ``base``'s own node). The logits Function then takes ``base`` as its input and writes the gradient for all
+    ``T + 1`` positions (zeros at the last), so autograd's ``slice_backward`` does not allocate a second
+    ``[B, T + 1, V]`` buffer. Returns None in every other case (the view is then used as it is).
+    """
+    base = getattr(logits, "_base", None)
+    if base is None or not logits.requires_grad or logits.dim() != 3 or base.dim() != 3:
+        return None
+    if tuple(base.shape) != (logits.shape[0], logits.shape[1] + 1, logits.shape[2]):
+        return None
+    if base.stride() != logits.stride() or base.storage_offset() != logits.storage_offset():
+        return None
+    node = logits.grad_fn
+    if node is None or type(node).__name__ != "SliceBackward0" or not node.next_functions:
+        return None
+    parent = node.next_functions[0][0]
+    if base.grad_fn is not None:
+        return base if parent is base.grad_fn else None
+    return base if getattr(parent, "variable", None) is base else None
+
+
 class TritonLogitsLogprobs(torch.autograd.Function):
-    """``(logits [N, V] | [B, T, V], labels [N]) -> (logp [N], entropy [N])``, fp32 (fp64 for fp64 logits)."""
+    """``(logits [N, V] | [B, T, V], labels [N]) -> (logp [N], entropy [N])``, fp32 (fp64 for fp64 logits).
+
+    With ``shifted=True`` the first input is the ``[B, T + 1, V]`` base of ``logits[:, :-1]`` (see
+    :func:`shifted_base`): the kernels read its first ``T`` positions and the gradient covers all ``T + 1``.
+    """
 
     @staticmethod
-    def forward(ctx, logits, labels, active, temperature, return_entropy, inplace_backward):
+    def forward(ctx, logits, labels, active, temperature, return_entropy, inplace_backward, shifted=False):
         labels = labels.reshape(-1)
         if labels.dtype != torch.int64:
             labels = labels.to(torch.int64)
         active = None if active is None else active.reshape(-1).to(torch.bool).contiguous()
-        logp, entropy, lse = logprobs_forward(
-            logits.detach(), labels, active=active, temperature=temperature, return_entropy=return_entropy
+        rows = logits.detach()[:, :-1] if shifted else logits.detach()
+        logp, entropy, stats = logprobs_forward(
+            rows, labels, active=active, temperature=temperature, return_entropy=return_entropy
         )
         if entropy is None:
             entropy = torch.zeros_like(logp)
             ctx.mark_non_differentiable(entropy)
-        ctx.save_for_backward(logits, labels, lse, entropy, active if active is not None else torch.empty(0))
+        ctx.save_for_backward(logits, labels, stats, entropy, active if active is not None else torch.empty(0))
         ctx.has_active = active is not None
         ctx.has_entropy = return_entropy
         ctx.temperature = temperature
         ctx.inplace = inplace_backward
+        ctx.shifted = shifted
         ctx.set_materialize_grads(False)
         return logp, entropy
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
-        logits, labels, lse, entropy, active = ctx.saved_tensors
+        logits, labels, stats, entropy, active = ctx.saved_tensors
         if not ctx.has_entropy:
             grad_entropy = None
         if grad_logp is None and grad_entropy is None:
-            return None, None, None, None, None, None
+            return None, None, None, None, None, None, None
+        full = logits.detach()
+        rows = full[:, :-1] if ctx.shifted else full
+        if ctx.inplace:
+            out = full
+        elif ctx.shifted:
+            out = torch.empty(full.shape, device=full.device, dtype=full.dtype)
+        else:
+            out = None
         dlogits = logprobs_backward(
-            logits.detach(),
+            rows,
             labels,
-            lse,
+            stats,
             entropy if grad_entropy is not None else None,
-            None if grad_logp is None else grad_logp.to(lse.dtype).contiguous(),
-            None if grad_entropy is None else grad_entropy.to(lse.dtype).contiguous(),
+            None if grad_logp is None else grad_logp.to(stats.dtype).contiguous(),
+            None if grad_entropy is None else grad_entropy.to(stats.dtype).contiguous(),
             active=active if ctx.has_active else None,
             temperature=ctx.temperature,
-            inplace=ctx.inplace,
+            out=out,
         )
-        return dlogits, None, None, None, None, None
+        return dlogits, None, None, None, None, None, None
 
 
 def logits_logprobs(
@@ -95,14 +135,20 @@ def logits_logprobs(
     """The backend contract's ``logits_logprobs`` (see ``gspo_kernels/backends/__init__.py``).
 
     Args:
-        logits: ``[N, V]`` or ``[B, T, V]`` fp16/bf16/fp32/fp64, any strides.
-        labels: ``[N]`` int64 in ``[0, V)``; active: ``[N]`` bool or None (False rows are not read, output 0).
+        logits: ``[N, V]`` or ``[B, T, V]`` fp16/bf16/fp32/fp64, any strides. A ``model_output[:, :-1]`` view
+            is recognised (:func:`shifted_base`): its gradient goes straight to ``model_output``, with zeros at
+            the last position, and no second logits-sized buffer is allocated (none at all with
+            ``inplace_backward``).
+        labels: ``[N]`` int64 in ``[0, V)`` (out of range: never read, NaN log-prob); active: ``[N]`` bool or
+            None (False rows are not read, output 0).
     Returns:
         ``(logp [N], entropy [N] or None)`` in fp32 (fp64 for fp64 logits, like the torch backend),
         differentiable with respect to ``logits``.
     """
+    base = shifted_base(logits) if torch.is_grad_enabled() else None
     logp, entropy = TritonLogitsLogprobs.apply(
-        logits, labels, active, float(temperature), bool(return_entropy), bool(inplace_backward)
+        logits if base is None else base, labels, active, float(temperature), bool(return_entropy),
+        bool(inplace_backward), base is not None,
     )
     return logp, (entropy if return_entropy else None)
 
@@ -114,25 +160,7 @@ class TritonSequenceObjective(torch.autograd.Function):
     def forward(ctx, logp, entropy, inputs: LossInputs, config: GSPOConfig):
         batch = inputs.batch
         coef, out = sequence.sequence_stage(
-            logp.detach(),
-            None if entropy is None else entropy.detach(),
-            batch.mask,
-            batch.cu_seqlens,
-            inputs.advantages,
-            advantages_per_token=inputs.advantages_per_token,
-            old_logprobs=inputs.old_logprobs,
-            ref_logprobs=inputs.ref_logprobs,
-            is_ratio=inputs.is_ratio,
-            num_items_in_batch=inputs.num_items_in_batch,
-            importance_sampling_level=config.importance_sampling_level,
-            loss_type=config.loss_type,
-            epsilon_low=config.epsilon_low,
-            epsilon_high=config.epsilon_high,
-            delta=config.delta,
-            beta=config.beta,
-            use_bias_correction_kl=config.use_bias_correction_kl,
-            max_completion_length=config.max_completion_length,
-            entropy_coef=config.entropy_coef,
+            logp.detach(), None if entropy is None else entropy.detach(), inputs, config
         )
         ctx.save_for_backward(coef, out, batch.mask)
         ctx.logp_dtype = logp.dtype
