@@ -2,21 +2,26 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Optional, Tuple, Union
 
 import torch
 from torch import Tensor, nn
 
-from gspo_kernels import backends
+from gspo_kernels import backends, parallel
 from gspo_kernels.config import GSPOConfig
 from gspo_kernels.objective import LossOutput, gspo_objective
+from gspo_kernels.parallel import VocabParallel, check_vocab_parallel
 from gspo_kernels.validation import (
     ValueChecks,
     check_finite_linear,
     check_finite_logits,
+    check_finite_values,
+    check_float,
     check_labels,
     check_linear,
     check_logits,
+    check_same_device,
     check_temperature,
     prepare_loss_inputs,
 )
@@ -31,6 +36,7 @@ def token_logprobs(
     temperature: float = 1.0,
     return_entropy: bool = False,
     backend: str = "auto",
+    vocab_parallel: Optional[VocabParallel] = None,
     check_finite: bool = False,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Differentiable per-token log-probs ``log softmax(logits / temperature)[labels]`` in fp32.
@@ -38,6 +44,8 @@ def token_logprobs(
     Args:
         logits: ``[..., V]`` fp16/bf16/fp32/fp64, any strides (never copied to fp32 in full).
         labels: ``[...]`` integer, in ``[0, V)``.
+        vocab_parallel: this rank holds the logits columns ``[start, end)`` of a vocabulary split over a
+            process group (``logits [..., end - start]``, global labels; see ``docs/tensor_parallel.md``).
         check_finite: raise ``ValueError`` naming ``logits`` when a row holds NaN or +inf or a non-finite
             logit at its label (default: NaN in, NaN out; see ``docs/policies.md``).
     Returns:
@@ -46,15 +54,16 @@ def token_logprobs(
     """
     check_logits(logits, labels, None)
     check_temperature(temperature)
+    vp = check_vocab_parallel(vocab_parallel)
     checks = ValueChecks()
-    flat = check_labels(labels, logits.shape[-1], checks)
+    flat = check_labels(labels, logits.shape[-1] if vp is None else vp.vocab_size, checks)
     checks.run()
     if check_finite:
-        check_finite_logits(logits, flat, checks)
+        check_finite_logits(logits, flat if vp is None else None, checks)
         checks.run()
     impl = backends.resolve(backend, logits.device)
     rows = logits if logits.dim() in (2, 3) else logits.reshape(-1, logits.shape[-1])
-    logp, entropy = impl.logits_logprobs(
+    logp, entropy = _logits_stage(impl, vp)(
         rows, flat, active=None, temperature=temperature, return_entropy=return_entropy, inplace_backward=False
     )
     logp, entropy = first_order_only(logp, entropy)
@@ -71,6 +80,7 @@ def linear_logprobs(
     temperature: float = 1.0,
     return_entropy: bool = False,
     backend: str = "auto",
+    vocab_parallel: Optional[VocabParallel] = None,
     check_finite: bool = False,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Per-token log-probs (and entropy) of ``hidden @ weight.T + bias``; the logits never exist.
@@ -78,6 +88,8 @@ def linear_logprobs(
     Args:
         hidden: ``[..., H]``; weight: ``[V, H]`` (the lm_head); bias: ``[V]`` or None;
         labels: ``[...]`` integer in ``[0, V)``.
+        vocab_parallel: this rank holds the lm_head rows ``[start, end)`` of a vocabulary split over a
+            process group (``weight [end - start, H]``, global labels; ``dH`` summed over the group).
         check_finite: raise ``ValueError`` naming ``hidden``, ``weight`` or ``bias`` when they hold NaN or
             inf (``-inf`` bias entries off the labels are allowed; see ``docs/policies.md``).
     Returns:
@@ -85,15 +97,16 @@ def linear_logprobs(
     """
     check_linear(hidden, weight, bias, labels)
     check_temperature(temperature)
+    vp = check_vocab_parallel(vocab_parallel)
     checks = ValueChecks()
-    flat = check_labels(labels, weight.shape[0], checks)
+    flat = check_labels(labels, weight.shape[0] if vp is None else vp.vocab_size, checks)
     checks.run()
     if check_finite:
-        check_finite_linear(hidden, weight, bias, flat, checks)
+        check_finite_linear(hidden, weight, bias, flat if vp is None else None, checks)
         checks.run()
     impl = backends.resolve(backend, hidden.device)
     rows = hidden if hidden.dim() in (2, 3) else hidden.reshape(-1, hidden.shape[-1])
-    logp, entropy = impl.linear_logprobs(
+    logp, entropy = _linear_stage(impl, vp)(
         rows, weight, bias, flat, active=None, temperature=temperature, return_entropy=return_entropy
     )
     logp, entropy = first_order_only(logp, entropy)
@@ -115,6 +128,7 @@ def gspo_loss(
     config: Optional[GSPOConfig] = None,
     backend: str = "auto",
     inplace_backward: bool = False,
+    vocab_parallel: Optional[VocabParallel] = None,
     check_finite: bool = False,
 ) -> LossOutput:
     """The GSPO / GRPO loss from logits (see ``docs/math.md``).
@@ -132,6 +146,8 @@ def gspo_loss(
         num_items_in_batch: global token count for ``loss_type="dapo"``: a finite number > 0 (int, float or
             one-element tensor), used as given.
         inplace_backward: write the logits gradient into ``logits``' storage (the logits are consumed).
+        vocab_parallel: ``logits [..., end - start]`` is this rank's vocabulary shard (see :func:`token_logprobs`);
+            the loss and metrics are the same on every rank.
         check_finite: raise ``ValueError`` naming the argument when a float input holds NaN / inf at an
             unmasked position (``-inf`` logits off the label are allowed). Default: NaN in, NaN out.
     Returns:
@@ -139,17 +155,18 @@ def gspo_loss(
     """
     config = _check_config(config)
     check_logits(logits, labels, cu_seqlens)
+    vp = check_vocab_parallel(vocab_parallel)
     inputs = prepare_loss_inputs(
-        labels, advantages, logits.shape[-1], old_logprobs=old_logprobs, mask=mask, cu_seqlens=cu_seqlens,
-        ref_logprobs=ref_logprobs, is_ratio=is_ratio, num_items_in_batch=num_items_in_batch, config=config,
-        check_finite=check_finite,
+        labels, advantages, logits.shape[-1] if vp is None else vp.vocab_size, old_logprobs=old_logprobs,
+        mask=mask, cu_seqlens=cu_seqlens, ref_logprobs=ref_logprobs, is_ratio=is_ratio,
+        num_items_in_batch=num_items_in_batch, config=config, check_finite=check_finite,
     )
     if check_finite:
         checks = ValueChecks()
-        check_finite_logits(logits, inputs.labels, checks, inputs.batch.mask > 0)
+        check_finite_logits(logits, inputs.labels if vp is None else None, checks, inputs.batch.mask > 0)
         checks.run()
     impl = backends.resolve(backend, logits.device)
-    logp, entropy = impl.logits_logprobs(
+    logp, entropy = _logits_stage(impl, vp)(
         logits, inputs.labels, active=inputs.batch.mask > 0, temperature=config.temperature,
         return_entropy=True, inplace_backward=inplace_backward,
     )
@@ -172,6 +189,7 @@ def fused_linear_gspo_loss(
     config: Optional[GSPOConfig] = None,
     backend: str = "auto",
     inplace_backward: bool = False,
+    vocab_parallel: Optional[VocabParallel] = None,
     check_finite: bool = False,
 ) -> LossOutput:
     """:func:`gspo_loss` of ``hidden @ weight.T + bias`` without ever forming the logits.
@@ -179,24 +197,105 @@ def fused_linear_gspo_loss(
     Args:
         hidden: ``[B, T, H]`` or ``[N, H]``; weight: ``[V, H]`` (the lm_head); bias: ``[V]`` or None.
         The other arguments are those of :func:`gspo_loss` (``inplace_backward`` has no effect here).
+        vocab_parallel: ``weight [end - start, H]`` (and ``bias``) is this rank's lm_head shard (see
+            :func:`linear_logprobs`).
     """
     config = _check_config(config)
     check_linear(hidden, weight, bias, labels)
+    vp = check_vocab_parallel(vocab_parallel)
     inputs = prepare_loss_inputs(
-        labels, advantages, weight.shape[0], old_logprobs=old_logprobs, mask=mask, cu_seqlens=cu_seqlens,
-        ref_logprobs=ref_logprobs, is_ratio=is_ratio, num_items_in_batch=num_items_in_batch, config=config,
-        check_finite=check_finite,
+        labels, advantages, weight.shape[0] if vp is None else vp.vocab_size, old_logprobs=old_logprobs,
+        mask=mask, cu_seqlens=cu_seqlens, ref_logprobs=ref_logprobs, is_ratio=is_ratio,
+        num_items_in_batch=num_items_in_batch, config=config, check_finite=check_finite,
     )
     if check_finite:
         checks = ValueChecks()
-        check_finite_linear(hidden, weight, bias, inputs.labels, checks, inputs.batch.mask > 0)
+        check_finite_linear(hidden, weight, bias, inputs.labels if vp is None else None, checks,
+                            inputs.batch.mask > 0)
         checks.run()
     impl = backends.resolve(backend, hidden.device)
-    logp, entropy = impl.linear_logprobs(
+    logp, entropy = _linear_stage(impl, vp)(
         hidden, weight, bias, inputs.labels, active=inputs.batch.mask > 0, temperature=config.temperature,
         return_entropy=True,
     )
     return _first_order_loss((impl.objective or gspo_objective)(logp, entropy, inputs, config))
+
+
+def policy_loss(
+    logprobs: Tensor,
+    advantages: Tensor,
+    old_logprobs: Optional[Tensor] = None,
+    *,
+    mask: Optional[Tensor] = None,
+    cu_seqlens: Optional[Tensor] = None,
+    ref_logprobs: Optional[Tensor] = None,
+    is_ratio: Optional[Tensor] = None,
+    entropy: Optional[Tensor] = None,
+    num_items_in_batch: Scalar = None,
+    config: Optional[GSPOConfig] = None,
+    backend: str = "auto",
+    check_finite: bool = False,
+) -> LossOutput:
+    """The sequence stage alone: the GSPO / GRPO loss from per-token log-probs the caller already has.
+
+    For trainers that compute log-probs themselves (verl's policy losses receive them, never logits).
+
+    Args:
+        logprobs: ``[B, T]`` (padded layout) or ``[N]`` (packed, with ``cu_seqlens``) float tensor, the
+            current policy's log-probs of the sampled tokens; differentiable. fp16/bf16 are upcast to fp32.
+        advantages, old_logprobs, mask, cu_seqlens, ref_logprobs, is_ratio, num_items_in_batch: as in
+            :func:`gspo_loss` (token-shaped tensors have ``logprobs``' shape).
+        entropy: per-token entropies (``logprobs``' shape), differentiable; required when
+            ``config.entropy_coef != 0``, optional otherwise (it then only feeds the ``entropy`` metric).
+        config: ``config.temperature`` has no effect here (the log-probs are given).
+        backend: ``"triton"`` runs the fused Triton sequence stage; the others run the PyTorch one.
+        check_finite: raise ``ValueError`` naming the argument when ``logprobs``, ``entropy`` or another
+            float input holds NaN / inf at an unmasked position. Default: NaN in, NaN out.
+    Returns:
+        ``LossOutput(loss, metrics)``: 0-dim loss (fp32, fp64 for fp64 log-probs; first-order differentiable),
+        detached 0-dim metrics.
+    """
+    config = _check_config(config)
+    logprobs = check_float("logprobs", logprobs)
+    token_shape = tuple(logprobs.shape)
+    if cu_seqlens is None and logprobs.dim() != 2:
+        raise ValueError(f"logprobs must be [B, T] (padded layout) or [N] with cu_seqlens (packed layout), "
+                         f"got shape {token_shape}")
+    if cu_seqlens is not None and logprobs.dim() != 1:
+        raise ValueError(f"logprobs must be [N] when cu_seqlens is given (packed layout), got shape {token_shape}")
+    if entropy is not None:
+        entropy = check_float("entropy", entropy)
+        if tuple(entropy.shape) != token_shape:
+            raise ValueError(f"entropy must have logprobs' shape {token_shape}, got {tuple(entropy.shape)}")
+    check_same_device(logprobs=logprobs, entropy=entropy)
+    labels = torch.zeros(token_shape, dtype=torch.int64, device=logprobs.device)  # the layout only
+    inputs = prepare_loss_inputs(
+        labels, advantages, 1, old_logprobs=old_logprobs, mask=mask, cu_seqlens=cu_seqlens,
+        ref_logprobs=ref_logprobs, is_ratio=is_ratio, num_items_in_batch=num_items_in_batch, config=config,
+        check_finite=check_finite,
+    )
+    logp = _upcast_half(logprobs.reshape(-1))
+    ent = None if entropy is None else _upcast_half(entropy.reshape(-1))
+    if check_finite:
+        checks = ValueChecks()
+        check_finite_values("logprobs", logp, checks, inputs.batch.mask > 0)
+        if ent is not None:
+            check_finite_values("entropy", ent, checks, inputs.batch.mask > 0)
+        checks.run()
+    impl = backends.resolve(backend, logprobs.device)
+    return _first_order_loss((impl.objective or gspo_objective)(logp, ent, inputs, config))
+
+
+def _logits_stage(impl, vp: Optional[VocabParallel]):
+    return impl.logits_logprobs if vp is None else functools.partial(parallel.logits_logprobs, impl, vp)
+
+
+def _linear_stage(impl, vp: Optional[VocabParallel]):
+    return impl.linear_logprobs if vp is None else functools.partial(parallel.linear_logprobs, impl, vp)
+
+
+def _upcast_half(x: Tensor) -> Tensor:
+    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
 
 
 class GSPOLoss(nn.Module):

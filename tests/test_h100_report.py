@@ -32,7 +32,7 @@ def _kernel_modules():
         module = importlib.import_module(f"gspo_kernels.backends.triton.{info.name}")
         kernels = {name for name, obj in vars(module).items()
                    if _is_kernel(obj) and obj.fn.__module__ == module.__name__}
-        if kernels:
+        if any(k.endswith("_kernel") for k in kernels):  # launched kernels, not only @jit helpers (addressing)
             yield module, kernels
 
 

@@ -20,11 +20,9 @@ import torch
 
 def interpreter_active() -> bool:
     """True when the Triton kernels of this library run in the Triton interpreter (CPU tensors)."""
-    from triton.runtime.interpreter import InterpretedFunction
+    from gspo_kernels.backends.triton.addressing import interpreter_active as active
 
-    from gspo_kernels.backends.triton import logits_forward
-
-    return isinstance(logits_forward._logprobs_fwd_kernel, InterpretedFunction)
+    return active()
 
 
 def device_guard(tensor: torch.Tensor):

@@ -86,6 +86,7 @@ def _gspo_sequence_kernel(
     eps_high,
     delta,
     beta,
+    log_ratio_clamp,
     LEVEL: tl.constexpr,
     HAS_OLD: tl.constexpr,
     HAS_ENTROPY: tl.constexpr,
@@ -96,6 +97,7 @@ def _gspo_sequence_kernel(
     ADV_PER_TOKEN: tl.constexpr,
     SEQ_MEAN: tl.constexpr,
     BLOCK_T: tl.constexpr,
+    HAS_CLAMP: tl.constexpr = False,
 ):
     seq = tl.program_id(0)
     start = tl.load(cu_seqlens_ptr + seq).to(tl.int64)
@@ -119,7 +121,13 @@ def _gspo_sequence_kernel(
                 r_acc += tl.where(m > 0, lp - old, 0.0)
     n_tok = tl.sum(tok_acc, axis=0)
     denom = tl.maximum(n_tok, 1.0)
-    w_seq = tl.exp(tl.sum(r_acc, axis=0) / denom)
+    mean_r = tl.sum(r_acc, axis=0) / denom
+    if HAS_CLAMP:  # w = exp(min(log w, c)) (verl's guard); no gradient through a clamped weight
+        seq_pass = (mean_r <= log_ratio_clamp).to(tl.float32)
+        mean_r = tl.minimum(mean_r, log_ratio_clamp)
+    else:
+        seq_pass = 1.0
+    w_seq = tl.exp(mean_r)
     if SEQ_MEAN:
         lam = 1.0 / denom
     else:
@@ -147,14 +155,20 @@ def _gspo_sequence_kernel(
         if LEVEL == LEVEL_TOKEN:
             if HAS_OLD:
                 old = tl.where(on, tl.load(old_ptr + idx, mask=inside, other=0.0), 0.0)
-                w = tl.exp(lp - old)
+                lr = lp - old
+                if HAS_CLAMP:
+                    w = tl.exp(tl.minimum(lr, log_ratio_clamp))
+                    dw = tl.where(lr <= log_ratio_clamp, w, 0.0)  # d w_t / d logp_t
+                else:
+                    w = tl.exp(lr)
+                    dw = w
             else:
                 w = tl.full([BLOCK_T], 1.0, tl.float32)
-            dw = w  # d w_t / d logp_t
+                dw = w
         else:
             w = tl.full([BLOCK_T], 1.0, tl.float32) * w_seq
             if LEVEL == LEVEL_SEQUENCE_TOKEN:
-                dw = w  # GSPO-token: the sequence value, the token's own gradient
+                dw = w * seq_pass  # GSPO-token: the sequence value, the token's own gradient
             else:
                 dw = tl.zeros([BLOCK_T], tl.float32)  # GSPO: flows through the mean (pass 3)
         if ADV_PER_TOKEN:
@@ -215,7 +229,7 @@ def _gspo_sequence_kernel(
 
     if LEVEL == LEVEL_SEQUENCE:
         # Pass 3: the gradient through the mean log-ratio reaches every unmasked token of the response.
-        cross = _times(lam * tl.sum(q_acc, axis=0) / denom, w_seq)
+        cross = _times(lam * tl.sum(q_acc, axis=0) * seq_pass / denom, w_seq)
         for t0 in range(start, end, BLOCK_T):
             idx = t0 + offs
             inside = idx < end
@@ -373,6 +387,7 @@ def sequence_stage(
                 float(config.epsilon_high),
                 float(config.delta) if config.delta is not None else 0.0,
                 float(config.beta),
+                float(config.log_ratio_clamp) if config.log_ratio_clamp is not None else 0.0,
                 LEVEL=LEVEL_CODES[config.importance_sampling_level],
                 HAS_OLD=old32 is not None,
                 HAS_ENTROPY=entropy32 is not None,
@@ -383,6 +398,7 @@ def sequence_stage(
                 ADV_PER_TOKEN=bool(inputs.advantages_per_token),
                 SEQ_MEAN=config.loss_type == "grpo",
                 BLOCK_T=BLOCK_T,
+                HAS_CLAMP=config.log_ratio_clamp is not None,
                 num_warps=NUM_WARPS,
             )
         grpo_denominator = float(max(num_seqs, 1))
@@ -417,18 +433,19 @@ def _sequence_config(level: str, **flags: bool) -> dict:
         "ADV_PER_TOKEN": False,
         "SEQ_MEAN": True,
         "BLOCK_T": BLOCK_T,
+        "HAS_CLAMP": False,
     }
     constexprs.update(flags)
     short = {"HAS_KL": "kl", "BIAS_CORRECTION_KL": "kl_bias_corr", "HAS_IS_RATIO": "is_ratio", "HAS_DELTA": "delta",
-             "ADV_PER_TOKEN": "token_adv"}
+             "ADV_PER_TOKEN": "token_adv", "HAS_CLAMP": "clamp"}
     on = ",".join(short.get(k, k.lower()) for k, v in flags.items() if v)
     return {
         "name": f"gspo_sequence[{level}{',' + on if on else ''}]",
         "fn": _gspo_sequence_kernel,
         # The signature is derived from the argument names (h100_report.derive_signature): every pointer is
-        # fp32 but cu_seqlens; the four scalars are fp32.
+        # fp32 but cu_seqlens; the five scalars are fp32.
         "pointers": {"cu_seqlens_ptr": "i32"},
-        "floats": ["eps_low", "eps_high", "delta", "beta"],
+        "floats": ["eps_low", "eps_high", "delta", "beta", "log_ratio_clamp"],
         "constexprs": constexprs,
         "num_warps": NUM_WARPS,
         "num_stages": 3,
@@ -441,6 +458,7 @@ H100_CONFIGS = [
     _sequence_config("sequence", HAS_KL=True, BIAS_CORRECTION_KL=True, HAS_IS_RATIO=True, HAS_DELTA=True),
     _sequence_config("sequence_token", ADV_PER_TOKEN=True, HAS_IS_RATIO=True),
     _sequence_config("token", HAS_KL=True, HAS_DELTA=True),
+    _sequence_config("sequence_token", ADV_PER_TOKEN=True, HAS_IS_RATIO=True, HAS_CLAMP=True),
     {
         "name": "gspo_reduce[dapo]",
         "fn": _gspo_reduce_kernel,
