@@ -459,16 +459,23 @@ def check_finite_values(name: str, values: Tensor, checks: ValueChecks, counted:
                f"holds {flat[_first(bad)].item()}")
 
 
-def check_finite_logits(logits: Tensor, labels: Tensor, checks: ValueChecks, counted: Optional[Tensor] = None) -> None:
+def check_finite_logits(
+    logits: Tensor, labels: Optional[Tensor], checks: ValueChecks, counted: Optional[Tensor] = None
+) -> None:
     """Rows of ``logits [..., V]`` that count hold no NaN or +inf, and a finite logit at their label.
 
     ``-inf`` on other columns is valid (vocabulary masking). One pass of row maxima over the logits:
-    no ``[N, V]`` temporary. ``labels``: flat ``[N]`` int64 in ``[0, V)``.
+    no ``[N, V]`` temporary. ``labels``: flat ``[N]`` int64 in ``[0, V)``, or None for a vocabulary shard
+    (``vocab_parallel``) that may not hold the label: NaN / +inf only, and a shard may be all ``-inf``.
     """
     logits = logits.detach()
     row_max = logits.amax(dim=-1).reshape(-1)  # NaN if the row holds a NaN, +inf if it holds +inf
-    index = labels.clamp(0, logits.shape[-1] - 1).reshape(logits.shape[:-1]).unsqueeze(-1)  # in bounds, always
-    at_label = logits.gather(-1, index).reshape(-1)
+    if labels is None:
+        at_label = row_max.new_zeros(())
+        row_max = torch.where(row_max == float("-inf"), 0.0, row_max)
+    else:
+        index = labels.clamp(0, logits.shape[-1] - 1).reshape(logits.shape[:-1]).unsqueeze(-1)  # in bounds
+        at_label = logits.gather(-1, index).reshape(-1)
     bad = ~(torch.isfinite(row_max) & torch.isfinite(at_label))
     if counted is not None:
         bad = bad & counted
@@ -478,11 +485,12 @@ def check_finite_logits(logits: Tensor, labels: Tensor, checks: ValueChecks, cou
 
 
 def check_finite_linear(
-    hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, checks: ValueChecks,
+    hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Optional[Tensor], checks: ValueChecks,
     counted: Optional[Tensor] = None,
 ) -> None:
     """``hidden`` rows that count and all of ``weight`` are finite; ``bias`` holds no NaN / +inf and is
-    finite at the labels of counted rows (``-inf`` elsewhere masks a vocabulary entry, which is valid)."""
+    finite at the labels of counted rows (``-inf`` elsewhere masks a vocabulary entry, which is valid).
+    ``labels`` None: a vocabulary shard that may not hold the labels (the bias label check is skipped)."""
     rows_ok = torch.isfinite(hidden.detach()).all(dim=-1).reshape(-1)
     bad_rows = ~rows_ok if counted is None else (~rows_ok & counted)
     checks.add(bad_rows.any(), "hidden must be finite at unmasked positions (check_finite=True)",
@@ -491,8 +499,8 @@ def check_finite_linear(
     check_finite_values("weight", weight, checks)
     if bias is not None:
         b = bias.detach()
-        at_label = b[labels.clamp(0, b.shape[0] - 1)]
-        if counted is not None:
+        at_label = b.new_zeros(()) if labels is None else b[labels.clamp(0, b.shape[0] - 1)]
+        if counted is not None and labels is not None:
             at_label = torch.where(counted, at_label, b.new_zeros(()))
         bad = torch.isnan(b).any() | (b == float("inf")).any() | ~torch.isfinite(at_label).all()
         checks.add(bad, "bias must hold no NaN or +inf, and be finite at the labels of unmasked rows (check_finite=True)")

@@ -131,10 +131,7 @@ def test_class1_token_logprobs_with_masked_vocabulary(backend):
     assert rel_err(xl.grad.cpu(), x64.grad) < RTOL
 
 
-CLASS1_BIAS_KNOWN = {
-    "cpu": ("cpu", "the C++ hidden-state entropy is inf / NaN with a -inf bias entry"),
-    "triton": ("trilinear", "the Triton hidden-state kernels give a non-finite loss with a -inf bias entry"),
-}
+CLASS1_BIAS_KNOWN = {"cpu": ("cpu", "the C++ hidden-state entropy is inf / NaN with a -inf bias entry")}
 
 
 @pytest.mark.parametrize("backend", backends(CLASS1_BIAS_KNOWN))
@@ -159,10 +156,7 @@ def test_class1_minus_inf_bias_entry_on_the_hidden_state_path(backend):
 # 2. Strided (non-contiguous) bias on the hidden-state path.
 # ---------------------------------------------------------------------------------------------
 
-CLASS2_KNOWN = {"triton": ("trilinear", "the Triton hidden-state kernels read a strided bias as contiguous")}
-
-
-@pytest.mark.parametrize("backend", backends(CLASS2_KNOWN))
+@pytest.mark.parametrize("backend", backends())
 def test_class2_strided_bias(backend):
     B, T, V, H = 2, 3, 11, 8
     hidden, weight = torch.randn(B, T, H), torch.randn(V, H) * 0.3
