@@ -214,6 +214,8 @@ def test_class3_double_backward_refused_on_every_public_function(backend):
         "gspo_loss": lambda: gk.GSPOLoss(backend=backend)(x, labels, adv, old).loss,
         "fused_linear_gspo_loss": lambda: gk.FusedLinearGSPOLoss(backend=backend)(h, w, labels, adv, old,
                                                                                  bias=b).loss,
+        "policy_loss": lambda: gk.policy_loss(gk.token_logprobs(x.detach(), labels).requires_grad_() * 1.0, adv, old,
+                                              backend=backend).loss,
     }
     for name, make in outputs.items():
         with pytest.raises(RuntimeError) as err:
@@ -674,6 +676,14 @@ def test_class11_check_finite_on_logprob_functions_and_modules(backend):
     with pytest.raises(ValueError, match="^advantages must"):
         gk.FusedLinearGSPOLoss(backend=backend, check_finite=True)(t["hidden"], t["weight"], t["labels"], adv,
                                                                    mask=t["mask"])
+    logp = gk.token_logprobs(t["logits"][..., 1:], (labels - 1).clamp(min=0), backend=backend).detach()
+    logp[0, 1] = float("nan")
+    with pytest.raises(ValueError, match="^logprobs must be finite at unmasked positions"):
+        gk.policy_loss(logp, t["advantages"], mask=t["mask"], check_finite=True, backend=backend)
+    logp[0, 1] = 0.0
+    logp[0, 3] = float("nan")  # masked
+    out = gk.policy_loss(logp, t["advantages"], mask=t["mask"], check_finite=True, backend=backend)
+    assert torch.isfinite(out.loss)
     # an empty response's advantage is never used: not checked
     mask = t["mask"].clone()
     mask[0] = 0
