@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
+from gspo_kernels.validation import check_temperature
+
 IMPORTANCE_SAMPLING_LEVELS = ("sequence", "sequence_token", "token")
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 
@@ -61,8 +63,7 @@ class GSPOConfig:
             raise ValueError(f"delta must be None or a finite number > 1, got {self.delta!r}")
         if not _finite(self.beta) or self.beta < 0:
             raise ValueError(f"beta must be a finite number >= 0, got {self.beta!r}")
-        if not _finite(self.temperature) or self.temperature <= 0:
-            raise ValueError(f"temperature must be a finite number > 0, got {self.temperature!r}")
+        check_temperature(self.temperature)
         if not _finite(self.entropy_coef):
             raise ValueError(f"entropy_coef must be a finite number, got {self.entropy_coef!r}")
         if self.max_completion_length is not None and (

@@ -14,12 +14,17 @@ from gspo_kernels.objective import LossOutput, gspo_objective
 from gspo_kernels.parallel import VocabParallel, check_vocab_parallel
 from gspo_kernels.precision import apply_precision, backend_context
 from gspo_kernels.validation import (
+    ValueChecks,
+    check_finite_linear,
+    check_finite_logits,
+    check_finite_values,
     check_float,
+    check_labels,
     check_linear,
     check_logits,
     check_same_device,
+    check_temperature,
     prepare_loss_inputs,
-    tracing,
 )
 
 Scalar = Union[None, int, float, Tensor]
@@ -33,6 +38,7 @@ def token_logprobs(
     return_entropy: bool = False,
     backend: str = "auto",
     vocab_parallel: Optional[VocabParallel] = None,
+    check_finite: bool = False,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Differentiable per-token log-probs ``log softmax(logits / temperature)[labels]`` in fp32.
 
@@ -41,19 +47,27 @@ def token_logprobs(
         labels: ``[...]`` integer, in ``[0, V)``.
         vocab_parallel: this rank holds the logits columns ``[start, end)`` of a vocabulary split over a
             process group (``logits [..., end - start]``, global labels; see ``docs/tensor_parallel.md``).
+        check_finite: raise ``ValueError`` naming ``logits`` when a row holds NaN or +inf or a non-finite
+            logit at its label (default: NaN in, NaN out; see ``docs/policies.md``).
     Returns:
         ``logp`` shaped like ``labels`` (fp32; fp64 for fp64 logits), and the entropy ``H`` of each
-        row's distribution when ``return_entropy``.
+        row's distribution when ``return_entropy``. First-order differentiable only.
     """
     check_logits(logits, labels, None)
-    _check_temperature(temperature)
+    check_temperature(temperature)
     vp = check_vocab_parallel(vocab_parallel)
-    flat = _checked_labels(labels, logits.shape[-1] if vp is None else vp.vocab_size)
+    checks = ValueChecks()
+    flat = check_labels(labels, logits.shape[-1] if vp is None else vp.vocab_size, checks)
+    checks.run()
+    if check_finite:
+        check_finite_logits(logits, flat if vp is None else None, checks)
+        checks.run()
     impl = backends.resolve(backend, logits.device)
     rows = logits if logits.dim() in (2, 3) else logits.reshape(-1, logits.shape[-1])
     logp, entropy = _logits_stage(impl, vp)(
         rows, flat, active=None, temperature=temperature, return_entropy=return_entropy, inplace_backward=False
     )
+    logp, entropy = first_order_only(logp, entropy)
     logp = logp.reshape(labels.shape)
     return (logp, entropy.reshape(labels.shape)) if return_entropy else logp
 
@@ -69,6 +83,7 @@ def linear_logprobs(
     backend: str = "auto",
     vocab_parallel: Optional[VocabParallel] = None,
     fp32_head: bool = False,
+    check_finite: bool = False,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Per-token log-probs (and entropy) of ``hidden @ weight.T + bias``; the logits never exist.
 
@@ -80,13 +95,21 @@ def linear_logprobs(
         fp32_head: fp32 operands whatever the inputs' dtypes and autocast say; otherwise the operand
             dtype follows :mod:`gspo_kernels.precision` (the autocast dtype under ``torch.autocast``,
             the lower-precision dtype of a mixed pair outside it).
+        check_finite: raise ``ValueError`` naming ``hidden``, ``weight`` or ``bias`` when they hold NaN or
+            inf (``-inf`` bias entries off the labels are allowed; see ``docs/policies.md``).
     Returns:
-        fp32 tensors shaped like ``labels`` (fp64 for fp64 inputs); differentiable for hidden, weight and bias.
+        fp32 tensors shaped like ``labels`` (fp64 for fp64 inputs); first-order differentiable for hidden,
+        weight and bias.
     """
     check_linear(hidden, weight, bias, labels)
-    _check_temperature(temperature)
+    check_temperature(temperature)
     vp = check_vocab_parallel(vocab_parallel)
-    flat = _checked_labels(labels, weight.shape[0] if vp is None else vp.vocab_size)
+    checks = ValueChecks()
+    flat = check_labels(labels, weight.shape[0] if vp is None else vp.vocab_size, checks)
+    checks.run()
+    if check_finite:
+        check_finite_linear(hidden, weight, bias, flat if vp is None else None, checks)
+        checks.run()
     impl = backends.resolve(backend, hidden.device)
     hidden, weight, bias = apply_precision(hidden, weight, bias, fp32_head=fp32_head)
     rows = hidden if hidden.dim() in (2, 3) else hidden.reshape(-1, hidden.shape[-1])
@@ -94,6 +117,7 @@ def linear_logprobs(
         logp, entropy = _linear_stage(impl, vp)(
             rows, weight, bias, flat, active=None, temperature=temperature, return_entropy=return_entropy
         )
+    logp, entropy = first_order_only(logp, entropy)
     logp = logp.reshape(labels.shape)
     return (logp, entropy.reshape(labels.shape)) if return_entropy else logp
 
@@ -113,6 +137,7 @@ def gspo_loss(
     backend: str = "auto",
     inplace_backward: bool = False,
     vocab_parallel: Optional[VocabParallel] = None,
+    check_finite: bool = False,
 ) -> LossOutput:
     """The GSPO / GRPO loss from logits (see ``docs/math.md``).
 
@@ -122,27 +147,38 @@ def gspo_loss(
         labels: ``[B, T]`` or ``[N]`` integer; unmasked entries in ``[0, V)``.
         advantages: per response ``[S]`` or per token (labels' shape).
         old_logprobs: log-probs of the sampling policy (labels' shape); None means on-policy.
-        mask: 0/1 token mask (labels' shape); cu_seqlens: ``[S + 1]`` int32/int64 (packed layout).
+        mask: token mask (labels' shape), bool, integer or float holding only 0 and 1;
+            cu_seqlens: ``[S + 1]`` int32/int64 (packed layout).
         ref_logprobs: reference-model log-probs, required when ``config.beta > 0``.
         is_ratio: inference-engine importance correction, per token or per response.
-        num_items_in_batch: global token count for ``loss_type="dapo"``.
+        num_items_in_batch: global token count for ``loss_type="dapo"``: a finite number > 0 (int, float or
+            one-element tensor), used as given.
         inplace_backward: write the logits gradient into ``logits``' storage (the logits are consumed).
         vocab_parallel: ``logits [..., end - start]`` is this rank's vocabulary shard (see :func:`token_logprobs`);
             the loss and metrics are the same on every rank.
+        check_finite: raise ``ValueError`` naming the argument when a float input holds NaN / inf at an
+            unmasked position (``-inf`` logits off the label are allowed). Default: NaN in, NaN out.
     Returns:
-        ``LossOutput(loss, metrics)``: 0-dim differentiable loss, detached 0-dim metrics.
+        ``LossOutput(loss, metrics)``: 0-dim loss (first-order differentiable), detached 0-dim metrics.
     """
     config = _check_config(config)
     check_logits(logits, labels, cu_seqlens)
     vp = check_vocab_parallel(vocab_parallel)
-    inputs = _inputs(labels, advantages, logits.shape[-1] if vp is None else vp.vocab_size, old_logprobs, mask, cu_seqlens, ref_logprobs, is_ratio,
-                     num_items_in_batch, config)
+    inputs = prepare_loss_inputs(
+        labels, advantages, logits.shape[-1] if vp is None else vp.vocab_size, old_logprobs=old_logprobs,
+        mask=mask, cu_seqlens=cu_seqlens, ref_logprobs=ref_logprobs, is_ratio=is_ratio,
+        num_items_in_batch=num_items_in_batch, config=config, check_finite=check_finite,
+    )
+    if check_finite:
+        checks = ValueChecks()
+        check_finite_logits(logits, inputs.labels if vp is None else None, checks, inputs.batch.mask > 0)
+        checks.run()
     impl = backends.resolve(backend, logits.device)
     logp, entropy = _logits_stage(impl, vp)(
         logits, inputs.labels, active=inputs.batch.mask > 0, temperature=config.temperature,
         return_entropy=True, inplace_backward=inplace_backward,
     )
-    return (impl.objective or gspo_objective)(logp, entropy, inputs, config)
+    return _first_order_loss((impl.objective or gspo_objective)(logp, entropy, inputs, config))
 
 
 def fused_linear_gspo_loss(
@@ -163,6 +199,7 @@ def fused_linear_gspo_loss(
     inplace_backward: bool = False,
     vocab_parallel: Optional[VocabParallel] = None,
     fp32_head: bool = False,
+    check_finite: bool = False,
 ) -> LossOutput:
     """:func:`gspo_loss` of ``hidden @ weight.T + bias`` without ever forming the logits.
 
@@ -177,8 +214,16 @@ def fused_linear_gspo_loss(
     config = _check_config(config)
     check_linear(hidden, weight, bias, labels)
     vp = check_vocab_parallel(vocab_parallel)
-    inputs = _inputs(labels, advantages, weight.shape[0] if vp is None else vp.vocab_size, old_logprobs, mask, cu_seqlens, ref_logprobs, is_ratio,
-                     num_items_in_batch, config)
+    inputs = prepare_loss_inputs(
+        labels, advantages, weight.shape[0] if vp is None else vp.vocab_size, old_logprobs=old_logprobs,
+        mask=mask, cu_seqlens=cu_seqlens, ref_logprobs=ref_logprobs, is_ratio=is_ratio,
+        num_items_in_batch=num_items_in_batch, config=config, check_finite=check_finite,
+    )
+    if check_finite:
+        checks = ValueChecks()
+        check_finite_linear(hidden, weight, bias, inputs.labels if vp is None else None, checks,
+                            inputs.batch.mask > 0)
+        checks.run()
     impl = backends.resolve(backend, hidden.device)
     hidden, weight, bias = apply_precision(hidden, weight, bias, fp32_head=fp32_head)
     with backend_context(hidden.device):
@@ -186,7 +231,7 @@ def fused_linear_gspo_loss(
             hidden, weight, bias, inputs.labels, active=inputs.batch.mask > 0, temperature=config.temperature,
             return_entropy=True,
         )
-        return (impl.objective or gspo_objective)(logp, entropy, inputs, config)
+        return _first_order_loss((impl.objective or gspo_objective)(logp, entropy, inputs, config))
 
 
 def policy_loss(
@@ -202,6 +247,7 @@ def policy_loss(
     num_items_in_batch: Scalar = None,
     config: Optional[GSPOConfig] = None,
     backend: str = "auto",
+    check_finite: bool = False,
 ) -> LossOutput:
     """The sequence stage alone: the GSPO / GRPO loss from per-token log-probs the caller already has.
 
@@ -216,8 +262,11 @@ def policy_loss(
             ``config.entropy_coef != 0``, optional otherwise (it then only feeds the ``entropy`` metric).
         config: ``config.temperature`` has no effect here (the log-probs are given).
         backend: ``"triton"`` runs the fused Triton sequence stage; the others run the PyTorch one.
+        check_finite: raise ``ValueError`` naming the argument when ``logprobs``, ``entropy`` or another
+            float input holds NaN / inf at an unmasked position. Default: NaN in, NaN out.
     Returns:
-        ``LossOutput(loss, metrics)``: 0-dim loss (fp32, fp64 for fp64 log-probs), detached 0-dim metrics.
+        ``LossOutput(loss, metrics)``: 0-dim loss (fp32, fp64 for fp64 log-probs; first-order differentiable),
+        detached 0-dim metrics.
     """
     config = _check_config(config)
     logprobs = check_float("logprobs", logprobs)
@@ -233,12 +282,21 @@ def policy_loss(
             raise ValueError(f"entropy must have logprobs' shape {token_shape}, got {tuple(entropy.shape)}")
     check_same_device(logprobs=logprobs, entropy=entropy)
     labels = torch.zeros(token_shape, dtype=torch.int64, device=logprobs.device)  # the layout only
-    inputs = _inputs(labels, advantages, 1, old_logprobs, mask, cu_seqlens, ref_logprobs, is_ratio,
-                     num_items_in_batch, config)
+    inputs = prepare_loss_inputs(
+        labels, advantages, 1, old_logprobs=old_logprobs, mask=mask, cu_seqlens=cu_seqlens,
+        ref_logprobs=ref_logprobs, is_ratio=is_ratio, num_items_in_batch=num_items_in_batch, config=config,
+        check_finite=check_finite,
+    )
     logp = _upcast_half(logprobs.reshape(-1))
     ent = None if entropy is None else _upcast_half(entropy.reshape(-1))
+    if check_finite:
+        checks = ValueChecks()
+        check_finite_values("logprobs", logp, checks, inputs.batch.mask > 0)
+        if ent is not None:
+            check_finite_values("entropy", ent, checks, inputs.batch.mask > 0)
+        checks.run()
     impl = backends.resolve(backend, logprobs.device)
-    return (impl.objective or gspo_objective)(logp, ent, inputs, config)
+    return _first_order_loss((impl.objective or gspo_objective)(logp, ent, inputs, config))
 
 
 def _logits_stage(impl, vp: Optional[VocabParallel]):
@@ -256,14 +314,17 @@ def _upcast_half(x: Tensor) -> Tensor:
 class GSPOLoss(nn.Module):
     """Module form of :func:`gspo_loss`: ``GSPOLoss(config)(logits, labels, advantages, old, **kw)``."""
 
-    def __init__(self, config: Optional[GSPOConfig] = None, *, backend: str = "auto", inplace_backward: bool = False):
+    def __init__(self, config: Optional[GSPOConfig] = None, *, backend: str = "auto", inplace_backward: bool = False,
+                 check_finite: bool = False):
         super().__init__()
         self.config = _check_config(config)
         self.backend = backend
         self.inplace_backward = inplace_backward
+        self.check_finite = check_finite
 
     def forward(self, logits: Tensor, labels: Tensor, advantages: Tensor, old_logprobs: Optional[Tensor] = None,
                 **kwargs) -> LossOutput:
+        kwargs.setdefault("check_finite", self.check_finite)
         return gspo_loss(logits, labels, advantages, old_logprobs, config=self.config, backend=self.backend,
                          inplace_backward=self.inplace_backward, **kwargs)
 
@@ -271,13 +332,15 @@ class GSPOLoss(nn.Module):
 class FusedLinearGSPOLoss(nn.Module):
     """Module form of :func:`fused_linear_gspo_loss`: ``(hidden, weight, labels, advantages, old, **kw)``."""
 
-    def __init__(self, config: Optional[GSPOConfig] = None, *, backend: str = "auto"):
+    def __init__(self, config: Optional[GSPOConfig] = None, *, backend: str = "auto", check_finite: bool = False):
         super().__init__()
         self.config = _check_config(config)
         self.backend = backend
+        self.check_finite = check_finite
 
     def forward(self, hidden: Tensor, weight: Tensor, labels: Tensor, advantages: Tensor,
                 old_logprobs: Optional[Tensor] = None, **kwargs) -> LossOutput:
+        kwargs.setdefault("check_finite", self.check_finite)
         return fused_linear_gspo_loss(hidden, weight, labels, advantages, old_logprobs, config=self.config,
                                       backend=self.backend, **kwargs)
 
@@ -290,26 +353,42 @@ def _check_config(config: Optional[GSPOConfig]) -> GSPOConfig:
     return config
 
 
-def _check_temperature(temperature: float) -> None:
-    if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or not temperature > 0:
-        raise ValueError(f"temperature must be a number > 0, got {temperature!r}")
+DOUBLE_BACKWARD_ERROR = (
+    "gspo_kernels does not support double backward: its losses and log-probs are differentiable once "
+    "(torch.autograd.grad(..., create_graph=True) and higher-order gradients are refused on every backend)"
+)
 
 
-def _checked_labels(labels: Tensor, vocab_size: int) -> Tensor:
-    if labels.dtype.is_floating_point or labels.dtype == torch.bool or labels.dtype.is_complex:
-        raise TypeError(f"labels must be an integer tensor, got {labels.dtype}")
-    flat = labels.reshape(-1).to(torch.int64)
-    if flat.numel() and not tracing() and bool(((flat < 0) | (flat >= vocab_size)).any()):
-        raise ValueError(f"labels must lie in [0, {vocab_size}) (the vocabulary size), got values in "
-                         f"[{int(flat.min())}, {int(flat.max())}]")
-    return flat
+class _FirstOrderOnly(torch.autograd.Function):
+    """Identity whose backward refuses to build a graph (``create_graph=True``): the one place where every
+    backend's double backward is refused with :data:`DOUBLE_BACKWARD_ERROR`. First-order gradients pass
+    through untouched (``None`` stays ``None``, so the backward stages still skip zero-gradient rows)."""
+
+    @staticmethod
+    def forward(ctx, *tensors: Tensor):
+        ctx.set_materialize_grads(False)
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads: Optional[Tensor]):
+        if torch.is_grad_enabled():  # the autograd engine enables grad mode exactly when create_graph=True
+            raise RuntimeError(DOUBLE_BACKWARD_ERROR)
+        return grads
 
 
-def _inputs(labels, advantages, vocab_size, old_logprobs, mask, cu_seqlens, ref_logprobs, is_ratio,
-            num_items_in_batch, config):
-    check_same_device(labels=labels, advantages=advantages, old_logprobs=old_logprobs, mask=mask,
-                      cu_seqlens=cu_seqlens, ref_logprobs=ref_logprobs, is_ratio=is_ratio)
-    return prepare_loss_inputs(
-        labels, advantages, vocab_size, old_logprobs=old_logprobs, mask=mask, cu_seqlens=cu_seqlens,
-        ref_logprobs=ref_logprobs, is_ratio=is_ratio, num_items_in_batch=num_items_in_batch, beta=config.beta,
-    )
+def first_order_only(*tensors: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:
+    """``tensors`` unchanged in value; a backward with ``create_graph=True`` through them raises
+    ``RuntimeError`` (:data:`DOUBLE_BACKWARD_ERROR`). Tensors that need no gradient are returned as is."""
+    index = [i for i, t in enumerate(tensors) if t is not None and t.requires_grad]
+    if not index:
+        return tensors
+    wrapped = _FirstOrderOnly.apply(*(tensors[i] for i in index))
+    out = list(tensors)
+    for i, t in zip(index, wrapped):
+        out[i] = t
+    return tuple(out)
+
+
+def _first_order_loss(output: LossOutput) -> LossOutput:
+    (loss,) = first_order_only(output.loss)
+    return LossOutput(loss, output.metrics)

@@ -4,10 +4,17 @@ Written once and used by every backend without a faster version of it. Everythin
 ``[N]``- or ``[S]``-sized; the heavy per-token stage (log-softmax / gather / entropy) has already run.
 Autograd through this function yields exactly zero ``dL/dlogp_t`` for masked tokens, clipped
 responses and zero advantages, which the heavy backward stages use to skip those rows.
+
+Robustness (``docs/policies.md``): every per-token input is replaced by 0 at masked positions before it
+meets a product, so NaN / inf there never reaches a value or a gradient; and the clipping branch of each
+token is selected from the detached weight before ``exp`` runs on a differentiable value, so a token whose
+loss does not depend on its weight (clipped, capped by ``delta``, zero advantage) gets a zero gradient
+even when its weight overflows (``exp(100)`` in fp32), instead of ``0 * inf = NaN``.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Dict, NamedTuple, Optional
 
 import torch
@@ -61,22 +68,22 @@ def gspo_objective(
     clamp = config.log_ratio_clamp
     if clamp is not None:  # verl's guard: value min(log w, c), no gradient through a clamped weight
         log_w = torch.clamp(log_w, max=clamp)
-    w = torch.exp(log_w)
 
     adv = inputs.advantages.to(logp.dtype)
-    A = adv if inputs.advantages_per_token else adv[seq]
+    A = torch.where(valid, adv if inputs.advantages_per_token else adv[seq], zero)
+    w = torch.exp(_live_log_weight(log_w, A, config))
     c1 = w if config.delta is None else torch.clamp(w, max=config.delta)
     c2 = torch.clamp(w, 1.0 - config.epsilon_low, 1.0 + config.epsilon_high)
     per_token = -torch.minimum(c1 * A, c2 * A)
     if inputs.is_ratio is not None:
-        per_token = per_token * inputs.is_ratio.to(logp.dtype)
+        per_token = per_token * torch.where(valid, inputs.is_ratio.to(logp.dtype), zero)
 
     kl = None
     if config.beta > 0:
         d = torch.where(valid, inputs.ref_logprobs.to(logp.dtype), zero) - logp_m
         kl = torch.exp(d) - d - 1.0
         if config.use_bias_correction_kl:
-            kl = kl * w
+            kl = kl * torch.exp(log_w)  # the weight's gradient counts here whatever the clipping
         per_token = per_token + config.beta * kl
     per_token = torch.where(valid, per_token, zero)
 
@@ -96,7 +103,7 @@ def gspo_objective(
             seq_w = torch.exp(seq_log_ratio if clamp is None else torch.clamp(seq_log_ratio, max=clamp))
             metrics = _weight_metrics(seq_w, adv, lengths > 0, config)
         else:
-            metrics = _weight_metrics(w.detach(), A, valid, config)
+            metrics = _weight_metrics(torch.exp(log_w.detach()), A, valid, config)
         if entropy is not None:
             metrics["entropy"] = entropy_mean.detach().float()
         if kl is not None:
@@ -114,9 +121,34 @@ def _aggregate(per_token: Tensor, denom: Tensor, num_tokens: Tensor, inputs: Los
         return total / num_tokens.clamp(min=1)
     if config.loss_type == "dr_grpo":
         return total / (max(S, 1) * config.max_completion_length)
-    # "dapo": the caller's global token count, else this batch's
-    items = num_tokens if inputs.num_items_in_batch is None else inputs.num_items_in_batch.to(per_token.dtype)
-    return total / items.clamp(min=1)
+    # "dapo": the caller's global token count (validated finite and > 0, used as given), else this batch's
+    if inputs.num_items_in_batch is None:
+        return total / num_tokens.clamp(min=1)
+    return total / inputs.num_items_in_batch.to(per_token.dtype)
+
+
+def _live_log_weight(log_w: Tensor, A: Tensor, config: GSPOConfig) -> Tensor:
+    """``log_w`` where the token's surrogate ``-min(c1 A, c2 A)`` depends on the weight; a detached, finite
+    stand-in giving the same clipped value elsewhere (its gradient is exactly 0 there, with no ``0 * inf``).
+
+    ``c1 = min(w, delta)`` (or ``w``), ``c2 = clamp(w, 1 - eps_low, 1 + eps_high)``. The value is constant
+    in ``w`` when ``A == 0``, or when the branch ``torch.minimum`` picks is a clamped constant (for a tie,
+    when both are). Only those tokens get the stand-in: ``min(log_w, log(cap))`` with ``cap`` above every
+    clip edge, which leaves the clipped values unchanged.
+    """
+    lo, hi, delta = 1.0 - config.epsilon_low, 1.0 + config.epsilon_high, config.delta
+    with torch.no_grad():
+        lw = log_w.detach()
+        w = torch.exp(lw)  # may be inf: used for comparisons only
+        c1 = w if delta is None else torch.clamp(w, max=delta)
+        c2 = torch.clamp(w, lo, hi)
+        c1_const = torch.zeros_like(w, dtype=torch.bool) if delta is None else w > delta
+        c2_const = (w < lo) | (w > hi)
+        a1, a2 = c1 * A, c2 * A
+        frozen = (A == 0) | ((a1 < a2) & c1_const) | ((a2 < a1) & c2_const) | (c1_const & c2_const)
+        cap = math.log(2.0 * max(hi, delta or hi))
+        stand_in = torch.clamp(lw, max=cap)
+    return torch.where(frozen, stand_in, log_w)
 
 
 def _weight_metrics(w: Tensor, A: Tensor, valid: Tensor, config: GSPOConfig) -> Dict[str, Tensor]:

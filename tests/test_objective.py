@@ -88,6 +88,47 @@ def test_objective_has_no_nan_with_empty_responses_and_inf_padding():
         assert torch.all(grad[2:] == 0)
 
 
+@pytest.mark.parametrize("level", ["sequence", "sequence_token", "token"])
+def test_fp32_objective_matches_fp64_when_weights_overflow_and_masked_inputs_are_nan(level):
+    """fp32 with e^100 weights (clipped, or capped by delta) and NaN at masked positions of the per-token
+    advantages and is_ratio: the same loss and gradient as the fp64 objective on clean inputs."""
+    S, T = 3, 4
+    labels = torch.zeros(S, T, dtype=torch.long)
+    mask = torch.ones(S, T)
+    mask[1, 2:] = 0
+    mask[2, 3] = 0  # a masked NaN inside the response whose weight is live
+    logp64 = torch.randn(S * T, dtype=torch.float64) - 1
+    old = logp64.reshape(S, T) - torch.tensor([[100.0], [100.0], [1e-4]], dtype=torch.float64)
+    adv = torch.tensor([[1.0] * T, [-2.0] * T, [0.5] * T], dtype=torch.float64)  # clipped, delta-capped, live
+    ratio = 1 + 0.1 * torch.rand(S, T, dtype=torch.float64)
+    cfg = gk.GSPOConfig(importance_sampling_level=level, delta=2.0, beta=0.02)
+    ref_lp = logp64.reshape(S, T) + 0.1
+    grads = []
+    for dtype, poison in ((torch.float32, float("nan")), (torch.float64, 0.0)):
+        a, r = adv.clone(), ratio.clone()
+        a[mask == 0], r[mask == 0] = poison, poison
+        inputs = prepare_loss_inputs(labels, a.to(dtype), 1, old_logprobs=old.to(dtype), mask=mask,
+                                     is_ratio=r.to(dtype), ref_logprobs=ref_lp.to(dtype), config=cfg)
+        logp = logp64.to(dtype).requires_grad_()
+        out = gspo_objective(logp, None, inputs, cfg)
+        grads.append((out.loss, torch.autograd.grad(out.loss, logp)[0]))
+    (loss32, g32), (loss64, g64) = grads
+    assert torch.isfinite(loss32) and torch.isfinite(g32).all()
+    torch.testing.assert_close(loss32.double(), loss64, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(g32.double(), g64, rtol=1e-5, atol=1e-7)
+    assert bool((g32[8:11] != 0).all()) and g32[11] == 0  # the live response has a gradient, masked tokens none
+
+
+def test_dapo_divides_by_num_items_in_batch_as_given():
+    labels = torch.zeros(2, 3, dtype=torch.long)
+    logp = (torch.randn(6) - 1).requires_grad_()
+    old = logp.detach().reshape(2, 3) - 0.01
+    cfg = gk.GSPOConfig(loss_type="dapo")
+    losses = [gspo_objective(logp, None, prepare_loss_inputs(labels, torch.tensor([1.0, -0.5]), 1, old_logprobs=old,
+                                                             num_items_in_batch=n), cfg).loss for n in (1, 0.25)]
+    torch.testing.assert_close(losses[1], 4 * losses[0])
+
+
 def test_group_advantages_matches_reference():
     rewards = torch.randn(6 * 8)
     rewards[8:16] = 0.5  # one group with equal rewards

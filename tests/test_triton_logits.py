@@ -593,10 +593,10 @@ def test_logits_path_autograd_has_no_host_synchronization():
 def _prepared(labels, adv, old, mask, config, V):
     """The validated inputs of ``gspo_loss`` (built outside the recorded region: the eager value checks
     read values on purpose)."""
-    from gspo_kernels import loss as loss_module
+    from gspo_kernels.validation import prepare_loss_inputs
 
-    return loss_module._inputs(labels.to(DEVICE), adv.to(DEVICE), V, old.to(DEVICE), mask.to(DEVICE), None,
-                               old.to(DEVICE), None, None, config)
+    return prepare_loss_inputs(labels.to(DEVICE), adv.to(DEVICE), V, old_logprobs=old.to(DEVICE), mask=mask.to(DEVICE),
+                               ref_logprobs=old.to(DEVICE), config=config)
 
 
 @pytest.mark.parametrize("level", IMPORTANCE_SAMPLING_LEVELS)

@@ -36,7 +36,7 @@ def call(**kw):
     (dict(ref_logprobs=torch.randn(1, T), config=GSPOConfig(beta=0.1)), ValueError, "ref_logprobs must have"),
     (dict(config=GSPOConfig(beta=0.1)), ValueError, "ref_logprobs is required"),
     (dict(config={"beta": 0.1}), TypeError, "config must be a GSPOConfig"),
-    (dict(num_items_in_batch=0), ValueError, "num_items_in_batch must be > 0"),
+    (dict(num_items_in_batch=0), ValueError, "num_items_in_batch must be a finite number > 0"),
     (dict(advantages=torch.randn(B, device="meta")), ValueError, "advantages is on meta"),
 ])
 def test_padded_errors(over, error, words):
@@ -111,3 +111,84 @@ def test_linear_errors():
         gk.linear_logprobs(torch.randn(B, T, H), torch.randn(V, H), torch.full((B, T), V), backend="torch")
     with pytest.raises(ValueError, match="backend must be one of"):
         gk.token_logprobs(torch.randn(B, V), torch.zeros(B, dtype=torch.long), backend="cuda-magic")
+
+
+# --- one rule per check (issue 9): the same input gets the same answer from every entry point ----------
+
+
+@pytest.mark.parametrize("temperature", [float("inf"), float("nan"), 0.0, -1.0, True, "1"])
+def test_temperature_has_one_rule(temperature):
+    x, y = torch.randn(2, V), torch.zeros(2, dtype=torch.long)
+    rule = "temperature must be a finite number > 0"
+    with pytest.raises(ValueError, match=rule):
+        GSPOConfig(temperature=temperature)
+    with pytest.raises(ValueError, match=rule):
+        gk.token_logprobs(x, y, temperature=temperature, backend="torch")
+    with pytest.raises(ValueError, match=rule):
+        gk.linear_logprobs(torch.randn(2, H), torch.randn(V, H), y, temperature=temperature, backend="torch")
+
+
+def test_label_range_has_one_rule():
+    labels = torch.randint(0, V, (B, T))
+    labels[1, 2] = V + 4  # flat position 5
+    with pytest.raises(ValueError, match=r"labels must lie in \[0, 11\) \(the vocabulary size\); flat position 5 "
+                                         r"holds 15"):
+        gk.token_logprobs(torch.randn(B, T, V), labels, backend="torch")
+    with pytest.raises(ValueError, match=r"labels must lie in \[0, 11\) .*; flat position 5 holds 15"):
+        gk.linear_logprobs(torch.randn(B, T, H), torch.randn(V, H), labels, backend="torch")
+    with pytest.raises(ValueError, match=r"labels must lie in \[0, 11\) \(the vocabulary size\) at unmasked "
+                                         r"positions; flat position 5 holds 15"):
+        call(**padded(labels=labels))
+    mask = torch.ones(B, T)
+    mask[1, 2] = 0
+    assert torch.isfinite(call(**padded(labels=labels, mask=mask)).loss)  # masked: never read
+
+
+def test_config_or_beta_decide_whether_ref_logprobs_is_required():
+    from gspo_kernels.validation import prepare_loss_inputs
+
+    labels, adv = torch.randint(0, V, (B, T)), torch.randn(B)
+    for kw in (dict(config=GSPOConfig(beta=0.1)), dict(beta=0.1)):
+        with pytest.raises(ValueError, match="ref_logprobs is required"):
+            prepare_loss_inputs(labels, adv, V, **kw)
+    assert prepare_loss_inputs(labels, adv, V, config=GSPOConfig()).ref_logprobs is None
+
+
+def test_value_checks_read_the_device_once(monkeypatch):
+    """Eager validation of valid inputs: all value rules (labels, mask, cu_seqlens, num_items_in_batch,
+    finiteness) are read back with a single ``tolist`` and no other host read."""
+    from gspo_kernels.validation import prepare_loss_inputs
+
+    reads = []
+    for name in ("tolist", "item", "__bool__", "__int__", "__float__", "cpu", "numpy"):
+        original = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _n=name, _f=original, **k: (reads.append(_n),
+                                                                                             _f(self, *a, **k))[1])
+    N = 7
+    labels, cu = torch.randint(0, V, (N,)), torch.tensor([0, 3, 3, 7])
+    prepare_loss_inputs(labels, torch.randn(3), V, mask=torch.tensor([1, 1, 0, 1, 1, 1, 0]), cu_seqlens=cu,
+                        old_logprobs=torch.randn(N), is_ratio=torch.rand(3), num_items_in_batch=torch.tensor(9.0),
+                        check_finite=True)
+    assert reads == ["tolist"]
+
+
+def test_token_to_response_index_stays_in_bounds_whatever_cu_seqlens_holds():
+    """The guarantee behind torch.compile's asserts: even before a check fires, no index leaves [0, S)."""
+    from gspo_kernels.validation import ValueChecks, flatten_token_layout
+
+    labels = torch.zeros(6, dtype=torch.long)
+    for cu in ([0, 9, 2, 6], [3, 1, 2, 8], [0, 2, 4, 5], [-4, 0, 0, 100], [0, 0, 0, 0]):
+        checks = ValueChecks()  # never run: the values are not checked
+        batch = flatten_token_layout(labels, cu_seqlens=torch.tensor(cu), checks=checks)
+        assert batch.seq_index.shape == (6,)
+        assert int(batch.seq_index.min()) >= 0 and int(batch.seq_index.max()) < 3
+        with pytest.raises(ValueError, match="cu_seqlens"):
+            checks.run()
+
+
+def test_seq_index_of_a_well_formed_layout():
+    from gspo_kernels.validation import flatten_token_layout
+
+    batch = flatten_token_layout(torch.zeros(6, dtype=torch.long), cu_seqlens=torch.tensor([0, 2, 2, 6]))
+    assert batch.seq_index.tolist() == [0, 0, 2, 2, 2, 2]
+    assert batch.cu_seqlens.dtype == torch.int32 and batch.num_seqs == 3

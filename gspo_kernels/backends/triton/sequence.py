@@ -314,8 +314,8 @@ def _gspo_reduce_kernel(
     elif LOSS_TYPE == LOSS_DR_GRPO:  # dr_grpo: S * max_completion_length
         denominator = dr_grpo_denominator
     else:  # dapo: the caller's global token count, else this batch's
-        if HAS_NUM_ITEMS:
-            denominator = tl.maximum(tl.load(num_items_ptr).to(tl.float32), 1.0)
+        if HAS_NUM_ITEMS:  # validated finite and > 0, used as given (docs/policies.md)
+            denominator = tl.load(num_items_ptr).to(tl.float32)
         else:
             denominator = token_mean
     entropy_mean = tl.sum(ent, axis=0) / token_mean
