@@ -283,7 +283,8 @@ def test_rows_without_gradient_are_not_read_in_the_backward(backend, path):
 @pytest.mark.parametrize("path", ["logits", "linear"])
 def test_outputs_never_depend_on_uninitialized_memory(backend, path, monkeypatch):
     """Fresh buffers (the Triton sequence stage's gradient coefficients among them) filled with NaN: the
-    results must equal an unpoisoned run, and masked tokens' coefficients must be written (zero)."""
+    results must equal an unpoisoned run, and the gradient the sequence stage hands to the per-token stage
+    must be written everywhere, exactly 0 at masked tokens."""
     dev = _device(backend)
     x, weight, labels, adv, old, mask, _ = _skip_case(path)
     old[3, 4] = float("nan")  # masked garbage
@@ -306,18 +307,21 @@ def test_outputs_never_depend_on_uninitialized_memory(backend, path, monkeypatch
 
     monkeypatch.setattr(torch, "empty", lambda *a, **k: poisoned(real_empty(*a, **k)))
     monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poisoned(real_empty_like(*a, **k)))
-    coefficients = []
-    if backend == "triton":
-        from gspo_kernels.backends.triton import sequence
+    # What the sequence stage sends back to the per-token stage (the Triton stage's coefficient buffer
+    # times a scale), caught at the backend contract's boundary: finite everywhere, 0 at masked tokens.
+    upstream = []
+    impl = backends.load(backend)
+    attr = "logits_logprobs" if path == "logits" else "linear_logprobs"
+    heavy = getattr(impl, attr)
 
-        stage = getattr(sequence, "sequence_stage", None)
-        if stage is not None:
-            def spy(*a, **k):
-                result = stage(*a, **k)
-                coefficients.append(result[0])
-                return result
+    def catch_upstream_gradients(*a, **k):
+        logp, entropy = heavy(*a, **k)
+        for t in (logp, entropy):
+            if t is not None and t.requires_grad:
+                t.register_hook(lambda g: upstream.append(g.detach().clone()))
+        return logp, entropy
 
-            monkeypatch.setattr(sequence, "sequence_stage", spy)
+    monkeypatch.setattr(impl, attr, catch_upstream_gradients)
     out, grads = run()
     monkeypatch.undo()
     assert torch.isfinite(out.loss) and out.loss.item() == pytest.approx(clean.loss.item(), rel=1e-6)
@@ -326,9 +330,10 @@ def test_outputs_never_depend_on_uninitialized_memory(backend, path, monkeypatch
     for got, want in zip(grads, clean_grads):
         assert torch.isfinite(got).all()
         torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
-    for coef in coefficients:  # the sequence stage's own buffer: every entry written, masked ones with 0
-        assert torch.isfinite(coef).all()
-        assert torch.all(coef.cpu()[mask.reshape(-1) == 0] == 0)
+    assert len(upstream) == 2  # dL/dlogp and dL/dentropy
+    for g in upstream:  # every entry written; masked tokens get exactly 0
+        assert torch.isfinite(g).all()
+        assert torch.all(g.reshape(-1).cpu()[mask.reshape(-1) == 0] == 0)
 
 
 # ---------------------------------------------------------------------------------------------
