@@ -108,6 +108,7 @@ def logits_loss_vs_reference(backend: str, config, packed: bool, V: int = 97, de
 
     The logits are strided views (padded: ``base[:, :-1]`` of ``[S, 9, V]``; packed: the transpose of
     ``[V, N]``); the gradients are taken with respect to ``base``, so nothing outside the view may move.
+    Packed cases carry per-token advantages, padded ones per-response advantages.
     """
     import gspo_kernels as gk
     from gspo_kernels import reference
@@ -119,7 +120,8 @@ def logits_loss_vs_reference(backend: str, config, packed: bool, V: int = 97, de
         base = torch.randn(len(LENGTHS), 9, V) * 2
         take = lambda x: x[:, :-1]  # noqa: E731
     case = make_case(lambda y: reference.token_logprobs(take(base).double(), y, temperature=config.temperature), V,
-                     packed=packed, lengths=LENGTHS)
+                     packed=packed, lengths=LENGTHS,
+                     per_token_adv=packed)
     x = base.clone().to(device).requires_grad_()
     kw = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in case.kwargs(config.beta > 0).items()}
     out = gk.gspo_loss(take(x), case.labels.to(device), case.advantages.to(device), case.old_logprobs.to(device),
@@ -149,7 +151,7 @@ def linear_loss_vs_reference(backend: str, config, packed: bool, V: int = 75, H:
     weight, bias = torch.randn(V, H) * 0.3, torch.randn(V) * 0.1
     case = make_case(
         lambda y: reference.linear_logprobs(take(base), weight, y, bias=bias, temperature=config.temperature), V,
-        packed=packed, lengths=LENGTHS,
+        packed=packed, lengths=LENGTHS, per_token_adv=packed,
     )
     leaves = [t.clone().to(device).requires_grad_() for t in (base, weight, bias)]
     kw = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in case.kwargs(config.beta > 0).items()}
