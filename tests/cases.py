@@ -15,7 +15,7 @@ from gspo_kernels.tools.verify import FP32_RTOL as RTOL
 from gspo_kernels.tools.verify import rel_err
 
 __all__ = ["LEVELS", "LOSS_TYPES", "RTOL", "rel_err", "Case", "make_case", "configs", "check_against_reference",
-           "logits_loss_vs_reference", "linear_loss_vs_reference"]
+           "logits_loss_vs_reference", "linear_loss_vs_reference", "assert_zero_rows_get_zero_dh"]
 
 
 @dataclass
@@ -164,3 +164,12 @@ def linear_loss_vs_reference(backend: str, config, packed: bool, V: int = 75, H:
                                                 case.old_logprobs, bias=leaves64[2], config=config,
                                                 **case.kwargs(config.beta > 0))
     return out, expected, [g.cpu() for g in grads], torch.autograd.grad(expected.loss, leaves64)
+
+
+def assert_zero_rows_get_zero_dh(config, grads, ref_grads) -> None:
+    """Rows that carry no gradient (masked, clipped, zero advantage) get exactly zero dH."""
+    if config.beta == 0 and config.entropy_coef == 0:
+        H = ref_grads[0].shape[-1]
+        zero_rows = ref_grads[0].reshape(-1, H).abs().amax(dim=1) == 0
+        assert bool(zero_rows.any())
+        assert torch.all(grads[0].reshape(-1, H)[zero_rows] == 0)

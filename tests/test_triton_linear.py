@@ -4,11 +4,11 @@ On machines without CUDA the kernels run in the Triton interpreter (conftest set
 with the small interpreter block sizes (16 rows x 32 vocabulary x 16 hidden), so every shape below spans
 several row, vocabulary and hidden tiles with ragged last tiles. The interpreter's ``tl.dot`` is wrong
 for bf16 operands (docs/kernels.md): the kernels then upcast their dot operands to fp32 (the ``UPCAST``
-constexpr), so bf16 tests (test_conformance.py) check the bf16 loads/stores and roundings, not tensor cores.
+constexpr), so the bf16 tests here check the bf16 loads/stores and roundings, not bf16 tensor cores.
 
-Tolerances: fp32 within 1e-5 relative to the largest reference entry (logp, entropy, dH, dW, dbias).
-Half precision through the public API, and the behaviours shared by every backend, are in
-test_conformance.py.
+Tolerances: fp32 within 1e-5 relative to the largest reference entry (logp, entropy, dH, dW, dbias,
+loss, metrics). fp16/bf16: the error must not exceed the plain half-precision PyTorch path's error
+(half matmul, half log_softmax, half autograd) plus one rounding of the output dtype (2^-11 fp16, 2^-8 bf16).
 """
 
 import os
@@ -18,12 +18,18 @@ import sys
 import pytest
 import torch
 
+from gspo_kernels import backends
 from gspo_kernels.backends.triton.autograd import linear_logprobs
 from gspo_kernels.backends.triton.linear_forward import linear_logprobs_forward
-from tests.cases import rel_err
+from tests.cases import assert_zero_rows_get_zero_dh, check_against_reference, configs, linear_loss_vs_reference
 
 RTOL = 1e-5
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def rel_err(a, b):
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-30)) if b.numel() else 0.0
 
 
 def float64_math(hidden, weight, bias, labels, temperature, g_logp, g_ent):
@@ -147,6 +153,39 @@ def test_deterministic_default_follows_torch(monkeypatch):
     assert seen == [False, True]
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_half_precision_no_worse_than_plain_pytorch(dtype):
+    B, T, H, V = 2, 12, 48, 300
+    hidden = torch.randn(B, T, H).to(dtype)
+    weight = (torch.randn(V, H) * 0.2).to(dtype)
+    bias = (torch.randn(V) * 0.3).to(dtype)
+    N = B * T
+    labels = torch.randint(0, V, (N,))
+    g_logp, g_ent = torch.randn(N), torch.randn(N) * 0.1
+    g_logp[::4] = 0
+    g_ent[::4] = 0
+    ref = float64_math(hidden, weight, bias, labels, 0.9, g_logp, g_ent)
+    margin = 2**-11 if dtype == torch.float16 else 2**-8
+
+    # the plain half-precision PyTorch path: half matmul, half log_softmax, autograd in half
+    ph, pw, pb = (t.clone().requires_grad_() for t in (hidden, weight, bias))
+    plain_all = ((ph.reshape(N, H) @ pw.T + pb) / 0.9).log_softmax(-1)
+    plain_logp = plain_all.gather(1, labels[:, None])[:, 0].float()
+    plain_ent = -(plain_all.exp() * plain_all).sum(-1).float()
+    plain_grads = torch.autograd.grad((plain_logp * g_logp + plain_ent * g_ent).sum(), (ph, pw, pb))
+
+    h, w, b = (t.clone().requires_grad_() for t in (hidden, weight, bias))
+    logp, entropy = linear_logprobs(h, w, b, labels, temperature=0.9, return_entropy=True)
+    grads = torch.autograd.grad((logp * g_logp + entropy * g_ent).sum(), (h, w, b))
+    assert logp.dtype == torch.float32
+    assert rel_err(logp, ref[0]) <= rel_err(plain_logp, ref[0]) + margin
+    assert rel_err(entropy, ref[1]) <= rel_err(plain_ent, ref[1]) + margin
+    for got, plain, want in zip(grads, plain_grads, ref[2:]):
+        assert got.dtype == dtype
+        assert rel_err(got, want) <= rel_err(plain, want) + margin
+    assert torch.all(grads[0].reshape(N, H)[::4] == 0)
+
+
 def test_gradient_filtering_error_is_bounded():
     """Filtering (off by default) drops tiles whose softmax entries are all below ``filter_eps``.
 
@@ -172,6 +211,20 @@ def test_gradient_filtering_error_is_bounded():
     filtered = max(errors[2.0**-13])
     assert filtered > 10 * max(errors[None]), "the filter dropped nothing: the test would not see an error"
     assert filtered < 8 * 2.0**-13, errors
+
+
+def triton_backend_or_skip():
+    if backends.load("triton") is None:
+        pytest.skip(f"backend 'triton' unavailable: {backends.unavailable_reason('triton')}")
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+@pytest.mark.parametrize("config", configs(), ids=lambda c: f"{c.importance_sampling_level}-{c.loss_type}")
+def test_fused_linear_gspo_loss_triton_fp32(config, packed):
+    triton_backend_or_skip()
+    out, expected, grads, ref_grads = linear_loss_vs_reference("triton", config, packed)
+    check_against_reference(out, expected, grads, ref_grads)
+    assert_zero_rows_get_zero_dh(config, grads, ref_grads)
 
 
 _STATIC_CHECK = r"""

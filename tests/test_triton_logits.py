@@ -2,8 +2,8 @@
 
 Without a GPU the kernels run in the Triton interpreter on CPU tensors (``tests/conftest.py`` sets
 ``TRITON_INTERPRET=1`` before triton is imported); on a CUDA machine the same tests run on the GPU.
-Tolerances: fp32 within 1e-5 relative (plus a tiny absolute floor for values near 0); bf16 gradients within
-one rounding of the float64 gradient to bf16. The behaviours shared by every backend are in test_conformance.py.
+Tolerances: fp32 within 1e-5 relative (plus a tiny absolute floor for values near 0); bf16/fp16 no worse
+than the plain PyTorch path in that dtype, plus the stated margin.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from gspo_kernels import backends, reference  # noqa: E402
 from gspo_kernels.backends.triton import interpreter_active, sequence  # noqa: E402
 from gspo_kernels.backends.triton.logits_backward import logprobs_backward  # noqa: E402
 from gspo_kernels.backends.triton.logits_forward import logprobs_forward  # noqa: E402
-from gspo_kernels.config import IMPORTANCE_SAMPLING_LEVELS as LEVELS  # noqa: E402
 from gspo_kernels.config import GSPOConfig  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -26,6 +25,7 @@ if DEVICE == "cpu" and not interpreter_active():
     pytest.skip("no GPU and the Triton interpreter is off (TRITON_INTERPRET=1 must be set before importing triton)",
                 allow_module_level=True)
 
+LEVELS = ("sequence", "sequence_token", "token")
 
 
 def _rounding_ulps(dtype) -> float:
@@ -110,6 +110,42 @@ def test_backward_matches_float64(kind, V):
     inplace = x.clone()
     out = logprobs_backward(inplace, labels, lse, entropy, g, h, temperature=1.3, inplace=True)
     assert out is inplace and torch.equal(out.cpu(), grad.cpu())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_no_worse_than_plain_torch(dtype):
+    """logp / entropy / gradient errors vs float64 of the same (rounded) logits, against the plain
+    ``log_softmax`` path in ``dtype``. Margin: one rounding of the gradient's largest magnitude to ``dtype``."""
+    V, N = 3001, 12
+    x, x64 = _logits("padded_view", N, V, dtype=dtype)  # [4, 3, V], not contiguous
+    labels = torch.randint(0, V, (N,), device=DEVICE)
+    g = torch.randn(N, device=DEVICE)
+    with torch.no_grad():
+        logp, entropy = gk.token_logprobs(x, labels.reshape(4, 3), return_entropy=True, backend="triton")
+    x_req = x.detach().clone().requires_grad_(True)
+    logp_t, _ = gk.token_logprobs(x_req, labels.reshape(4, 3), return_entropy=True, backend="triton")
+    (logp_t.reshape(-1) * g).sum().backward()
+
+    plain = x.detach().clone().requires_grad_(True)
+    plain_all = torch.log_softmax(plain.reshape(-1, V), dim=-1)  # computed in `dtype`
+    plain_logp = plain_all.gather(1, labels[:, None])[:, 0]
+    (plain_logp * g.to(dtype)).sum().backward()
+
+    x64r = x64.clone().requires_grad_(True)
+    ref_logp, ref_entropy = _ref_logprobs(x64r, labels, 1.0)
+    (ref_logp * g.cpu().double()).sum().backward()
+
+    err = (logp.reshape(-1).cpu().double() - ref_logp).abs().max()
+    plain_err = (plain_logp.cpu().double() - ref_logp).abs().max()
+    assert err <= plain_err + 1e-6, (float(err), float(plain_err))
+    assert err <= 1e-5 * float(ref_logp.detach().abs().max()) + 1e-6  # fp32 math from low-precision inputs
+    _close(entropy.reshape(-1).cpu(), ref_entropy, rtol=1e-5, atol=1e-5)
+    ulp = torch.finfo(dtype).eps
+    ref_grad = x64r.grad.reshape(-1, V)
+    grad_err = (x_req.grad.reshape(-1, V).cpu().double() - ref_grad).abs().max()
+    plain_grad_err = (plain.grad.reshape(-1, V).cpu().double() - ref_grad).abs().max()
+    margin = _rounding_ulps(dtype) * ulp * float(ref_grad.abs().max())
+    assert grad_err <= plain_grad_err + margin, (float(grad_err), float(plain_grad_err))
 
 
 def test_qwen_vocabulary_few_rows():
