@@ -342,7 +342,9 @@ def _objective(
     device = advantages.device
     f64 = dict(dtype=torch.float64, device=device)
 
-    total = torch.zeros((), **f64)  # sum over responses of their aggregated per-token losses
+    # sum over responses of their aggregated per-token losses; empty slices keep it in the autograd
+    # graph (with zero gradient) even when no token counts
+    total = sum((logp[:0].sum() for logp, _ in per_response), torch.zeros((), **f64))
     num_tokens = 0  # sum over responses of |y_i|
     weights, advs, kls, entropies = [], [], [], []
     for i, ((logp, entropy), idx) in enumerate(zip(per_response, layout.responses)):

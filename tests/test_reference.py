@@ -227,3 +227,20 @@ def test_the_oracle_does_not_import_the_fast_paths():
     names = {alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
              and node.module == "gspo_kernels.objective" for alias in node.names}
     assert names == {"LossOutput"}
+
+
+def test_all_masked_and_empty_batches_give_zero_loss_and_zero_gradients():
+    logits = torch.randn(2, 3, 5, dtype=torch.float64, requires_grad=True)
+    logits.data[0, 1] = float("nan")  # masked garbage
+    mask = torch.zeros(2, 3)
+    for loss_type in ("grpo", "bnpo", "dr_grpo", "dapo"):
+        cfg = GSPOConfig(loss_type=loss_type, max_completion_length=3, entropy_coef=0.1)
+        out = reference.gspo_loss(logits, torch.full((2, 3), -100), torch.randn(2), mask=mask, config=cfg)
+        (grad,) = torch.autograd.grad(out.loss, logits)
+        assert out.loss.item() == 0.0 and torch.all(grad == 0)
+        assert all(v.item() == 0.0 for v in out.metrics.values())
+    empty = torch.zeros(0, 5, dtype=torch.float64, requires_grad=True)
+    out = reference.gspo_loss(empty, torch.zeros(0, dtype=torch.long), torch.randn(2),
+                              cu_seqlens=torch.tensor([0, 0, 0]))
+    (grad,) = torch.autograd.grad(out.loss, empty)
+    assert out.loss.item() == 0.0 and grad.shape == (0, 5)
