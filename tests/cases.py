@@ -42,6 +42,7 @@ def make_case(logp_of, vocab: int, *, packed: bool, lengths=(5, 1, 0, 7), pad_to
 
     ``logp_of(labels)`` gives the current policy's per-token log-probs (float64) for the labels.
     Includes a length-1 and an empty response; in the padded layout the mask also covers padding.
+    ``is_ratio`` is per response in the padded layout, per token in the packed one.
     """
     S = len(lengths)
     if packed:
@@ -67,7 +68,8 @@ def make_case(logp_of, vocab: int, *, packed: bool, lengths=(5, 1, 0, 7), pad_to
     adv[..., 0] = 0.0  # a zero advantage
     # 0.3 apart: the KL gradient (1 - e^d) stays well above the fp32 rounding of logp
     ref = (current + torch.randn(token_shape) * 0.3).float()
-    is_ratio = (1 + 0.1 * torch.rand(token_shape)).float()
+    # per response in the padded layout (each backend broadcasts it to the tokens), per token when packed
+    is_ratio = (1 + 0.1 * torch.rand((S,) if not packed else token_shape)).float()
     return Case(labels, adv, old, ref, is_ratio, mask, cu, vocab)
 
 
