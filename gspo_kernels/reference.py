@@ -292,8 +292,12 @@ def _mask_values(mask: Optional[Tensor], token_shape: Tuple[int, ...], device: t
         raise ValueError(f"mask is on {mask.device} but the tokens are on {device}")
     if mask.dtype.is_complex:
         raise TypeError(f"mask must be bool, integer or float holding 0 and 1, got {mask.dtype}")
-    if mask.dtype != torch.bool and bool(((mask != 0) & (mask != 1)).any()):
-        raise ValueError("mask must hold only 0 and 1 (or be bool)")
+    if mask.dtype != torch.bool:
+        bad = torch.nonzero(((mask != 0) & (mask != 1)).reshape(-1))  # NaN included
+        if bad.numel():
+            i = int(bad[0, 0])
+            raise ValueError(f"mask must hold only 0 and 1 (bool, integer or float); flat position {i} holds "
+                             f"{mask.reshape(-1)[i].item()}")
     return mask != 0
 
 
@@ -494,11 +498,15 @@ def _num_items(value: Scalar) -> Optional[float]:
     if isinstance(value, Tensor):
         if value.numel() != 1:
             raise ValueError(f"num_items_in_batch must be a scalar, got shape {tuple(value.shape)}")
+        if value.dtype == torch.bool or value.dtype.is_complex:
+            raise TypeError(f"num_items_in_batch must be an integer or float tensor, got {value.dtype}")
+        if value.is_meta:
+            raise ValueError("num_items_in_batch is on the meta device: it has no value")
         value = float(value.detach().reshape(()).cpu())
     elif isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"num_items_in_batch must be an int, float or scalar tensor, got {type(value).__name__}")
     if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"num_items_in_batch must be a finite number > 0, got {value}")
+        raise ValueError(f"num_items_in_batch must be a finite number > 0, got {value!r}")
     return float(value)
 
 

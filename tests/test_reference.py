@@ -200,7 +200,7 @@ def test_the_oracle_checks_its_own_inputs():
         with pytest.raises((ValueError, TypeError), match=match):
             reference.gspo_loss(logits, labels, adv, cu_seqlens=cu)
     cu = torch.tensor([0, 2, 4])
-    with pytest.raises(ValueError, match="only 0 and 1"):
+    with pytest.raises(ValueError, match="only 0 and 1 .*flat position 1 holds 0.5"):
         reference.gspo_loss(logits, labels, adv, cu_seqlens=cu, mask=torch.tensor([1.0, 0.5, 1.0, 1.0]))
     with pytest.raises(ValueError, match="labels .at unmasked positions. must lie in"):
         reference.gspo_loss(logits, torch.tensor([0, 3, 0, 0]), adv, cu_seqlens=cu)
