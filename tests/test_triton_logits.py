@@ -8,6 +8,8 @@ than the plain PyTorch path in that dtype, plus the stated margin.
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -32,6 +34,7 @@ def _rounding_ulps(dtype) -> float:
     """Error of one rounding to ``dtype``, in ulps. The interpreter's fp32 -> bf16 cast truncates (triton 3.9
     ``cast_impl`` passes no rounding mode) where the GPU rounds to nearest even: one ulp there, half on a GPU."""
     return 1.0 if dtype == torch.bfloat16 and DEVICE == "cpu" else 0.5
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 
 
 def _close(actual, expected, rtol=1e-5, atol=1e-6):
@@ -214,12 +217,56 @@ def _loss_case(layout: str, adv_per_token: bool, V: int = 29):
     return base, logits, labels, advantages, old, kwargs
 
 
+def _run_both(base, labels, advantages, old, kwargs, config, take):
+    """Loss, metrics and d loss / d base from backend="triton" and from the float64 reference."""
+    dev = {k: (v.to(DEVICE) if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()}
+    x = base.clone().to(DEVICE).requires_grad_(True)
+    out = gk.gspo_loss(take(x), labels.to(DEVICE), advantages.to(DEVICE), old.to(DEVICE), config=config,
+                       backend="triton", **dev)
+    out.loss.backward()
+    x64 = base.double().requires_grad_(True)
+    ref = reference.gspo_loss(take(x64), labels, advantages, old, config=config, **kwargs)
+    ref.loss.backward()
+    return out, x.grad.cpu(), ref, x64.grad
+
+
 def _check(out, grad, ref, ref_grad):
     _close(out.loss, ref.loss)
     assert set(out.metrics) == set(ref.metrics)
     for name in ref.metrics:
         _close(out.metrics[name], ref.metrics[name], rtol=1e-5, atol=1e-6)
     _close(grad, ref_grad, atol=1e-5 * max(float(ref_grad.abs().max()), 1e-12))
+
+
+@pytest.mark.parametrize("level,loss_type", list(itertools.product(LEVELS, LOSS_TYPES)))
+def test_gspo_loss_matches_reference(level, loss_type):
+    """Padded, strided logits; an empty and a length-1 response; clipped responses; no KL / entropy."""
+    base, logits, labels, adv, old, kwargs = _loss_case("padded", adv_per_token=False)
+    config = GSPOConfig(importance_sampling_level=level, loss_type=loss_type, max_completion_length=8)
+    out, grad, ref, ref_grad = _run_both(base, labels, adv, old, kwargs, config, lambda x: x[:, :-1])
+    _check(out, grad, ref, ref_grad)
+    assert float(ref.metrics["clip_ratio/low_mean"]) > 0 and float(ref.metrics["clip_ratio/high_mean"]) > 0
+    # Responses clipped as a whole, the zero-advantage one and the empty one get exactly zero gradient.
+    if level == "sequence":
+        assert torch.equal(grad[[1, 2, 3, 4]], torch.zeros_like(grad[[1, 2, 3, 4]]))
+        assert grad[0].abs().sum() > 0
+
+
+@pytest.mark.parametrize("level,loss_type", list(itertools.product(LEVELS, LOSS_TYPES)))
+def test_gspo_loss_all_options_packed(level, loss_type):
+    """Packed layout with transposed logits; per-token advantages; KL with bias correction, delta, per-response
+    is_ratio, entropy bonus, temperature and num_items_in_batch."""
+    base, logits, labels, adv, old, kwargs = _loss_case("packed", adv_per_token=level != "sequence")
+    N = labels.shape[0]
+    kwargs.update(
+        ref_logprobs=reference.token_logprobs(logits, labels).float() + 0.05 * torch.randn(N),
+        is_ratio=torch.rand(5) + 0.5,
+        num_items_in_batch=17,
+    )
+    config = GSPOConfig(importance_sampling_level=level, loss_type=loss_type, max_completion_length=8, beta=0.04,
+                        use_bias_correction_kl=True, delta=1.0015, entropy_coef=0.01, temperature=0.8)
+    out, grad, ref, ref_grad = _run_both(base, labels, adv, old, kwargs, config, lambda x: x.t())
+    _check(out, grad, ref, ref_grad)
 
 
 def test_sequence_level_per_token_advantages_and_no_old_logprobs():
@@ -236,6 +283,36 @@ def test_sequence_level_per_token_advantages_and_no_old_logprobs():
         ref.loss.backward()
         _check(out, x.grad.cpu(), ref, x64.grad)
         assert float(out.metrics["importance_weight/min"]) == 1.0 == float(out.metrics["importance_weight/max"])
+
+
+def test_all_tokens_masked_gives_zeros_not_nan():
+    V = 11
+    x = torch.randn(3, 4, V, device=DEVICE, requires_grad=True)
+    labels = torch.randint(0, V, (3, 4), device=DEVICE)
+    mask = torch.zeros(3, 4, device=DEVICE)
+    out = gk.gspo_loss(x, labels, torch.randn(3, device=DEVICE), mask=mask, backend="triton",
+                       config=GSPOConfig(loss_type="bnpo", entropy_coef=0.1))
+    out.loss.backward()
+    assert float(out.loss.detach()) == 0.0
+    assert all(float(v) == 0.0 for v in out.metrics.values())
+    assert torch.equal(x.grad, torch.zeros_like(x))
+
+
+def test_inplace_backward_matches_and_consumes_logits():
+    base, logits, labels, adv, old, kwargs = _loss_case("padded", adv_per_token=False)
+    config = GSPOConfig(entropy_coef=0.01)
+    grads = []
+    for inplace in (False, True):
+        leaf = base.clone().to(DEVICE).requires_grad_(True)
+        logits = leaf * 1.0  # a non-leaf, like a model's output; the loss reads logits[:, :-1]
+        out = gk.gspo_loss(logits[:, :-1], labels.to(DEVICE), adv.to(DEVICE), old.to(DEVICE), config=config,
+                           backend="triton", inplace_backward=inplace, mask=kwargs["mask"].to(DEVICE))
+        out.loss.backward()
+        grads.append(leaf.grad)
+        if inplace:  # the gradient was written into the logits' own storage
+            assert torch.equal(logits.detach()[:, :-1], leaf.grad[:, :-1])
+    assert torch.equal(grads[0], grads[1])
+    assert grads[0][:, :-1].abs().sum() > 0
 
 
 def test_autograd_saves_only_token_sized_tensors():
