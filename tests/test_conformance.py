@@ -35,7 +35,8 @@ NAMES = backends.BACKENDS
 CONFIG_IDS = lambda c: f"{c.importance_sampling_level}-{c.loss_type}"  # noqa: E731
 # Tile sizes small enough that the test shapes span several tiles (last one partial), where a backend has them.
 SMALL_TILES = {
-    "torch": dict(VOCAB_BLOCK=40, ROW_BLOCK=3, LINEAR_VOCAB_BLOCK=32, LINEAR_ROW_BLOCK=5),
+    "torch": dict(VOCAB_BLOCK=40, ROW_BLOCK=3, LOGITS_BLOCK_ELEMENTS=3 * 97, LINEAR_VOCAB_BLOCK=32,
+                  LINEAR_ROW_BLOCK=5),
     "cpu": dict(ROW_BLOCK=4, VOCAB_BLOCK=32),
 }
 
