@@ -14,14 +14,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from tests.gpu_marker import skip_gpu_items_without_cuda  # noqa: E402
+
 
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="GPU-only case: no CUDA device on this machine (never ran here)")
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+    skip_gpu_items_without_cuda(items)
 
 
 @pytest.fixture(scope="session")

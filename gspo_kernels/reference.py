@@ -1,53 +1,58 @@
-"""The oracle: plain PyTorch in float64, everything materialized, one response at a time.
+"""The oracle: plain PyTorch in float64, one response at a time, everything materialized.
 
 Every formula is the one in ``docs/math.md``; nothing here is meant to be fast. Tests compare every
-backend with these functions. Input validation is shared with the fast paths (``layout.py``);
-the math is not.
+backend with these functions. The oracle shares no code with the fast paths: it reads the layout
+(``mask``, ``cu_seqlens``) itself, with its own input checks, and builds each response's list of
+counted tokens directly. Tokens that do not count (``mask == 0``, padding) are never read: their
+logits, labels, old / reference log-probs, ``is_ratio`` and advantages may hold anything.
+
+All results are float64 (on the inputs' device), whatever the input dtype.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Union
+import math
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from gspo_kernels.config import GSPOConfig
 from gspo_kernels.objective import LossOutput
-from gspo_kernels.validation import (
-    LossInputs,
-    check_linear,
-    check_logits,
-    prepare_loss_inputs,
-)
+
+Scalar = Union[None, int, float, Tensor]
+
+# exp(x) overflows float64 above this: a weight that large is infinite in float64.
+_LOG_FLOAT64_MAX = math.log(torch.finfo(torch.float64).max)
+
+
+# -------------------------------------------------------------------------------------------------
+# The per-token stage: log-probs and entropies of rows of logits.
+# -------------------------------------------------------------------------------------------------
 
 
 def token_logprobs(
     logits: Tensor, labels: Tensor, *, temperature: float = 1.0, return_entropy: bool = False
-):
-    """``logp_t = z[y_t]/tau - logsumexp(z/tau)`` and ``H_t = -sum_v p log p`` in float64.
+) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """``logp_t = z[y_t]/tau - logsumexp(z/tau)`` and ``H_t = -sum_v p_v log p_v``, in float64.
 
-    ``logits [..., V]``, ``labels [...]`` in ``[0, V)``; returns float64 tensors shaped like labels.
+    Args:
+        logits: ``[..., V]``, any float dtype; ``-inf`` entries (masked vocabulary) are allowed.
+        labels: ``[...]`` integer, every entry in ``[0, V)``.
+    Returns:
+        float64 ``logp`` shaped like ``labels`` (and ``H`` when ``return_entropy``); differentiable.
     """
-    check_logits(logits, labels, None)
-    _check_label_range(labels, logits.shape[-1])
-    logp_all = F.log_softmax(logits.double() / temperature, dim=-1)
-    logp = logp_all.gather(-1, labels.long().unsqueeze(-1)).squeeze(-1)
-    if not return_entropy:
-        return logp
-    entropy = -(logp_all.exp() * logp_all).sum(-1)
-    return logp, entropy
-
-
-def naive_token_logprobs(logits: Tensor, labels: Tensor, *, temperature: float = 1.0) -> Tensor:
-    """The plain PyTorch path in the logits' own dtype (``log_softmax`` + ``gather``), as fp32.
-
-    Not an oracle: the precision baseline that bf16 / fp16 tolerances are measured against
-    ("no worse than the plain PyTorch path in that dtype, plus a stated margin").
-    """
-    logp_all = (logits / temperature).log_softmax(dim=-1)
-    return logp_all.gather(-1, labels.long().unsqueeze(-1)).squeeze(-1).float()
+    _check_float("logits", logits)
+    _check_integer("labels", labels)
+    if logits.dim() < 1 or tuple(logits.shape[:-1]) != tuple(labels.shape):
+        raise ValueError(f"logits must have shape {tuple(labels.shape) + ('V',)} to match labels "
+                         f"{tuple(labels.shape)}, got {tuple(logits.shape)}")
+    _check_temperature(temperature)
+    V = logits.shape[-1]
+    _check_label_range(labels.reshape(-1), V, "labels")
+    logp, entropy = _rows_logprobs(logits.reshape(-1, V), labels.reshape(-1), temperature)
+    logp, entropy = logp.reshape(labels.shape), entropy.reshape(labels.shape)
+    return (logp, entropy) if return_entropy else logp
 
 
 def linear_logprobs(
@@ -58,10 +63,30 @@ def linear_logprobs(
     bias: Optional[Tensor] = None,
     temperature: float = 1.0,
     return_entropy: bool = False,
-):
-    """Log-probs (and entropy) of ``logits = hidden @ weight.T + bias`` in float64."""
-    check_linear(hidden, weight, bias, labels)
-    return token_logprobs(_logits(hidden, weight, bias), labels, temperature=temperature, return_entropy=return_entropy)
+) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """:func:`token_logprobs` of ``logits = hidden @ weight.T + bias``, the product taken in float64.
+
+    ``hidden [..., H]``, ``weight [V, H]``, ``bias [V]`` or None, ``labels [...]`` in ``[0, V)``.
+    """
+    _check_linear(hidden, weight, bias, labels)
+    return token_logprobs(_logits(hidden, weight, bias), labels, temperature=temperature,
+                          return_entropy=return_entropy)
+
+
+def _rows_logprobs(rows: Tensor, labels: Tensor, temperature: float) -> Tuple[Tensor, Tensor]:
+    """``rows [n, V]`` logits, ``labels [n]`` -> float64 ``logp [n]`` and entropy ``H [n]``."""
+    logp_all = torch.log_softmax(rows.double() / temperature, dim=-1)
+    logp = logp_all.gather(-1, labels.long().unsqueeze(-1)).squeeze(-1)
+    p = logp_all.exp()
+    # p log p -> 0 as p -> 0: a -inf logit (p = 0, log p = -inf) adds 0, not 0 * -inf = NaN, and
+    # the log p that autograd meets there is 0, so no NaN reaches the gradient either.
+    entropy = -(p * torch.where(p > 0, logp_all, 0.0)).sum(-1)
+    return logp, entropy
+
+
+# -------------------------------------------------------------------------------------------------
+# The loss: from logits, from hidden states, or from log-probs already computed.
+# -------------------------------------------------------------------------------------------------
 
 
 def gspo_loss(
@@ -74,19 +99,25 @@ def gspo_loss(
     cu_seqlens: Optional[Tensor] = None,
     ref_logprobs: Optional[Tensor] = None,
     is_ratio: Optional[Tensor] = None,
-    num_items_in_batch: Union[None, int, float, Tensor] = None,
+    num_items_in_batch: Scalar = None,
     config: Optional[GSPOConfig] = None,
 ) -> LossOutput:
-    """The GSPO / GRPO loss from logits ``[B, T, V]`` (padded) or ``[N, V]`` (packed), in float64."""
-    config = config or GSPOConfig()
-    check_logits(logits, labels, cu_seqlens)
-    inputs = prepare_loss_inputs(
-        labels, advantages, logits.shape[-1], old_logprobs=old_logprobs, mask=mask, cu_seqlens=cu_seqlens,
-        ref_logprobs=ref_logprobs, is_ratio=is_ratio, num_items_in_batch=num_items_in_batch, beta=config.beta,
-    )
-    flat = logits.reshape(-1, logits.shape[-1])
-    logp, entropy = token_logprobs(flat, inputs.labels, temperature=config.temperature, return_entropy=True)
-    return sequence_loss(logp, entropy, inputs, config)
+    """The GSPO / GRPO loss from logits ``[B, T, V]`` (padded) or ``[N, V]`` (packed), in float64.
+
+    The arguments are those of :func:`gspo_kernels.gspo_loss`. Returns ``LossOutput(loss, metrics)``:
+    a 0-dim float64 loss, differentiable for ``logits``, and detached 0-dim float64 metrics.
+    """
+    config = _check_config(config)
+    _check_float("logits", logits)
+    layout = _Layout.of(labels, mask, cu_seqlens)
+    if tuple(logits.shape[:-1]) != layout.token_shape or logits.dim() != len(layout.token_shape) + 1:
+        raise ValueError(f"logits must have shape {layout.token_shape + ('V',)} to match labels "
+                         f"{layout.token_shape}, got {tuple(logits.shape)}")
+    if logits.shape[-1] < 1:
+        raise ValueError("logits must have a vocabulary dimension V >= 1")
+    rows = logits.reshape(-1, logits.shape[-1])
+    return _loss_from_rows(lambda idx: rows[idx], layout, labels, advantages, old_logprobs, ref_logprobs,
+                           is_ratio, num_items_in_batch, config, vocab_size=logits.shape[-1])
 
 
 def fused_linear_gspo_loss(
@@ -97,15 +128,89 @@ def fused_linear_gspo_loss(
     old_logprobs: Optional[Tensor] = None,
     *,
     bias: Optional[Tensor] = None,
-    **kwargs,
+    mask: Optional[Tensor] = None,
+    cu_seqlens: Optional[Tensor] = None,
+    ref_logprobs: Optional[Tensor] = None,
+    is_ratio: Optional[Tensor] = None,
+    num_items_in_batch: Scalar = None,
+    config: Optional[GSPOConfig] = None,
 ) -> LossOutput:
-    """:func:`gspo_loss` of ``hidden @ weight.T + bias`` (the logits are materialized here)."""
-    check_linear(hidden, weight, bias, labels)
-    return gspo_loss(_logits(hidden, weight, bias), labels, advantages, old_logprobs, **kwargs)
+    """:func:`gspo_loss` of ``hidden @ weight.T + bias``; each response's logits are formed in float64.
+
+    ``hidden [B, T, H]`` or ``[N, H]``, ``weight [V, H]``, ``bias [V]`` or None; differentiable for all three.
+    Only counted tokens' hidden rows are read.
+    """
+    config = _check_config(config)
+    _check_linear(hidden, weight, bias, labels)
+    layout = _Layout.of(labels, mask, cu_seqlens)
+    rows = hidden.reshape(-1, hidden.shape[-1])
+    return _loss_from_rows(lambda idx: _logits(rows[idx], weight, bias), layout, labels, advantages, old_logprobs,
+                           ref_logprobs, is_ratio, num_items_in_batch, config, vocab_size=weight.shape[0])
+
+
+def policy_loss(
+    logprobs: Tensor,
+    advantages: Tensor,
+    old_logprobs: Optional[Tensor] = None,
+    *,
+    mask: Optional[Tensor] = None,
+    cu_seqlens: Optional[Tensor] = None,
+    ref_logprobs: Optional[Tensor] = None,
+    is_ratio: Optional[Tensor] = None,
+    entropy: Optional[Tensor] = None,
+    num_items_in_batch: Scalar = None,
+    config: Optional[GSPOConfig] = None,
+) -> LossOutput:
+    """The loss from per-token log-probs ``[B, T]`` (padded) or ``[N]`` (packed with ``cu_seqlens``).
+
+    ``entropy`` (log-probs' shape) is optional: without it the ``entropy`` metric is omitted, and
+    ``config.entropy_coef`` must be 0. Differentiable for ``logprobs`` and ``entropy``; float64 out.
+    """
+    config = _check_config(config)
+    _check_float("logprobs", logprobs)
+    want_dim = 1 if cu_seqlens is not None else 2
+    if logprobs.dim() != want_dim:
+        raise ValueError(f"logprobs must be {'[N] (packed, with cu_seqlens)' if want_dim == 1 else '[B, T] (padded)'}"
+                         f", got shape {tuple(logprobs.shape)}")
+    layout = _Layout.from_shape(tuple(logprobs.shape), logprobs.device, mask, cu_seqlens)
+    flat_logp = logprobs.reshape(-1)
+    flat_entropy = None
+    if entropy is not None:
+        flat_entropy = _per_token("entropy", entropy, layout)
+    elif config.entropy_coef != 0:
+        raise ValueError("entropy is required when config.entropy_coef != 0")
+    per_response = []
+    for idx in layout.responses:
+        lp = flat_logp[idx].double()
+        per_response.append((lp, None if flat_entropy is None else flat_entropy[idx].double()))
+    return _objective(per_response, layout, advantages, old_logprobs, ref_logprobs, is_ratio, num_items_in_batch,
+                      config, with_entropy=flat_entropy is not None)
+
+
+def sequence_loss(logp: Tensor, entropy: Optional[Tensor], inputs: Any, config: GSPOConfig) -> LossOutput:
+    """:func:`policy_loss` for a caller that already holds flattened inputs (``logp``, ``entropy``: ``[N]``).
+
+    ``inputs`` is read by attribute only (``batch.mask``, ``batch.cu_seqlens``, ``advantages``,
+    ``advantages_per_token``, ``old_logprobs``, ``ref_logprobs``, ``is_ratio`` (``[N]``),
+    ``num_items_in_batch``), as in the library's own flattened inputs; it is treated as a packed batch.
+    """
+    batch = inputs.batch
+    return policy_loss(
+        logp, inputs.advantages, inputs.old_logprobs, mask=batch.mask, cu_seqlens=batch.cu_seqlens,
+        ref_logprobs=inputs.ref_logprobs, is_ratio=inputs.is_ratio, entropy=entropy,
+        num_items_in_batch=inputs.num_items_in_batch, config=config,
+    )
 
 
 def group_advantages(rewards: Tensor, group_size: int, *, eps: float = 1e-4) -> Tensor:
-    """``A_i = (r_i - mean_group(r)) / (std_group(r) + eps)``, unbiased std, one group at a time."""
+    """``A_i = (r_i - mean_group(r)) / (std_group(r) + eps)``, unbiased std, one group at a time.
+
+    ``rewards [S]`` with ``S`` a multiple of ``group_size``; float64 ``[S]`` out (on the CPU). A group
+    whose rewards are all equal gets ``A = 0``.
+    """
+    if not isinstance(group_size, int) or group_size < 1 or rewards.numel() % group_size:
+        raise ValueError(f"group_size must be a positive int dividing len(rewards) = {rewards.numel()}, "
+                         f"got {group_size!r}")
     out = torch.empty(rewards.shape, dtype=torch.float64)
     r = rewards.double().cpu()
     for g0 in range(0, r.numel(), group_size):
@@ -117,109 +222,345 @@ def group_advantages(rewards: Tensor, group_size: int, *, eps: float = 1e-4) -> 
     return out
 
 
-def sequence_loss(logp: Tensor, entropy: Tensor, inputs: LossInputs, config: GSPOConfig) -> LossOutput:
-    """The spec's per-token surrogate, clipping, IS correction, KL, aggregation and metrics.
+# -------------------------------------------------------------------------------------------------
+# The layout: which tokens make up each response.
+# -------------------------------------------------------------------------------------------------
 
-    ``logp`` and ``entropy`` are ``[N]`` float64 (differentiable); one response at a time.
-    """
-    batch = inputs.batch
-    S = batch.num_seqs
-    cu = batch.cu_seqlens.tolist()
+
+class _Layout:
+    """``responses[i]``: int64 positions (in the flattened token order) of response i's counted tokens."""
+
+    def __init__(self, token_shape: Tuple[int, ...], responses: List[Tensor]):
+        self.token_shape = token_shape
+        self.responses = responses
+        self.num_seqs = len(responses)
+
+    @staticmethod
+    def of(labels: Tensor, mask: Optional[Tensor], cu_seqlens: Optional[Tensor]) -> "_Layout":
+        _check_integer("labels", labels)
+        if cu_seqlens is None and labels.dim() != 2:
+            raise ValueError(f"labels must be [B, T] for the padded layout (or [N] with cu_seqlens for the packed "
+                             f"one), got shape {tuple(labels.shape)}")
+        if cu_seqlens is not None and labels.dim() != 1:
+            raise ValueError(f"labels must be [N] when cu_seqlens is given (packed layout), "
+                             f"got shape {tuple(labels.shape)}")
+        return _Layout.from_shape(tuple(labels.shape), labels.device, mask, cu_seqlens)
+
+    @staticmethod
+    def from_shape(token_shape: Tuple[int, ...], device: torch.device, mask: Optional[Tensor],
+                   cu_seqlens: Optional[Tensor]) -> "_Layout":
+        counted = _mask_values(mask, token_shape, device)  # bool, token_shape
+        if cu_seqlens is None:  # padded: response b is row b of [B, T]
+            B, T = token_shape
+            starts_ends = [(b * T, (b + 1) * T) for b in range(B)]
+        else:  # packed: response i is tokens cu[i] .. cu[i+1] - 1
+            starts_ends = _segments(cu_seqlens, token_shape[0], device)
+        flat = counted.reshape(-1)
+        responses = [start + torch.nonzero(flat[start:end]).reshape(-1) for start, end in starts_ends]
+        return _Layout(token_shape, responses)
+
+
+def _segments(cu_seqlens: Tensor, num_tokens: int, device: torch.device) -> List[Tuple[int, int]]:
+    if not isinstance(cu_seqlens, Tensor):
+        raise TypeError(f"cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"cu_seqlens must be int32 or int64, got {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
+        raise ValueError(f"cu_seqlens must be a 1-D tensor [S + 1], got shape {tuple(cu_seqlens.shape)}")
+    if cu_seqlens.device != device:
+        raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but the tokens are on {device}")
+    cu = [int(c) for c in cu_seqlens.tolist()]
+    if cu[0] != 0:
+        raise ValueError(f"cu_seqlens must start at 0, got cu_seqlens[0] = {cu[0]}")
+    for i in range(1, len(cu)):
+        if cu[i] < cu[i - 1]:
+            raise ValueError(f"cu_seqlens must be non-decreasing, but cu_seqlens[{i}] < cu_seqlens[{i - 1}]")
+    if cu[-1] != num_tokens:
+        raise ValueError(f"cu_seqlens must end at N = {num_tokens} (the number of tokens), "
+                         f"got cu_seqlens[-1] = {cu[-1]}")
+    return list(zip(cu[:-1], cu[1:]))
+
+
+def _mask_values(mask: Optional[Tensor], token_shape: Tuple[int, ...], device: torch.device) -> Tensor:
+    if mask is None:
+        return torch.ones(token_shape, dtype=torch.bool, device=device)
+    if not isinstance(mask, Tensor):
+        raise TypeError(f"mask must be a torch.Tensor, got {type(mask).__name__}")
+    if tuple(mask.shape) != token_shape:
+        raise ValueError(f"mask must have the token shape {token_shape}, got {tuple(mask.shape)}")
+    if mask.device != device:
+        raise ValueError(f"mask is on {mask.device} but the tokens are on {device}")
+    if mask.dtype.is_complex:
+        raise TypeError(f"mask must be bool, integer or float holding 0 and 1, got {mask.dtype}")
+    if mask.dtype != torch.bool:
+        bad = torch.nonzero(((mask != 0) & (mask != 1)).reshape(-1))  # NaN included
+        if bad.numel():
+            i = int(bad[0, 0])
+            raise ValueError(f"mask must hold only 0 and 1 (bool, integer or float); flat position {i} holds "
+                             f"{mask.reshape(-1)[i].item()}")
+    return mask != 0
+
+
+# -------------------------------------------------------------------------------------------------
+# The objective, one response at a time.
+# -------------------------------------------------------------------------------------------------
+
+
+def _loss_from_rows(rows_of, layout: _Layout, labels: Tensor, advantages, old_logprobs, ref_logprobs, is_ratio,
+                    num_items_in_batch, config: GSPOConfig, *, vocab_size: int) -> LossOutput:
+    """Log-probs and entropies of each response's counted tokens (``rows_of(idx)``: their logits)."""
+    flat_labels = labels.reshape(-1)
+    per_response = []
+    for idx in layout.responses:
+        y = flat_labels[idx]
+        _check_label_range(y, vocab_size, "labels (at unmasked positions)")
+        per_response.append(_rows_logprobs(rows_of(idx), y, config.temperature))
+    return _objective(per_response, layout, advantages, old_logprobs, ref_logprobs, is_ratio, num_items_in_batch,
+                      config, with_entropy=True)
+
+
+def _objective(
+    per_response: Sequence[Tuple[Tensor, Optional[Tensor]]],
+    layout: _Layout,
+    advantages: Tensor,
+    old_logprobs: Optional[Tensor],
+    ref_logprobs: Optional[Tensor],
+    is_ratio: Optional[Tensor],
+    num_items_in_batch: Scalar,
+    config: GSPOConfig,
+    *,
+    with_entropy: bool,
+) -> LossOutput:
+    """``per_response[i] = (logp, entropy or None)`` over response i's counted tokens (float64)."""
+    S = layout.num_seqs
+    adv, adv_per_token = _advantages(advantages, layout)
+    old = _per_token("old_logprobs", old_logprobs, layout)
+    ref = _per_token("ref_logprobs", ref_logprobs, layout)
+    if config.beta > 0 and ref is None:
+        raise ValueError("ref_logprobs is required when beta > 0 (the KL term needs the reference log-probs)")
+    ratio = _is_ratio(is_ratio, layout)
+    items = _num_items(num_items_in_batch)
     eps_low, eps_high, delta = config.epsilon_low, config.epsilon_high, config.delta
+    clamp = getattr(config, "log_ratio_clamp", None)
     level = config.importance_sampling_level
-    total = logp.new_zeros(())  # sum over responses of the aggregated per-token losses
-    all_tokens = logp.new_zeros(())
+    device = advantages.device
+    f64 = dict(dtype=torch.float64, device=device)
+
+    # sum over responses of their aggregated per-token losses; empty slices keep it in the autograd
+    # graph (with zero gradient) even when no token counts
+    total = sum((logp[:0].sum() for logp, _ in per_response), torch.zeros((), **f64))
+    num_tokens = 0  # sum over responses of |y_i|
     weights, advs, kls, entropies = [], [], [], []
-    for i in range(S):
-        s, e = cu[i], cu[i + 1]
-        m = batch.mask[s:e].double()
-        on = m > 0
-        n = m.sum()
-        lp = torch.where(on, logp[s:e], 0.0)
-        old = lp.detach() if inputs.old_logprobs is None else torch.where(on, inputs.old_logprobs[s:e].double(), 0.0)
-        r = lp - old  # r_t = logp_t - old_t
-        mean_r = (m * r).sum() / n.clamp(min=1)  # (1/|y_i|) sum_t mask_t r_t
-        clamp = config.log_ratio_clamp
-        if clamp is not None:  # w = exp(min(log w, c)); torch.clamp passes no gradient above c
-            r_w, mean_w = torch.clamp(r, max=clamp), torch.clamp(mean_r, max=clamp)
-            tok_w = torch.clamp(mean_r.detach() + lp - lp.detach(), max=clamp)
-        else:
-            r_w, mean_w, tok_w = r, mean_r, mean_r.detach() + lp - lp.detach()
-        if level == "token":
-            w = torch.exp(r_w)
-        elif level == "sequence":
-            w = torch.exp(mean_w).expand(e - s)
-        else:  # sequence_token
-            w = torch.exp(tok_w)
-        A = inputs.advantages[s:e].double() if inputs.advantages_per_token else inputs.advantages[i].double().expand(e - s)
-        c1 = w if delta is None else torch.clamp(w, max=delta)
-        c2 = torch.clamp(w, 1 - eps_low, 1 + eps_high)
-        loss_t = -torch.minimum(c1 * A, c2 * A)
-        if inputs.is_ratio is not None:
-            loss_t = loss_t * inputs.is_ratio[s:e].double()
+    for i, ((logp, entropy), idx) in enumerate(zip(per_response, layout.responses)):
+        n = idx.numel()  # |y_i|
+        if entropy is not None:
+            entropies.append(entropy)
+        if n == 0:
+            continue  # an empty response adds nothing (it still counts in S)
+        num_tokens += n
+        old_i = logp.detach() if old is None else old[idx]  # on-policy: ratio exactly 1
+        r = logp - old_i  # r_t = logp_t - old_t
+        if level == "token":  # GRPO / PPO: w_t = exp(r_t)
+            log_w = r
+        elif level == "sequence":  # GSPO: w_i = exp(mean_t r_t), one weight for the response
+            log_w = r.mean().expand(n)
+        else:  # GSPO-token: value w_i, gradient of the token's own log-prob
+            log_w = r.mean().detach() + logp - logp.detach()
+        if clamp is not None:
+            log_w = torch.clamp(log_w, max=clamp)
+        w = _exp(log_w)
+        A = adv[idx] if adv_per_token else adv[i].expand(n)
+        loss_t = _clipped_surrogate(w, A, eps_low, eps_high, delta)  # -min(c1 A, c2 A)
+        if ratio is not None:
+            loss_t = loss_t * ratio[idx]
         if config.beta > 0:
-            d = torch.where(on, inputs.ref_logprobs[s:e].double(), 0.0) - lp
-            kl = torch.exp(d) - d - 1
+            d = ref[idx] - logp
+            kl = torch.exp(d) - d - 1  # k3 estimator of KL(pi || pi_ref)
             if config.use_bias_correction_kl:
                 kl = kl * w
             loss_t = loss_t + config.beta * kl
-            kls.append(kl.detach()[on])
-        loss_t = torch.where(on, loss_t, 0.0)
-        if config.loss_type == "grpo":
-            total = total + loss_t.sum() / n.clamp(min=1)
-        else:
-            total = total + loss_t.sum()
-        all_tokens = all_tokens + n
-        entropies.append(entropy[s:e][on])
-        if level == "sequence" and not inputs.advantages_per_token:
-            if n > 0:
-                weights.append(torch.exp(mean_w.detach()).reshape(1))
-                advs.append(inputs.advantages[i].double().reshape(1))
-        else:
-            weights.append(w.detach()[on])
-            advs.append(A[on])
+            kls.append(kl.detach())
+        total = total + (loss_t.mean() if config.loss_type == "grpo" else loss_t.sum())
+        if level == "sequence" and not adv_per_token:  # metrics count responses
+            weights.append(w.detach()[:1])
+            advs.append(A[:1])
+        else:  # metrics count tokens
+            weights.append(w.detach())
+            advs.append(A)
 
     if config.loss_type == "grpo":
         loss = total / max(S, 1)
     elif config.loss_type == "bnpo":
-        loss = total / all_tokens.clamp(min=1)
+        loss = total / max(num_tokens, 1)
     elif config.loss_type == "dr_grpo":
         loss = total / (max(S, 1) * config.max_completion_length)
-    else:
-        items = all_tokens if inputs.num_items_in_batch is None else inputs.num_items_in_batch.double()
-        loss = total / items.clamp(min=1)
+    else:  # dapo: the caller's global token count, else this batch's
+        loss = total / (max(num_tokens, 1) if items is None else items)
 
-    ent = torch.cat(entropies) if entropies else logp.new_zeros(0)
-    entropy_mean = ent.sum() / max(ent.numel(), 1)
-    if config.entropy_coef != 0:
-        loss = loss - config.entropy_coef * entropy_mean
+    metrics: Dict[str, Tensor] = _weight_metrics(weights, advs, eps_low, eps_high, f64)
+    if with_entropy:  # masked token-mean of H_t
+        ent = torch.cat(entropies) if entropies else torch.zeros(0, **f64)
+        entropy_mean = ent.sum() / max(ent.numel(), 1)
+        if config.entropy_coef != 0:
+            loss = loss - config.entropy_coef * entropy_mean
+        metrics["entropy"] = entropy_mean.detach()
+    if config.beta > 0:
+        kl_all = torch.cat(kls) if kls else torch.zeros(0, **f64)
+        metrics["kl"] = kl_all.sum() / max(kl_all.numel(), 1)
+    return LossOutput(loss, metrics)
 
-    w_all = torch.cat(weights) if weights else logp.new_zeros(0)
-    a_all = torch.cat(advs) if advs else logp.new_zeros(0)
-    count = max(w_all.numel(), 1)
-    low = (w_all < 1 - eps_low) & (a_all < 0)
-    high = (w_all > 1 + eps_high) & (a_all > 0)
-    metrics = {
+
+def _exp(log_w: Tensor) -> Tensor:
+    """``exp(log_w)``; where that overflows float64 the value is +inf and no gradient flows (none is finite)."""
+    over = log_w.detach() > _LOG_FLOAT64_MAX
+    w = torch.exp(torch.where(over, 0.0, log_w))
+    return torch.where(over, math.inf, w)
+
+
+def _clipped_surrogate(w: Tensor, A: Tensor, eps_low: float, eps_high: float, delta: Optional[float]) -> Tensor:
+    """``l_t = -min(c1 A, c2 A)``, ``c1 = w`` (or ``min(w, delta)``), ``c2 = clamp(w, 1 - eps_low, 1 + eps_high)``.
+
+    With ``A = 0`` the loss is 0 whatever ``w`` is (also for ``w = inf``, where ``inf * 0`` would be NaN).
+    """
+    c1 = w if delta is None else torch.clamp(w, max=delta)
+    c2 = torch.clamp(w, 1 - eps_low, 1 + eps_high)
+    loss_t = -torch.minimum(c1 * A, c2 * A)
+    return torch.where(A == 0, 0.0, loss_t)
+
+
+def _weight_metrics(weights, advs, eps_low: float, eps_high: float, f64: dict) -> Dict[str, Tensor]:
+    """Clip shares and importance-weight statistics (TRL's names) over the counted responses or tokens."""
+    w = torch.cat(weights) if weights else torch.zeros(0, **f64)
+    A = torch.cat(advs).double() if advs else torch.zeros(0, **f64)
+    count = max(w.numel(), 1)
+    low = (w < 1 - eps_low) & (A < 0)
+    high = (w > 1 + eps_high) & (A > 0)
+    zero = torch.zeros((), **f64)
+    return {
         "clip_ratio/low_mean": low.sum().double() / count,
         "clip_ratio/high_mean": high.sum().double() / count,
         "clip_ratio/region_mean": (low | high).sum().double() / count,
-        "importance_weight/mean": w_all.sum() / count,
-        "importance_weight/min": w_all.min() if w_all.numel() else logp.new_zeros(()),
-        "importance_weight/max": w_all.max() if w_all.numel() else logp.new_zeros(()),
-        "entropy": entropy_mean.detach(),
+        "importance_weight/mean": w.sum() / count,
+        "importance_weight/min": w.min() if w.numel() else zero,
+        "importance_weight/max": w.max() if w.numel() else zero,
     }
-    if config.beta > 0:
-        kl_all = torch.cat(kls) if kls else logp.new_zeros(0)
-        metrics["kl"] = kl_all.sum() / max(kl_all.numel(), 1)
-    return LossOutput(loss, metrics)
+
+
+# -------------------------------------------------------------------------------------------------
+# The oracle's own input checks (a clear error naming the argument).
+# -------------------------------------------------------------------------------------------------
+
+
+def _advantages(advantages: Tensor, layout: _Layout) -> Tuple[Tensor, bool]:
+    """Float64 advantages, flattened: ``[S]`` per response, or ``[N]`` per token (token order)."""
+    _check_float("advantages", advantages)
+    S = layout.num_seqs
+    if tuple(advantages.shape) == (S,):
+        return advantages.detach().double(), False
+    if tuple(advantages.shape) == layout.token_shape:
+        return advantages.detach().double().reshape(-1), True
+    raise ValueError(f"advantages must be [S] = ({S},) (one per response) or the token shape {layout.token_shape} "
+                     f"(one per token), got {tuple(advantages.shape)}")
+
+
+def _per_token(name: str, value: Optional[Tensor], layout: _Layout) -> Optional[Tensor]:
+    """A per-token input in the token shape, flattened to ``[N]`` float64 (detached unless it is the entropy)."""
+    if value is None:
+        return None
+    _check_float(name, value)
+    if tuple(value.shape) != layout.token_shape:
+        raise ValueError(f"{name} must have the token shape {layout.token_shape}, got {tuple(value.shape)}")
+    return (value if name == "entropy" else value.detach()).double().reshape(-1)
+
+
+def _is_ratio(is_ratio: Optional[Tensor], layout: _Layout) -> Optional[Tensor]:
+    """``is_ratio`` per token (token shape) or per response (``[S]`` / ``[S, 1]``), as ``[N]`` float64."""
+    if is_ratio is None:
+        return None
+    _check_float("is_ratio", is_ratio)
+    S = layout.num_seqs
+    if tuple(is_ratio.shape) == layout.token_shape:
+        return is_ratio.detach().double().reshape(-1)
+    if tuple(is_ratio.shape) in ((S,), (S, 1)):
+        per_response = is_ratio.detach().double().reshape(-1)
+        N = math.prod(layout.token_shape)
+        out = torch.zeros(N, dtype=torch.float64, device=is_ratio.device)
+        for i, idx in enumerate(layout.responses):
+            out[idx] = per_response[i]
+        return out
+    raise ValueError(f"is_ratio must be per token {layout.token_shape} or per response ({S},), "
+                     f"got {tuple(is_ratio.shape)}")
+
+
+def _num_items(value: Scalar) -> Optional[float]:
+    if value is None:
+        return None
+    if isinstance(value, Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"num_items_in_batch must be a scalar, got shape {tuple(value.shape)}")
+        if value.dtype == torch.bool or value.dtype.is_complex:
+            raise TypeError(f"num_items_in_batch must be an integer or float tensor, got {value.dtype}")
+        if value.is_meta:
+            raise ValueError("num_items_in_batch is on the meta device: it has no value")
+        value = float(value.detach().reshape(()).cpu())
+    elif isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"num_items_in_batch must be an int, float or scalar tensor, got {type(value).__name__}")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"num_items_in_batch must be a finite number > 0, got {value!r}")
+    return float(value)
+
+
+def _check_config(config: Optional[GSPOConfig]) -> GSPOConfig:
+    if config is None:
+        return GSPOConfig()
+    if not isinstance(config, GSPOConfig):
+        raise TypeError(f"config must be a GSPOConfig, got {type(config).__name__}")
+    return config
+
+
+def _check_float(name: str, value: object) -> None:
+    if not isinstance(value, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if not value.dtype.is_floating_point:
+        raise TypeError(f"{name} must be a floating-point tensor, got {value.dtype}")
+
+
+def _check_integer(name: str, value: object) -> None:
+    if not isinstance(value, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
+        raise TypeError(f"{name} must be an integer tensor, got {value.dtype}")
+
+
+def _check_temperature(temperature: float) -> None:
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
+        math.isfinite(temperature) and temperature > 0
+    ):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+
+
+def _check_label_range(labels: Tensor, vocab_size: int, name: str) -> None:
+    if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= vocab_size):
+        raise ValueError(f"{name} must lie in [0, {vocab_size}) (the vocabulary size), got values in "
+                         f"[{int(labels.min())}, {int(labels.max())}]")
+
+
+def _check_linear(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor) -> None:
+    _check_float("hidden", hidden)
+    _check_float("weight", weight)
+    _check_integer("labels", labels)
+    want = tuple(labels.shape)
+    if hidden.dim() != len(want) + 1 or tuple(hidden.shape[:-1]) != want:
+        raise ValueError(f"hidden must have shape {want + ('H',)} to match labels {want}, got {tuple(hidden.shape)}")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1] or weight.shape[0] < 1:
+        raise ValueError(f"weight must be [V, H] with V >= 1 and H = {hidden.shape[-1]} (hidden's last dimension), "
+                         f"got {tuple(weight.shape)}")
+    if bias is not None:
+        _check_float("bias", bias)
+        if tuple(bias.shape) != (weight.shape[0],):
+            raise ValueError(f"bias must be [V] = ({weight.shape[0]},), got {tuple(bias.shape)}")
 
 
 def _logits(hidden: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
     logits = hidden.double() @ weight.double().T
     return logits if bias is None else logits + bias.double()
-
-
-def _check_label_range(labels: Tensor, vocab_size: int) -> None:
-    if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= vocab_size):
-        raise ValueError(f"labels must lie in [0, {vocab_size}) (the vocabulary size), got values in "
-                         f"[{int(labels.min())}, {int(labels.max())}]")

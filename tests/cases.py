@@ -9,9 +9,14 @@ from typing import Optional
 import torch
 
 from gspo_kernels import GSPOConfig
+from gspo_kernels.config import IMPORTANCE_SAMPLING_LEVELS as LEVELS
+from gspo_kernels.config import LOSS_TYPES
+from gspo_kernels.tools.verify import FP32_RTOL as RTOL
+from gspo_kernels.tools.verify import rel_err
 
-LEVELS = ("sequence", "sequence_token", "token")
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+__all__ = ["LEVELS", "LOSS_TYPES", "RTOL", "rel_err", "Case", "make_case", "configs", "check_against_reference",
+           "logits_loss_vs_reference", "linear_loss_vs_reference", "assert_zero_rows_get_zero_dh",
+           "assert_bf16_within_fp32_math_plus_rounding", "assert_bf16_no_worse_than_plain_bf16"]
 
 
 @dataclass
@@ -38,6 +43,7 @@ def make_case(logp_of, vocab: int, *, packed: bool, lengths=(5, 1, 0, 7), pad_to
 
     ``logp_of(labels)`` gives the current policy's per-token log-probs (float64) for the labels.
     Includes a length-1 and an empty response; in the padded layout the mask also covers padding.
+    ``is_ratio`` is per response in the padded layout, per token in the packed one.
     """
     S = len(lengths)
     if packed:
@@ -63,7 +69,8 @@ def make_case(logp_of, vocab: int, *, packed: bool, lengths=(5, 1, 0, 7), pad_to
     adv[..., 0] = 0.0  # a zero advantage
     # 0.3 apart: the KL gradient (1 - e^d) stays well above the fp32 rounding of logp
     ref = (current + torch.randn(token_shape) * 0.3).float()
-    is_ratio = (1 + 0.1 * torch.rand(token_shape)).float()
+    # per response in the padded layout (each backend broadcasts it to the tokens), per token when packed
+    is_ratio = (1 + 0.1 * torch.rand((S,) if not packed else token_shape)).float()
     return Case(labels, adv, old, ref, is_ratio, mask, cu, vocab)
 
 
@@ -84,16 +91,7 @@ def configs(levels=LEVELS, loss_types=LOSS_TYPES):
     return out
 
 
-RTOL = 1e-5
 LENGTHS = (5, 1, 0, 7)  # includes a length-1 and an empty response
-
-
-def rel_err(a, b) -> float:
-    """Largest absolute difference relative to the largest reference entry."""
-    a, b = a.detach().double(), b.detach().double()
-    if b.numel() == 0:
-        return 0.0
-    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-30))
 
 
 def check_against_reference(out, expected, grads, ref_grads, rtol: float = RTOL) -> None:
@@ -108,44 +106,67 @@ def check_against_reference(out, expected, grads, ref_grads, rtol: float = RTOL)
         assert rel_err(g, r) < rtol
 
 
-def logits_loss_vs_reference(backend: str, config, packed: bool, V: int = 97):
-    """``gspo_loss(backend=...)`` and the float64 oracle on one fresh case: ``(out, expected, [grad], [ref])``."""
+def logits_loss_vs_reference(backend: str, config, packed: bool, V: int = 97, device: str = "cpu"):
+    """``gspo_loss(backend=...)`` and the float64 oracle on one fresh case: ``(out, expected, [grad], [ref])``.
+
+    The logits are strided views (padded: ``base[:, :-1]`` of ``[S, 9, V]``; packed: the transpose of
+    ``[V, N]``); the gradients are taken with respect to ``base``, so nothing outside the view may move.
+    Packed cases carry per-token advantages, padded ones per-response advantages.
+    """
     import gspo_kernels as gk
     from gspo_kernels import reference
 
-    shape = (sum(LENGTHS), V) if packed else (len(LENGTHS), 8, V)
-    logits = torch.randn(*shape) * 2
-    case = make_case(lambda y: reference.token_logprobs(logits.double(), y, temperature=config.temperature), V,
-                     packed=packed, lengths=LENGTHS)
-    x = logits.clone().requires_grad_()
-    out = gk.gspo_loss(x, case.labels, case.advantages, case.old_logprobs, config=config, backend=backend,
-                       **case.kwargs(config.beta > 0))
+    if packed:
+        base = torch.randn(V, sum(LENGTHS)) * 2
+        take = lambda x: x.t()  # noqa: E731
+    else:
+        base = torch.randn(len(LENGTHS), 9, V) * 2
+        take = lambda x: x[:, :-1]  # noqa: E731
+    case = make_case(lambda y: reference.token_logprobs(take(base).double(), y, temperature=config.temperature), V,
+                     packed=packed, lengths=LENGTHS,
+                     per_token_adv=packed)
+    x = base.clone().to(device).requires_grad_()
+    kw = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in case.kwargs(config.beta > 0).items()}
+    out = gk.gspo_loss(take(x), case.labels.to(device), case.advantages.to(device), case.old_logprobs.to(device),
+                       config=config, backend=backend, **kw)
     grads = torch.autograd.grad(out.loss, (x,))
-    x64 = logits.double().requires_grad_()
-    expected = reference.gspo_loss(x64, case.labels, case.advantages, case.old_logprobs, config=config,
+    x64 = base.double().requires_grad_()
+    expected = reference.gspo_loss(take(x64), case.labels, case.advantages, case.old_logprobs, config=config,
                                    **case.kwargs(config.beta > 0))
-    return out, expected, grads, torch.autograd.grad(expected.loss, (x64,))
+    return out, expected, [g.cpu() for g in grads], torch.autograd.grad(expected.loss, (x64,))
 
 
-def linear_loss_vs_reference(backend: str, config, packed: bool, V: int = 75, H: int = 24):
-    """``fused_linear_gspo_loss(backend=...)`` (with a bias) and the float64 oracle: grads of (hidden, W, b)."""
+def linear_loss_vs_reference(backend: str, config, packed: bool, V: int = 75, H: int = 24, device: str = "cpu"):
+    """``fused_linear_gspo_loss(backend=...)`` (with a bias) and the float64 oracle: grads of (hidden, W, b).
+
+    ``hidden`` is a strided view, columns ``1..H`` of a ``[S, 9, H + 3]`` (padded, also dropping the first
+    position) or ``[N, H + 3]`` (packed) buffer; its gradient is taken with respect to that buffer.
+    """
     import gspo_kernels as gk
     from gspo_kernels import reference
 
-    tokens = (sum(LENGTHS),) if packed else (len(LENGTHS), 8)
-    hidden, weight, bias = torch.randn(*tokens, H), torch.randn(V, H) * 0.3, torch.randn(V) * 0.1
+    if packed:
+        base = torch.randn(sum(LENGTHS), H + 3)
+        take = lambda x: x[:, 1 : H + 1]  # noqa: E731
+    else:
+        base = torch.randn(len(LENGTHS), 9, H + 3)
+        take = lambda x: x[:, 1:, 1 : H + 1]  # noqa: E731
+    weight, bias = torch.randn(V, H) * 0.3, torch.randn(V) * 0.1
     case = make_case(
-        lambda y: reference.linear_logprobs(hidden, weight, y, bias=bias, temperature=config.temperature), V,
-        packed=packed, lengths=LENGTHS,
+        lambda y: reference.linear_logprobs(take(base), weight, y, bias=bias, temperature=config.temperature), V,
+        packed=packed, lengths=LENGTHS, per_token_adv=packed,
     )
-    h, w, b = (t.clone().requires_grad_() for t in (hidden, weight, bias))
-    out = gk.fused_linear_gspo_loss(h, w, case.labels, case.advantages, case.old_logprobs, bias=b, config=config,
-                                    backend=backend, **case.kwargs(config.beta > 0))
-    grads = torch.autograd.grad(out.loss, (h, w, b))
-    h64, w64, b64 = (t.double().requires_grad_() for t in (hidden, weight, bias))
-    expected = reference.fused_linear_gspo_loss(h64, w64, case.labels, case.advantages, case.old_logprobs, bias=b64,
-                                                config=config, **case.kwargs(config.beta > 0))
-    return out, expected, grads, torch.autograd.grad(expected.loss, (h64, w64, b64))
+    leaves = [t.clone().to(device).requires_grad_() for t in (base, weight, bias)]
+    kw = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in case.kwargs(config.beta > 0).items()}
+    out = gk.fused_linear_gspo_loss(take(leaves[0]), leaves[1], case.labels.to(device), case.advantages.to(device),
+                                    case.old_logprobs.to(device), bias=leaves[2], config=config, backend=backend,
+                                    **kw)
+    grads = torch.autograd.grad(out.loss, leaves)
+    leaves64 = [t.double().requires_grad_() for t in (base, weight, bias)]
+    expected = reference.fused_linear_gspo_loss(take(leaves64[0]), leaves64[1], case.labels, case.advantages,
+                                                case.old_logprobs, bias=leaves64[2], config=config,
+                                                **case.kwargs(config.beta > 0))
+    return out, expected, [g.cpu() for g in grads], torch.autograd.grad(expected.loss, leaves64)
 
 
 def assert_zero_rows_get_zero_dh(config, grads, ref_grads) -> None:
@@ -157,47 +178,38 @@ def assert_zero_rows_get_zero_dh(config, grads, ref_grads) -> None:
         assert torch.all(grads[0].reshape(-1, H)[zero_rows] == 0)
 
 
-def assert_bf16_no_worse_than_plain_bf16(backend: str, path: str) -> None:
-    """bf16 inputs: error vs float64 no worse than the plain bf16 PyTorch path's, plus 2^-8.
-
-    The plain path is ``log_softmax`` + ``gather`` in bf16, then the same objective in fp32. On the
-    hidden-state path the compared gradient is dH (the reference's and the plain path's logits
-    gradients are mapped through ``@ W``).
-    """
+def assert_bf16_within_fp32_math_plus_rounding(backend: str, path: str) -> None:
+    """bf16 inputs through ``backend``'s public loss: the loss within the fp32 tolerance of the float64 oracle
+    (on the same rounded inputs), gradients within :func:`gspo_kernels.tools.verify.gradient_tolerance`
+    (the fp32 error plus the roundings of a bf16 result, at most ``2^-6``). Never the plain bf16 path's error."""
     import gspo_kernels as gk
     from gspo_kernels import reference
-    from gspo_kernels.objective import gspo_objective
-    from gspo_kernels.validation import prepare_loss_inputs
+    from gspo_kernels.tools.verify import gradient_tolerance
 
-    torch.manual_seed(7)
     B, T, V, H = 4, 16, 1000, 64
-    if path == "logits":
-        logits16 = (torch.randn(B, T, V) * 3).bfloat16()
-        base = logits16.double()
-    else:
-        hidden16, weight16 = torch.randn(B, T, H).bfloat16(), (torch.randn(V, H) * 0.2).bfloat16()
-        base = hidden16.double() @ weight16.double().T
     labels = torch.randint(0, V, (B, T))
-    old = (reference.token_logprobs(base, labels) - torch.randn(B, 1) * 2e-4).float()
-    adv = torch.randn(B)
-    cfg = gk.GSPOConfig()
-    x64 = base.clone().requires_grad_()
-    expected = reference.gspo_loss(x64, labels, adv, old, config=cfg)
-    (ref_grad,) = torch.autograd.grad(expected.loss, x64)
-    plain_in = base.bfloat16().requires_grad_()
-    plain_logp = plain_in.log_softmax(-1).gather(-1, labels[..., None])[..., 0].float()
-    plain = gspo_objective(plain_logp.reshape(-1), None, prepare_loss_inputs(labels, adv, V, old_logprobs=old), cfg)
-    (plain_grad,) = torch.autograd.grad(plain.loss, plain_in)
     if path == "logits":
-        x = logits16.clone().requires_grad_()
-        out = gk.gspo_loss(x, labels, adv, old, config=cfg, backend=backend)
-        (grad,) = torch.autograd.grad(out.loss, x)
+        inputs = [(torch.randn(B, T, V) * 3).bfloat16()]
+        as_logits = lambda xs: xs[0]  # noqa: E731
     else:
-        h, w = hidden16.clone().requires_grad_(), weight16.clone().requires_grad_()
-        out = gk.fused_linear_gspo_loss(h, w, labels, adv, old, config=cfg, backend=backend)
-        (grad,) = torch.autograd.grad(out.loss, h)
-        ref_grad = ref_grad @ weight16.double()  # dH = dZ @ W
-        plain_grad = plain_grad.double() @ weight16.double()
-    margin = 2**-8 * abs(expected.loss.item())
-    assert abs(out.loss.item() - expected.loss.item()) <= abs(plain.loss.item() - expected.loss.item()) + margin
-    assert rel_err(grad, ref_grad) <= rel_err(plain_grad, ref_grad) + 2**-8
+        inputs = [torch.randn(B, T, H).bfloat16(), (torch.randn(V, H) * 0.2).bfloat16()]
+        as_logits = lambda xs: xs[0] @ xs[1].T  # noqa: E731
+    old = (reference.token_logprobs(as_logits([x.double() for x in inputs]), labels) - torch.randn(B, 1) * 2e-4).float()
+    adv = torch.randn(B)
+    leaves = [x.clone().requires_grad_() for x in inputs]
+    fn = gk.gspo_loss if path == "logits" else gk.fused_linear_gspo_loss
+    out = fn(*leaves, labels, adv, old, backend=backend)
+    grads = torch.autograd.grad(out.loss, leaves)
+    leaves64 = [x.double().requires_grad_() for x in inputs]
+    expected = reference.gspo_loss(as_logits(leaves64), labels, adv, old)
+    ref_grads = torch.autograd.grad(expected.loss, leaves64)
+    assert abs(out.loss.item() - expected.loss.item()) <= RTOL * max(1.0, abs(expected.loss.item()))
+    interpreted = backend == "triton" and inputs[0].device.type == "cpu"
+    tol = gradient_tolerance("bf16", path, truncating_output=interpreted)
+    for got, want in zip(grads, ref_grads):
+        assert rel_err(got, want) <= tol, (rel_err(got, want), tol)
+
+
+# The former name: its callers (per-backend copies of test_conformance.py's half-precision test) now get
+# the honest bound above.
+assert_bf16_no_worse_than_plain_bf16 = assert_bf16_within_fp32_math_plus_rounding

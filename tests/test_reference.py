@@ -106,11 +106,7 @@ def test_spec_gradient_formula_for_gspo():
     shift = torch.tensor([1e-5, -2e-3, 3e-3, 0.0], dtype=torch.float64)[:, None]  # 1: low clip, 2: high clip
     old = logp.detach() - shift
     adv = torch.tensor([0.7, -1.3, 0.4, 2.0], dtype=torch.float64)
-    from gspo_kernels.validation import prepare_loss_inputs
-
-    labels = torch.zeros(S, T, dtype=torch.long)
-    inputs = prepare_loss_inputs(labels, adv, 1, old_logprobs=old, mask=mask)
-    out = reference.sequence_loss(logp.reshape(-1), torch.zeros(S * T, dtype=torch.float64), inputs, GSPOConfig())
+    out = reference.policy_loss(logp, adv, old, mask=mask, config=GSPOConfig())
     (grad,) = torch.autograd.grad(out.loss, logp)
     lengths = mask.sum(1).clamp(min=1).double()
     w = torch.exp(shift[:, 0])
@@ -127,3 +123,124 @@ def test_group_advantages_by_hand():
     std = math.sqrt(4 * 0.25 / 3)  # unbiased std of (1, 0, 0, 1)
     torch.testing.assert_close(adv[:4], torch.tensor([0.5, -0.5, -0.5, 0.5], dtype=torch.float64) / std)
     assert torch.equal(adv[4:], torch.zeros(4, dtype=torch.float64))  # equal rewards: A = 0
+
+
+def test_minus_inf_logits_on_other_columns_give_the_smaller_vocabulary():
+    """A -inf logit is a column that does not exist: same log-prob, entropy and gradient as without it."""
+    z = torch.tensor([[1.0, -0.5, float("-inf"), 0.25]], dtype=torch.float64, requires_grad=True)
+    small = torch.tensor([[1.0, -0.5, 0.25]], dtype=torch.float64, requires_grad=True)
+    logp, ent = reference.token_logprobs(z, torch.tensor([1]), return_entropy=True)
+    logp_s, ent_s = reference.token_logprobs(small, torch.tensor([1]), return_entropy=True)
+    p = torch.softmax(small.detach(), -1)[0]
+    assert ent.item() == pytest.approx(-sum(q * math.log(q) for q in p.tolist()), rel=1e-12)
+    assert logp.item() == pytest.approx(logp_s.item(), rel=1e-12)
+    (logp + 0.3 * ent).sum().backward()
+    (logp_s + 0.3 * ent_s).sum().backward()
+    assert torch.isfinite(z.grad).all() and z.grad[0, 2] == 0
+    torch.testing.assert_close(z.grad[0, [0, 1, 3]], small.grad[0], rtol=1e-12, atol=0)
+    # through the loss, with an entropy bonus (issue: the old oracle returned NaN here)
+    logits = torch.randn(2, 3, 5, dtype=torch.float64)
+    logits[..., 0] = float("-inf")
+    x = logits.clone().requires_grad_()
+    out = reference.gspo_loss(x, torch.randint(1, 5, (2, 3)), torch.tensor([1.0, -1.0]),
+                              config=GSPOConfig(entropy_coef=0.01))
+    out.loss.backward()
+    assert torch.isfinite(out.loss) and torch.isfinite(x.grad).all()
+    assert all(torch.isfinite(v) for v in out.metrics.values())
+
+
+@pytest.mark.parametrize("offset", [100.0, 1000.0])
+def test_huge_importance_weights_stay_finite_where_the_math_is(offset):
+    """old = logp - offset: w = e^offset. Clipped (A > 0) or capped by delta, the loss is finite and the
+    gradient exactly 0 even when e^offset overflows float64 (offset = 1000)."""
+    logits, labels = one_token_vocab(2, 3)
+    old = torch.full((2, 3), -offset, dtype=torch.float64)
+    adv = torch.tensor([1.0, 0.0], dtype=torch.float64)  # clipped high, and a zero advantage
+    for level in ("sequence", "sequence_token", "token"):
+        out = reference.gspo_loss(logits, labels, adv, old, config=GSPOConfig(importance_sampling_level=level))
+        (grad,) = torch.autograd.grad(out.loss, logits)
+        assert out.loss.item() == pytest.approx(-1.0004 / 2, rel=1e-12), level
+        assert torch.all(grad == 0), level
+    # A < 0 with delta: c1 = min(w, delta) = delta, the loss is delta * |A| and the gradient 0
+    out = reference.gspo_loss(logits, labels, -adv, old, config=GSPOConfig(delta=1.5))
+    (grad,) = torch.autograd.grad(out.loss, logits)
+    assert out.loss.item() == pytest.approx(1.5 / 2, rel=1e-12) and torch.all(grad == 0)
+    if offset == 100.0:  # unclipped (A < 0, no delta): e^100 is finite, so are the loss and the gradient
+        lp = torch.zeros(1, 3, dtype=torch.float64, requires_grad=True)
+        out = reference.policy_loss(lp, torch.tensor([-1.0], dtype=torch.float64), lp.detach() - offset)
+        (grad,) = torch.autograd.grad(out.loss, lp)
+        assert out.loss.item() == pytest.approx(math.exp(100), rel=1e-12)
+        torch.testing.assert_close(grad, torch.full((1, 3), math.exp(100) / 3, dtype=torch.float64), rtol=1e-12,
+                                   atol=0)
+
+
+def test_packed_and_padded_layouts_by_hand():
+    """The same two responses, padded with a mask and packed with cu_seqlens and a token mask."""
+    logits_p = torch.zeros(2, 3, 1, dtype=torch.float64)
+    old_p = torch.tensor([[-0.1, -0.3, 7.0], [0.2, 9.0, 9.0]], dtype=torch.float64)
+    mask_p = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    adv = torch.tensor([1.0, -2.0], dtype=torch.float64)
+    cfg = GSPOConfig(importance_sampling_level="token", loss_type="bnpo", epsilon_low=0.5, epsilon_high=0.5)
+    padded = reference.gspo_loss(logits_p, torch.zeros(2, 3, dtype=torch.long), adv, old_p, mask=mask_p, config=cfg)
+    # packed: response 0 = tokens 0..2 with a masked token in the middle, response 1 = token 3
+    old_k = torch.tensor([-0.1, float("nan"), -0.3, 0.2], dtype=torch.float64)
+    labels_k = torch.tensor([0, -100, 0, 0])
+    packed = reference.gspo_loss(torch.zeros(4, 1, dtype=torch.float64), labels_k, adv, old_k,
+                                 cu_seqlens=torch.tensor([0, 3, 4]), mask=torch.tensor([1, 0, 1, 1]), config=cfg)
+    expected = -(math.exp(0.1) + math.exp(0.3) - 2 * math.exp(-0.2)) / 3
+    assert padded.loss.item() == pytest.approx(expected, rel=1e-12)
+    assert packed.loss.item() == pytest.approx(expected, rel=1e-12)
+
+
+def test_the_oracle_checks_its_own_inputs():
+    logits, labels = torch.zeros(4, 3), torch.zeros(4, dtype=torch.long)
+    adv = torch.zeros(2)
+    for cu, match in [(torch.tensor([1, 2, 4]), "start at 0"), (torch.tensor([0, 3, 2]), "non-decreasing"),
+                      (torch.tensor([0, 1, 3]), "end at N = 4"), (torch.tensor([0.0, 2, 4]), "int32 or int64")]:
+        with pytest.raises((ValueError, TypeError), match=match):
+            reference.gspo_loss(logits, labels, adv, cu_seqlens=cu)
+    cu = torch.tensor([0, 2, 4])
+    with pytest.raises(ValueError, match="only 0 and 1 .*flat position 1 holds 0.5"):
+        reference.gspo_loss(logits, labels, adv, cu_seqlens=cu, mask=torch.tensor([1.0, 0.5, 1.0, 1.0]))
+    with pytest.raises(ValueError, match="labels .at unmasked positions. must lie in"):
+        reference.gspo_loss(logits, torch.tensor([0, 3, 0, 0]), adv, cu_seqlens=cu)
+    reference.gspo_loss(logits, torch.tensor([0, 3, 0, 0]), adv, cu_seqlens=cu, mask=torch.tensor([1, 0, 1, 1]))
+    with pytest.raises(ValueError, match="advantages must be"):
+        reference.gspo_loss(logits, labels, torch.zeros(3), cu_seqlens=cu)
+    with pytest.raises(ValueError, match="ref_logprobs is required"):
+        reference.gspo_loss(logits, labels, adv, cu_seqlens=cu, config=GSPOConfig(beta=0.1))
+    with pytest.raises(ValueError, match="num_items_in_batch"):
+        reference.gspo_loss(logits, labels, adv, cu_seqlens=cu, num_items_in_batch=torch.tensor(0.0))
+    with pytest.raises(ValueError, match="logits must have shape"):
+        reference.gspo_loss(torch.zeros(2, 2, 3), labels, adv, cu_seqlens=cu)
+
+
+def test_the_oracle_does_not_import_the_fast_paths():
+    """The oracle may share the config and the output type only: a layout bug must not hit both sides."""
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(reference))
+    imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    assert {m for m in imported if m.startswith("gspo_kernels")} == {"gspo_kernels.config", "gspo_kernels.objective"}
+    names = {alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+             and node.module == "gspo_kernels.objective" for alias in node.names}
+    assert names == {"LossOutput"}
+
+
+def test_all_masked_and_empty_batches_give_zero_loss_and_zero_gradients():
+    logits = torch.randn(2, 3, 5, dtype=torch.float64, requires_grad=True)
+    logits.data[0, 1] = float("nan")  # masked garbage
+    mask = torch.zeros(2, 3)
+    for loss_type in ("grpo", "bnpo", "dr_grpo", "dapo"):
+        cfg = GSPOConfig(loss_type=loss_type, max_completion_length=3, entropy_coef=0.1)
+        out = reference.gspo_loss(logits, torch.full((2, 3), -100), torch.randn(2), mask=mask, config=cfg)
+        (grad,) = torch.autograd.grad(out.loss, logits)
+        assert out.loss.item() == 0.0 and torch.all(grad == 0)
+        assert all(v.item() == 0.0 for v in out.metrics.values())
+    empty = torch.zeros(0, 5, dtype=torch.float64, requires_grad=True)
+    out = reference.gspo_loss(empty, torch.zeros(0, dtype=torch.long), torch.randn(2),
+                              cu_seqlens=torch.tensor([0, 0, 0]))
+    (grad,) = torch.autograd.grad(out.loss, empty)
+    assert out.loss.item() == 0.0 and grad.shape == (0, 5)

@@ -4,11 +4,19 @@ For each backend x path (logits, hidden states) x importance level x loss type x
 on fresh random inputs: the loss, the metrics and the input gradients are compared with
 :mod:`gspo_kernels.reference` run in float64 on the same (dtype-rounded) values.
 
-Tolerances (relative to the largest reference entry):
-* fp32: 1e-5 for the loss and the gradients, 1e-5 absolute for the metrics (the loss, a sum of terms of
-  either sign, is compared relative to ``max(|loss|, 1)``);
-* bf16: no worse than the plain bf16 PyTorch path (``log_softmax`` + ``gather`` in bf16, then the same
-  objective) plus 2^-8 (one bf16 rounding), for the loss and the gradients; metrics are reported only.
+Tolerances (gradients relative to their largest reference entry; the loss, a sum of terms of either
+sign, relative to ``max(|loss|, 1)``; metrics absolute):
+
+* fp32: 1e-5 for the loss, the metrics and the gradients;
+* bf16: the math runs in fp32 (products accumulated in fp32, log-probs fp32), so the loss and the
+  metrics keep the fp32 tolerance; a gradient comes back in bf16, so it may differ by the fp32
+  tolerance plus its roundings to bf16: one on the logits path (the output), two on the hidden-state
+  path (the logits gradient rounded to the bf16 operand of the backward matmuls, then the output).
+  One rounding is 2^-8 relative (round to nearest), or 2^-7 for the Triton interpreter's output cast,
+  which truncates. No tolerance exceeds 2^-6: a 5% gradient error fails.
+
+The plain bf16 PyTorch path is never the bar: its GSPO gradient is wrong by ~100% (a bf16 log-prob
+has 3 significant digits, the clip band is 3e-4 wide).
 """
 
 from __future__ import annotations
@@ -21,10 +29,30 @@ import time
 from dataclasses import dataclass
 from typing import Dict, List
 
+from gspo_kernels.config import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES
+
 FP32_RTOL = 1e-5
-BF16_MARGIN = 2.0**-8
-LEVELS = ("sequence", "sequence_token", "token")
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+# One rounding of a result to the dtype, relative: half an ulp (round to nearest even).
+UNIT_ROUNDOFF = {"fp32": 0.0, "bf16": 2.0**-8, "fp16": 2.0**-11}
+PATH_ROUNDINGS = {"logits": 1, "linear": 2}
+
+
+def gradient_tolerance(dtype_name: str, path: str, *, truncating_output: bool = False) -> float:
+    """Relative tolerance of a gradient returned in ``dtype_name`` (see the module docstring).
+
+    ``truncating_output``: the final cast truncates instead of rounding to nearest (the Triton
+    interpreter's ``.to(bf16)``), an error of up to one ulp (twice the unit roundoff).
+    """
+    u = UNIT_ROUNDOFF[dtype_name]
+    return FP32_RTOL + PATH_ROUNDINGS[path] * u + (u if truncating_output else 0.0)
+
+
+def rel_err(a, b) -> float:
+    """Largest absolute difference relative to the largest entry of the reference ``b``."""
+    a, b = a.detach().double(), b.detach().double().to(a.device)
+    if b.numel() == 0:
+        return 0.0
+    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-30))
 
 
 def setup_triton_interpreter() -> str:
@@ -61,13 +89,6 @@ class Row:
         return self.loss_err <= self.loss_tol and self.grad_err <= self.grad_tol and self.metric_err <= self.metric_tol
 
 
-def _rel(a, b) -> float:
-    a, b = a.detach().double(), b.detach().double()
-    if b.numel() == 0:
-        return 0.0
-    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-30))
-
-
 def _loss_err(loss, expected) -> float:
     return float((loss.detach().double() - expected.detach()).abs() / expected.detach().abs().clamp(min=1.0))
 
@@ -79,8 +100,6 @@ def check_case(backend: str, path: str, level: str, loss_type: str, dtype_name: 
 
     import gspo_kernels as gk
     from gspo_kernels import reference
-    from gspo_kernels.objective import gspo_objective
-    from gspo_kernels.validation import prepare_loss_inputs
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     gen = torch.Generator().manual_seed(seed)
@@ -140,28 +159,12 @@ def check_case(backend: str, path: str, level: str, loss_type: str, dtype_name: 
     seconds = time.perf_counter() - start
     expected, ref_grads = run(oracle, base)
     loss_err = _loss_err(out.loss.cpu(), expected.loss)
-    grad_err = max(_rel(g.cpu(), r) for g, r in zip(grads, ref_grads))
+    grad_err = max(rel_err(g.cpu(), r) for g, r in zip(grads, ref_grads))
     metric_err = max(abs(float(out.metrics[k]) - float(v)) for k, v in expected.metrics.items())
-    if dtype_name == "fp32":
-        return Row(backend, path, level, loss_type, dtype_name, "packed" if packed else "padded", loss_err, grad_err,
-                   metric_err, FP32_RTOL, FP32_RTOL, FP32_RTOL, seconds)
-
-    # bf16: the plain bf16 PyTorch path sets the bar
-    def naive(xs):
-        flat = as_logits(xs).reshape(-1, V)
-        logp = reference.naive_token_logprobs(flat, labels.reshape(-1).clamp(min=0), temperature=cfg.temperature)
-        ent = torch.zeros_like(logp) if cfg.entropy_coef else None
-        if cfg.entropy_coef:
-            p_all = (flat.float() / cfg.temperature).log_softmax(-1)
-            ent = -(p_all.exp() * p_all).sum(-1)
-        loss_in = prepare_loss_inputs(labels, adv, V, old_logprobs=old, beta=cfg.beta, **kw)
-        return gspo_objective(logp, ent, loss_in, cfg)
-
-    plain, plain_grads = run(naive, inputs)
-    plain_loss_err = _loss_err(plain.loss, expected.loss)
-    plain_grad_err = max(_rel(g, r) for g, r in zip(plain_grads, ref_grads))
+    interpreted = backend == "triton" and device.type == "cpu"  # the Triton interpreter's casts truncate
+    grad_tol = gradient_tolerance(dtype_name, path, truncating_output=interpreted)
     return Row(backend, path, level, loss_type, dtype_name, "packed" if packed else "padded", loss_err, grad_err,
-               metric_err, plain_loss_err + BF16_MARGIN, plain_grad_err + BF16_MARGIN, float("inf"), seconds)
+               metric_err, FP32_RTOL, grad_tol, FP32_RTOL, seconds)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -186,7 +189,7 @@ def run(args: argparse.Namespace) -> int:
             reason = backends.unavailable_reason(name) or f"does not run on {device.type}"
             print(f"  backend {name!r} not checked: {reason}")
     rows: List[Row] = []
-    cases = list(itertools.product(names, args.paths, LEVELS, LOSS_TYPES, args.dtypes))
+    cases = list(itertools.product(names, args.paths, IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, args.dtypes))
     header = f"{'backend':8} {'path':6} {'level':14} {'loss':8} {'dtype':5} {'layout':6} " \
              f"{'loss err':>9} {'tol':>8} {'grad err':>9} {'tol':>8} {'metric':>8} {'s':>6}  result"
     print(header)
