@@ -53,22 +53,29 @@ def linear_logprobs(
     temperature: float = 1.0,
     return_entropy: bool = False,
     backend: str = "auto",
+    memory_budget: Optional[int] = None,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Per-token log-probs (and entropy) of ``hidden @ weight.T + bias``; the logits never exist.
 
     Args:
         hidden: ``[..., H]``; weight: ``[V, H]`` (the lm_head); bias: ``[V]`` or None;
         labels: ``[...]`` integer in ``[0, V)``.
+        memory_budget: bytes the backend may use for logits saved between forward and backward and
+            for its chunk buffers (None: the backend's default; ``backend="cpu"``: 1 GiB of saved
+            logits, 0 recomputes them; ``backend="torch"`` saves none and ignores it). Results do
+            not depend on it.
     Returns:
         fp32 tensors shaped like ``labels``; differentiable for hidden, weight and bias.
     """
     check_linear(hidden, weight, bias, labels)
     _check_temperature(temperature)
+    _check_memory_budget(memory_budget)
     flat = _checked_labels(labels, weight.shape[0])
     impl = backends.resolve(backend, hidden.device)
     rows = hidden if hidden.dim() in (2, 3) else hidden.reshape(-1, hidden.shape[-1])
     logp, entropy = impl.linear_logprobs(
-        rows, weight, bias, flat, active=None, temperature=temperature, return_entropy=return_entropy
+        rows, weight, bias, flat, active=None, temperature=temperature, return_entropy=return_entropy,
+        memory_budget=memory_budget,
     )
     logp = logp.reshape(labels.shape)
     return (logp, entropy.reshape(labels.shape)) if return_entropy else logp
@@ -133,21 +140,24 @@ def fused_linear_gspo_loss(
     config: Optional[GSPOConfig] = None,
     backend: str = "auto",
     inplace_backward: bool = False,
+    memory_budget: Optional[int] = None,
 ) -> LossOutput:
     """:func:`gspo_loss` of ``hidden @ weight.T + bias`` without ever forming the logits.
 
     Args:
         hidden: ``[B, T, H]`` or ``[N, H]``; weight: ``[V, H]`` (the lm_head); bias: ``[V]`` or None.
+        memory_budget: bytes for saved logits / chunk buffers, as in :func:`linear_logprobs`.
         The other arguments are those of :func:`gspo_loss` (``inplace_backward`` has no effect here).
     """
     config = _check_config(config)
     check_linear(hidden, weight, bias, labels)
+    _check_memory_budget(memory_budget)
     inputs = _inputs(labels, advantages, weight.shape[0], old_logprobs, mask, cu_seqlens, ref_logprobs, is_ratio,
                      num_items_in_batch, config)
     impl = backends.resolve(backend, hidden.device)
     logp, entropy = impl.linear_logprobs(
         hidden, weight, bias, inputs.labels, active=inputs.batch.mask > 0, temperature=config.temperature,
-        return_entropy=True,
+        return_entropy=True, memory_budget=memory_budget,
     )
     return (impl.objective or gspo_objective)(logp, entropy, inputs, config)
 
@@ -168,15 +178,22 @@ class GSPOLoss(nn.Module):
 
 
 class FusedLinearGSPOLoss(nn.Module):
-    """Module form of :func:`fused_linear_gspo_loss`: ``(hidden, weight, labels, advantages, old, **kw)``."""
+    """Module form of :func:`fused_linear_gspo_loss`: ``(hidden, weight, labels, advantages, old, **kw)``.
 
-    def __init__(self, config: Optional[GSPOConfig] = None, *, backend: str = "auto"):
+    ``memory_budget``: bytes for saved logits / chunk buffers (see :func:`linear_logprobs`).
+    """
+
+    def __init__(self, config: Optional[GSPOConfig] = None, *, backend: str = "auto",
+                 memory_budget: Optional[int] = None):
         super().__init__()
         self.config = _check_config(config)
         self.backend = backend
+        _check_memory_budget(memory_budget)
+        self.memory_budget = memory_budget
 
     def forward(self, hidden: Tensor, weight: Tensor, labels: Tensor, advantages: Tensor,
                 old_logprobs: Optional[Tensor] = None, **kwargs) -> LossOutput:
+        kwargs.setdefault("memory_budget", self.memory_budget)
         return fused_linear_gspo_loss(hidden, weight, labels, advantages, old_logprobs, config=self.config,
                                       backend=self.backend, **kwargs)
 
@@ -192,6 +209,13 @@ def _check_config(config: Optional[GSPOConfig]) -> GSPOConfig:
 def _check_temperature(temperature: float) -> None:
     if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or not temperature > 0:
         raise ValueError(f"temperature must be a number > 0, got {temperature!r}")
+
+
+def _check_memory_budget(memory_budget: Optional[int]) -> None:
+    if memory_budget is None:
+        return
+    if isinstance(memory_budget, bool) or not isinstance(memory_budget, int) or memory_budget < 0:
+        raise ValueError(f"memory_budget must be None or a number of bytes >= 0 (an int), got {memory_budget!r}")
 
 
 def _checked_labels(labels: Tensor, vocab_size: int) -> Tensor:

@@ -267,6 +267,7 @@ def linear_logprobs(
     return_entropy: bool = False,
     deterministic: Optional[bool] = None,
     filter_eps: Optional[float] = None,
+    memory_budget: Optional[int] = None,  # backend contract; not used by this backend yet
 ) -> Tuple[Tensor, Optional[Tensor]]:
     """Per-token log-probs (and entropy) of ``labels`` under ``softmax((hidden @ weight.T + bias) / temperature)``.
 
