@@ -26,8 +26,7 @@ from tests.cases import (
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 @pytest.mark.parametrize("config", configs(), ids=lambda c: f"{c.importance_sampling_level}-{c.loss_type}")
 def test_logits_path_fp32(config, packed, monkeypatch):
-    monkeypatch.setattr(torch_backend, "VOCAB_BLOCK", 40)  # several vocabulary tiles, the last one partial
-    monkeypatch.setattr(torch_backend, "ROW_BLOCK", 3)
+    monkeypatch.setattr(torch_backend, "LOGITS_BLOCK_ELEMENTS", 3 * 97)  # blocks of 3 rows (V = 97)
     check_against_reference(*logits_loss_vs_reference("torch", config, packed))
 
 

@@ -1,15 +1,17 @@
 """``backend="torch"``: the portable chunked heavy stage (any device), and the blueprint of the others.
 
-Forward: rows x vocabulary tiles, an online softmax (running max ``m``, ``s = sum e^(x-m)`` and
-``a = sum e^(x-m)(x-m)``) with the label's logit and the entropy folded in, fp32 math (fp64 for fp64
-inputs); no ``[N, V]`` fp32 tensor exists (the logits path reads the caller's logits a tile at a
-time through two small scratch tiles that stay in cache; the hidden-state path forms one
-``[rows, vocab_block]`` logits tile at a time). ``m`` and ``log s`` are kept apart, never summed
-into one lse: ``log p = (x - m) - log s`` and ``H = log s - a / s`` are computed from shifted
-logits, so logits offset by 1e4 or divided by a temperature of 1e-6 keep fp32 accuracy.
-Backward: recomputes tiles from the saved ``(m, log s)``, accumulates in fp32, and visits only the
-rows whose incoming gradient (of log-prob or entropy) is non-zero; the others get exactly zero
-gradient. ``-inf`` logits on non-label columns give ``p = 0`` and a zero gradient (never NaN).
+fp32 math (fp64 for fp64 inputs); no ``[N, V]`` fp32 intermediate exists.
+Logits path: blocks of whole rows (about ``LOGITS_BLOCK_ELEMENTS`` elements) through ATen's fused
+``log_softmax`` / ``softmax`` kernels into two scratch blocks: forward 1 fused pass + 3 for the
+entropy; backward 2 passes (5 when the entropy carries gradient), writing the gradient directly.
+Hidden-state path: rows x vocabulary tiles, an online softmax (running max ``m``,
+``s = sum e^(x-m)``, ``a = sum e^(x-m)(x-m)``) with the label's logit and the entropy folded in;
+one ``[rows, vocab_block]`` logits tile exists at a time.
+Both keep the row max and ``log s`` apart (never one fp32 ``lse = m + log s``): log-probs and the
+entropy come from shifted logits, so logits offset by 1e4 or divided by a temperature of 1e-6 keep
+fp32 accuracy. Backward: recomputes from the logits (or tiles from the saved ``(m, log s)``),
+accumulates in fp32, and visits only the rows whose incoming gradient (of log-prob or entropy) is
+non-zero; the others get exactly zero gradient. ``-inf`` logits on non-label columns give ``p = 0`` and a zero gradient (never NaN).
 Labels outside ``[0, V)`` are never read (possible only when the public checks are skipped, under
 ``torch.compile``): that row's log-prob is NaN.
 """
@@ -24,8 +26,7 @@ from torch import Tensor
 from gspo_kernels.backends import Backend
 from gspo_kernels.backends.tiling import as_rows, row_blocks
 
-ROW_BLOCK = 16  # rows per logits tile of the logits path
-VOCAB_BLOCK = 16384  # vocabulary entries per tile: two [16, 16384] fp32 work tiles (2 MiB) stay in cache
+LOGITS_BLOCK_ELEMENTS = 1 << 21  # logits path: whole rows per block, about this many elements (8 MiB fp32)
 LINEAR_ROW_BLOCK = 1024  # rows per tile of the hidden-state path (the weight is streamed once per block)
 LINEAR_VOCAB_BLOCK = 4096
 
@@ -140,7 +141,25 @@ def _carries_gradient(grad_logp: Optional[Tensor], grad_entropy: Optional[Tensor
     return carries
 
 
+def _logits_block_rows(V: int) -> int:
+    """Rows per block of the logits path: whole rows, about ``LOGITS_BLOCK_ELEMENTS`` elements."""
+    return max(1, LOGITS_BLOCK_ELEMENTS // max(V, 1))
+
+
+def _scaled_rows(rows: Tensor, tau: float, cdt: torch.dtype, ws: _Workspace) -> Tensor:
+    """``rows / tau`` for the fused ops: the rows themselves when they are already ``cdt`` at tau = 1
+    (fp16/bf16 rows at tau = 1 too: the softmax ops convert them to fp32 exactly themselves)."""
+    if tau == 1.0:
+        return rows
+    return _scaled(rows, tau, cdt, ws)
+
+
 class _LogitsLogprobs(torch.autograd.Function):
+    """Whole rows at a time, through ATen's fused ``log_softmax`` / ``softmax`` kernels (one pass each,
+    ``(x - max) - log sum`` kept apart inside), into two ``[rows, V]`` scratch blocks of about
+    ``LOGITS_BLOCK_ELEMENTS`` elements: the fewest passes over the logits plain PyTorch allows, and no
+    ``[N, V]`` intermediate."""
+
     @staticmethod
     def forward(ctx, logits, labels, active, temperature, return_entropy, inplace_backward):
         V = logits.shape[-1]
@@ -149,9 +168,9 @@ class _LogitsLogprobs(torch.autograd.Function):
         device = logits.device
         logp = torch.zeros(n, dtype=cdt, device=device)
         entropy = torch.zeros(n, dtype=cdt, device=device)
-        stats = torch.zeros(2, n, dtype=cdt, device=device)
-        ws = _Workspace(ROW_BLOCK, min(VOCAB_BLOCK, V), cdt, device)
-        for r0, r1, rows in row_blocks(logits, ROW_BLOCK):
+        R = _logits_block_rows(V)
+        ws = _Workspace(R, V, cdt, device)
+        for r0, r1, rows in row_blocks(logits, R):
             index = torch.arange(r0, r1, device=device)
             if active is not None:
                 index = index[active[r0:r1]]
@@ -159,48 +178,65 @@ class _LogitsLogprobs(torch.autograd.Function):
                     continue
                 if index.numel() < r1 - r0:
                     rows = rows[index - r0]
-            state = _OnlineSoftmax(index.numel(), labels[index], cdt, device)
-            for v0 in range(0, V, VOCAB_BLOCK):
-                state.fold(_scaled(rows[:, v0 : v0 + VOCAB_BLOCK], temperature, cdt, ws), v0, ws, return_entropy)
-            logp[index], entropy[index], stats[:, index] = state.finish()
-        ctx.save_for_backward(logits, labels, stats, entropy)
+            x = _scaled_rows(rows, temperature, cdt, ws)
+            lp, p = ws.tiles(*x.shape)
+            torch.log_softmax(x, 1, dtype=cdt, out=lp)
+            y = labels[index]
+            inside = (y >= 0) & (y < V)
+            picked = lp.gather(1, y.clamp(0, V - 1)[:, None])[:, 0]
+            logp[index] = torch.where(inside, picked, float("nan"))  # a label outside [0, V) is never read
+            if return_entropy:
+                lp.clamp_(min=_log_p_floor(cdt))  # exp is exactly 0 there: -inf logits add 0, not 0 * -inf
+                torch.exp(lp, out=p)
+                entropy[index] = -p.mul_(lp).sum(dim=1)
+        ctx.save_for_backward(logits, labels, entropy)
         ctx.temperature = temperature
         ctx.inplace = inplace_backward
+        ctx.set_materialize_grads(False)  # an unused entropy gets grad None, not a zero-filled tensor
         return logp, entropy
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
-        logits, labels, stats, entropy = ctx.saved_tensors
+        logits, labels, entropy = ctx.saved_tensors
         tau = ctx.temperature
         V = logits.shape[-1]
         n = labels.shape[0]
-        cdt = stats.dtype
+        cdt = entropy.dtype
         carries = _carries_gradient(grad_logp, grad_entropy, n, logits.device)
         grad = logits.detach() if ctx.inplace else torch.empty_like(logits, memory_format=torch.contiguous_format)
         g_all = grad_logp if grad_logp is not None else torch.zeros_like(entropy)
-        ws = _Workspace(ROW_BLOCK, min(VOCAB_BLOCK, V), cdt, logits.device)
-        for r0, r1, rows in row_blocks(logits.detach(), ROW_BLOCK):
+        R = _logits_block_rows(V)
+        ws = _Workspace(R, V, cdt, logits.device)
+        for r0, r1, rows in row_blocks(logits.detach(), R):
             index = torch.arange(r0, r1, device=logits.device)[carries[r0:r1]]
             target = _row_view(grad, r0, r1)
             if index.numel() == 0:
                 target.zero_()
                 continue
             full = index.numel() == r1 - r0
-            sub = rows if full else rows[index - r0]
+            sub = rows if full else rows[index - r0]  # (a copy: read before the in-place target is zeroed)
             if not full:
                 target.zero_()
-            m, log_s, h = stats[0, index], stats[1, index], entropy[index]
             g = g_all[index]
-            ge = grad_entropy[index] if grad_entropy is not None else None
-            local = labels[index]
-            for v0 in range(0, V, VOCAB_BLOCK):
-                x = _scaled(sub[:, v0 : v0 + VOCAB_BLOCK], tau, cdt, ws)
-                if full:
-                    _grad_tile(x, m, log_s, h, g, ge, local - v0, tau, ws, target[:, v0 : v0 + VOCAB_BLOCK])
-                else:
-                    dz = torch.empty_like(x)
-                    _grad_tile(x, m, log_s, h, g, ge, local - v0, tau, ws, dz)
-                    target[index - r0, v0 : v0 + VOCAB_BLOCK] = dz.to(grad.dtype)
+            x = _scaled_rows(sub, tau, cdt, ws)
+            lp, p = ws.tiles(*x.shape)
+            out = target if full else torch.empty(x.shape, dtype=grad.dtype, device=grad.device)
+            if grad_entropy is None:
+                torch.softmax(x, 1, dtype=cdt, out=p)
+                torch.mul(p, (-g / tau)[:, None], out=out)
+            else:
+                ge = grad_entropy[index]
+                torch.log_softmax(x, 1, dtype=cdt, out=lp)
+                lp.clamp_(min=_log_p_floor(cdt))  # p = 0 there, and p * (log p + H) stays 0
+                torch.exp(lp, out=p)
+                alpha = -(g + ge * entropy[index]) / tau
+                torch.addcmul(alpha[:, None], lp, (-ge / tau)[:, None], out=lp)
+                torch.mul(p, lp, out=out)
+            y = labels[index]
+            hit = torch.nonzero((y >= 0) & (y < V))[:, 0]
+            out.index_put_((hit, y[hit]), (g[hit] / tau).to(out.dtype), accumulate=True)
+            if not full:
+                target[index - r0] = out
         return grad, None, None, None, None, None
 
 
@@ -239,6 +275,7 @@ class _LinearLogprobs(torch.autograd.Function):
         ctx.save_for_backward(hidden, weight, bias if bias is not None else torch.empty(0), labels, stats, entropy)
         ctx.has_bias = bias is not None
         ctx.temperature = temperature
+        ctx.set_materialize_grads(False)  # an unused entropy gets grad None, not a zero-filled tensor
         return logp, entropy
 
     @staticmethod
@@ -312,8 +349,9 @@ def logits_logprobs(
     """Per-token ``(logp [N], entropy [N] | None)`` from ``logits [N, V]`` / ``[B, T, V]``.
 
     fp16/bf16/fp32 logits: fp32 math and outputs; fp64 logits: fp64 math and outputs. Extra memory:
-    ``O(N)`` plus three ``[ROW_BLOCK, VOCAB_BLOCK]`` scratch tiles; the backward writes one gradient
-    the size of the logits (or into the logits with ``inplace_backward``).
+    ``O(N)`` plus two (three with a temperature) scratch blocks of whole rows, about
+    ``LOGITS_BLOCK_ELEMENTS`` elements each; the backward writes one gradient the size of the logits
+    (or into the logits with ``inplace_backward``).
     """
     logp, entropy = _LogitsLogprobs.apply(logits, labels, active, float(temperature), return_entropy, inplace_backward)
     return logp, (entropy if return_entropy else None)
