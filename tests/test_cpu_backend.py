@@ -17,7 +17,6 @@ import torch
 
 import gspo_kernels as gk
 from gspo_kernels import backends, reference
-from tests.test_torch_backend import check_extreme_logits, check_minus_inf_columns, check_out_of_range_labels
 from tests.cases import (
     assert_bf16_no_worse_than_plain_bf16,
     assert_zero_rows_get_zero_dh,
@@ -26,6 +25,7 @@ from tests.cases import (
     linear_loss_vs_reference,
     logits_loss_vs_reference,
 )
+from tests.test_torch_backend import check_extreme_logits, check_minus_inf_columns, check_out_of_range_labels
 
 cpu_backend = pytest.importorskip("gspo_kernels.backends.cpu")
 _REASON = backends.unavailable_reason("cpu")
