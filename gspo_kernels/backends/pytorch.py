@@ -26,7 +26,7 @@ from torch import Tensor
 from gspo_kernels.backends import Backend
 from gspo_kernels.backends.tiling import as_rows, row_blocks
 
-LOGITS_BLOCK_ELEMENTS = 1 << 21  # logits path: whole rows per block, about this many elements (8 MiB fp32)
+LOGITS_BLOCK_ELEMENTS = 1 << 23  # logits path: whole rows per block, about this many elements (32 MiB fp32)
 LINEAR_ROW_BLOCK = 1024  # rows per tile of the hidden-state path (the weight is streamed once per block)
 LINEAR_VOCAB_BLOCK = 4096
 
