@@ -65,7 +65,8 @@ def linear_logprobs(
             logits, 0 recomputes them; ``backend="torch"`` saves none and ignores it). Results do
             not depend on it.
     Returns:
-        fp32 tensors shaped like ``labels``; differentiable for hidden, weight and bias.
+        tensors shaped like ``labels``, fp32 (fp64 for fp64 inputs on the ``cpu`` and ``torch``
+        backends); differentiable for hidden, weight and bias.
     """
     check_linear(hidden, weight, bias, labels)
     _check_temperature(temperature)

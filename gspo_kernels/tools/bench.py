@@ -424,6 +424,10 @@ def targets(results: List[Dict]) -> List[Dict]:
     if lg and lref:
         check("logits: >= 3x faster than log_softmax + gather + autograd", lref["total_ms"] >= 3 * lg["total_ms"],
               f"speed-up {lref['total_ms'] / lg['total_ms']:.2f}x")
+    lt = get("logits", "gspo-torch")
+    if lt and lref:
+        check("logits: backend='torch' total <= log_softmax + gather + autograd", lt["total_ms"] <= lref["total_ms"],
+              f"ratio {lt['total_ms'] / lref['total_ms']:.2f}")
     if lg and lg["peak_extra_bytes"] is not None:
         case = next(r["case_spec"] for r in results if r["case"] == "logits")
         grad_bytes = case["B"] * case["T"] * case["V"] * {"fp32": 4, "bf16": 2}[case["dtype"]]
