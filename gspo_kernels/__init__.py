@@ -2,7 +2,8 @@
 
 Public API: :class:`GSPOConfig`, :func:`gspo_loss`, :func:`fused_linear_gspo_loss`,
 :func:`token_logprobs`, :func:`linear_logprobs`, :func:`group_advantages`, :class:`GSPOLoss`,
-:class:`FusedLinearGSPOLoss`, :class:`LossOutput`; the float64 oracle is :mod:`gspo_kernels.reference`.
+:class:`FusedLinearGSPOLoss`, :class:`LossOutput`, :func:`policy_loss` (the loss from per-token log-probs),
+:class:`VocabParallel` (a vocabulary-parallel lm_head); the float64 oracle is :mod:`gspo_kernels.reference`.
 """
 
 from gspo_kernels.advantages import group_advantages
@@ -14,9 +15,11 @@ from gspo_kernels.loss import (
     fused_linear_gspo_loss,
     gspo_loss,
     linear_logprobs,
+    policy_loss,
     token_logprobs,
 )
 from gspo_kernels.objective import LossOutput
+from gspo_kernels.parallel import VocabParallel
 
 __version__ = "0.1.0"
 
@@ -31,4 +34,6 @@ __all__ = [
     "GSPOLoss",
     "FusedLinearGSPOLoss",
     "available_backends",
+    "policy_loss",
+    "VocabParallel",
 ]

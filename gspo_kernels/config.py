@@ -26,6 +26,9 @@ class GSPOConfig:
         temperature: logits are divided by it before the softmax.
         max_completion_length: the ``dr_grpo`` divisor; required by that loss type.
         entropy_coef: adds ``-entropy_coef * (masked token-mean entropy)`` to the loss.
+        log_ratio_clamp: optional upper bound ``c`` on the log importance weight before ``exp`` (verl's
+            numerical guard: 10 in its GSPO loss, 20 in its PPO loss): ``w = exp(min(log w, c))``, and no
+            gradient flows through a clamped weight. None (the default) clamps nothing.
     """
 
     importance_sampling_level: str = "sequence"
@@ -38,6 +41,7 @@ class GSPOConfig:
     temperature: float = 1.0
     max_completion_length: Optional[int] = None
     entropy_coef: float = 0.0
+    log_ratio_clamp: Optional[float] = None
 
     def __post_init__(self) -> None:
         if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
@@ -71,6 +75,8 @@ class GSPOConfig:
             )
         if self.loss_type == "dr_grpo" and self.max_completion_length is None:
             raise ValueError("max_completion_length is required when loss_type='dr_grpo'")
+        if self.log_ratio_clamp is not None and (not _finite(self.log_ratio_clamp) or self.log_ratio_clamp <= 0):
+            raise ValueError(f"log_ratio_clamp must be None or a finite number > 0, got {self.log_ratio_clamp!r}")
         if not isinstance(self.use_bias_correction_kl, bool):
             raise ValueError(f"use_bias_correction_kl must be a bool, got {self.use_bias_correction_kl!r}")
 

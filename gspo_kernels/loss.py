@@ -2,15 +2,25 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Optional, Tuple, Union
 
 import torch
 from torch import Tensor, nn
 
-from gspo_kernels import backends
+from gspo_kernels import backends, parallel
 from gspo_kernels.config import GSPOConfig
 from gspo_kernels.objective import LossOutput, gspo_objective
-from gspo_kernels.validation import check_linear, check_logits, check_same_device, prepare_loss_inputs, tracing
+from gspo_kernels.parallel import VocabParallel, check_vocab_parallel
+from gspo_kernels.precision import apply_precision, backend_context
+from gspo_kernels.validation import (
+    check_float,
+    check_linear,
+    check_logits,
+    check_same_device,
+    prepare_loss_inputs,
+    tracing,
+)
 
 Scalar = Union[None, int, float, Tensor]
 
@@ -22,22 +32,26 @@ def token_logprobs(
     temperature: float = 1.0,
     return_entropy: bool = False,
     backend: str = "auto",
+    vocab_parallel: Optional[VocabParallel] = None,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Differentiable per-token log-probs ``log softmax(logits / temperature)[labels]`` in fp32.
 
     Args:
         logits: ``[..., V]`` fp16/bf16/fp32/fp64, any strides (never copied to fp32 in full).
         labels: ``[...]`` integer, in ``[0, V)``.
+        vocab_parallel: this rank holds the logits columns ``[start, end)`` of a vocabulary split over a
+            process group (``logits [..., end - start]``, global labels; see ``docs/tensor_parallel.md``).
     Returns:
         ``logp`` shaped like ``labels`` (fp32; fp64 for fp64 logits), and the entropy ``H`` of each
         row's distribution when ``return_entropy``.
     """
     check_logits(logits, labels, None)
     _check_temperature(temperature)
-    flat = _checked_labels(labels, logits.shape[-1])
+    vp = check_vocab_parallel(vocab_parallel)
+    flat = _checked_labels(labels, logits.shape[-1] if vp is None else vp.vocab_size)
     impl = backends.resolve(backend, logits.device)
     rows = logits if logits.dim() in (2, 3) else logits.reshape(-1, logits.shape[-1])
-    logp, entropy = impl.logits_logprobs(
+    logp, entropy = _logits_stage(impl, vp)(
         rows, flat, active=None, temperature=temperature, return_entropy=return_entropy, inplace_backward=False
     )
     logp = logp.reshape(labels.shape)
@@ -53,6 +67,8 @@ def linear_logprobs(
     temperature: float = 1.0,
     return_entropy: bool = False,
     backend: str = "auto",
+    vocab_parallel: Optional[VocabParallel] = None,
+    fp32_head: bool = False,
     memory_budget: Optional[int] = None,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Per-token log-probs (and entropy) of ``hidden @ weight.T + bias``; the logits never exist.
@@ -60,24 +76,31 @@ def linear_logprobs(
     Args:
         hidden: ``[..., H]``; weight: ``[V, H]`` (the lm_head); bias: ``[V]`` or None;
         labels: ``[...]`` integer in ``[0, V)``.
+        vocab_parallel: this rank holds the lm_head rows ``[start, end)`` of a vocabulary split over a
+            process group (``weight [end - start, H]``, global labels; ``dH`` summed over the group).
+        fp32_head: fp32 operands whatever the inputs' dtypes and autocast say; otherwise the operand
+            dtype follows :mod:`gspo_kernels.precision` (the autocast dtype under ``torch.autocast``,
+            the lower-precision dtype of a mixed pair outside it).
         memory_budget: bytes the backend may use for logits saved between forward and backward and
             for its chunk buffers (None: the backend's default; ``backend="cpu"``: 1 GiB of saved
             logits, 0 recomputes them; ``backend="torch"`` saves none and ignores it). Results do
             not depend on it.
     Returns:
-        tensors shaped like ``labels``, fp32 (fp64 for fp64 inputs on the ``cpu`` and ``torch``
-        backends); differentiable for hidden, weight and bias.
+        fp32 tensors shaped like ``labels`` (fp64 for fp64 inputs); differentiable for hidden, weight and bias.
     """
     check_linear(hidden, weight, bias, labels)
     _check_temperature(temperature)
     _check_memory_budget(memory_budget)
-    flat = _checked_labels(labels, weight.shape[0])
+    vp = check_vocab_parallel(vocab_parallel)
+    flat = _checked_labels(labels, weight.shape[0] if vp is None else vp.vocab_size)
     impl = backends.resolve(backend, hidden.device)
+    hidden, weight, bias = apply_precision(hidden, weight, bias, fp32_head=fp32_head)
     rows = hidden if hidden.dim() in (2, 3) else hidden.reshape(-1, hidden.shape[-1])
-    logp, entropy = impl.linear_logprobs(
-        rows, weight, bias, flat, active=None, temperature=temperature, return_entropy=return_entropy,
-        memory_budget=memory_budget,
-    )
+    with backend_context(hidden.device):
+        logp, entropy = _linear_stage(impl, vp)(
+            rows, weight, bias, flat, active=None, temperature=temperature, return_entropy=return_entropy,
+            memory_budget=memory_budget,
+        )
     logp = logp.reshape(labels.shape)
     return (logp, entropy.reshape(labels.shape)) if return_entropy else logp
 
@@ -96,6 +119,7 @@ def gspo_loss(
     config: Optional[GSPOConfig] = None,
     backend: str = "auto",
     inplace_backward: bool = False,
+    vocab_parallel: Optional[VocabParallel] = None,
 ) -> LossOutput:
     """The GSPO / GRPO loss from logits (see ``docs/math.md``).
 
@@ -110,15 +134,18 @@ def gspo_loss(
         is_ratio: inference-engine importance correction, per token or per response.
         num_items_in_batch: global token count for ``loss_type="dapo"``.
         inplace_backward: write the logits gradient into ``logits``' storage (the logits are consumed).
+        vocab_parallel: ``logits [..., end - start]`` is this rank's vocabulary shard (see :func:`token_logprobs`);
+            the loss and metrics are the same on every rank.
     Returns:
         ``LossOutput(loss, metrics)``: 0-dim differentiable loss, detached 0-dim metrics.
     """
     config = _check_config(config)
     check_logits(logits, labels, cu_seqlens)
-    inputs = _inputs(labels, advantages, logits.shape[-1], old_logprobs, mask, cu_seqlens, ref_logprobs, is_ratio,
+    vp = check_vocab_parallel(vocab_parallel)
+    inputs = _inputs(labels, advantages, logits.shape[-1] if vp is None else vp.vocab_size, old_logprobs, mask, cu_seqlens, ref_logprobs, is_ratio,
                      num_items_in_batch, config)
     impl = backends.resolve(backend, logits.device)
-    logp, entropy = impl.logits_logprobs(
+    logp, entropy = _logits_stage(impl, vp)(
         logits, inputs.labels, active=inputs.batch.mask > 0, temperature=config.temperature,
         return_entropy=True, inplace_backward=inplace_backward,
     )
@@ -141,26 +168,99 @@ def fused_linear_gspo_loss(
     config: Optional[GSPOConfig] = None,
     backend: str = "auto",
     inplace_backward: bool = False,
+    vocab_parallel: Optional[VocabParallel] = None,
+    fp32_head: bool = False,
     memory_budget: Optional[int] = None,
 ) -> LossOutput:
     """:func:`gspo_loss` of ``hidden @ weight.T + bias`` without ever forming the logits.
 
     Args:
         hidden: ``[B, T, H]`` or ``[N, H]``; weight: ``[V, H]`` (the lm_head); bias: ``[V]`` or None.
-        memory_budget: bytes for saved logits / chunk buffers, as in :func:`linear_logprobs`.
+        fp32_head: fp32 operands; otherwise the operand dtype follows :mod:`gspo_kernels.precision`
+            (products accumulate in fp32 and the log-probs, entropies and loss are fp32 either way).
         The other arguments are those of :func:`gspo_loss` (``inplace_backward`` has no effect here).
+        vocab_parallel: ``weight [end - start, H]`` (and ``bias``) is this rank's lm_head shard (see
+            :func:`linear_logprobs`).
+        memory_budget: bytes for saved logits / chunk buffers, as in :func:`linear_logprobs`.
     """
     config = _check_config(config)
     check_linear(hidden, weight, bias, labels)
     _check_memory_budget(memory_budget)
-    inputs = _inputs(labels, advantages, weight.shape[0], old_logprobs, mask, cu_seqlens, ref_logprobs, is_ratio,
+    vp = check_vocab_parallel(vocab_parallel)
+    inputs = _inputs(labels, advantages, weight.shape[0] if vp is None else vp.vocab_size, old_logprobs, mask, cu_seqlens, ref_logprobs, is_ratio,
                      num_items_in_batch, config)
     impl = backends.resolve(backend, hidden.device)
-    logp, entropy = impl.linear_logprobs(
-        hidden, weight, bias, inputs.labels, active=inputs.batch.mask > 0, temperature=config.temperature,
-        return_entropy=True, memory_budget=memory_budget,
-    )
-    return (impl.objective or gspo_objective)(logp, entropy, inputs, config)
+    hidden, weight, bias = apply_precision(hidden, weight, bias, fp32_head=fp32_head)
+    with backend_context(hidden.device):
+        logp, entropy = _linear_stage(impl, vp)(
+            hidden, weight, bias, inputs.labels, active=inputs.batch.mask > 0, temperature=config.temperature,
+            return_entropy=True, memory_budget=memory_budget,
+        )
+        return (impl.objective or gspo_objective)(logp, entropy, inputs, config)
+
+
+def policy_loss(
+    logprobs: Tensor,
+    advantages: Tensor,
+    old_logprobs: Optional[Tensor] = None,
+    *,
+    mask: Optional[Tensor] = None,
+    cu_seqlens: Optional[Tensor] = None,
+    ref_logprobs: Optional[Tensor] = None,
+    is_ratio: Optional[Tensor] = None,
+    entropy: Optional[Tensor] = None,
+    num_items_in_batch: Scalar = None,
+    config: Optional[GSPOConfig] = None,
+    backend: str = "auto",
+) -> LossOutput:
+    """The sequence stage alone: the GSPO / GRPO loss from per-token log-probs the caller already has.
+
+    For trainers that compute log-probs themselves (verl's policy losses receive them, never logits).
+
+    Args:
+        logprobs: ``[B, T]`` (padded layout) or ``[N]`` (packed, with ``cu_seqlens``) float tensor, the
+            current policy's log-probs of the sampled tokens; differentiable. fp16/bf16 are upcast to fp32.
+        advantages, old_logprobs, mask, cu_seqlens, ref_logprobs, is_ratio, num_items_in_batch: as in
+            :func:`gspo_loss` (token-shaped tensors have ``logprobs``' shape).
+        entropy: per-token entropies (``logprobs``' shape), differentiable; required when
+            ``config.entropy_coef != 0``, optional otherwise (it then only feeds the ``entropy`` metric).
+        config: ``config.temperature`` has no effect here (the log-probs are given).
+        backend: ``"triton"`` runs the fused Triton sequence stage; the others run the PyTorch one.
+    Returns:
+        ``LossOutput(loss, metrics)``: 0-dim loss (fp32, fp64 for fp64 log-probs), detached 0-dim metrics.
+    """
+    config = _check_config(config)
+    logprobs = check_float("logprobs", logprobs)
+    token_shape = tuple(logprobs.shape)
+    if cu_seqlens is None and logprobs.dim() != 2:
+        raise ValueError(f"logprobs must be [B, T] (padded layout) or [N] with cu_seqlens (packed layout), "
+                         f"got shape {token_shape}")
+    if cu_seqlens is not None and logprobs.dim() != 1:
+        raise ValueError(f"logprobs must be [N] when cu_seqlens is given (packed layout), got shape {token_shape}")
+    if entropy is not None:
+        entropy = check_float("entropy", entropy)
+        if tuple(entropy.shape) != token_shape:
+            raise ValueError(f"entropy must have logprobs' shape {token_shape}, got {tuple(entropy.shape)}")
+    check_same_device(logprobs=logprobs, entropy=entropy)
+    labels = torch.zeros(token_shape, dtype=torch.int64, device=logprobs.device)  # the layout only
+    inputs = _inputs(labels, advantages, 1, old_logprobs, mask, cu_seqlens, ref_logprobs, is_ratio,
+                     num_items_in_batch, config)
+    logp = _upcast_half(logprobs.reshape(-1))
+    ent = None if entropy is None else _upcast_half(entropy.reshape(-1))
+    impl = backends.resolve(backend, logprobs.device)
+    return (impl.objective or gspo_objective)(logp, ent, inputs, config)
+
+
+def _logits_stage(impl, vp: Optional[VocabParallel]):
+    return impl.logits_logprobs if vp is None else functools.partial(parallel.logits_logprobs, impl, vp)
+
+
+def _linear_stage(impl, vp: Optional[VocabParallel]):
+    return impl.linear_logprobs if vp is None else functools.partial(parallel.linear_logprobs, impl, vp)
+
+
+def _upcast_half(x: Tensor) -> Tensor:
+    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
 
 
 class GSPOLoss(nn.Module):

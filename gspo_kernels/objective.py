@@ -58,6 +58,9 @@ def gspo_objective(
         log_w = seq_log_ratio[seq]
     else:  # "sequence_token": value of the sequence weight, gradient of the token's own log-prob
         log_w = seq_log_ratio.detach()[seq] + logp_m - logp_m.detach()
+    clamp = config.log_ratio_clamp
+    if clamp is not None:  # verl's guard: value min(log w, c), no gradient through a clamped weight
+        log_w = torch.clamp(log_w, max=clamp)
     w = torch.exp(log_w)
 
     adv = inputs.advantages.to(logp.dtype)
@@ -90,7 +93,8 @@ def gspo_objective(
 
     with torch.no_grad():
         if level == "sequence" and not inputs.advantages_per_token:
-            metrics = _weight_metrics(torch.exp(seq_log_ratio), adv, lengths > 0, config)
+            seq_w = torch.exp(seq_log_ratio if clamp is None else torch.clamp(seq_log_ratio, max=clamp))
+            metrics = _weight_metrics(seq_w, adv, lengths > 0, config)
         else:
             metrics = _weight_metrics(w.detach(), A, valid, config)
         if entropy is not None:

@@ -139,12 +139,18 @@ def sequence_loss(logp: Tensor, entropy: Tensor, inputs: LossInputs, config: GSP
         old = lp.detach() if inputs.old_logprobs is None else torch.where(on, inputs.old_logprobs[s:e].double(), 0.0)
         r = lp - old  # r_t = logp_t - old_t
         mean_r = (m * r).sum() / n.clamp(min=1)  # (1/|y_i|) sum_t mask_t r_t
+        clamp = config.log_ratio_clamp
+        if clamp is not None:  # w = exp(min(log w, c)); torch.clamp passes no gradient above c
+            r_w, mean_w = torch.clamp(r, max=clamp), torch.clamp(mean_r, max=clamp)
+            tok_w = torch.clamp(mean_r.detach() + lp - lp.detach(), max=clamp)
+        else:
+            r_w, mean_w, tok_w = r, mean_r, mean_r.detach() + lp - lp.detach()
         if level == "token":
-            w = torch.exp(r)
+            w = torch.exp(r_w)
         elif level == "sequence":
-            w = torch.exp(mean_r).expand(e - s)
+            w = torch.exp(mean_w).expand(e - s)
         else:  # sequence_token
-            w = torch.exp(mean_r.detach() + lp - lp.detach())
+            w = torch.exp(tok_w)
         A = inputs.advantages[s:e].double() if inputs.advantages_per_token else inputs.advantages[i].double().expand(e - s)
         c1 = w if delta is None else torch.clamp(w, max=delta)
         c2 = torch.clamp(w, 1 - eps_low, 1 + eps_high)
@@ -167,7 +173,7 @@ def sequence_loss(logp: Tensor, entropy: Tensor, inputs: LossInputs, config: GSP
         entropies.append(entropy[s:e][on])
         if level == "sequence" and not inputs.advantages_per_token:
             if n > 0:
-                weights.append(torch.exp(mean_r.detach()).reshape(1))
+                weights.append(torch.exp(mean_w.detach()).reshape(1))
                 advs.append(inputs.advantages[i].double().reshape(1))
         else:
             weights.append(w.detach()[on])

@@ -1,25 +1,21 @@
 """The static H100 report: every Triton kernel of the library compiles for sm_90a without spilling.
 
 No GPU is needed (``triton.compile`` targets ``GPUTarget("cuda", 90, 32)`` on the CPU). The report runs
-in a subprocess with the interpreter off, exactly as ``gspo-kernels h100-report`` does.
+in a subprocess with the interpreter off (``h100_report.static_report``), exactly as
+``gspo-kernels h100-report`` does.
 """
 
 from __future__ import annotations
 
 import importlib
-import json
 import os
 import pkgutil
-import subprocess
-import sys
 
 import pytest
 
 triton = pytest.importorskip("triton")
 
 from gspo_kernels.tools import h100_report  # noqa: E402
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _is_kernel(obj) -> bool:
@@ -36,7 +32,7 @@ def _kernel_modules():
         module = importlib.import_module(f"gspo_kernels.backends.triton.{info.name}")
         kernels = {name for name, obj in vars(module).items()
                    if _is_kernel(obj) and obj.fn.__module__ == module.__name__}
-        if kernels:
+        if any(k.endswith("_kernel") for k in kernels):  # launched kernels, not only @jit helpers (addressing)
             yield module, kernels
 
 
@@ -50,7 +46,9 @@ def test_every_kernel_module_declares_its_launch_configs():
         top_level = {k for k in kernels if k.endswith("_kernel")}  # launched kernels, not @jit helpers
         assert top_level <= covered, f"{module.__name__}: kernels missing from H100_CONFIGS: {top_level - covered}"
         for config in configs:
-            assert {"name", "fn", "signature", "constexprs", "num_warps", "num_stages"} <= set(config)
+            assert {"name", "fn", "constexprs", "num_warps", "num_stages"} <= set(config)
+            full = h100_report.normalize_config(config)  # the signature is derived when not given
+            assert list(full["signature"]) == list(config["fn"].arg_names)
         seen += 1
     assert seen >= 3  # logprobs, logprobs_backward, sequence (and the hidden-state path's modules)
 
@@ -67,25 +65,56 @@ def test_failure_rules():
     assert usage["REG"] == 80 and usage["LOCAL"] == 24
 
 
-def test_h100_report_compiles_every_kernel_without_spills(tmp_path):
+def test_h100_report_compiles_every_kernel_without_spills():
     if not os.path.exists(h100_report._cuobjdump()):
         pytest.skip("triton's bundled cuobjdump is missing")
-    out = tmp_path / "report.json"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
-    proc = subprocess.run([sys.executable, "-m", "gspo_kernels", "h100-report", "--json", str(out)], env=env,
-                          capture_output=True, text=True, timeout=600)
-    rows = json.loads(out.read_text())
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    rows = h100_report.static_report()  # the same subprocess as `gspo-kernels h100-report`
     names = {row["name"] for row in rows}
     assert any(n.startswith("logprobs_fwd") for n in names) and any(n.startswith("logprobs_bwd") for n in names)
     assert any(n.startswith("gspo_sequence") for n in names) and any(n.startswith("gspo_reduce") for n in names)
     for row in rows:
         assert row["error"] is None, row
+        assert h100_report.problems(row) == [], (row["name"], h100_report.problems(row))
         assert row["local_bytes"] == 0, f"{row['name']} spills {row['local_bytes']} bytes"
+        assert row["stack_bytes"] == 0 and row["stl_count"] == 0, f"{row['name']} spills to the stack"
         assert 0 < row["registers"] <= 255
         assert row["shared_bytes"] <= 227 * 1024
         if row["uses_dot"]:
             assert row["hgmma"], f"{row['name']} has no HGMMA"
         if row["vector_loads"]:
             assert row["loads_128"], f"{row['name']} has no 128-bit loads"
+
+
+def test_signature_derived_from_the_kernel_arguments():
+    """Pointers from ``*_ptr`` names (fp32 unless told), fp32 scalars when listed, i32 otherwise; constexprs
+    from the annotation or the given values; a name the kernel does not have is an error."""
+    from gspo_kernels.backends.triton import logits_backward, sequence
+
+    sig = h100_report.derive_signature(
+        logits_backward._logprobs_bwd_kernel,
+        {"stride_v": 1, "dstride_v": 1, "BLOCK_V": 64, "HAS_ACTIVE": True, "HAS_GRAD_LOGP": True,
+         "HAS_GRAD_ENTROPY": False},
+        pointers={"logits_ptr": "bf16", "dlogits_ptr": "bf16", "labels_ptr": "i64", "active_ptr": "i1"},
+        floats=["inv_temperature"],
+    )
+    assert sig["logits_ptr"] == "*bf16" and sig["labels_ptr"] == "*i64" and sig["stats_ptr"] == "*fp32"
+    assert sig["stride_b"] == "i32" and sig["inv_temperature"] == "fp32"
+    assert sig["stride_v"] == "constexpr" and sig["BLOCK_V"] == "constexpr"
+    with pytest.raises(ValueError, match="no argument"):
+        h100_report.derive_signature(sequence._gspo_reduce_kernel, {}, floats=["entropy_coeff"])
+    with pytest.raises(ValueError, match="needs a value"):
+        h100_report.derive_signature(sequence._gspo_reduce_kernel, {"LOSS_TYPE": 0, "HAS_NUM_ITEMS": True})
+    # The sequence kernels' codes come from the config's tuples.
+    from gspo_kernels.config import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES
+
+    assert list(sequence.LEVEL_CODES) == list(IMPORTANCE_SAMPLING_LEVELS)
+    assert list(sequence.LOSS_TYPE_CODES) == list(LOSS_TYPES)
+
+
+def test_static_report_api_in_a_subprocess():
+    """``static_report`` (the function the other kernel tests call) returns the rows of the named modules."""
+    if not os.path.exists(h100_report._cuobjdump()):
+        pytest.skip("triton's bundled cuobjdump is missing")
+    rows = h100_report.static_report(modules=["sequence"], only="gspo_reduce")
+    assert [row["name"] for row in rows] == ["gspo_reduce[dapo]"]
+    assert h100_report.problems(rows[0]) == [] and rows[0]["registers"] > 0

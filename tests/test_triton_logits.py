@@ -19,22 +19,20 @@ import gspo_kernels as gk  # noqa: E402
 from gspo_kernels import backends, reference  # noqa: E402
 from gspo_kernels.backends.triton import interpreter_active, sequence  # noqa: E402
 from gspo_kernels.backends.triton.logits_backward import logprobs_backward  # noqa: E402
-from gspo_kernels.backends.triton.logits_forward import logprobs_forward  # noqa: E402
-from gspo_kernels.config import GSPOConfig  # noqa: E402
+from gspo_kernels.backends.triton.logits_forward import logprobs_forward, logsumexp_from_stats  # noqa: E402
+from gspo_kernels.config import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, GSPOConfig  # noqa: E402
+from gspo_kernels.validation import LossInputs, TokenBatch  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu" and not interpreter_active():
     pytest.skip("no GPU and the Triton interpreter is off (TRITON_INTERPRET=1 must be set before importing triton)",
                 allow_module_level=True)
 
-LEVELS = ("sequence", "sequence_token", "token")
-
 
 def _rounding_ulps(dtype) -> float:
     """Error of one rounding to ``dtype``, in ulps. The interpreter's fp32 -> bf16 cast truncates (triton 3.9
     ``cast_impl`` passes no rounding mode) where the GPU rounds to nearest even: one ulp there, half on a GPU."""
     return 1.0 if dtype == torch.bfloat16 and DEVICE == "cpu" else 0.5
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 
 
 def _close(actual, expected, rtol=1e-5, atol=1e-6):
@@ -69,13 +67,15 @@ def test_forward_matches_float64(kind, V):
     active = torch.ones(9, dtype=torch.bool, device=DEVICE)
     active[[1, 5]] = False
     poison = [torch.full((9,), float("nan"), device=DEVICE) for _ in range(3)]
-    logp, entropy, lse = logprobs_forward(x, labels, active=active, temperature=0.7, return_entropy=True,
-                                          out=tuple(poison))
+    poison[2] = torch.full((2, 9), float("nan"), device=DEVICE)
+    logp, entropy, stats = logprobs_forward(x, labels, active=active, temperature=0.7, return_entropy=True,
+                                            out=tuple(poison))
     ref_logp, ref_entropy = _ref_logprobs(x64, labels, 0.7)
     on = active.cpu()
     _close(logp.cpu()[on], ref_logp[on])
     _close(entropy.cpu()[on], ref_entropy[on])
-    _close(lse.cpu()[on], torch.logsumexp(x64.reshape(-1, V) / 0.7, -1)[on])
+    _close(logsumexp_from_stats(stats, 0.7).cpu()[on], torch.logsumexp(x64.reshape(-1, V) / 0.7, -1)[on])
+    _close(stats[0].cpu()[on], x64.reshape(-1, V).max(-1).values[on])
     assert torch.equal(logp.cpu()[~on], torch.zeros(2)) and torch.equal(entropy.cpu()[~on], torch.zeros(2))
 
 
@@ -97,9 +97,9 @@ def test_backward_matches_float64(kind, V):
     h = torch.randn(9, device=DEVICE)
     g[[0, 4]] = 0.0
     h[[0, 4, 7]] = 0.0  # rows 0 and 4 carry no gradient at all; row 7 only through logp
-    logp, entropy, lse = logprobs_forward(x, labels, temperature=1.3, return_entropy=True)
+    logp, entropy, stats = logprobs_forward(x, labels, temperature=1.3, return_entropy=True)
     poisoned = torch.full(x.shape, float("nan"), device=DEVICE)
-    grad = logprobs_backward(x, labels, lse, entropy, g, h, temperature=1.3, out=poisoned)
+    grad = logprobs_backward(x, labels, stats, entropy, g, h, temperature=1.3, out=poisoned)
     assert grad is poisoned and torch.isfinite(grad).all()  # every element written, skipped rows included
 
     x64 = x64.clone().requires_grad_(True)
@@ -111,7 +111,7 @@ def test_backward_matches_float64(kind, V):
     assert torch.equal(got[[0, 4]], torch.zeros(2, V))
 
     inplace = x.clone()
-    out = logprobs_backward(inplace, labels, lse, entropy, g, h, temperature=1.3, inplace=True)
+    out = logprobs_backward(inplace, labels, stats, entropy, g, h, temperature=1.3, inplace=True)
     assert out is inplace and torch.equal(out.cpu(), grad.cpu())
 
 
@@ -238,7 +238,7 @@ def _check(out, grad, ref, ref_grad):
     _close(grad, ref_grad, atol=1e-5 * max(float(ref_grad.abs().max()), 1e-12))
 
 
-@pytest.mark.parametrize("level,loss_type", list(itertools.product(LEVELS, LOSS_TYPES)))
+@pytest.mark.parametrize("level,loss_type", list(itertools.product(IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES)))
 def test_gspo_loss_matches_reference(level, loss_type):
     """Padded, strided logits; an empty and a length-1 response; clipped responses; no KL / entropy."""
     base, logits, labels, adv, old, kwargs = _loss_case("padded", adv_per_token=False)
@@ -252,7 +252,7 @@ def test_gspo_loss_matches_reference(level, loss_type):
         assert grad[0].abs().sum() > 0
 
 
-@pytest.mark.parametrize("level,loss_type", list(itertools.product(LEVELS, LOSS_TYPES)))
+@pytest.mark.parametrize("level,loss_type", list(itertools.product(IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES)))
 def test_gspo_loss_all_options_packed(level, loss_type):
     """Packed layout with transposed logits; per-token advantages; KL with bias correction, delta, per-response
     is_ratio, entropy bonus, temperature and num_items_in_batch."""
@@ -272,7 +272,7 @@ def test_gspo_loss_all_options_packed(level, loss_type):
 def test_sequence_level_per_token_advantages_and_no_old_logprobs():
     """On-policy (no old log-probs: every weight is 1) and per-token advantages at the sequence level."""
     base, logits, labels, adv, old, kwargs = _loss_case("padded", adv_per_token=True)
-    for level in LEVELS:
+    for level in IMPORTANCE_SAMPLING_LEVELS:
         config = GSPOConfig(importance_sampling_level=level, entropy_coef=-0.02)
         x = base.clone().to(DEVICE).requires_grad_(True)
         out = gk.gspo_loss(x[:, :-1], labels.to(DEVICE), adv.to(DEVICE), None, config=config, backend="triton",
@@ -329,7 +329,7 @@ def test_autograd_saves_only_token_sized_tensors():
         out = gk.gspo_loss(x[:, :-1], labels.to(DEVICE), adv.to(DEVICE), old.to(DEVICE), config=GSPOConfig(
             entropy_coef=0.01), backend="triton", mask=kwargs["mask"].to(DEVICE))
     N = labels.numel()
-    big = [t for t in saved if t.numel() > N]
+    big = [t for t in saved if t.numel() > 2 * N]  # the row statistics are [2, N]
     assert saved and all(t.untyped_storage().data_ptr() == x.untyped_storage().data_ptr() for t in big)
     out.loss.backward()
 
@@ -339,11 +339,12 @@ def test_sequence_stage_partials_and_poisoned_coefficients():
     mask = torch.tensor([1.0, 1.0, 0.0, 1.0], device=DEVICE)
     cu = torch.tensor([0, 3, 3, 4], dtype=torch.int32, device=DEVICE)
     logp = torch.tensor([-1.0, -2.0, float("nan"), -0.5], device=DEVICE)  # the masked token is garbage
-    coef, out = sequence.sequence_stage(
-        logp, None, mask, cu, torch.tensor([1.0, 2.0, -0.5], device=DEVICE), advantages_per_token=False,
-        old_logprobs=logp.detach() + 1e-4, ref_logprobs=None, is_ratio=None, num_items_in_batch=None,
-        importance_sampling_level="sequence", loss_type="grpo", epsilon_low=3e-4, epsilon_high=4e-4, delta=None,
-        beta=0.0, use_bias_correction_kl=False, max_completion_length=None, entropy_coef=0.0)
+    batch = TokenBatch(mask=mask, seq_index=torch.tensor([0, 0, 0, 2], device=DEVICE), cu_seqlens=cu, num_seqs=3,
+                       token_shape=(4,))
+    inputs = LossInputs(labels=torch.zeros(4, dtype=torch.long, device=DEVICE), batch=batch,
+                        advantages=torch.tensor([1.0, 2.0, -0.5], device=DEVICE), advantages_per_token=False,
+                        old_logprobs=logp.detach() + 1e-4, ref_logprobs=None, is_ratio=None, num_items_in_batch=None)
+    coef, out = sequence.sequence_stage(logp, None, inputs, GSPOConfig())
     assert torch.isfinite(coef).all() and torch.isfinite(out).all()
     assert float(coef[2]) == 0.0
     w = torch.exp(torch.tensor(-1e-4, dtype=torch.float64))  # inside the clip band for both responses
@@ -402,6 +403,292 @@ def test_gpu_peak_memory(inplace):
     token_bytes = 64 * N * 4  # a generous bound on the [N]-sized buffers
     if inplace:
         assert grad.data_ptr() == logits.data_ptr()
+        assert extra <= token_bytes, extra
+    else:
+        assert extra <= logits_bytes + token_bytes, extra
+
+
+# --- Edge inputs (issues 12 and 13): each test below failed before its fix. ------------------------------------
+
+
+class _Allocations(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records every op and every *new* tensor (storage not aliasing an input) of at least ``min_numel``."""
+
+    def __init__(self, min_numel: int):
+        super().__init__()
+        self.min_numel = min_numel
+        self.ops = []
+        self.big = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+        inputs = {t.untyped_storage().data_ptr() for t in leaves if isinstance(t, torch.Tensor)}
+        self.ops.append(str(func))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.numel() >= self.min_numel and \
+                    t.untyped_storage().data_ptr() not in inputs:
+                self.big.append((str(func), tuple(t.shape)))
+        return out
+
+
+def _softmax_stats64(x64, labels, temperature=1.0):
+    """Float64 log-prob of the label and entropy, with ``0 * log 0 = 0`` (``-inf`` logits allowed)."""
+    logp_all = torch.log_softmax(x64.reshape(-1, x64.shape[-1]) / temperature, dim=-1)
+    p = logp_all.exp()
+    entropy = -(p * torch.where(p > 0, logp_all, torch.zeros_like(logp_all))).sum(-1)
+    return logp_all.gather(1, labels.reshape(-1, 1).cpu())[:, 0], entropy
+
+
+def _grads_vs_float64(x, labels, g, h, temperature=1.0):
+    """(d(g.logp + h.H)/dx from the Triton backend, the same from float64, logp, H, and their float64 values)."""
+    xr = x.detach().clone().requires_grad_(True)
+    logp, entropy = gk.token_logprobs(xr, labels, temperature=temperature, return_entropy=True, backend="triton")
+    (logp * g + entropy * h).sum().backward()
+    x64 = x.detach().cpu().double().requires_grad_(True)
+    ref_logp, ref_entropy = _softmax_stats64(x64, labels, temperature)
+    (ref_logp * g.cpu().double() + ref_entropy * h.cpu().double()).sum().backward()
+    return xr.grad.cpu().double(), x64.grad, logp, entropy, ref_logp, ref_entropy
+
+
+def test_minus_inf_logits_give_finite_gradients_with_entropy():
+    """Issue 12 / 13 class 1: a -inf logit on a non-label column, the entropy carrying gradient:
+    ``p * (log p + H)`` with ``p = 0`` and ``log p = -inf`` was NaN."""
+    V = 40
+    x = torch.randn(6, V, device=DEVICE) * 2
+    x[:, 0] = float("-inf")
+    x[2, 5:30] = float("-inf")  # a row with most of its vocabulary masked out
+    labels = torch.randint(1, 5, (6,), device=DEVICE)
+    g, h = torch.randn(6, device=DEVICE), torch.randn(6, device=DEVICE)
+    grad, ref_grad, logp, entropy, ref_logp, ref_entropy = _grads_vs_float64(x, labels, g, h, temperature=0.7)
+    assert torch.isfinite(grad).all() and torch.isfinite(entropy).all()
+    _close(logp, ref_logp)
+    _close(entropy, ref_entropy)
+    _close(grad, ref_grad, atol=1e-6)
+    assert torch.equal(grad[:, 0], torch.zeros(6, dtype=grad.dtype))
+
+
+def test_minus_inf_logits_in_the_loss_with_entropy_coef():
+    """Class 1 reproducer, the whole loss: finite and equal to float64 (torch backend on float64 logits)."""
+    x = torch.randn(2, 4, 11)
+    x[..., 0] = float("-inf")
+    y = torch.randint(1, 11, (2, 4))
+    adv = torch.tensor([1.0, -1.0])
+    config = GSPOConfig(entropy_coef=0.01)
+    xl = x.clone().to(DEVICE).requires_grad_()
+    out = gk.gspo_loss(xl, y.to(DEVICE), adv.to(DEVICE), config=config, backend="triton")
+    out.loss.backward()
+    x64 = x.double().requires_grad_()
+    ref = gk.gspo_loss(x64, y, adv.double(), config=config, backend="torch")
+    ref.loss.backward()
+    assert torch.isfinite(out.loss) and torch.isfinite(xl.grad).all()
+    _close(out.loss, ref.loss)
+    _close(out.metrics["entropy"], ref.metrics["entropy"])
+    _close(xl.grad, x64.grad, atol=1e-7)
+
+
+@pytest.mark.parametrize("case", ["offset_1e4", "temperature_1e-6"])
+def test_precision_huge_offsets_and_tiny_temperature(case):
+    """Issue 13 class 4: fp32 logits near 1e4 (a single fp32 logsumexp rounds to ~5e-4 there) and
+    temperature 1e-6: gradients within 1e-5 of float64 (relative to their largest magnitude)."""
+    N, V = 8, 300
+    if case == "offset_1e4":
+        x, temperature = torch.randn(N, V, device=DEVICE) + 1e4, 1.0
+    else:
+        x, temperature = torch.randn(N, V, device=DEVICE), 1e-6
+        x[0, :2] = x[0].max() + torch.tensor([0.0, 3e-7])  # two near-tied maxima: p far from one-hot
+    labels = torch.randint(0, V, (N,), device=DEVICE)
+    labels[0] = 0
+    g, h = torch.randn(N, device=DEVICE), torch.randn(N, device=DEVICE)
+    grad, ref_grad, logp, entropy, ref_logp, ref_entropy = _grads_vs_float64(x, labels, g, h, temperature)
+    scale = float(ref_grad.abs().max())
+    assert float((grad - ref_grad).abs().max()) <= 1e-5 * scale, float((grad - ref_grad).abs().max()) / scale
+    _close(logp, ref_logp, rtol=1e-5, atol=1e-5)
+    _close(entropy, ref_entropy, rtol=1e-5, atol=1e-5)
+
+
+def test_out_of_range_labels_are_never_read():
+    """Decision 5: with the eager check skipped (torch.compile) an unmasked -100 or V must not be used as an
+    address: the logits sit inside a larger buffer whose neighbouring elements are finite, so an
+    out-of-bounds read would give a finite, wrong log-prob. The row's log-prob (and gradient) is NaN."""
+    from gspo_kernels.backends.triton.autograd import logits_logprobs
+
+    V = 23
+    storage = torch.randn(8, V, device=DEVICE)
+    x = storage[1:-1].detach().requires_grad_(True)  # shares the storage: rows 0 and 7 are its neighbours
+    labels = torch.tensor([3, -100, -1, V, 5, 0], device=DEVICE)
+    logp, _ = logits_logprobs(x, labels, return_entropy=False)
+    bad = torch.tensor([False, True, True, True, False, False])
+    assert torch.isnan(logp.cpu()[bad]).all() and torch.isfinite(logp.cpu()[~bad]).all()
+    g = torch.ones(6, device=DEVICE)
+    g[3] = 0.0  # an out-of-range row without gradient stays finite (zeros)
+    (grad,) = torch.autograd.grad(logp, x, g)
+    assert torch.isnan(grad.cpu()[[1, 2]]).all() and torch.equal(grad.cpu()[3], torch.zeros(V))
+    assert torch.isfinite(grad.cpu()[[0, 4, 5]]).all()
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_shifted_logits_no_second_logits_sized_buffer(inplace):
+    """Issue 12: ``model_output[:, :-1]`` with ``[B, T + 1, V]`` model output. Counted with a dispatch mode
+    during the backward: no new logits-sized tensor with ``inplace_backward`` (the gradient is written
+    into the model output), exactly one (the gradient) without; autograd's ``slice_backward`` never runs.
+    The gradient equals float64's, with zeros at the last position."""
+    B, T, V = 3, 5, 64
+    base = torch.randn(B, T + 1, V)
+    leaf = base.clone().to(DEVICE).requires_grad_(True)
+    model_out = leaf * 1.0  # a non-leaf, like a model's output
+    labels = torch.randint(0, V, (B, T), device=DEVICE)
+    adv = torch.tensor([1.0, -0.5, 0.3], device=DEVICE)
+    config = GSPOConfig(entropy_coef=0.01, importance_sampling_level="token")
+    out = gk.gspo_loss(model_out[:, :-1], labels, adv, config=config, backend="triton", inplace_backward=inplace)
+    with _Allocations(min_numel=B * T * V) as allocations:
+        (grad,) = torch.autograd.grad(out.loss, model_out)
+    assert "aten.slice_backward.default" not in allocations.ops
+    assert len(allocations.big) == (0 if inplace else 1), allocations.big
+    if inplace:
+        assert grad.data_ptr() == model_out.data_ptr()
+    x64 = base.double().requires_grad_(True)
+    ref = gk.gspo_loss(x64[:, :-1], labels.cpu(), adv.cpu().double(), config=config, backend="torch")
+    ref.loss.backward()
+    assert torch.equal(grad[:, -1].cpu(), torch.zeros(B, V))
+    _close(grad, x64.grad, atol=1e-7)
+
+
+def test_views_that_are_not_a_plain_shift_keep_their_own_gradient():
+    """Only an exact ``[:, :-1]`` slice is routed to its base: other views (a shift from the left, a narrowed
+    vocabulary) go through autograd's own view backward and stay right."""
+    B, T, V = 2, 4, 30
+    for take in (lambda t: t[:, 1:], lambda t: t[:, :-1, :V - 2], lambda t: t[:, :-2]):
+        base = torch.randn(B, T + 1, V, device=DEVICE, requires_grad=True)
+        view = take(base)
+        labels = torch.randint(0, view.shape[-1], view.shape[:2], device=DEVICE)
+        logp = gk.token_logprobs(view, labels, backend="triton")
+        (grad,) = torch.autograd.grad(logp.sum(), base)
+        b64 = base.detach().double().requires_grad_(True)
+        ref = torch.log_softmax(take(b64), -1).gather(-1, labels.cpu()[..., None]).sum()
+        ref.backward()
+        _close(grad, b64.grad, atol=1e-7)
+
+
+def test_logits_path_autograd_has_no_host_synchronization():
+    """Issue 12: no ``.item()`` / ``nonzero`` / ``.any()`` in the logits path's autograd (forward, backward
+    and the sequence stage), so it can be captured in a CUDA graph. Recorded under a dispatch mode."""
+    from gspo_kernels.backends.triton.autograd import gspo_objective, logits_logprobs
+
+    base, logits, labels, adv, old, kwargs = _loss_case("padded", adv_per_token=False)
+    x = base.clone().to(DEVICE).requires_grad_(True)
+    config = GSPOConfig(entropy_coef=0.01, beta=0.04)
+    inputs = _prepared(labels, adv, old, kwargs["mask"], config, V=base.shape[-1])
+    syncs = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.is_nonzero.default",
+             "aten.item.default", "aten.equal.default"}
+    with _Allocations(min_numel=1 << 60) as record:
+        logp, entropy = logits_logprobs(x[:, :-1], inputs.labels, active=inputs.batch.mask > 0,
+                                        temperature=config.temperature, return_entropy=True)
+        loss = gspo_objective(logp, entropy, inputs, config).loss
+        loss.backward()
+    assert not syncs & set(record.ops), syncs & set(record.ops)
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
+def _prepared(labels, adv, old, mask, config, V):
+    """The validated inputs of ``gspo_loss`` (built outside the recorded region: the eager value checks
+    read values on purpose)."""
+    from gspo_kernels import loss as loss_module
+
+    return loss_module._inputs(labels.to(DEVICE), adv.to(DEVICE), V, old.to(DEVICE), mask.to(DEVICE), None,
+                               old.to(DEVICE), None, None, config)
+
+
+@pytest.mark.parametrize("level", IMPORTANCE_SAMPLING_LEVELS)
+@pytest.mark.parametrize("clip", ["all_clipped", "delta"])
+def test_overflowing_importance_weight_never_gives_nan(level, clip):
+    """Issue 13 class 5: ``old = logp - 100`` (w = e^100: inf in fp32, finite in float64). Every response
+    clipped (A > 0), or ``delta = 2`` capping the weight (A of both signs): a zero gradient meets the inf
+    weight and must stay 0. The loss and the gradient match float64."""
+    B, T, V = 3, 4, 17
+    base = torch.randn(B, T + 1, V)
+    labels = torch.randint(0, V, (B, T))
+    old = reference.token_logprobs(base[:, :-1], labels).float() - 100.0
+    if clip == "all_clipped":
+        adv, config = torch.tensor([1.0, 0.5, 0.0]), GSPOConfig(importance_sampling_level=level)
+    else:
+        adv, config = torch.tensor([1.0, -0.5, 0.0]), GSPOConfig(importance_sampling_level=level, delta=2.0)
+    x = base.clone().to(DEVICE).requires_grad_(True)
+    out = gk.gspo_loss(x[:, :-1], labels.to(DEVICE), adv.to(DEVICE), old.to(DEVICE), config=config,
+                       backend="triton")
+    out.loss.backward()
+    assert torch.isfinite(out.loss) and torch.isfinite(x.grad).all()
+    x64 = base.double().requires_grad_(True)
+    ref = reference.gspo_loss(x64[:, :-1], labels, adv.double(), old.double(), config=config)
+    ref.loss.backward()
+    _close(out.loss, ref.loss)
+    _close(x.grad, x64.grad, atol=1e-7)
+
+
+def test_every_launch_runs_under_the_device_guard(monkeypatch):
+    """Issue 12: each launcher enters ``device_guard`` of its tensors (Triton launches on the *current* CUDA
+    device otherwise). The GPU test below checks the behaviour on two devices."""
+    import contextlib
+
+    from gspo_kernels.backends.triton import logits_backward, logits_forward
+
+    seen = []
+
+    def recording_guard(tensor):
+        seen.append(tensor.device)
+        return contextlib.nullcontext()
+
+    for module in (logits_forward, logits_backward, sequence):
+        monkeypatch.setattr(module, "device_guard", recording_guard)
+    x = torch.randn(2, 3, 9, device=DEVICE, requires_grad=True)
+    out = gk.gspo_loss(x, torch.randint(0, 9, (2, 3), device=DEVICE), torch.ones(2, device=DEVICE),
+                       backend="triton", config=GSPOConfig(entropy_coef=0.1))
+    out.loss.backward()
+    assert len(seen) == 3  # forward, sequence stage (both its kernels), backward
+
+
+@pytest.mark.gpu
+def test_gpu_tensors_on_a_non_current_device():
+    """Tensors on ``cuda:1`` while ``cuda:0`` is current: same results as on ``cuda:0``."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA devices")
+    torch.cuda.set_device(0)
+    x = torch.randn(64, 1000)
+    labels = torch.randint(0, 1000, (64,))
+    results = []
+    for device in ("cuda:0", "cuda:1"):
+        xd = x.to(device).requires_grad_(True)
+        logp, entropy = gk.token_logprobs(xd, labels.to(device), return_entropy=True, backend="triton")
+        (logp.sum() + entropy.sum()).backward()
+        torch.cuda.synchronize(device)
+        results.append((logp.cpu(), entropy.cpu(), xd.grad.cpu()))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("inplace", [False, True])
+def test_gpu_peak_memory_shifted_logits(inplace):
+    """A model's ``[B, T+1, V]`` output read as ``[:, :-1]``: beyond the output itself, the backward needs the
+    gradient buffer (out of place) or nothing logits-sized (in place); ``slice_backward``'s second
+    ``[B, T+1, V]`` buffer is gone."""
+    B, T, V = 4, 1023, 32768
+    leaf = torch.randn(B, T + 1, V, device="cuda", dtype=torch.bfloat16).requires_grad_(True)
+    model_out = leaf * 1.0
+    labels = torch.randint(0, V, (B, T), device="cuda")
+    adv = torch.randn(B, device="cuda")
+    torch.cuda.synchronize()
+    start = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = gk.gspo_loss(model_out[:, :-1], labels, adv, backend="triton", inplace_backward=inplace,
+                       config=GSPOConfig(importance_sampling_level="token", entropy_coef=0.01))
+    (grad,) = torch.autograd.grad(out.loss, [model_out])
+    extra = torch.cuda.max_memory_allocated() - start
+    logits_bytes = B * (T + 1) * V * 2
+    token_bytes = 64 * B * (T + 1) * 4
+    assert grad.shape == model_out.shape and torch.equal(grad[:, -1], torch.zeros_like(grad[:, -1]))
+    if inplace:
+        assert grad.data_ptr() == model_out.data_ptr()
         assert extra <= token_bytes, extra
     else:
         assert extra <= logits_bytes + token_bytes, extra

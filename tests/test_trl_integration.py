@@ -163,10 +163,50 @@ def test_compute_loss_matches_trl(policy_dir, tmp_path, level, loss_type, beta, 
     assert nonzero >= len(grads_t) // 2, "most parameters must receive a gradient"
     clipped = theirs._metrics["train"]["clip_ratio/region_mean"][-1]
     assert 0 < clipped < 1, "the inputs must put some responses (tokens) inside the band and some outside"
-    for name in ("entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"):
-        assert ours._metrics["train"][name][-1] == pytest.approx(theirs._metrics["train"][name][-1], abs=1e-6)
+    _assert_metrics_match(ours, theirs, beta)
+
+
+def _assert_metrics_match(ours, theirs, beta):
+    for name in ("entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
+                 "clip_ratio/low_min", "clip_ratio/high_max"):
+        assert ours._metrics["train"][name][-1] == pytest.approx(theirs._metrics["train"][name][-1], abs=1e-6), name
     if beta > 0:
         assert ours._metrics["train"]["kl"][-1] == pytest.approx(theirs._metrics["train"]["kl"][-1], rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    "level, options",
+    [
+        ("sequence", dict(top_entropy_quantile=0.4)),
+        ("token", dict(top_entropy_quantile=0.5, entropy_coef=0.02)),
+        ("sequence", dict(off_policy_mask_threshold=2e-4)),
+        ("token", dict(off_policy_mask_threshold=1e-4, top_entropy_quantile=0.6, beta=0.05)),
+    ],
+)
+def test_entropy_and_off_policy_masks_match_trl(policy_dir, tmp_path, level, options):
+    """Formerly refused: entropy masking (top_entropy_quantile < 1) and the off-policy sequence mask."""
+    epsilon, epsilon_high = (0.2, 0.28) if level == "token" else (3e-4, 4e-4)
+    config = dict(importance_sampling_level=level, loss_type="grpo", epsilon=epsilon, epsilon_high=epsilon_high,
+                  **options)
+    theirs = _trainer(trl.GRPOTrainer, policy_dir, tmp_path, **config)
+    ours = _trainer(GRPOTrainer, policy_dir, tmp_path, **config)
+    inputs = _inputs(theirs.model, torch.Generator().manual_seed(8), with_old=True, beta=options.get("beta", 0.0),
+                     band=epsilon)
+    if "off_policy_mask_threshold" in options:  # a sampling policy far enough off for some responses to be dropped
+        inputs["old_per_token_logps"] = inputs["old_per_token_logps"] + 4e-4 * torch.tensor(
+            [[1.0], [3.0], [-1.0], [2.0], [0.5], [1.5]]) * inputs["completion_mask"]
+    loss_t, grads_t = _loss_and_grads(theirs, copy.deepcopy(inputs))
+    loss_o, grads_o = _loss_and_grads(ours, copy.deepcopy(inputs))
+    torch.testing.assert_close(loss_o, loss_t, rtol=1e-5, atol=1e-7)
+    for name, g_t in grads_t.items():
+        torch.testing.assert_close(grads_o[name], g_t, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+    _assert_metrics_match(ours, theirs, options.get("beta", 0.0))
+    # the masks must change the loss here (else this test could not tell a masked loss from an unmasked one)
+    plain = _trainer(GRPOTrainer, policy_dir, tmp_path, importance_sampling_level=level, loss_type="grpo",
+                     epsilon=epsilon, epsilon_high=epsilon_high, beta=options.get("beta", 0.0),
+                     entropy_coef=options.get("entropy_coef", 0.0))
+    loss_p, _ = _loss_and_grads(plain, copy.deepcopy(inputs))
+    assert float((loss_p - loss_o).abs()) > 1e-5
 
 
 @pytest.mark.parametrize(
@@ -249,3 +289,28 @@ def test_two_step_train_end_to_end(policy_dir, tmp_path):
             assert key in row and row[key] == row[key]  # present and not NaN
     moved = sum(int(not torch.equal(before[n], p)) for n, p in trainer.model.named_parameters())
     assert moved > 0
+
+
+def test_deepspeed_zero3_loss_is_refused_naming_it(policy_dir, tmp_path):
+    """DeepSpeed is not installed here; a ZeRO-3 parameter (marked by its ``ds_shape``) is refused for the
+    loss, by name, while the gradient-free old-log-prob pass still runs."""
+    ours = _trainer(GRPOTrainer, policy_dir, tmp_path, importance_sampling_level="sequence", loss_type="grpo")
+    inputs = _inputs(ours.model, torch.Generator().manual_seed(5), with_old=True, beta=0.0)
+    ours.model.lm_head.weight.ds_shape = ours.model.lm_head.weight.shape
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+    attn = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+    with torch.no_grad():
+        logp, _, _ = ours._get_per_token_logps_and_entropies(ours.model, ids, attn, inputs["completion_ids"].shape[1])
+    assert torch.isfinite(logp).all()
+    ours.current_gradient_accumulation_steps = 1
+    with pytest.raises(ValueError, match="DeepSpeed ZeRO-3"):
+        ours._compute_loss(ours.model, inputs)
+
+
+def test_unknown_backend_raises(policy_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    with pytest.raises(ValueError, match="gspo_backend must be one of"):
+        GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(policy_dir), reward_funcs=trl_reward_function(TASK),
+                    args=_config(tmp_path), train_dataset=_dataset(), processing_class=hf_tokenizer(),
+                    gspo_backend="cuda")

@@ -1,35 +1,61 @@
 """TRL drop-in: ``from gspo_kernels.integrations.trl import GRPOTrainer`` instead of ``from trl import ...``.
 
-The subclass keeps everything of ``trl.GRPOTrainer`` (generation, rewards, advantages, old and reference
-log-probs, logging) and replaces only ``_compute_loss``: the policy's last hidden states and lm_head
-weight go to :func:`gspo_kernels.fused_linear_gspo_loss`, so the ``[B, T, V]`` logits are never formed
-and the loss, clipping and metrics run in the library's kernels.
+One log-prob path. TRL 1.16 computes every per-token log-prob (the old policy's in
+``_generate_and_score_completions``, the reference model's, and the current policy's in ``_compute_loss``)
+through ``_get_per_token_logps_and_entropies``, which calls the model with ``fused_lm_head=True``. This
+subclass re-patches that forward on the policy and on the reference model: the backbone runs as before,
+and the head is :func:`gspo_kernels.linear_logprobs` over the completion positions (hidden states and the
+lm_head weight; the ``[B, T, V]`` logits never exist). Old, reference and current log-probs therefore
+share one computation and one precision (:mod:`gspo_kernels.precision`: under ``bf16=True`` the autocast
+dtype is the operand dtype, products accumulate in fp32, log-probs are fp32; a bf16 policy without
+autocast gives bf16 operands; ``cast_lm_head_to_fp32`` gives fp32 operands), so an unchanged policy has
+importance weights of exactly 1 up to the backbone's own rounding. The per-sequence stage (ratios,
+clipping, KL, aggregation) is the library's (:func:`gspo_kernels.policy_loss`); ``_compute_loss`` is
+the only other override.
+
+Sharded heads: the head runs *inside* the model's forward, where the wrappers have gathered the
+parameters: DDP; FSDP1 (``use_orig_params=True``, lm_head inside the root unit or any unit enclosing the
+forward); FSDP2 (``fully_shard``; an lm_head that is its own unit has ``DTensor`` weight/bias, gathered
+with ``full_tensor`` whose gradient is reduce-scattered back to ``Shard(0)`` and averaged over the
+ranks, as FSDP2 averages every other gradient). Refused with an error naming the wrapper: an lm_head
+that is its own FSDP1 unit (its weight still flat or empty in the enclosing forward), and the loss under
+DeepSpeed ZeRO-3 (the backward recomputes the logits from a weight ZeRO-3 has re-partitioned by then;
+the gradient-free old / reference passes run, gathered with TRL's ``maybe_gather_lm_head_ctx``).
 
 Honoured from ``GRPOConfig``: ``importance_sampling_level`` (``token``, ``sequence``, and
 ``sequence_token``, GSPO-token, which TRL's own trainer rejects), ``loss_type`` (``grpo``, ``bnpo``,
 ``dr_grpo``, ``dapo``), ``epsilon`` / ``epsilon_high``, ``delta``, ``beta`` with the reference model,
 ``use_bias_correction_kl``, ``temperature``, the vLLM ``importance_sampling_ratio``,
 ``num_items_in_batch`` and gradient accumulation (scaled as TRL scales them), a static ``entropy_coef``,
-the MoE router auxiliary loss, ``cast_lm_head_to_fp32`` and a tool mask. Options it does not implement
-raise a ``ValueError`` naming them when the trainer is built.
+``top_entropy_quantile`` (entropy masking), ``off_policy_mask_threshold``, the MoE router auxiliary
+loss, ``cast_lm_head_to_fp32`` and a tool mask. Options it does not implement raise a ``ValueError``
+naming them when the trainer is built.
 
-Logged under TRL's names: ``entropy``, ``kl`` (``beta > 0``), ``clip_ratio/low_mean``,
-``clip_ratio/high_mean``, ``clip_ratio/region_mean`` (and ``policy_loss``, ``entropy_coef``,
-``aux_loss`` where TRL logs them), plus ``importance_weight/mean|min|max``. TRL's per-sequence
-``clip_ratio/low_min`` and ``clip_ratio/high_max`` are not logged: the fused loss returns no per-token
-log-probs to derive them from. Across processes, metrics are the mean of the per-process values.
+Logged under TRL's names and with TRL's weighting across processes (token- or response-weighted
+means from summed totals, min / max over the gathered per-response values): ``entropy``, ``kl``
+(``beta > 0``), ``clip_ratio/low_mean``, ``clip_ratio/high_mean``, ``clip_ratio/region_mean``,
+``clip_ratio/low_min``, ``clip_ratio/high_max`` (and ``policy_loss``, ``entropy_coef``, ``aux_loss``
+where TRL logs them), plus ``importance_weight/mean|min|max``.
 """
 
 from __future__ import annotations
 
+import functools
+import types
 from typing import Any, Dict
 
 import torch
 import trl
+from trl.trainer.utils import FusedCausalLMOutput, maybe_gather_lm_head_ctx, nanmax, nanmin
 
+from gspo_kernels import backends
 from gspo_kernels.config import LOSS_TYPES, GSPOConfig
-from gspo_kernels.loss import fused_linear_gspo_loss
+from gspo_kernels.loss import linear_logprobs, policy_loss
 
+_FSDP1_OWN_UNIT = (
+    "an lm_head wrapped as its own FSDP (FullyShardedDataParallel) unit is not supported by gspo_kernels' "
+    "GRPOTrainer; keep lm_head in the root FSDP unit (use_orig_params=True), or use FSDP2 (fully_shard) or DDP"
+)
 SUPPORTED_IMPORTANCE_LEVELS = ("token", "sequence", "sequence_token")
 _MULTIMODAL_KEYS = (
     "pixel_values", "image_grid_thw", "pixel_attention_mask", "spatial_shapes", "image_sizes",
@@ -38,7 +64,7 @@ _MULTIMODAL_KEYS = (
 
 
 class GRPOTrainer(trl.GRPOTrainer):
-    """``trl.GRPOTrainer`` whose loss runs through :func:`gspo_kernels.fused_linear_gspo_loss`.
+    """``trl.GRPOTrainer`` whose log-probs and loss run through the library (see the module docstring).
 
     Args:
         *args, **kwargs: those of ``trl.GRPOTrainer``.
@@ -46,9 +72,17 @@ class GRPOTrainer(trl.GRPOTrainer):
     """
 
     def __init__(self, *args: Any, gspo_backend: str = "auto", **kwargs: Any) -> None:
+        if gspo_backend != "auto" and gspo_backend not in backends.BACKENDS:
+            raise ValueError(f"gspo_backend must be one of {('auto',) + backends.BACKENDS}, got {gspo_backend!r}")
         super().__init__(*args, **kwargs)
         self.gspo_backend = gspo_backend
         self._check_supported()
+        # TRL added its fused head to these two models (before any wrapping); ours replaces it.
+        install_head(self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model,
+                     temperature=self.temperature, fp32_head=bool(self.args.cast_lm_head_to_fp32), backend=gspo_backend)
+        if self.ref_model is not None:
+            install_head(self.ref_model, temperature=self.temperature, fp32_head=bool(self.args.cast_lm_head_to_fp32),
+                         backend=gspo_backend)
 
     def _check_supported(self) -> None:
         args = self.args
@@ -60,10 +94,6 @@ class GRPOTrainer(trl.GRPOTrainer):
                 f"importance_sampling_level={self.importance_sampling_level!r} "
                 f"(supported: {', '.join(SUPPORTED_IMPORTANCE_LEVELS)})"
             )
-        if self.top_entropy_quantile < 1.0:
-            problems.append(f"top_entropy_quantile={self.top_entropy_quantile} (only 1.0)")
-        if self.off_policy_mask_threshold is not None:
-            problems.append("off_policy_mask_threshold (only None)")
         if getattr(self, "use_adaptive_entropy", False):
             problems.append("adaptive entropy control (only a static entropy_coef)")
         text_config = self.model.config.get_text_config()
@@ -76,7 +106,7 @@ class GRPOTrainer(trl.GRPOTrainer):
                 "gspo_kernels.integrations.trl.GRPOTrainer does not support: " + "; ".join(problems)
                 + ". Use trl.GRPOTrainer for these options."
             )
-        self._logit_scale = _logit_scale(text_config)
+        _logit_scale(text_config)
         if args.delta is not None and args.delta <= 1:
             raise ValueError(f"delta must be > 1, got {args.delta}")
 
@@ -94,33 +124,35 @@ class GRPOTrainer(trl.GRPOTrainer):
         C = completion_ids.size(1)
         mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
 
-        # Through the (possibly wrapped) model, so DDP / FSDP / PEFT hooks run; only the last position's
-        # logits are formed, the completion's logits never are.
-        forward_kwargs = {"output_router_logits": True} if self.aux_loss_enabled else {}
-        with self.accelerator.autocast():
-            outputs = model(
-                input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, logits_to_keep=1,
-                use_cache=False, **forward_kwargs,
-            )
-        hidden = outputs.hidden_states[-1][:, -C - 1 : -1]  # position t predicts token t + 1
-        lm_head = self.accelerator.unwrap_model(model).get_output_embeddings()
-        if not isinstance(lm_head, torch.nn.Linear) or hasattr(lm_head, "lora_A"):
-            raise ValueError(
-                f"gspo_kernels' GRPOTrainer needs a plain linear lm_head (its weight is the projection), got "
-                f"{type(lm_head).__name__}; keep lm_head out of the adapter's target modules"
-            )
-        weight, bias = lm_head.weight, lm_head.bias
-        if self.args.cast_lm_head_to_fp32 or hidden.dtype != weight.dtype:
-            hidden = hidden.to(weight.dtype)
+        # TRL's own call, through the (possibly wrapped) model: our head runs inside the model's forward
+        logp, entropies, aux_loss = self._get_per_token_logps_and_entropies(
+            model, input_ids, attention_mask, C, compute_entropy=True, compute_aux_loss=self.aux_loss_enabled
+        )
 
-        entropy_coef = self.entropy_coef if self._entropy_bonus_enabled else 0.0
+        advantages = inputs["advantages"]
+        adv2d = advantages if advantages.dim() == 2 else advantages.unsqueeze(1)
+        old = inputs.get("old_per_token_logps")
+        policy_mask = None  # tokens whose policy term counts (entropy / off-policy masking); 0/1
+        if self.top_entropy_quantile < 1.0:
+            policy_mask = self.get_high_entropy_mask(entropies, mask, 1 - self.top_entropy_quantile).to(logp.dtype)
+        if self.off_policy_mask_threshold is not None:
+            sampling = inputs.get("sampling_per_token_logps", logp.detach() if old is None else old)
+            keep = self.get_off_policy_mask(advantages=adv2d, per_token_logps=logp, sampling_per_token_logps=sampling,
+                                            mask=mask, off_policy_threshold=self.off_policy_mask_threshold)
+            keep = keep.to(logp.dtype).expand_as(logp)
+            policy_mask = keep if policy_mask is None else policy_mask * keep
+        loss_advantages = advantages
+        if policy_mask is not None:
+            # -min(c1 * A * m, c2 * A * m) = m * -min(c1 * A, c2 * A) for m in {0, 1}: a masked token's policy term
+            # is dropped while its log-ratio still counts in the sequence weight and the normalizers, as in TRL
+            loss_advantages = adv2d.to(logp.dtype) * policy_mask
+
         num_items = None
         if self.loss_type == "dapo":
             # TRL's normalizer: num_items_in_batch spans the generation batch; rescale to one accumulation window
             num_items = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
             if mode == "train":
                 num_items = num_items * self.current_gradient_accumulation_steps / self.args.steps_per_generation
-            entropy_coef = entropy_coef / accumulation  # TRL scales the entropy bonus by accumulation only
         config = GSPOConfig(
             importance_sampling_level=self.importance_sampling_level,
             loss_type=self.loss_type,
@@ -129,48 +161,169 @@ class GRPOTrainer(trl.GRPOTrainer):
             delta=self.args.delta,
             beta=self.beta,
             use_bias_correction_kl=bool(self.args.use_bias_correction_kl),
-            temperature=self.temperature / self._logit_scale,
             max_completion_length=self.max_completion_length,
-            entropy_coef=entropy_coef,
         )
         is_ratio = None
         if self.use_vllm and self.vllm_importance_sampling_correction:
             is_ratio = inputs["importance_sampling_ratio"]
-        out = fused_linear_gspo_loss(
-            hidden,
-            weight,
-            completion_ids,
-            inputs["advantages"],
-            inputs.get("old_per_token_logps"),
-            bias=bias,
-            mask=mask,
-            ref_logprobs=inputs.get("ref_per_token_logps") if self.beta != 0.0 else None,
-            is_ratio=is_ratio,
-            num_items_in_batch=num_items,
-            config=config,
-            backend=self.gspo_backend,
-        )
+        ref = inputs.get("ref_per_token_logps") if self.beta != 0.0 else None
+        out = policy_loss(logp, loss_advantages, old, mask=mask, ref_logprobs=ref, is_ratio=is_ratio,
+                          num_items_in_batch=num_items, config=config, backend=self.gspo_backend)
+        detached_loss = out.loss.detach()
         loss = out.loss if self.loss_type == "dapo" else out.loss / accumulation
         metrics = self._metrics[mode]
 
         if self._entropy_bonus_enabled:
-            policy_loss = out.loss.detach() + entropy_coef * out.metrics["entropy"]
-            metrics["policy_loss"].append(self.accelerator.gather(policy_loss).nanmean().item())
+            effective = mask if policy_mask is None else mask * policy_mask
+            bonus = (entropies * effective).sum() / effective.sum().clamp(min=1.0) / accumulation
+            loss = loss - self.entropy_coef * bonus
+            metrics["policy_loss"].append(self.accelerator.gather(detached_loss).nanmean().item())
             if mode == "train" and self.accelerator.sync_gradients:
                 metrics["entropy_coef"].append(self.entropy_coef)
         if self.aux_loss_enabled:
-            loss = loss + self.router_aux_loss_coef * outputs.aux_loss / accumulation
-            metrics["aux_loss"].append(self.accelerator.gather_for_metrics(outputs.aux_loss).mean().item())
+            loss = loss + self.router_aux_loss_coef * aux_loss / accumulation
+            metrics["aux_loss"].append(self.accelerator.gather_for_metrics(aux_loss).mean().item())
 
-        names = ["entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
-                 "importance_weight/mean"]
-        if self.beta != 0.0:
-            names.append("kl")
-        for name in names:
-            metrics[name].append(self.accelerator.gather(out.metrics[name].reshape(1)).mean().item())
-        metrics["importance_weight/min"].append(self.accelerator.gather(out.metrics["importance_weight/min"].reshape(1)).min().item())
-        metrics["importance_weight/max"].append(self.accelerator.gather(out.metrics["importance_weight/max"].reshape(1)).max().item())
+        self._log_loss_metrics(metrics, logp.detach(), entropies.detach(), old, ref, adv2d, mask)
         return loss
+
+    @torch.no_grad()
+    def _log_loss_metrics(self, metrics, logp, entropies, old, ref, adv2d, mask) -> None:
+        """TRL's loss metrics, weighted across processes as TRL weights them (summed totals / gathered values)."""
+        mask = mask.to(logp.dtype)
+        log_ratio = (logp - (logp if old is None else old.to(logp.dtype))) * mask
+        per_sequence = self.importance_sampling_level != "token"
+        if per_sequence:  # one weight per response ([B, 1]); every response counts, as in TRL
+            weight = torch.exp(log_ratio.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0))
+            valid = torch.ones_like(weight, dtype=torch.bool)
+        else:
+            weight = torch.exp(log_ratio)
+            valid = mask > 0
+
+        def weighted_mean(x: torch.Tensor, sequence_values: bool) -> float:
+            if sequence_values:
+                totals = torch.stack([x.sum(), torch.tensor(float(x.shape[0]), device=x.device)])
+            else:
+                totals = torch.stack([(x * mask).sum(), mask.sum()])
+            totals = self.accelerator.reduce(totals, reduction="sum")
+            return (totals[0] / totals[1].clamp(min=1.0)).item()
+
+        def per_response(x: torch.Tensor) -> torch.Tensor:
+            return x.squeeze(1) if per_sequence else (x * mask).sum(-1) / mask.sum(-1)
+
+        if self.beta != 0.0:
+            d = ref.to(logp.dtype) - logp
+            kl = torch.exp(d) - d - 1
+            if self.args.use_bias_correction_kl:
+                kl = kl * weight
+            metrics["kl"].append(weighted_mean(kl, False))
+        metrics["entropy"].append(weighted_mean(entropies, False))
+        low = ((weight < 1 - self.epsilon_low) & (adv2d < 0)).to(logp.dtype)
+        high = ((weight > 1 + self.epsilon_high) & (adv2d > 0)).to(logp.dtype)
+        region = ((low + high) > 0).to(logp.dtype)
+        metrics["clip_ratio/low_mean"].append(weighted_mean(low, per_sequence))
+        metrics["clip_ratio/high_mean"].append(weighted_mean(high, per_sequence))
+        metrics["clip_ratio/region_mean"].append(weighted_mean(region, per_sequence))
+        metrics["clip_ratio/low_min"].append(nanmin(self.accelerator.gather(per_response(low))).item())
+        metrics["clip_ratio/high_max"].append(nanmax(self.accelerator.gather(per_response(high))).item())
+        metrics["importance_weight/mean"].append(weighted_mean(weight, per_sequence))
+        w = weight.expand_as(mask) if per_sequence else weight
+        keep = valid.expand_as(mask) if per_sequence else valid
+        inf = torch.tensor(float("inf"), device=w.device, dtype=w.dtype)
+        wmin = self.accelerator.gather(torch.where(keep, w, inf).amin().reshape(1)).min()
+        wmax = self.accelerator.gather(torch.where(keep, w, -inf).amax().reshape(1)).max()
+        metrics["importance_weight/min"].append(wmin.item() if torch.isfinite(wmin) else 1.0)
+        metrics["importance_weight/max"].append(wmax.item() if torch.isfinite(wmax) else 1.0)
+
+
+def install_head(model, *, temperature: float, fp32_head: bool, backend: str) -> None:
+    """Make ``model(..., labels=labels, fused_lm_head=True)`` score the labels through the library.
+
+    Replaces the fused head TRL's ``add_fused_lm_head`` installed (any other call goes to the forward
+    it replaced). Returns TRL's ``FusedCausalLMOutput`` (``log_probs``, ``entropy``, ``label_mask``,
+    ``loss``, ``aux_loss``), per-token fields fp32 and zero where the label is ``-100``. Call it before
+    the model is wrapped (DDP / FSDP / DeepSpeed): the wrappers then run this forward with their
+    parameters gathered.
+    """
+    previous = model.forward
+    text_config = model.config.get_text_config()
+    scale = _logit_scale(text_config)
+
+    @functools.wraps(type(model).forward)
+    def forward(self, *args, fused_lm_head=False, labels=None, shift_labels=None, num_items_in_batch=None, **kwargs):
+        if not fused_lm_head:
+            passed = dict(labels=labels, shift_labels=shift_labels, num_items_in_batch=num_items_in_batch)
+            return previous(*args, **{k: v for k, v in passed.items() if v is not None}, **kwargs)
+        kwargs["use_cache"] = False
+        if getattr(text_config, "output_router_logits", False):
+            kwargs.setdefault("output_router_logits", True)
+        backbone = self.base_model(*args, **kwargs)
+        if shift_labels is None:
+            hidden, labels = backbone.last_hidden_state[:, :-1], labels[:, 1:]
+        else:
+            hidden, labels = backbone.last_hidden_state, shift_labels
+        head = self.get_output_embeddings()
+        if type(head).__name__ == "FullyShardedDataParallel":
+            raise ValueError(_FSDP1_OWN_UNIT)
+        if not isinstance(head, torch.nn.Linear) or hasattr(head, "lora_A"):
+            raise ValueError(
+                "gspo_kernels' GRPOTrainer needs a plain linear lm_head (its weight is the projection), got "
+                f"{type(head).__name__}; keep lm_head out of the adapter's target modules"
+            )
+        weight, bias = _gathered(head, hidden.shape[-1])
+        hidden, labels = hidden.to(weight.device), labels.to(weight.device)
+        mask = labels != -100
+        with maybe_gather_lm_head_ctx(head.weight, head.bias):  # ZeRO-3 gathers in place; else nothing
+            logp, entropy = linear_logprobs(
+                hidden[mask], weight, labels[mask], bias=bias, temperature=temperature / scale, return_entropy=True,
+                backend=backend, fp32_head=fp32_head,
+            )
+        # masked_scatter keeps the outputs connected to the graph even when no label is valid
+        log_probs = logp.new_zeros(mask.shape).masked_scatter(mask, logp)
+        entropy = entropy.new_zeros(mask.shape).masked_scatter(mask, entropy)
+        count = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
+        loss = -log_probs.sum() / count
+        aux_loss = None
+        if kwargs.get("output_router_logits"):
+            from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+            aux_loss = load_balancing_loss_func(
+                backbone.router_logits, text_config.num_experts, text_config.num_experts_per_tok,
+                kwargs.get("attention_mask"),
+            )
+            loss = loss + getattr(text_config, "router_aux_loss_coef", 0.0) * aux_loss
+        return FusedCausalLMOutput(loss=loss, log_probs=log_probs, entropy=entropy, label_mask=mask, aux_loss=aux_loss)
+
+    model.forward = types.MethodType(forward, model)
+
+
+def _gathered(head: torch.nn.Linear, hidden_size: int):
+    """The lm_head's full ``[V, H]`` weight and ``[V]`` bias as seen inside the model's forward."""
+    weight, bias = head.weight, head.bias
+    try:
+        from torch.distributed.tensor import DTensor, Partial
+    except ImportError:  # pragma: no cover - torch without torch.distributed
+        DTensor = None
+    if DTensor is not None and isinstance(weight, DTensor):
+        # FSDP2, lm_head its own unit: all-gather; the gradient of the full tensor is each rank's partial
+        # contribution, reduce-scattered back to the sharded parameter and averaged, as FSDP2 averages
+        grad = [Partial("avg")] * weight.device_mesh.ndim
+        weight = weight.full_tensor(grad_placements=grad)
+        if bias is not None:
+            bias = bias.full_tensor(grad_placements=grad)
+        return weight, bias
+    if getattr(weight, "ds_shape", None) is not None:  # DeepSpeed ZeRO-3: gathered by the caller's context
+        if torch.is_grad_enabled() and weight.requires_grad:
+            raise ValueError(
+                "DeepSpeed ZeRO-3: gspo_kernels' GRPOTrainer computes log-probs without gradient (old and reference "
+                "log-probs) under ZeRO-3, but not the loss: the library's backward recomputes the logits from the "
+                "lm_head weight, which ZeRO-3 has re-partitioned by then. Use ZeRO-2, FSDP, DDP, or trl.GRPOTrainer"
+            )
+        return weight, bias
+    if weight.dim() != 2 or weight.shape[-1] != hidden_size:
+        raise ValueError(f"the lm_head weight is sharded where the head runs (shape {tuple(weight.shape)}): "
+                         + _FSDP1_OWN_UNIT)
+    return weight, bias
 
 
 def _logit_scale(text_config) -> float:
@@ -187,3 +340,5 @@ def _logit_scale(text_config) -> float:
     if scale <= 0:
         raise ValueError(f"gspo_kernels' GRPOTrainer needs a positive logit scale, got {scale}")
     return scale
+
+

@@ -1,4 +1,4 @@
-"""The ``gspo-kernels`` command: ``verify``, ``bench``, ``h100-report``, ``train``.
+"""The ``gspo-kernels`` command: ``verify``, ``bench``, ``h100-report``, ``gpu-check``, ``train``.
 
 Each subcommand lives in its own module exposing ``add_arguments(parser)`` and ``run(args) -> int``;
 they are imported only when their subcommand runs.
@@ -16,6 +16,8 @@ SUBCOMMANDS = {
     "verify": ("gspo_kernels.tools.verify", "compare every available backend with the float64 reference"),
     "bench": ("gspo_kernels.tools.bench", "time and measure memory of every implementation side by side"),
     "h100-report": ("gspo_kernels.tools.h100_report", "compile every Triton kernel for sm_90a and report resources"),
+    "gpu-check": ("gspo_kernels.tools.gpu_check", "the first command on a GPU machine: versions, H100 report, "
+                  "GPU tests, memcheck, benchmarks -> results/gpu_check.{json,md}"),
     "train": ("gspo_kernels.train.trainer", "run the reference GSPO/GRPO trainer on a toy task"),
 }
 

@@ -3,27 +3,31 @@
 No GPU is needed: ``triton.compile`` builds the cubin for ``GPUTarget("cuda", 90, 32)`` on the CPU and the
 ``cuobjdump`` bundled with triton reads registers, shared memory and local (spill) bytes from it.
 
-Format followed by every op module of ``gspo_kernels.triton`` that defines Triton kernels: a module-level
-``H100_CONFIGS`` list with one dict per launch configuration the library really uses::
+Format followed by every module of ``gspo_kernels.backends.triton`` that defines Triton kernels: a
+module-level ``H100_CONFIGS`` list with one dict per launch configuration the library really uses::
 
     H100_CONFIGS = [
         {
             "name": "logprobs_fwd[bf16]",   # unique label shown in the report
             "fn": _logprobs_fwd_kernel,     # the @triton.jit function
-            "signature": {...},             # every argument but the tl.constexpr parameters:
-                                            #   "*bf16" / "*fp16" / "*fp32" / "*i64" / "*i32" / "*i1",
-                                            #   "i32" / "i64" / "fp32", or "constexpr" for an argument the
+            "constexprs": {...},            # values of the tl.constexpr parameters, and of the arguments the
                                             #   runtime specializes (an int equal to 1, e.g. a unit stride)
-            "constexprs": {...},            # values of the tl.constexpr parameters (and "constexpr" args)
+            "pointers": {"x_ptr": "bf16"},  # element types of the pointer arguments (``*_ptr``) that are
+                                            #   not fp32
+            "floats": ["inv_temperature"],  # the scalar arguments that are fp32 (the others are i32)
             "num_warps": 8,
             "num_stages": 3,
             "uses_dot": True,               # optional: the kernel calls tl.dot, so its SASS must use HGMMA
-            "aligned": ["x_ptr", ...],      # optional: arguments the runtime sees as divisible by 16
-                                            #   (default: every pointer argument)
+            "aligned_ints": ["stride_t"],   # optional: int arguments the runtime sees as divisible by 16
+                                            #   (every pointer is taken as 16-byte aligned)
             "vector_loads": True,           # optional: a bandwidth-bound kernel whose PTX must contain
                                             #   128-bit global loads (ld.global.v4 / ld.global.nc.v4)
         },
     ]
+
+The launch signature is derived from the kernel's own parameter list (:func:`derive_signature`): only what
+the names cannot say is written down. A config may instead give a full ``"signature"`` dict (and
+``"aligned"``, the list of 16-divisible arguments); :func:`normalize_config` accepts both.
 
 The command prints a table (registers, dynamic shared memory, local bytes, HGMMA, 128-bit loads) and returns
 nonzero on any compile error (or a module that fails to import), any spill (local bytes > 0), a ``uses_dot``
@@ -43,23 +47,94 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Dict, List, Optional
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence
 
 TARGET = ("cuda", 90, 32)
 _WORKER_FLAG = "GSPO_KERNELS_H100_REPORT_WORKER"
+# The directory holding the gspo_kernels package: put first on the subprocesses' PYTHONPATH so that they
+# import this copy of the library.
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--only", default=None, help="report only the kernels whose name contains this text")
     parser.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    parser.add_argument("--modules", default=None,
+                        help="comma-separated kernel modules to report (e.g. linear_forward,linear_backward)")
 
 
-def collect_configs() -> List[dict]:
-    """``H100_CONFIGS`` of every module of ``gspo_kernels.triton``, in module order."""
+def kernel_parameters(fn) -> List[tuple]:
+    """``(name, is_constexpr)`` for each parameter of a ``@triton.jit`` function (compiled or interpreted)."""
+    import inspect
+
+    import triton.language as tl
+
+    out = []
+    for name, param in inspect.signature(fn.fn).parameters.items():
+        annotation = param.annotation
+        is_constexpr = annotation is tl.constexpr or (isinstance(annotation, str) and "constexpr" in annotation)
+        out.append((name, is_constexpr))
+    return out
+
+
+def derive_signature(
+    fn,
+    constexprs: Mapping[str, object],
+    *,
+    pointers: Optional[Mapping[str, str]] = None,
+    floats: Iterable[str] = (),
+    default_pointer: str = "fp32",
+    default_scalar: str = "i32",
+) -> Dict[str, str]:
+    """The ``triton.compile`` signature of ``fn`` from its parameter names.
+
+    ``tl.constexpr`` parameters and every name in ``constexprs`` -> ``"constexpr"``; ``*_ptr`` ->
+    ``"*" + pointers.get(name, default_pointer)``; names in ``floats`` -> ``"fp32"``; other scalars ->
+    ``default_scalar``. Raises ``ValueError`` when ``pointers`` / ``floats`` / ``constexprs`` name an argument
+    the kernel does not have (a renamed argument must not go unnoticed), or a constexpr has no value.
+    """
+    params = kernel_parameters(fn)
+    names = {name for name, _ in params}
+    pointers = dict(pointers or {})
+    floats = set(floats)
+    unknown = (set(pointers) | floats | set(constexprs)) - names
+    if unknown:
+        raise ValueError(f"{fn.fn.__name__} has no argument(s) {sorted(unknown)}")
+    signature = {}
+    for name, is_constexpr in params:
+        if is_constexpr or name in constexprs:
+            if name not in constexprs:
+                raise ValueError(f"{fn.fn.__name__}: constexpr {name!r} needs a value in constexprs")
+            signature[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            signature[name] = "*" + pointers.get(name, default_pointer)
+        elif name in floats:
+            signature[name] = "fp32"
+        else:
+            signature[name] = default_scalar
+    return signature
+
+
+def normalize_config(config: dict) -> dict:
+    """A config with its ``"signature"`` and ``"aligned"`` filled in (derived when not given)."""
+    config = dict(config)
+    if "signature" not in config:
+        config["signature"] = derive_signature(config["fn"], config.get("constexprs", {}),
+                                               pointers=config.get("pointers"), floats=config.get("floats", ()))
+    if config.get("aligned") is None:
+        pointers = [name for name, kind in config["signature"].items() if kind.startswith("*")]
+        config["aligned"] = pointers + list(config.get("aligned_ints", ()))
+    return config
+
+
+def collect_configs(modules: Optional[Sequence[str]] = None) -> List[dict]:
+    """``H100_CONFIGS`` of every module of ``gspo_kernels.backends.triton`` (or of ``modules``), in module order."""
     import gspo_kernels.backends.triton as package
 
     configs = []
     for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda m: m.name):
+        if modules is not None and info.name not in modules:
+            continue
         try:
             module = importlib.import_module(f"{package.__name__}.{info.name}")
         except Exception as exc:  # reported as a failed row
@@ -96,14 +171,12 @@ def compile_config(config: dict) -> dict:
            "vector_loads": bool(config.get("vector_loads", False)), "error": config.get("import_error")}
     if row["error"]:
         return row
-    fn = config["fn"]
-    signature = config["signature"]
-    aligned = config.get("aligned")
-    if aligned is None:
-        aligned = [name for name, kind in signature.items() if kind.startswith("*")]
-    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
     start = time.perf_counter()
     try:
+        config = normalize_config(config)
+        fn = config["fn"]
+        signature = config["signature"]
+        attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in config["aligned"]}
         kernel = triton.compile(
             ASTSource(fn, signature, config.get("constexprs", {}), attrs),
             target=GPUTarget(*TARGET),
@@ -156,9 +229,10 @@ def problems(row: dict) -> List[str]:
     return out
 
 
-def build_report(only: Optional[str] = None) -> List[dict]:
+def build_report(only: Optional[str] = None, modules: Optional[Sequence[str]] = None) -> List[dict]:
+    """Compile in this process (the interpreter must be off): one row per configuration."""
     rows = []
-    for config in collect_configs():
+    for config in collect_configs(modules):
         if only and only not in config["name"]:
             continue
         rows.append(compile_config(config))
@@ -193,13 +267,14 @@ def _run_in_subprocess(args: argparse.Namespace) -> int:
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)
     env[_WORKER_FLAG] = "1"
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, env.get("PYTHONPATH")) if p)
     argv = [sys.executable, "-m", "gspo_kernels", "h100-report"]
     if args.only:
         argv += ["--only", args.only]
     if args.json:
         argv += ["--json", args.json]
+    if getattr(args, "modules", None):
+        argv += ["--modules", args.modules]
     print("h100-report: the Triton interpreter is on in this process; compiling in a subprocess without it",
           flush=True)
     return subprocess.run(argv, env=env).returncode
@@ -211,7 +286,8 @@ def run(args: argparse.Namespace) -> int:
     import triton
 
     print(f"Static report for GPUTarget{TARGET} (H100, sm_90a); triton {triton.__version__}; no GPU needed")
-    rows = build_report(args.only)
+    modules = args.modules.split(",") if getattr(args, "modules", None) else None
+    rows = build_report(args.only, modules)
     print(format_table(rows))
     failed = [row for row in rows if problems(row)]
     if args.json:
@@ -222,3 +298,34 @@ def run(args: argparse.Namespace) -> int:
         return 1
     print(f"{len(rows)} configurations, {len(failed)} failing")
     return 1 if failed else 0
+
+
+def static_report(
+    modules: Optional[Sequence[str]] = None, only: Optional[str] = None, timeout: float = 600.0
+) -> List[dict]:
+    """Compile the kernels for sm_90a in a fresh subprocess (interpreter off) and return the report rows.
+
+    The API for tests: works whether or not this process runs the Triton interpreter. ``modules`` limits the
+    report to those modules of ``gspo_kernels.backends.triton`` (e.g. ``["linear_forward",
+    "linear_backward"]``), ``only`` to the kernels whose name contains that text. Each row holds ``name``,
+    ``registers``, ``shared_bytes``, ``local_bytes``, ``stack_bytes``, ``stl_count``, ``hgmma``, ``loads_128``
+    and ``error``; :func:`problems` says why a row fails. Raises ``RuntimeError`` when the subprocess wrote
+    no report.
+    """
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)
+    env[_WORKER_FLAG] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, env.get("PYTHONPATH")) if p)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "report.json")
+        argv = [sys.executable, "-m", "gspo_kernels", "h100-report", "--json", path]
+        if modules:
+            argv += ["--modules", ",".join(modules)]
+        if only:
+            argv += ["--only", only]
+        proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout)
+        if not os.path.exists(path):
+            raise RuntimeError(f"h100-report wrote no report (exit {proc.returncode}):\n"
+                               f"{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+        with open(path) as f:
+            return json.load(f)

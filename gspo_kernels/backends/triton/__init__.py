@@ -13,16 +13,27 @@ still be set first.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 
 def interpreter_active() -> bool:
     """True when the Triton kernels of this library run in the Triton interpreter (CPU tensors)."""
-    from triton.runtime.interpreter import InterpretedFunction
+    from gspo_kernels.backends.triton.addressing import interpreter_active as active
 
-    from gspo_kernels.backends.triton import logits_forward
+    return active()
 
-    return isinstance(logits_forward._logprobs_fwd_kernel, InterpretedFunction)
+
+def device_guard(tensor: torch.Tensor):
+    """Context in which a kernel launch targets ``tensor``'s CUDA device (not the current one).
+
+    Triton launches on the *current* CUDA device; tensors on ``cuda:1`` while ``cuda:0`` is current would
+    otherwise be handed to a kernel running on ``cuda:0``. A no-op for CPU tensors (the interpreter).
+    """
+    if tensor.device.type == "cuda":
+        return torch.cuda.device(tensor.device)
+    return contextlib.nullcontext()
 
 
 def supports(device: torch.device) -> bool:

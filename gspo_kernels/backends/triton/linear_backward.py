@@ -1,394 +1,320 @@
-"""Backward of the hidden-state path: ``dH``, ``dW`` and ``dbias`` without the ``[N, V]`` logits.
+"""Backward of the hidden-state path: ``dH``, ``dW`` and ``dbias`` without the ``[N, V]`` logits and without atomics.
 
-Only the ``M`` rows whose incoming gradient is non-zero are given to these kernels (the autograd
-Function compacts them), so masked, clipped and zero-advantage rows cost nothing. Each kernel
-recomputes a logits tile ``z = (h W^T + b) / tau`` with ``tl.dot`` (fp32 accumulation), forms the
-logits gradient in registers,
+Only the rows whose incoming gradient is non-zero are visited: the autograd Function compacts them on the
+device (``order[:count]``, see ``linear_forward.compact_rows``; ``count`` stays on the device, so nothing
+synchronises with the host). The rows are processed in fixed-size **chunks** of ``C`` compacted rows
+(``C`` from the memory budget); each chunk runs three kernels:
 
-    dl[v] = (1/tau) * ( g_logp * (1[v = y] - p[v]) - g_ent * p[v] * (log p[v] + entropy) ),
-    p = exp(z - lse),
+1. ``linear_dz_kernel`` (grid: row tiles x vocabulary tiles of the chunk, grouped order): recomputes the
+   logits tile ``z = (h W^T + b) / tau`` with ``tl.dot`` (fp32 accumulation) and forms
 
-and multiplies it back: ``dH = dl @ W``, ``dW = dl^T @ H_rows``, ``dbias = sum_rows dl``. ``dl`` is
-rounded to the operand dtype (bf16/fp16) for the tensor-core products; every sum is in fp32.
+       q[r, v] = g_logp[r] * (1[v = y_r] - p[r, v]) - g_ent[r] * p[r, v] * (log p[r, v] + entropy[r]),
+       log p = (z - m) - log_sum,
 
-Two schedules:
+   the gradient with respect to ``z`` (the raw logits' gradient is ``q / tau``; ``1 / tau`` is applied in
+   fp32 by the next kernels, so a tiny temperature cannot overflow a half-precision ``q``). ``q`` is written
+   to the chunk buffer ``dZ [C, V]`` in the operand dtype, and, with a bias, the fp32 column sums of each
+   row tile to ``dB_part [C / BLOCK_N, V]``.
+2. ``linear_dh_kernel`` (grid: row tiles x ``H`` tiles): ``dH[rows] = (dZ @ W) / tau``, fp32 accumulation,
+   the reduction over ``V`` in ``BLOCK_V`` steps from 0 upwards for every row; stored in the hidden dtype.
+3. ``linear_dw_kernel`` (grid: vocabulary tiles x ``H`` tiles): ``dW += (dZ^T @ H[rows]) / tau`` into an fp32
+   ``[V, H]`` accumulator that each program owns for its tile (plain load, add, store: no atomics), and
+   ``dbias += sum of the chunk's dB_part rows / tau`` in row-tile order.
 
-* default (``linear_logprobs_bwd_kernel``): one program per (row tile, vocab tile), 6 M H V flops,
-  fp32 ``tl.atomic_add`` into ``dH``, ``dW``, ``dbias``; the summation order is not fixed.
-* deterministic (``linear_logprobs_bwd_dh_kernel`` + ``linear_logprobs_bwd_dw_kernel``): one program
-  per row tile for ``dH`` and one per vocab tile for ``dW``/``dbias``, each walking the other
-  dimension in a fixed order with plain loads/stores of its own fp32 rows (no atomics; 8 M H V flops,
-  the logits are recomputed twice).
+Determinism and batch invariance. Nothing is summed by atomics; every reduction has a fixed order, so two
+runs give the same bits. A row's ``q`` and ``dH`` row depend only on that row and on the launch
+configuration (a function of the dtype alone): the ``tl.dot`` products are per output element and the
+reduction over ``V`` (for ``dH``) and over ``H`` (for ``z``) runs in the same steps whatever the chunk size,
+the row's position or its neighbours. So a row's ``dH`` is the same bits alone or among other rows and for
+any memory budget. ``dW`` and ``dbias`` are sums over rows: deterministic (chunk order, then row order).
 
-Expected cost (not measured: no GPU was available when this was written). Each (row tile, vocab tile)
-adds a ``[BLOCK_N, H]`` partial into ``dH`` and a ``[BLOCK_V, H]`` partial into ``dW``: ``2 M H V / 128``
-fp32 reductions for 6 M H V flops, i.e. about 96 flops per reduced byte. The default schedule issues
-them as ``red.global.add.v4.f32`` (checked in the PTX); if the H100 benchmark shows it reduction-bound,
-larger tiles along ``V``/``M`` are the lever. The deterministic kernels read and write their fp32 rows
-once per tile of the other dimension (the same byte count, as plain loads/stores, with only
-``M / BLOCK_N`` programs for ``dH``): expect them to be slower than the default.
+Cost: ``6 C H V`` flops per chunk (``2 CHV`` each for ``z``, ``dH``, ``dW``) plus ``3 C V`` operand-dtype
+elements of chunk-buffer traffic (one write, two reads; ~5% of the flop time at H = 4096 on an H100).
+Chunks past ``count`` launch and exit at once (no host synchronisation means the host does not know
+``count``).
 
-Optional gradient filtering (``filter_eps``, off by default, as in Cut Cross-Entropy): a tile whose
-softmax entries are all below ``filter_eps`` and that holds none of its rows' labels adds nothing.
-The dropped contributions are ``|dl| <= (|g_logp| + |g_ent| * (|log p| + entropy)) * filter_eps / tau``
-per entry. Measured in ``tests/test_triton_linear.py`` (confident rows): relative dH/dW error of about
-``4 * filter_eps`` (3e-3 at 2^-10, 5e-4 at 2^-13) against 3e-6 for the exact path. The test for
-"holds a label" is per tile, so a tile holding any of its rows' labels is always kept.
-
-Device memory beyond inputs and outputs: the fp32 accumulators ``dH [M, H]``, ``dW [V, H]``,
-``dbias [V]`` (cast to the parameters' dtypes by the caller).
+Memory: the chunk buffers, ``C * V * (operand bytes) + ceil(C / BLOCK_N) * V * 4`` bytes, at most the
+``memory_budget`` (default ``DEFAULT_MEMORY_BUDGET``, 1 GiB) but never less than one row tile; the fp32
+``dW [V, H]`` and ``dbias [V]`` accumulators (not part of the budget; cast to the parameters' dtypes by
+the caller); ``dH`` in the hidden dtype.
 """
 
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 import triton
 import triton.language as tl
 
-from gspo_kernels.backends.triton.linear_forward import hidden_row_offsets, hidden_strides, interpreting, logits_tile
+from gspo_kernels.backends.triton.addressing import grouped_tile, interpreter_active, row_offsets, row_strides
+from gspo_kernels.backends.triton.linear_forward import device_guard, kernel_signature, logits_tile, upcast_dots
 
-# Tuned against the static sm_90a report (0 spills, HGMMA); see the module docstring of h100_report.
-# BLOCK_H: the K step of the logits recompute; BLOCK_HG: the width (wgmma N) of the dH / dW products.
-# Also 0 spills, to compare on a GPU: BLOCK_H = BLOCK_HG = 64 with num_stages = 2 (wider wgmma, shallower
-# pipeline). BLOCK_HG = 64 with num_stages >= 3 spills in the bias + entropy variant.
-CUDA_BWD_CONFIG: Dict[str, int] = {
-    "BLOCK_N": 128, "BLOCK_V": 128, "BLOCK_H": 32, "BLOCK_HG": 32, "GROUP_N": 8, "num_warps": 8, "num_stages": 4,
+DEFAULT_MEMORY_BUDGET = 1 << 30
+
+# Tuned against the static sm_90a report (0 spills, HGMMA in the SASS). Keys: dz (the logits-gradient
+# epilogue), dh and dw (the two GEMMs). fp32 operands are multiplied exactly (no tensor cores).
+CUDA_BWD_CONFIG: Dict[str, Dict[str, int]] = {
+    "dz": {"BLOCK_N": 128, "BLOCK_V": 128, "BLOCK_H": 64, "GROUP": 8, "num_warps": 8, "num_stages": 3},
+    "dh": {"BLOCK_N": 128, "BLOCK_H": 128, "BLOCK_V": 64, "GROUP": 8, "num_warps": 8, "num_stages": 4},
+    "dw": {"BLOCK_V": 128, "BLOCK_H": 128, "BLOCK_K": 64, "GROUP": 8, "num_warps": 8, "num_stages": 4},
 }
-CUDA_BWD_DH_CONFIG: Dict[str, int] = {"BLOCK_N": 128, "BLOCK_V": 128, "BLOCK_H": 64, "GROUP_N": 1, "num_warps": 8, "num_stages": 3}
-CUDA_BWD_DW_CONFIG: Dict[str, int] = {"BLOCK_N": 64, "BLOCK_V": 128, "BLOCK_H": 64, "GROUP_N": 1, "num_warps": 8, "num_stages": 3}
-# fp32 operands (exact FMA products): 8 warps; with 4 warps ptxas spills kilobytes per thread.
-CUDA_BWD_CONFIG_FP32: Dict[str, int] = {
-    "BLOCK_N": 64, "BLOCK_V": 64, "BLOCK_H": 32, "BLOCK_HG": 32, "GROUP_N": 8, "num_warps": 8, "num_stages": 2,
+CUDA_BWD_CONFIG_FP32: Dict[str, Dict[str, int]] = {
+    "dz": {"BLOCK_N": 64, "BLOCK_V": 64, "BLOCK_H": 32, "GROUP": 8, "num_warps": 4, "num_stages": 2},
+    "dh": {"BLOCK_N": 64, "BLOCK_H": 64, "BLOCK_V": 32, "GROUP": 8, "num_warps": 4, "num_stages": 2},
+    "dw": {"BLOCK_V": 64, "BLOCK_H": 64, "BLOCK_K": 32, "GROUP": 8, "num_warps": 4, "num_stages": 2},
 }
-INTERPRETER_BWD_CONFIG: Dict[str, int] = {
-    "BLOCK_N": 16, "BLOCK_V": 32, "BLOCK_H": 16, "BLOCK_HG": 32, "GROUP_N": 2, "num_warps": 4, "num_stages": 1,
+INTERPRETER_BWD_CONFIG: Dict[str, Dict[str, int]] = {
+    "dz": {"BLOCK_N": 16, "BLOCK_V": 32, "BLOCK_H": 16, "GROUP": 2, "num_warps": 4, "num_stages": 1},
+    "dh": {"BLOCK_N": 16, "BLOCK_H": 16, "BLOCK_V": 32, "GROUP": 2, "num_warps": 4, "num_stages": 1},
+    "dw": {"BLOCK_V": 32, "BLOCK_H": 16, "BLOCK_K": 16, "GROUP": 2, "num_warps": 4, "num_stages": 1},
 }
 
 
 @triton.jit
-def logits_grad_tile(
-    hidden_ptr, weight_ptr, bias_ptr, h_row_off, row_ok, offs_n, offs_v, v_ok,
-    labels_ptr, lse_ptr, ent_ptr, g_logp_ptr, g_ent_ptr,
-    V, H, stride_hh, stride_wv, stride_wh, inv_temperature, filter_eps,
-    HAS_BIAS: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr, FILTER: tl.constexpr, EVEN_H: tl.constexpr,
-    UPCAST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
-):
-    """``(dl [BLOCK_N, BLOCK_V] fp32, keep)``: the gradient w.r.t. the raw logits ``h W^T + b`` of a tile.
-
-    Invalid rows/columns hold 0. ``keep`` is False when filtering drops the tile.
-    """
-    z = logits_tile(
-        hidden_ptr, weight_ptr, bias_ptr, h_row_off, offs_v, v_ok, V, H,
-        stride_hh, stride_wv, stride_wh, inv_temperature,
-        HAS_BIAS, EVEN_H, UPCAST, BLOCK_N, BLOCK_V, BLOCK_H,
-    )
-    lse = tl.load(lse_ptr + offs_n, mask=row_ok, other=0.0)
-    g_logp = tl.load(g_logp_ptr + offs_n, mask=row_ok, other=0.0)
-    label = tl.load(labels_ptr + offs_n, mask=row_ok, other=-1)
-    valid = row_ok[:, None] & v_ok[None, :]
-    logp = tl.where(valid, z - lse[:, None], float("-inf"))
-    p = tl.exp(logp)
-    is_label = offs_v[None, :] == label[:, None]
-    dz = g_logp[:, None] * (tl.where(is_label, 1.0, 0.0) - p)
-    if HAS_ENTROPY_GRAD:
-        g_ent = tl.load(g_ent_ptr + offs_n, mask=row_ok, other=0.0)
-        ent = tl.load(ent_ptr + offs_n, mask=row_ok, other=0.0)
-        dz -= g_ent[:, None] * p * (tl.where(valid, logp, 0.0) + ent[:, None])
-    dl = tl.where(valid, dz * inv_temperature, 0.0)
-    keep = True
-    if FILTER:
-        keep = (tl.max(tl.max(p, axis=1), axis=0) >= filter_eps) | (tl.sum(tl.sum(is_label.to(tl.int32), axis=1), axis=0) > 0)
-    return dl, keep
-
-
-@triton.jit
-def load_h_slab(base_ptr, row_off, offs_h, h_ok, stride_h, EVEN_H: tl.constexpr, UPCAST: tl.constexpr):
-    """``[rows, BLOCK_H]`` operand slab at ``base + row_off[:, None] + offs_h * stride_h`` (masked unless EVEN_H)."""
-    ptrs = base_ptr + row_off[:, None] + offs_h[None, :] * stride_h
-    if EVEN_H:
-        x = tl.load(ptrs)
-    else:
-        x = tl.load(ptrs, mask=h_ok[None, :], other=0.0)
+def as_operand(x, like_ptr, UPCAST: tl.constexpr):
+    """``x`` in the element type of ``like_ptr`` (the other ``tl.dot`` operand), or fp32 when upcasting."""
     if UPCAST:
-        x = x.to(tl.float32)
-    return x
-
-
-@triton.jit
-def as_dot_operand(dl, weight_ptr, UPCAST: tl.constexpr):
-    """The logits-gradient tile in the dtype of the other ``tl.dot`` operand (fp32 when upcasting)."""
-    if UPCAST:
-        return dl
+        return x.to(tl.float32)
     else:
-        return dl.to(weight_ptr.dtype.element_ty)
+        return x.to(like_ptr.dtype.element_ty)
 
 
-@triton.jit(do_not_specialize=["M", "T"])
-def linear_logprobs_bwd_kernel(
-    hidden_ptr, weight_ptr, bias_ptr, rows_ptr, labels_ptr, lse_ptr, ent_ptr, g_logp_ptr, g_ent_ptr,
-    dh_ptr,  # [M, H] fp32, zero-initialised (compact rows)
-    dw_ptr,  # [V, H] fp32, zero-initialised
-    db_ptr,  # [V] fp32, zero-initialised
-    M, V, H, T,
-    stride_hb, stride_ht, stride_hh, stride_wv, stride_wh,
-    inv_temperature, filter_eps,
-    HAS_BIAS: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr, COMPUTE_DH: tl.constexpr,
-    COMPUTE_DW: tl.constexpr, COMPUTE_DB: tl.constexpr, FILTER: tl.constexpr, EVEN_H: tl.constexpr,
-    UPCAST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HG: tl.constexpr,
-    GROUP_N: tl.constexpr,
+@triton.jit(do_not_specialize=["chunk_start", "C", "T"])
+def linear_dz_kernel(
+    hidden_ptr, weight_ptr, bias_ptr,
+    order_ptr,  # [N] int64: compacted rows with a gradient; count_ptr: [1] int64
+    count_ptr,
+    labels_ptr, max_ptr, log_sum_ptr, ent_ptr, g_logp_ptr, g_ent_ptr,  # [N], indexed by row
+    dz_ptr,  # [C, V] operand dtype (row stride V): q of the chunk's rows
+    db_part_ptr,  # [ceil(C / BLOCK_N), V] fp32: column sums of q per row tile (COMPUTE_DB)
+    chunk_start, C, V, H, T,
+    stride_hb, stride_ht, stride_hh, stride_wv, stride_wh, stride_bv, inv_temperature,
+    HAS_BIAS: tl.constexpr, HAS_LOGP_GRAD: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr,
+    COMPUTE_DB: tl.constexpr, EVEN_H: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, GROUP: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    num_row_tiles = tl.cdiv(M, BLOCK_N)
-    num_vocab_tiles = tl.cdiv(V, BLOCK_V)
-    per_group = GROUP_N * num_vocab_tiles
-    first_tile = (pid // per_group) * GROUP_N
-    group_size = tl.minimum(num_row_tiles - first_tile, GROUP_N)
-    local = pid % per_group
-    row_tile = first_tile + local % group_size
-    vocab_tile = local // group_size
-
-    offs_n = row_tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = offs_n < M
-    rows = tl.load(rows_ptr + offs_n, mask=row_ok, other=0)
-    h_row_off = hidden_row_offsets(rows, T, stride_hb, stride_ht)
-    offs_v = vocab_tile * BLOCK_V + tl.arange(0, BLOCK_V)
-    v_ok = offs_v < V
-    dl, keep = logits_grad_tile(
-        hidden_ptr, weight_ptr, bias_ptr, h_row_off, row_ok, offs_n, offs_v, v_ok,
-        labels_ptr, lse_ptr, ent_ptr, g_logp_ptr, g_ent_ptr,
-        V, H, stride_hh, stride_wv, stride_wh, inv_temperature, filter_eps,
-        HAS_BIAS, HAS_ENTROPY_GRAD, FILTER, EVEN_H, UPCAST, BLOCK_N, BLOCK_V, BLOCK_H,
-    )
-    if keep:
-        if COMPUTE_DB:
-            tl.atomic_add(db_ptr + offs_v, tl.sum(dl, axis=0), mask=v_ok, sem="relaxed")
-        dl_op = as_dot_operand(dl, weight_ptr, UPCAST)
-        w_row_off = tl.minimum(offs_v, V - 1).to(tl.int64) * stride_wv
-        dh_row_off = offs_n.to(tl.int64) * H
-        dw_row_off = offs_v.to(tl.int64) * H
-        for h0 in range(0, H, BLOCK_HG):  # BLOCK_HG: the N of the gradient products (wider wgmma)
-            offs_h = h0 + tl.arange(0, BLOCK_HG)
-            h_ok = offs_h < H
-            if COMPUTE_DH:
-                w = load_h_slab(weight_ptr, w_row_off, offs_h, h_ok, stride_wh, EVEN_H, UPCAST)
-                part = tl.dot(dl_op, w, input_precision="ieee")
-                tl.atomic_add(
-                    dh_ptr + dh_row_off[:, None] + offs_h[None, :], part,
-                    mask=row_ok[:, None] & h_ok[None, :], sem="relaxed",
-                )
-            if COMPUTE_DW:
-                x = load_h_slab(hidden_ptr, h_row_off, offs_h, h_ok, stride_hh, EVEN_H, UPCAST)
-                part = tl.dot(tl.trans(dl_op), x, input_precision="ieee")
-                tl.atomic_add(
-                    dw_ptr + dw_row_off[:, None] + offs_h[None, :], part,
-                    mask=v_ok[:, None] & h_ok[None, :], sem="relaxed",
-                )
-
-
-@triton.jit(do_not_specialize=["M", "T"])
-def linear_logprobs_bwd_dh_kernel(
-    hidden_ptr, weight_ptr, bias_ptr, rows_ptr, labels_ptr, lse_ptr, ent_ptr, g_logp_ptr, g_ent_ptr,
-    dh_ptr,  # [M, H] fp32, zero-initialised; each program owns BLOCK_N rows
-    M, V, H, T,
-    stride_hb, stride_ht, stride_hh, stride_wv, stride_wh,
-    inv_temperature, filter_eps,
-    HAS_BIAS: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr, FILTER: tl.constexpr, EVEN_H: tl.constexpr,
-    UPCAST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
-):
-    row_tile = tl.program_id(0)
-    offs_n = row_tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = offs_n < M
-    rows = tl.load(rows_ptr + offs_n, mask=row_ok, other=0)
-    h_row_off = hidden_row_offsets(rows, T, stride_hb, stride_ht)
-    dh_row_off = offs_n.to(tl.int64) * H
-    for v0 in range(0, V, BLOCK_V):
-        offs_v = v0 + tl.arange(0, BLOCK_V)
+    row_tile, vocab_tile = grouped_tile(tl.program_id(0), tl.cdiv(C, BLOCK_N), tl.cdiv(V, BLOCK_V), GROUP)
+    n_here = tl.minimum(tl.load(count_ptr).to(tl.int32) - chunk_start, C)
+    if row_tile * BLOCK_N < n_here:
+        offs_n = row_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok = offs_n < n_here
+        rows = tl.load(order_ptr + chunk_start + offs_n, mask=row_ok, other=0)
+        offs_v = vocab_tile * BLOCK_V + tl.arange(0, BLOCK_V)
         v_ok = offs_v < V
-        dl, keep = logits_grad_tile(
-            hidden_ptr, weight_ptr, bias_ptr, h_row_off, row_ok, offs_n, offs_v, v_ok,
-            labels_ptr, lse_ptr, ent_ptr, g_logp_ptr, g_ent_ptr,
-            V, H, stride_hh, stride_wv, stride_wh, inv_temperature, filter_eps,
-            HAS_BIAS, HAS_ENTROPY_GRAD, FILTER, EVEN_H, UPCAST, BLOCK_N, BLOCK_V, BLOCK_H,
+        z = logits_tile(
+            hidden_ptr, weight_ptr, bias_ptr, row_offsets(rows, T, stride_hb, stride_ht), offs_v, v_ok, V, H,
+            stride_hh, stride_wv, stride_wh, stride_bv, inv_temperature,
+            HAS_BIAS, EVEN_H, UPCAST, BLOCK_N, BLOCK_V, BLOCK_H,
         )
-        if keep:
-            dl_op = as_dot_operand(dl, weight_ptr, UPCAST)
-            w_row_off = tl.minimum(offs_v, V - 1).to(tl.int64) * stride_wv
-            for h0 in range(0, H, BLOCK_H):
-                offs_h = h0 + tl.arange(0, BLOCK_H)
-                h_ok = offs_h < H
-                w = load_h_slab(weight_ptr, w_row_off, offs_h, h_ok, stride_wh, EVEN_H, UPCAST)
-                ptrs = dh_ptr + dh_row_off[:, None] + offs_h[None, :]
-                io_mask = row_ok[:, None] & h_ok[None, :]
-                acc = tl.load(ptrs, mask=io_mask, other=0.0)
-                acc = tl.dot(dl_op, w, acc, input_precision="ieee")
-                tl.store(ptrs, acc, mask=io_mask)
+        m = tl.load(max_ptr + rows, mask=row_ok, other=0.0)
+        log_sum = tl.load(log_sum_ptr + rows, mask=row_ok, other=0.0)
+        label = tl.load(labels_ptr + rows, mask=row_ok, other=-1)
+        valid = row_ok[:, None] & v_ok[None, :]
+        logp = (z - m[:, None]) - log_sum[:, None]
+        p = tl.where(valid, tl.exp(logp), 0.0)
+        q = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+        if HAS_LOGP_GRAD:
+            g_logp = tl.load(g_logp_ptr + rows, mask=row_ok, other=0.0)
+            q = g_logp[:, None] * (tl.where(offs_v[None, :] == label[:, None], 1.0, 0.0) - p)
+        if HAS_ENTROPY_GRAD:
+            g_ent = tl.load(g_ent_ptr + rows, mask=row_ok, other=0.0)
+            ent = tl.load(ent_ptr + rows, mask=row_ok, other=0.0)
+            # p == 0 where z = -inf (a -inf bias entry): its term is 0, not 0 * -inf = NaN
+            q -= g_ent[:, None] * tl.where(p > 0, p * (logp + ent[:, None]), 0.0)
+        label_ok = (label >= 0) & (label < V)  # an out-of-range label: NaN gradient, like its NaN log-prob
+        q = tl.where(valid, tl.where(label_ok[:, None], q, float("nan")), 0.0)
+        dz_off = offs_n.to(tl.int64)[:, None] * V + offs_v[None, :]
+        tl.store(dz_ptr + dz_off, q.to(dz_ptr.dtype.element_ty), mask=valid)
+        if COMPUTE_DB:
+            tl.store(db_part_ptr + row_tile.to(tl.int64) * V + offs_v, tl.sum(q, axis=0), mask=v_ok)
 
 
-@triton.jit(do_not_specialize=["M", "T"])
-def linear_logprobs_bwd_dw_kernel(
-    hidden_ptr, weight_ptr, bias_ptr, rows_ptr, labels_ptr, lse_ptr, ent_ptr, g_logp_ptr, g_ent_ptr,
-    dw_ptr,  # [V, H] fp32, zero-initialised; each program owns BLOCK_V vocabulary rows
-    db_ptr,  # [V] fp32
-    M, V, H, T,
-    stride_hb, stride_ht, stride_hh, stride_wv, stride_wh,
-    inv_temperature, filter_eps,
-    HAS_BIAS: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr, COMPUTE_DW: tl.constexpr,
-    COMPUTE_DB: tl.constexpr, FILTER: tl.constexpr, EVEN_H: tl.constexpr, UPCAST: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+@triton.jit(do_not_specialize=["chunk_start", "C"])
+def linear_dh_kernel(
+    dz_ptr,  # [C, V] operand dtype
+    weight_ptr,  # [V, H]
+    order_ptr, count_ptr,
+    dh_ptr,  # [N, H] contiguous, hidden dtype: rows order[chunk_start:...] are written
+    chunk_start, C, V, H,
+    stride_wv, stride_wh, inv_temperature,
+    UPCAST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_V: tl.constexpr,
+    GROUP: tl.constexpr,
 ):
-    vocab_tile = tl.program_id(0)
-    offs_v = vocab_tile * BLOCK_V + tl.arange(0, BLOCK_V)
-    v_ok = offs_v < V
-    dw_row_off = offs_v.to(tl.int64) * H
-    db = tl.zeros((BLOCK_V,), dtype=tl.float32)
-    for n0 in range(0, M, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        row_ok = offs_n < M
-        rows = tl.load(rows_ptr + offs_n, mask=row_ok, other=0)
-        h_row_off = hidden_row_offsets(rows, T, stride_hb, stride_ht)
-        dl, keep = logits_grad_tile(
-            hidden_ptr, weight_ptr, bias_ptr, h_row_off, row_ok, offs_n, offs_v, v_ok,
-            labels_ptr, lse_ptr, ent_ptr, g_logp_ptr, g_ent_ptr,
-            V, H, stride_hh, stride_wv, stride_wh, inv_temperature, filter_eps,
-            HAS_BIAS, HAS_ENTROPY_GRAD, FILTER, EVEN_H, UPCAST, BLOCK_N, BLOCK_V, BLOCK_H,
-        )
-        if keep:
-            if COMPUTE_DB:
-                db += tl.sum(dl, axis=0)
-            if COMPUTE_DW:
-                dl_t = tl.trans(as_dot_operand(dl, weight_ptr, UPCAST))
-                for h0 in range(0, H, BLOCK_H):
-                    offs_h = h0 + tl.arange(0, BLOCK_H)
-                    h_ok = offs_h < H
-                    x = load_h_slab(hidden_ptr, h_row_off, offs_h, h_ok, stride_hh, EVEN_H, UPCAST)
-                    ptrs = dw_ptr + dw_row_off[:, None] + offs_h[None, :]
-                    io_mask = v_ok[:, None] & h_ok[None, :]
-                    acc = tl.load(ptrs, mask=io_mask, other=0.0)
-                    acc = tl.dot(dl_t, x, acc, input_precision="ieee")
-                    tl.store(ptrs, acc, mask=io_mask)
-    if COMPUTE_DB:
-        tl.store(db_ptr + offs_v, db, mask=v_ok)
+    row_tile, h_tile = grouped_tile(tl.program_id(0), tl.cdiv(C, BLOCK_N), tl.cdiv(H, BLOCK_H), GROUP)
+    n_here = tl.minimum(tl.load(count_ptr).to(tl.int32) - chunk_start, C)
+    if row_tile * BLOCK_N < n_here:
+        offs_n = row_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok = offs_n < n_here
+        offs_h = h_tile * BLOCK_H + tl.arange(0, BLOCK_H)
+        h_ok = offs_h < H
+        dz_rows = dz_ptr + offs_n.to(tl.int64)[:, None] * V
+        w_cols = weight_ptr + offs_h[None, :] * stride_wh
+        acc = tl.zeros((BLOCK_N, BLOCK_H), dtype=tl.float32)
+        for v0 in range(0, V, BLOCK_V):  # the same steps for every row: batch-invariant
+            offs_v = v0 + tl.arange(0, BLOCK_V)
+            v_ok = offs_v < V
+            a = tl.load(dz_rows + offs_v[None, :], mask=row_ok[:, None] & v_ok[None, :], other=0.0)
+            b = tl.load(w_cols + offs_v.to(tl.int64)[:, None] * stride_wv, mask=v_ok[:, None] & h_ok[None, :], other=0.0)
+            acc = tl.dot(as_operand(a, weight_ptr, UPCAST), as_operand(b, weight_ptr, UPCAST), acc, input_precision="ieee")
+        rows = tl.load(order_ptr + chunk_start + offs_n, mask=row_ok, other=0)
+        out = dh_ptr + rows.to(tl.int64)[:, None] * H + offs_h[None, :]
+        tl.store(out, (acc * inv_temperature).to(dh_ptr.dtype.element_ty), mask=row_ok[:, None] & h_ok[None, :])
 
 
-def _pick_config(dtype: torch.dtype, default: Dict[str, int], config: Optional[Dict[str, int]]) -> Dict[str, int]:
+@triton.jit(do_not_specialize=["chunk_start", "C", "T"])
+def linear_dw_kernel(
+    dz_ptr,  # [C, V] operand dtype
+    hidden_ptr,  # [B, T, H] or [N, H], any strides
+    order_ptr, count_ptr,
+    db_part_ptr,  # [ceil(C / DZ_BLOCK_N), V] fp32
+    dw_ptr,  # [V, H] fp32 accumulator (contiguous)
+    db_ptr,  # [V] fp32 accumulator
+    chunk_start, C, V, H, T,
+    stride_hb, stride_ht, stride_hh, inv_temperature,
+    COMPUTE_DW: tl.constexpr, COMPUTE_DB: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
+    DZ_BLOCK_N: tl.constexpr,
+):
+    vocab_tile, h_tile = grouped_tile(tl.program_id(0), tl.cdiv(V, BLOCK_V), tl.cdiv(H, BLOCK_H), GROUP)
+    n_here = tl.minimum(tl.load(count_ptr).to(tl.int32) - chunk_start, C)
+    if n_here > 0:
+        offs_v = vocab_tile * BLOCK_V + tl.arange(0, BLOCK_V)
+        v_ok = offs_v < V
+        if COMPUTE_DW:
+            offs_h = h_tile * BLOCK_H + tl.arange(0, BLOCK_H)
+            h_ok = offs_h < H
+            acc = tl.zeros((BLOCK_V, BLOCK_H), dtype=tl.float32)
+            for k0 in range(0, n_here, BLOCK_K):
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                k_ok = offs_k < n_here
+                a = tl.load(dz_ptr + offs_k.to(tl.int64)[:, None] * V + offs_v[None, :],
+                            mask=k_ok[:, None] & v_ok[None, :], other=0.0)
+                rows = tl.load(order_ptr + chunk_start + offs_k, mask=k_ok, other=0)
+                h_off = row_offsets(rows, T, stride_hb, stride_ht)
+                b = tl.load(hidden_ptr + h_off[:, None] + offs_h[None, :] * stride_hh,
+                            mask=k_ok[:, None] & h_ok[None, :], other=0.0)
+                acc = tl.dot(tl.trans(as_operand(a, hidden_ptr, UPCAST)), as_operand(b, hidden_ptr, UPCAST), acc,
+                             input_precision="ieee")
+            ptrs = dw_ptr + offs_v.to(tl.int64)[:, None] * H + offs_h[None, :]
+            io_mask = v_ok[:, None] & h_ok[None, :]
+            tl.store(ptrs, tl.load(ptrs, mask=io_mask, other=0.0) + acc * inv_temperature, mask=io_mask)
+        if COMPUTE_DB:
+            if h_tile == 0:
+                db = tl.zeros((BLOCK_V,), dtype=tl.float32)
+                for t in range(0, tl.cdiv(n_here, DZ_BLOCK_N)):  # row-tile order: deterministic
+                    db += tl.load(db_part_ptr + t * V + offs_v, mask=v_ok, other=0.0)
+                old = tl.load(db_ptr + offs_v, mask=v_ok, other=0.0)
+                tl.store(db_ptr + offs_v, old + db * inv_temperature, mask=v_ok)
+
+
+def pick_config(dtype: torch.dtype, config: Optional[Dict[str, Dict[str, int]]] = None) -> Dict[str, Dict[str, int]]:
+    """The three kernels' launch configurations: ``config`` if given, else the interpreter's or CUDA's for ``dtype``."""
     if config is not None:
-        return dict(config)
-    if interpreting():
-        return dict(INTERPRETER_BWD_CONFIG)
-    if dtype == torch.float32:
-        return dict(CUDA_BWD_CONFIG_FP32)
-    return dict(default)
+        return {k: dict(v) for k, v in config.items()}
+    if interpreter_active():
+        base = INTERPRETER_BWD_CONFIG
+    else:
+        base = CUDA_BWD_CONFIG_FP32 if dtype == torch.float32 else CUDA_BWD_CONFIG
+    return {k: dict(v) for k, v in base.items()}
+
+
+def chunk_rows(n_rows: int, V: int, operand: torch.dtype, block_n: int, memory_budget: Optional[int]) -> int:
+    """Rows per chunk: the most whole row tiles whose buffers fit ``memory_budget`` bytes (at least one tile).
+
+    Per row: ``V`` operand-dtype elements of ``dZ`` plus ``4 V / block_n`` bytes of bias partial sums.
+    """
+    budget = DEFAULT_MEMORY_BUDGET if memory_budget is None else int(memory_budget)
+    per_tile = block_n * V * torch.empty((), dtype=operand).element_size() + 4 * V
+    tiles = max(1, budget // max(per_tile, 1))
+    return int(min(tiles, triton.cdiv(max(n_rows, 1), block_n)) * block_n)
 
 
 def linear_logprobs_backward(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     bias: Optional[torch.Tensor],
-    rows: torch.Tensor,
     labels: torch.Tensor,
-    lse: torch.Tensor,
+    row_max: torch.Tensor,
+    log_sum: torch.Tensor,
     entropy: torch.Tensor,
-    grad_logp: torch.Tensor,
+    grad_logp: Optional[torch.Tensor],
     grad_entropy: Optional[torch.Tensor],
+    order: torch.Tensor,
+    count: torch.Tensor,
     temperature: float = 1.0,
     *,
     compute_dh: bool = True,
     compute_dw: bool = True,
     compute_db: bool = True,
-    deterministic: bool = False,
-    filter_eps: Optional[float] = None,
-    config: Optional[Dict[str, int]] = None,
-) -> tuple:
-    """fp32 gradients of ``sum(grad_logp * logp + grad_entropy * entropy)`` over the rows ``rows``.
+    memory_budget: Optional[int] = None,
+    config: Optional[Dict[str, Dict[str, int]]] = None,
+) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """Gradients of ``sum(grad_logp * logp + grad_entropy * entropy)`` over the rows ``order[:count]``.
 
     Args:
-        hidden: ``[N, H]`` or ``[B, T, H]`` (any strides). weight: ``[V, H]``. bias: ``[V]`` or None.
-        rows: ``[M]`` int64 token indices (only rows with a non-zero gradient should be passed).
-        labels, lse, entropy, grad_logp, grad_entropy: ``[M]`` (int64 / fp32) for those rows;
-            ``lse`` and ``entropy`` as returned by the forward. ``grad_entropy`` may be None.
-        deterministic: use the two atomic-free kernels (fixed summation order, bitwise repeatable).
-        filter_eps: skip tiles whose softmax entries are all below it (None: exact).
+        hidden: ``[N, H]`` or ``[B, T, H]`` (any strides), fp16/bf16/fp32. weight: ``[V, H]``, same dtype.
+        bias: ``[V]`` (any stride, any float dtype) or None, exactly as given to the forward.
+        labels, row_max, log_sum, entropy: ``[N]`` (int64 / fp32), as given to / returned by the forward.
+        grad_logp, grad_entropy: ``[N]`` fp32 or None (None: no gradient through that output).
+        order, count: the device-side compaction of the rows to visit (``linear_forward.compact_rows``).
+        memory_budget: bytes for the chunk buffers (default ``DEFAULT_MEMORY_BUDGET``; see the module).
+        config: the three kernels' launch configurations (default: :func:`pick_config`).
 
     Returns:
-        ``(dh [M, H] fp32 or None, dw [V, H] fp32 or None, db [V] fp32 or None)``.
+        ``(dh [N, H] in the hidden dtype or None, dw [V, H] fp32 or None, db [V] fp32 or None)``; rows of
+        ``dh`` outside ``order[:count]`` are exactly 0.
     """
-    M = rows.shape[0]
+    N = labels.shape[0]
     V, H = weight.shape
     device = hidden.device
-    dh = torch.zeros((M, H), device=device, dtype=torch.float32) if compute_dh else None
-    dw = torch.zeros((V, H), device=device, dtype=torch.float32) if compute_dw else None
     compute_db = compute_db and bias is not None
+    dh = torch.zeros((N, H), device=device, dtype=hidden.dtype) if compute_dh else None
+    dw = torch.zeros((V, H), device=device, dtype=torch.float32) if compute_dw else None
     db = torch.zeros(V, device=device, dtype=torch.float32) if compute_db else None
-    if M == 0 or not (compute_dh or compute_dw or compute_db):
+    has_logp, has_ent = grad_logp is not None, grad_entropy is not None
+    if N == 0 or V == 0 or not (compute_dh or compute_dw or compute_db) or not (has_logp or has_ent):
         return dh, dw, db
-    T, stride_hb, stride_ht, stride_hh = hidden_strides(hidden)
-    upcast = interpreting() and (hidden.dtype == torch.bfloat16 or weight.dtype == torch.bfloat16)
-    has_ent = grad_entropy is not None
-    dummy = lse
-    args = (
-        hidden, weight, bias if bias is not None else weight, rows, labels, lse, entropy,
-        grad_logp, grad_entropy if has_ent else dummy,
-    )
-    sizes = (M, V, H, T, stride_hb, stride_ht, stride_hh, weight.stride(0), weight.stride(1),
-             1.0 / float(temperature), float(filter_eps or 0.0))
-
-    def flags(cfg: Dict[str, int]) -> dict:
-        return dict(
-            HAS_BIAS=bias is not None, HAS_ENTROPY_GRAD=has_ent, FILTER=filter_eps is not None,
-            EVEN_H=H % max(cfg["BLOCK_H"], cfg.get("BLOCK_HG", 1)) == 0, UPCAST=upcast,
-            BLOCK_N=cfg["BLOCK_N"], BLOCK_V=cfg["BLOCK_V"], BLOCK_H=cfg["BLOCK_H"],
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        )
-
-    if not deterministic:
-        cfg = _pick_config(hidden.dtype, CUDA_BWD_CONFIG, config)
-        grid = (triton.cdiv(M, cfg["BLOCK_N"]) * triton.cdiv(V, cfg["BLOCK_V"]),)
-        linear_logprobs_bwd_kernel[grid](
-            *args,
-            dh if dh is not None else dummy, dw if dw is not None else dummy, db if db is not None else dummy,
-            *sizes, COMPUTE_DH=compute_dh, COMPUTE_DW=compute_dw, COMPUTE_DB=compute_db,
-            BLOCK_HG=cfg.get("BLOCK_HG", cfg["BLOCK_H"]), GROUP_N=cfg["GROUP_N"], **flags(cfg),
-        )
-        return dh, dw, db
-    if compute_dh:
-        cfg = _pick_config(hidden.dtype, CUDA_BWD_DH_CONFIG, config)
-        linear_logprobs_bwd_dh_kernel[(triton.cdiv(M, cfg["BLOCK_N"]),)](*args, dh, *sizes, **flags(cfg))
-    if compute_dw or compute_db:
-        cfg = _pick_config(hidden.dtype, CUDA_BWD_DW_CONFIG, config)
-        linear_logprobs_bwd_dw_kernel[(triton.cdiv(V, cfg["BLOCK_V"]),)](
-            *args, dw if dw is not None else dummy, db if db is not None else dummy, *sizes,
-            COMPUTE_DW=compute_dw, COMPUTE_DB=compute_db, **flags(cfg),
-        )
+    cfg = pick_config(hidden.dtype, config)
+    c_dz, c_dh, c_dw = cfg["dz"], cfg["dh"], cfg["dw"]
+    C = chunk_rows(N, V, hidden.dtype, c_dz["BLOCK_N"], memory_budget)
+    dz = torch.empty((C, V), device=device, dtype=hidden.dtype)
+    db_part = torch.empty((triton.cdiv(C, c_dz["BLOCK_N"]), V), device=device, dtype=torch.float32) if compute_db else dz
+    T, stride_hb, stride_ht, stride_hh = row_strides(hidden, "hidden")
+    upcast = upcast_dots(hidden, weight)
+    inv_t = 1.0 / float(temperature)
+    dummy = row_max
+    with device_guard(hidden):
+        for chunk_start in range(0, N, C):
+            rows_here = min(C, N - chunk_start)  # an upper bound: the kernels read count themselves
+            linear_dz_kernel[(triton.cdiv(rows_here, c_dz["BLOCK_N"]) * triton.cdiv(V, c_dz["BLOCK_V"]),)](
+                hidden, weight, bias if bias is not None else weight, order, count,
+                labels, row_max, log_sum, entropy,
+                grad_logp if has_logp else dummy, grad_entropy if has_ent else dummy, dz, db_part,
+                chunk_start, rows_here, V, H, T, stride_hb, stride_ht, stride_hh,
+                weight.stride(0), weight.stride(1), bias.stride(0) if bias is not None else 0, inv_t,
+                HAS_BIAS=bias is not None, HAS_LOGP_GRAD=has_logp, HAS_ENTROPY_GRAD=has_ent,
+                COMPUTE_DB=compute_db, EVEN_H=H % c_dz["BLOCK_H"] == 0, UPCAST=upcast,
+                BLOCK_N=c_dz["BLOCK_N"], BLOCK_V=c_dz["BLOCK_V"], BLOCK_H=c_dz["BLOCK_H"], GROUP=c_dz["GROUP"],
+                num_warps=c_dz["num_warps"], num_stages=c_dz["num_stages"],
+            )
+            if compute_dh:
+                linear_dh_kernel[(triton.cdiv(rows_here, c_dh["BLOCK_N"]) * triton.cdiv(H, c_dh["BLOCK_H"]),)](
+                    dz, weight, order, count, dh, chunk_start, rows_here, V, H,
+                    weight.stride(0), weight.stride(1), inv_t,
+                    UPCAST=upcast, BLOCK_N=c_dh["BLOCK_N"], BLOCK_H=c_dh["BLOCK_H"], BLOCK_V=c_dh["BLOCK_V"],
+                    GROUP=c_dh["GROUP"], num_warps=c_dh["num_warps"], num_stages=c_dh["num_stages"],
+                )
+            if compute_dw or compute_db:
+                h_tiles = triton.cdiv(H, c_dw["BLOCK_H"]) if compute_dw else 1
+                linear_dw_kernel[(triton.cdiv(V, c_dw["BLOCK_V"]) * h_tiles,)](
+                    dz, hidden, order, count, db_part, dw if compute_dw else dummy, db if compute_db else dummy,
+                    chunk_start, rows_here, V, H, T, stride_hb, stride_ht, stride_hh, inv_t,
+                    COMPUTE_DW=compute_dw, COMPUTE_DB=compute_db, UPCAST=upcast,
+                    BLOCK_V=c_dw["BLOCK_V"], BLOCK_H=c_dw["BLOCK_H"], BLOCK_K=c_dw["BLOCK_K"], GROUP=c_dw["GROUP"],
+                    DZ_BLOCK_N=c_dz["BLOCK_N"], num_warps=c_dw["num_warps"], num_stages=c_dw["num_stages"],
+                )
     return dh, dw, db
-
-
-_POINTERS = {
-    "hidden_ptr": "*bf16", "weight_ptr": "*bf16", "bias_ptr": "*bf16", "rows_ptr": "*i64", "labels_ptr": "*i64",
-    "lse_ptr": "*fp32", "ent_ptr": "*fp32", "g_logp_ptr": "*fp32", "g_ent_ptr": "*fp32",
-}
-_SIZES = {
-    "M": "i32", "V": "i32", "H": "i32", "T": "i32", "stride_hb": "i32", "stride_ht": "i32",
-    "stride_hh": "constexpr", "stride_wv": "i32", "stride_wh": "constexpr",
-    "inv_temperature": "fp32", "filter_eps": "fp32",
-}
-
-
-def _h100_entry(name: str, fn, outputs: dict, cfg: Dict[str, int], constexprs: dict, dtype: str = "bf16") -> dict:
-    blocks = {k: cfg[k] for k in ("BLOCK_N", "BLOCK_V", "BLOCK_H")}
-    for extra in ("BLOCK_HG", "GROUP_N"):
-        if extra in fn.arg_names:
-            blocks[extra] = cfg[extra]
-    constexprs = {"stride_hh": 1, "stride_wh": 1, "FILTER": False, "EVEN_H": True, "UPCAST": False,
-                  **constexprs, **blocks}
-    pointers = {k: v.replace("bf16", dtype) for k, v in _POINTERS.items()}
-    types = {**pointers, **outputs, **_SIZES, **{k: "constexpr" for k in constexprs}}
-    signature = {arg: types[arg] for arg in fn.arg_names}
-    aligned = [k for k, v in signature.items() if v.startswith("*")] + ["H", "stride_hb", "stride_ht", "stride_wv"]
-    return {"name": f"{name}[{dtype}]", "fn": fn, "signature": signature, "constexprs": constexprs,
-            "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"], "uses_dot": dtype != "fp32",
-            "aligned": aligned}
 
 
 def _h100_configs() -> list:
@@ -397,34 +323,42 @@ def _h100_configs() -> list:
     bf16 operands (the production case) must use HGMMA; fp32 operands are multiplied exactly
     (``input_precision="ieee"``: FMA, no tensor cores, by design), so their rows only check spills.
     """
-    atomic_out = {"dh_ptr": "*fp32", "dw_ptr": "*fp32", "db_ptr": "*fp32"}
-    full = {"HAS_BIAS": True, "HAS_ENTROPY_GRAD": True}
     out = []
-    for has_bias, has_ent in ((False, False), (True, True)):
-        out.append(_h100_entry(
-            f"linear_logprobs_bwd{'_bias' if has_bias else ''}{'_entropy' if has_ent else ''}",
-            linear_logprobs_bwd_kernel, atomic_out, CUDA_BWD_CONFIG,
-            {"HAS_BIAS": has_bias, "HAS_ENTROPY_GRAD": has_ent, "COMPUTE_DH": True, "COMPUTE_DW": True,
-             "COMPUTE_DB": has_bias},
-        ))
-    out.append(_h100_entry(
-        "linear_logprobs_bwd_dh_deterministic", linear_logprobs_bwd_dh_kernel, {"dh_ptr": "*fp32"},
-        CUDA_BWD_DH_CONFIG, full,
-    ))
-    dw_out = {"dw_ptr": "*fp32", "db_ptr": "*fp32"}
-    dw_flags = {**full, "COMPUTE_DW": True, "COMPUTE_DB": True}
-    out.append(_h100_entry(
-        "linear_logprobs_bwd_dw_deterministic", linear_logprobs_bwd_dw_kernel, dw_out, CUDA_BWD_DW_CONFIG, dw_flags,
-    ))
-    fp32 = CUDA_BWD_CONFIG_FP32
-    out.append(_h100_entry(
-        "linear_logprobs_bwd_bias_entropy", linear_logprobs_bwd_kernel, atomic_out, fp32,
-        {**full, "COMPUTE_DH": True, "COMPUTE_DW": True, "COMPUTE_DB": True}, dtype="fp32",
-    ))
-    out.append(_h100_entry("linear_logprobs_bwd_dh_deterministic", linear_logprobs_bwd_dh_kernel, {"dh_ptr": "*fp32"},
-                           fp32, full, dtype="fp32"))
-    out.append(_h100_entry("linear_logprobs_bwd_dw_deterministic", linear_logprobs_bwd_dw_kernel, dw_out, fp32,
-                           dw_flags, dtype="fp32"))
+    for dtype, cfgs in (("bf16", CUDA_BWD_CONFIG), ("fp32", CUDA_BWD_CONFIG_FP32)):
+        common = {"order_ptr": "*i64", "count_ptr": "*i64", "chunk_start": "i32", "C": "i32", "V": "i32", "H": "i32",
+                  "T": "i32", "stride_hb": "i32", "stride_ht": "i32", "stride_wv": "i32", "stride_bv": "i32",
+                  "inv_temperature": "fp32", "hidden_ptr": f"*{dtype}", "weight_ptr": f"*{dtype}",
+                  "dz_ptr": f"*{dtype}", "bias_ptr": "*fp32", "labels_ptr": "*i64", "max_ptr": "*fp32",
+                  "log_sum_ptr": "*fp32", "ent_ptr": "*fp32", "g_logp_ptr": "*fp32", "g_ent_ptr": "*fp32",
+                  "db_part_ptr": "*fp32", "dh_ptr": f"*{dtype}", "dw_ptr": "*fp32", "db_ptr": "*fp32"}
+        c = cfgs["dz"]
+        kernels = [
+            ("linear_dz_bias_entropy", linear_dz_kernel, c, {
+                "stride_hh": 1, "stride_wh": 1, "HAS_BIAS": True, "HAS_LOGP_GRAD": True, "HAS_ENTROPY_GRAD": True,
+                "COMPUTE_DB": True, "EVEN_H": True, "UPCAST": False, "BLOCK_N": c["BLOCK_N"],
+                "BLOCK_V": c["BLOCK_V"], "BLOCK_H": c["BLOCK_H"], "GROUP": c["GROUP"]}),
+            ("linear_dz", linear_dz_kernel, c, {
+                "stride_hh": 1, "stride_wh": 1, "HAS_BIAS": False, "HAS_LOGP_GRAD": True, "HAS_ENTROPY_GRAD": False,
+                "COMPUTE_DB": False, "EVEN_H": True, "UPCAST": False, "BLOCK_N": c["BLOCK_N"],
+                "BLOCK_V": c["BLOCK_V"], "BLOCK_H": c["BLOCK_H"], "GROUP": c["GROUP"]}),
+        ]
+        c = cfgs["dh"]
+        kernels.append(("linear_dh", linear_dh_kernel, c, {
+            "stride_wh": 1, "UPCAST": False, "BLOCK_N": c["BLOCK_N"], "BLOCK_H": c["BLOCK_H"],
+            "BLOCK_V": c["BLOCK_V"], "GROUP": c["GROUP"]}))
+        c = cfgs["dw"]
+        kernels.append(("linear_dw_db", linear_dw_kernel, c, {
+            "stride_hh": 1, "COMPUTE_DW": True, "COMPUTE_DB": True, "UPCAST": False, "BLOCK_V": c["BLOCK_V"],
+            "BLOCK_H": c["BLOCK_H"], "BLOCK_K": c["BLOCK_K"], "GROUP": c["GROUP"],
+            "DZ_BLOCK_N": cfgs["dz"]["BLOCK_N"]}))
+        for name, fn, c, constexprs in kernels:
+            signature = kernel_signature(fn, common, constexprs)
+            out.append({
+                "name": f"{name}[{dtype}]", "fn": fn, "signature": signature, "constexprs": constexprs,
+                "num_warps": c["num_warps"], "num_stages": c["num_stages"], "uses_dot": dtype != "fp32",
+                "aligned": [k for k, v in signature.items() if v.startswith("*")]
+                + [k for k in ("H", "V", "stride_hb", "stride_ht", "stride_wv") if k in signature],
+            })
     return out
 
 

@@ -18,6 +18,14 @@ The autograd Function (``autograd.py``) turns the coefficients into gradients wi
 Per token (docs/math.md): ``c1 = min(w, delta)``, ``c2 = clamp(w, 1 - eps_low, 1 + eps_high)``,
 ``l = -min(c1 A, c2 A)``. ``dl/dw`` follows PyTorch's subgradients of the reference: the clamps pass the
 gradient on their closed intervals, and a tie ``c1 A == c2 A`` splits it in halves (``torch.minimum``).
+
+Overflow: a weight ``w = e^(logp - old)`` may be ``inf`` in fp32 (``old = logp - 100``) where the float64
+reference still has a finite ``e^100``. Every product with a weight is taken as ``_times(a, w)``: a factor
+``a == 0`` (a clipped token's ``dl/dw``, a zero advantage, a zero KL term) gives exactly 0, never
+``0 * inf = NaN``; a clipped or ``delta``-capped response therefore has finite loss and gradients.
+
+The level and loss-type codes are the positions of the names in ``config.IMPORTANCE_SAMPLING_LEVELS`` and
+``config.LOSS_TYPES``; the kernels compare them with the named constants below.
 """
 
 from __future__ import annotations
@@ -29,6 +37,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from gspo_kernels.backends.triton import device_guard
+from gspo_kernels.config import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, GSPOConfig
+from gspo_kernels.validation import LossInputs
+
 # Per-response partial sums written by the first kernel: row i of a [S, 16] fp32 buffer holds, in columns
 # 0..10, the aggregated loss sum, |y_i|, sum of masked entropy, sum of masked KL, low / high / region clip
 # counts, weight sum, weight min, weight max and the number of counted items.
@@ -37,11 +49,25 @@ PARTIALS_STRIDE = tl.constexpr(16)
 O_LOSS, O_SCALE_LOGP, O_SCALE_ENTROPY, O_LOW, O_HIGH, O_REGION, O_W_MEAN, O_W_MIN, O_W_MAX, O_ENTROPY, O_KL = range(11)
 NUM_OUTPUTS = 11
 
-LEVELS = {"token": 0, "sequence": 1, "sequence_token": 2}
-LOSS_TYPES = {"grpo": 0, "bnpo": 1, "dr_grpo": 2, "dapo": 3}
+LEVEL_CODES = {name: code for code, name in enumerate(IMPORTANCE_SAMPLING_LEVELS)}
+LOSS_TYPE_CODES = {name: code for code, name in enumerate(LOSS_TYPES)}
+# The codes as kernel constants (the kernels branch on these names, never on literal numbers).
+LEVEL_SEQUENCE = tl.constexpr(LEVEL_CODES["sequence"])
+LEVEL_SEQUENCE_TOKEN = tl.constexpr(LEVEL_CODES["sequence_token"])
+LEVEL_TOKEN = tl.constexpr(LEVEL_CODES["token"])
+LOSS_GRPO = tl.constexpr(LOSS_TYPE_CODES["grpo"])
+LOSS_BNPO = tl.constexpr(LOSS_TYPE_CODES["bnpo"])
+LOSS_DR_GRPO = tl.constexpr(LOSS_TYPE_CODES["dr_grpo"])
+LOSS_DAPO = tl.constexpr(LOSS_TYPE_CODES["dapo"])
 BLOCK_T = 1024
 BLOCK_S = 1024
 NUM_WARPS = 4
+
+
+@triton.jit
+def _times(a, w):
+    """``a * w`` where a zero ``a`` gives exactly 0 even when ``w`` overflowed to ``inf``."""
+    return tl.where(a == 0, 0.0, a * w)
 
 
 @triton.jit
@@ -60,6 +86,7 @@ def _gspo_sequence_kernel(
     eps_high,
     delta,
     beta,
+    log_ratio_clamp,
     LEVEL: tl.constexpr,
     HAS_OLD: tl.constexpr,
     HAS_ENTROPY: tl.constexpr,
@@ -70,6 +97,7 @@ def _gspo_sequence_kernel(
     ADV_PER_TOKEN: tl.constexpr,
     SEQ_MEAN: tl.constexpr,
     BLOCK_T: tl.constexpr,
+    HAS_CLAMP: tl.constexpr = False,
 ):
     seq = tl.program_id(0)
     start = tl.load(cu_seqlens_ptr + seq).to(tl.int64)
@@ -86,14 +114,20 @@ def _gspo_sequence_kernel(
         inside = idx < end
         m = tl.load(mask_ptr + idx, mask=inside, other=0.0)
         tok_acc += m
-        if LEVEL != 0:
+        if LEVEL != LEVEL_TOKEN:
             if HAS_OLD:
                 lp = tl.load(logp_ptr + idx, mask=inside, other=0.0)
                 old = tl.load(old_ptr + idx, mask=inside, other=0.0)
                 r_acc += tl.where(m > 0, lp - old, 0.0)
     n_tok = tl.sum(tok_acc, axis=0)
     denom = tl.maximum(n_tok, 1.0)
-    w_seq = tl.exp(tl.sum(r_acc, axis=0) / denom)
+    mean_r = tl.sum(r_acc, axis=0) / denom
+    if HAS_CLAMP:  # w = exp(min(log w, c)) (verl's guard); no gradient through a clamped weight
+        seq_pass = (mean_r <= log_ratio_clamp).to(tl.float32)
+        mean_r = tl.minimum(mean_r, log_ratio_clamp)
+    else:
+        seq_pass = 1.0
+    w_seq = tl.exp(mean_r)
     if SEQ_MEAN:
         lam = 1.0 / denom
     else:
@@ -118,17 +152,23 @@ def _gspo_sequence_kernel(
         m = tl.load(mask_ptr + idx, mask=inside, other=0.0)
         on = m > 0
         lp = tl.where(on, tl.load(logp_ptr + idx, mask=inside, other=0.0), 0.0)
-        if LEVEL == 0:
+        if LEVEL == LEVEL_TOKEN:
             if HAS_OLD:
                 old = tl.where(on, tl.load(old_ptr + idx, mask=inside, other=0.0), 0.0)
-                w = tl.exp(lp - old)
+                lr = lp - old
+                if HAS_CLAMP:
+                    w = tl.exp(tl.minimum(lr, log_ratio_clamp))
+                    dw = tl.where(lr <= log_ratio_clamp, w, 0.0)  # d w_t / d logp_t
+                else:
+                    w = tl.exp(lr)
+                    dw = w
             else:
                 w = tl.full([BLOCK_T], 1.0, tl.float32)
-            dw = w  # d w_t / d logp_t
+                dw = w
         else:
             w = tl.full([BLOCK_T], 1.0, tl.float32) * w_seq
-            if LEVEL == 2:
-                dw = w  # GSPO-token: the sequence value, the token's own gradient
+            if LEVEL == LEVEL_SEQUENCE_TOKEN:
+                dw = w * seq_pass  # GSPO-token: the sequence value, the token's own gradient
             else:
                 dw = tl.zeros([BLOCK_T], tl.float32)  # GSPO: flows through the mean (pass 3)
         if ADV_PER_TOKEN:
@@ -144,7 +184,7 @@ def _gspo_sequence_kernel(
         else:
             c1 = w
             dc1 = tl.full([BLOCK_T], 1.0, tl.float32)
-        u1 = c1 * adv
+        u1 = _times(adv, c1)  # c1 = w may be inf; a zero advantage contributes 0
         u2 = c2 * adv
         loss = -tl.minimum(u1, u2)
         dmin = tl.where(u1 < u2, dc1, tl.where(u1 > u2, dc2, 0.5 * (dc1 + dc2)))
@@ -162,8 +202,8 @@ def _gspo_sequence_kernel(
             dkl = 1.0 - ed
             if BIAS_CORRECTION_KL:
                 dl_dw += beta * kl
-                direct = beta * dkl * w
-                kl = kl * w
+                direct = _times(beta * dkl, w)
+                kl = _times(kl, w)
             else:
                 direct = beta * dkl
             loss += beta * kl
@@ -171,13 +211,13 @@ def _gspo_sequence_kernel(
         loss_acc += tl.where(on, loss, 0.0)
         if HAS_ENTROPY:
             ent_acc += tl.where(on, tl.load(entropy_ptr + idx, mask=inside, other=0.0), 0.0)
-        if LEVEL == 1:
+        if LEVEL == LEVEL_SEQUENCE:
             q_acc += tl.where(on, dl_dw, 0.0)
             coef = tl.where(on, lam * direct, 0.0)
         else:
-            coef = tl.where(on, lam * (dl_dw * dw + direct), 0.0)
+            coef = tl.where(on, lam * (_times(dl_dw, dw) + direct), 0.0)
         tl.store(coef_ptr + idx, coef, mask=inside)
-        if (LEVEL != 1) | ADV_PER_TOKEN:  # metrics over unmasked tokens
+        if (LEVEL != LEVEL_SEQUENCE) | ADV_PER_TOKEN:  # metrics over unmasked tokens
             low = on & (w < low_edge) & (adv < 0)
             high = on & (w > high_edge) & (adv > 0)
             low_acc += low.to(tl.float32)
@@ -187,9 +227,9 @@ def _gspo_sequence_kernel(
             w_min = tl.minimum(w_min, tl.where(on, w, float("inf")))
             w_max = tl.maximum(w_max, tl.where(on, w, float("-inf")))
 
-    if LEVEL == 1:
+    if LEVEL == LEVEL_SEQUENCE:
         # Pass 3: the gradient through the mean log-ratio reaches every unmasked token of the response.
-        cross = lam * tl.sum(q_acc, axis=0) * w_seq / denom
+        cross = _times(lam * tl.sum(q_acc, axis=0) * seq_pass / denom, w_seq)
         for t0 in range(start, end, BLOCK_T):
             idx = t0 + offs
             inside = idx < end
@@ -202,7 +242,7 @@ def _gspo_sequence_kernel(
     tl.store(out + 1, n_tok)
     tl.store(out + 2, tl.sum(ent_acc, axis=0))
     tl.store(out + 3, tl.sum(kl_acc, axis=0))
-    if (LEVEL != 1) | ADV_PER_TOKEN:
+    if (LEVEL != LEVEL_SEQUENCE) | ADV_PER_TOKEN:
         tl.store(out + 4, tl.sum(low_acc, axis=0))
         tl.store(out + 5, tl.sum(high_acc, axis=0))
         tl.store(out + 6, tl.sum(region_acc, axis=0))
@@ -267,11 +307,11 @@ def _gspo_reduce_kernel(
     token_mean = tl.maximum(total_tokens, 1.0)
     n_units = tl.sum(units, axis=0)
     unit_mean = tl.maximum(n_units, 1.0)
-    if LOSS_TYPE == 0:  # grpo: mean over responses of the per-response token means
+    if LOSS_TYPE == LOSS_GRPO:  # grpo: mean over responses of the per-response token means
         denominator = grpo_denominator
-    elif LOSS_TYPE == 1:  # bnpo: token mean
+    elif LOSS_TYPE == LOSS_BNPO:  # bnpo: token mean
         denominator = token_mean
-    elif LOSS_TYPE == 2:  # dr_grpo: S * max_completion_length
+    elif LOSS_TYPE == LOSS_DR_GRPO:  # dr_grpo: S * max_completion_length
         denominator = dr_grpo_denominator
     else:  # dapo: the caller's global token count, else this batch's
         if HAS_NUM_ITEMS:
@@ -300,123 +340,90 @@ def _f32(x: Optional[Tensor]) -> Optional[Tensor]:
 
 
 def sequence_stage(
-    logp: Tensor,
-    entropy: Optional[Tensor],
-    mask: Tensor,
-    cu_seqlens: Tensor,
-    advantages: Tensor,
-    *,
-    advantages_per_token: bool,
-    old_logprobs: Optional[Tensor],
-    ref_logprobs: Optional[Tensor],
-    is_ratio: Optional[Tensor],
-    num_items_in_batch: Optional[Tensor],
-    importance_sampling_level: str,
-    loss_type: str,
-    epsilon_low: float,
-    epsilon_high: float,
-    delta: Optional[float],
-    beta: float,
-    use_bias_correction_kl: bool,
-    max_completion_length: Optional[int],
-    entropy_coef: float,
+    logp: Tensor, entropy: Optional[Tensor], inputs: LossInputs, config: GSPOConfig
 ) -> Tuple[Tensor, Tensor]:
     """Launch both kernels.
 
     Args:
-        logp, entropy, mask, old_logprobs, ref_logprobs, is_ratio: ``[N]`` (converted to contiguous fp32).
-        cu_seqlens: ``[S + 1]`` int32/int64 response boundaries.
-        advantages: ``[S]`` or ``[N]`` (``advantages_per_token``).
-        num_items_in_batch: 0-dim tensor or None (``"dapo"``'s divisor).
-        The rest: the fields of :class:`gspo_kernels.config.GSPOConfig` (``beta > 0`` needs ``ref_logprobs``).
+        logp, entropy: ``[N]`` (converted to contiguous fp32); ``entropy`` None when it is not needed.
+        inputs: the validated per-token inputs (mask, ``cu_seqlens``, advantages ``[S]`` or ``[N]``, optional
+            old / reference log-probs, ``is_ratio``, ``num_items_in_batch``).
+        config: the loss options (``beta > 0`` needs ``inputs.ref_logprobs``).
 
     Returns:
         ``coef [N]`` fp32, ``dL/dlogp_t = coef_t * out[O_SCALE_LOGP]``, and ``out [NUM_OUTPUTS]`` fp32
         (loss, gradient scales and metrics at the ``O_*`` indices).
     """
+    batch = inputs.batch
     device = logp.device
     n_tokens = logp.numel()
-    num_seqs = cu_seqlens.numel() - 1
-    has_kl = beta > 0
-    if has_kl and ref_logprobs is None:
+    num_seqs = batch.cu_seqlens.numel() - 1
+    has_kl = config.beta > 0
+    if has_kl and inputs.ref_logprobs is None:
         raise ValueError("ref_logprobs is required when beta > 0")
     coef = torch.empty(n_tokens, device=device, dtype=torch.float32)
     partials = torch.empty((max(num_seqs, 1), PARTIALS_STRIDE.value), device=device, dtype=torch.float32)
     out = torch.empty(NUM_OUTPUTS, device=device, dtype=torch.float32)
     logp32 = _f32(logp)
     entropy32 = _f32(entropy)
-    old32, ref32, ratio32 = _f32(old_logprobs), _f32(ref_logprobs), _f32(is_ratio)
-    adv32 = _f32(advantages)
-    mask32 = _f32(mask)
-    cu = cu_seqlens.contiguous()
-    if num_seqs > 0:
-        _gspo_sequence_kernel[(num_seqs,)](
-            logp32,
-            entropy32 if entropy32 is not None else logp32,
-            old32 if old32 is not None else logp32,
-            ref32 if ref32 is not None else logp32,
-            adv32,
-            ratio32 if ratio32 is not None else logp32,
-            mask32,
-            cu,
-            coef,
+    old32, ref32, ratio32 = _f32(inputs.old_logprobs), _f32(inputs.ref_logprobs), _f32(inputs.is_ratio)
+    adv32 = _f32(inputs.advantages)
+    mask32 = _f32(batch.mask)
+    cu = batch.cu_seqlens.contiguous()
+    with device_guard(logp):
+        if num_seqs > 0:
+            _gspo_sequence_kernel[(num_seqs,)](
+                logp32,
+                entropy32 if entropy32 is not None else logp32,
+                old32 if old32 is not None else logp32,
+                ref32 if ref32 is not None else logp32,
+                adv32,
+                ratio32 if ratio32 is not None else logp32,
+                mask32,
+                cu,
+                coef,
+                partials,
+                float(config.epsilon_low),
+                float(config.epsilon_high),
+                float(config.delta) if config.delta is not None else 0.0,
+                float(config.beta),
+                float(config.log_ratio_clamp) if config.log_ratio_clamp is not None else 0.0,
+                LEVEL=LEVEL_CODES[config.importance_sampling_level],
+                HAS_OLD=old32 is not None,
+                HAS_ENTROPY=entropy32 is not None,
+                HAS_KL=has_kl,
+                BIAS_CORRECTION_KL=bool(config.use_bias_correction_kl),
+                HAS_IS_RATIO=ratio32 is not None,
+                HAS_DELTA=config.delta is not None,
+                ADV_PER_TOKEN=bool(inputs.advantages_per_token),
+                SEQ_MEAN=config.loss_type == "grpo",
+                BLOCK_T=BLOCK_T,
+                HAS_CLAMP=config.log_ratio_clamp is not None,
+                num_warps=NUM_WARPS,
+            )
+        grpo_denominator = float(max(num_seqs, 1))
+        dr_grpo_denominator = grpo_denominator * float(config.max_completion_length or 1)
+        items = inputs.num_items_in_batch
+        items = None if items is None else items.detach().reshape(1).to(device=device, dtype=torch.float32)
+        _gspo_reduce_kernel[(1,)](
             partials,
-            float(epsilon_low),
-            float(epsilon_high),
-            float(delta) if delta is not None else 0.0,
-            float(beta),
-            LEVEL=LEVELS[importance_sampling_level],
-            HAS_OLD=old32 is not None,
-            HAS_ENTROPY=entropy32 is not None,
-            HAS_KL=has_kl,
-            BIAS_CORRECTION_KL=bool(use_bias_correction_kl),
-            HAS_IS_RATIO=ratio32 is not None,
-            HAS_DELTA=delta is not None,
-            ADV_PER_TOKEN=bool(advantages_per_token),
-            SEQ_MEAN=loss_type == "grpo",
-            BLOCK_T=BLOCK_T,
+            items if items is not None else out,
+            out,
+            num_seqs,
+            grpo_denominator,
+            dr_grpo_denominator,
+            float(config.entropy_coef),
+            LOSS_TYPE=LOSS_TYPE_CODES[config.loss_type],
+            HAS_NUM_ITEMS=items is not None,
+            BLOCK_S=BLOCK_S,
             num_warps=NUM_WARPS,
         )
-    grpo_denominator = float(max(num_seqs, 1))
-    dr_grpo_denominator = grpo_denominator * float(max_completion_length or 1)
-    items = None if num_items_in_batch is None else num_items_in_batch.detach().reshape(1).to(torch.float32)
-    _gspo_reduce_kernel[(1,)](
-        partials,
-        items if items is not None else out,
-        out,
-        num_seqs,
-        grpo_denominator,
-        dr_grpo_denominator,
-        float(entropy_coef),
-        LOSS_TYPE=LOSS_TYPES[loss_type],
-        HAS_NUM_ITEMS=items is not None,
-        BLOCK_S=BLOCK_S,
-        num_warps=NUM_WARPS,
-    )
     return coef, out
-
-
-_SEQUENCE_SIGNATURE = {
-    "logp_ptr": "*fp32",
-    "entropy_ptr": "*fp32",
-    "old_ptr": "*fp32",
-    "ref_ptr": "*fp32",
-    "adv_ptr": "*fp32",
-    "is_ratio_ptr": "*fp32",
-    "mask_ptr": "*fp32",
-    "cu_seqlens_ptr": "*i32",
-    "coef_ptr": "*fp32",
-    "partials_ptr": "*fp32",
-    "eps_low": "fp32",
-    "eps_high": "fp32",
-    "delta": "fp32",
-    "beta": "fp32",
-}
 
 
 def _sequence_config(level: str, **flags: bool) -> dict:
     constexprs = {
-        "LEVEL": LEVELS[level],
+        "LEVEL": LEVEL_CODES[level],
         "HAS_OLD": True,
         "HAS_ENTROPY": True,
         "HAS_KL": False,
@@ -426,15 +433,19 @@ def _sequence_config(level: str, **flags: bool) -> dict:
         "ADV_PER_TOKEN": False,
         "SEQ_MEAN": True,
         "BLOCK_T": BLOCK_T,
+        "HAS_CLAMP": False,
     }
     constexprs.update(flags)
     short = {"HAS_KL": "kl", "BIAS_CORRECTION_KL": "kl_bias_corr", "HAS_IS_RATIO": "is_ratio", "HAS_DELTA": "delta",
-             "ADV_PER_TOKEN": "token_adv"}
+             "ADV_PER_TOKEN": "token_adv", "HAS_CLAMP": "clamp"}
     on = ",".join(short.get(k, k.lower()) for k, v in flags.items() if v)
     return {
         "name": f"gspo_sequence[{level}{',' + on if on else ''}]",
         "fn": _gspo_sequence_kernel,
-        "signature": dict(_SEQUENCE_SIGNATURE),
+        # The signature is derived from the argument names (h100_report.derive_signature): every pointer is
+        # fp32 but cu_seqlens; the five scalars are fp32.
+        "pointers": {"cu_seqlens_ptr": "i32"},
+        "floats": ["eps_low", "eps_high", "delta", "beta", "log_ratio_clamp"],
         "constexprs": constexprs,
         "num_warps": NUM_WARPS,
         "num_stages": 3,
@@ -447,19 +458,12 @@ H100_CONFIGS = [
     _sequence_config("sequence", HAS_KL=True, BIAS_CORRECTION_KL=True, HAS_IS_RATIO=True, HAS_DELTA=True),
     _sequence_config("sequence_token", ADV_PER_TOKEN=True, HAS_IS_RATIO=True),
     _sequence_config("token", HAS_KL=True, HAS_DELTA=True),
+    _sequence_config("sequence_token", ADV_PER_TOKEN=True, HAS_IS_RATIO=True, HAS_CLAMP=True),
     {
         "name": "gspo_reduce[dapo]",
         "fn": _gspo_reduce_kernel,
-        "signature": {
-            "partials_ptr": "*fp32",
-            "num_items_ptr": "*fp32",
-            "out_ptr": "*fp32",
-            "num_seqs": "i32",
-            "grpo_denominator": "fp32",
-            "dr_grpo_denominator": "fp32",
-            "entropy_coef": "fp32",
-        },
-        "constexprs": {"LOSS_TYPE": LOSS_TYPES["dapo"], "HAS_NUM_ITEMS": True, "BLOCK_S": BLOCK_S},
+        "floats": ["grpo_denominator", "dr_grpo_denominator", "entropy_coef"],
+        "constexprs": {"LOSS_TYPE": LOSS_TYPE_CODES["dapo"], "HAS_NUM_ITEMS": True, "BLOCK_S": BLOCK_S},
         "num_warps": NUM_WARPS,
         "num_stages": 3,
     },

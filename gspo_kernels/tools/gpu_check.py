@@ -1,0 +1,468 @@
+"""``gspo-kernels gpu-check``: the one command to run first on a machine with a GPU.
+
+It runs, in order, each step under its own time limit and all of them under one budget (20 minutes by
+default, sized for an H100):
+
+1. ``versions``: Python, torch (and the CUDA it was built with), triton, the driver and the devices
+   (``nvidia-smi``), the library's path and git commit.
+2. ``h100-report``: the static sm_90a report (registers, spills, HGMMA, 128-bit loads) compiled with the
+   *installed* Triton (``gspo-kernels h100-report``).
+3. ``gpu-tests``: ``pytest -m gpu tests`` (the GPU-only checks: the bf16 tensor-core path against float64,
+   determinism, peak memory, devices other than the current one).
+4. ``triton-tests``: ``tests/test_triton_logits.py`` and ``tests/test_triton_linear.py`` (every kernel
+   against the float64 reference, on the GPU this time instead of the interpreter).
+5. ``memcheck``: ``compute-sanitizer --tool memcheck`` over small shapes of every Triton launch
+   (``--workload``), with PyTorch's caching allocator off so that a read past an allocation is caught;
+   skipped with a reason when ``compute-sanitizer`` is not installed.
+6. ``benchmarks``: ``benchmarks/test_gpu_logits.py`` (GB/s against the 3-pass floor, the peers, the
+   backward at 100/50/25% active rows) and ``benchmarks/test_gpu_linear.py`` (TFLOP/s against 6NHV / 8NHV,
+   the backward at 100/50/25% active rows, the peers).
+
+Everything goes to ``<out>/gpu_check.json`` and ``<out>/gpu_check.md`` (rewritten after each step, so an
+interrupted run still leaves what it measured), next to each step's own files (``h100_report.json``,
+``gpu_tests.xml``, ``triton_tests.xml``, ``benchmarks.json``, ``bench_linear.jsonl``, ``memcheck.log``).
+
+Without a CUDA device the command says so and exits with status 2 after writing a report whose steps are
+all "not run". ``--static-only`` runs only what needs no GPU (``versions`` and ``h100-report``) on any
+machine and exits 0 when they pass.
+
+Exit status: 0 when every step that ran passed (steps skipped with a reason do not fail the check), 1 when
+a step failed or timed out, 2 when there is no CUDA device (and ``--static-only`` was not given).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence
+
+# The directory holding the gspo_kernels package (the repository root in a checkout).
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DEFAULT_BUDGET_S = 20 * 60
+STATIC_STEPS = ("versions", "h100-report")
+ALL_STEPS = ("versions", "h100-report", "gpu-tests", "triton-tests", "memcheck", "benchmarks")
+
+
+@dataclass
+class StepResult:
+    """The outcome of one step: ``status`` is ok, failed, timeout, skipped or not run."""
+
+    name: str
+    status: str
+    seconds: float = 0.0
+    summary: str = ""
+    data: Dict[str, object] = field(default_factory=dict)
+    output_tail: str = ""
+
+
+@dataclass
+class Step:
+    """``run(out_dir, time_limit_s) -> StepResult``; ``limit_s``: this step's own time limit."""
+
+    name: str
+    run: Callable[[str, float], StepResult]
+    limit_s: float
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", default="results", help="directory for gpu_check.json / gpu_check.md (results)")
+    parser.add_argument("--steps", default=",".join(ALL_STEPS),
+                        help=f"comma-separated steps to run, in order (default: all: {','.join(ALL_STEPS)})")
+    parser.add_argument("--static-only", action="store_true",
+                        help="run only the steps that need no GPU (versions, h100-report), on any machine")
+    parser.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S,
+                        help="time budget of the whole check in seconds (default 1200)")
+    parser.add_argument("--workload", action="store_true", help=argparse.SUPPRESS)  # the memcheck target
+
+
+def parse_steps(text: str) -> List[str]:
+    """The step names of ``--steps``, checked against :data:`ALL_STEPS`."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in ALL_STEPS]
+    if unknown or not names:
+        raise ValueError(f"--steps must name steps among {', '.join(ALL_STEPS)}; got {text!r}")
+    return names
+
+
+# --- the steps ---------------------------------------------------------------------------------------------
+
+
+def _env() -> Dict[str, str]:
+    """The environment of the subprocesses: no interpreter, this copy of the library first on the path."""
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
+    return env
+
+
+def _tail(text: str, n: int = 4000) -> str:
+    return text[-n:]
+
+
+def _subprocess(name: str, argv: Sequence[str], limit_s: float, env: Optional[Dict[str, str]] = None,
+                log_path: Optional[str] = None) -> StepResult:
+    """Run ``argv`` from the repository root; ok on exit status 0, timeout past ``limit_s``."""
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(list(argv), cwd=ROOT, env=env or _env(), capture_output=True, text=True,
+                              timeout=max(limit_s, 1.0))
+    except subprocess.TimeoutExpired as exc:
+        out = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        return StepResult(name, "timeout", time.perf_counter() - start, f"killed after {limit_s:.0f} s",
+                          output_tail=_tail(out))
+    except FileNotFoundError as exc:
+        return StepResult(name, "failed", time.perf_counter() - start, f"cannot run: {exc}")
+    output = proc.stdout + proc.stderr
+    if log_path:
+        with open(log_path, "w") as f:
+            f.write(output)
+    status = "ok" if proc.returncode == 0 else "failed"
+    return StepResult(name, status, time.perf_counter() - start, f"exit status {proc.returncode}",
+                      data={"returncode": proc.returncode}, output_tail=_tail(output))
+
+
+def step_versions(out_dir: str, limit_s: float) -> StepResult:
+    start = time.perf_counter()
+    import torch
+
+    data: Dict[str, object] = {"python": platform.python_version(), "platform": platform.platform(),
+                               "torch": torch.__version__, "torch_cuda": torch.version.cuda,
+                               "cuda_available": torch.cuda.is_available(), "library": ROOT}
+    try:
+        import triton
+
+        data["triton"] = triton.__version__
+    except Exception as exc:  # reported, not fatal: the report says what is missing
+        data["triton"] = f"not importable: {exc}"
+    if torch.cuda.is_available():
+        data["devices"] = [
+            {"index": i, "name": torch.cuda.get_device_name(i),
+             "capability": ".".join(map(str, torch.cuda.get_device_capability(i))),
+             "memory_gib": round(torch.cuda.get_device_properties(i).total_memory / 2**30, 1)}
+            for i in range(torch.cuda.device_count())
+        ]
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        try:
+            data["nvidia_smi"] = subprocess.run(
+                [smi, "--query-gpu=name,driver_version,memory.total,clocks.max.sm", "--format=csv,noheader"],
+                capture_output=True, text=True, timeout=30).stdout.strip()
+        except Exception as exc:
+            data["nvidia_smi"] = f"failed: {exc}"
+    try:
+        data["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+                                            text=True, timeout=10).stdout.strip() or None
+    except Exception:
+        data["git_commit"] = None
+    devices = ", ".join(d["name"] for d in data.get("devices", [])) or "no CUDA device"
+    summary = f"torch {data['torch']} (CUDA {data['torch_cuda']}), triton {data['triton']}; {devices}"
+    return StepResult("versions", "ok", time.perf_counter() - start, summary, data)
+
+
+def step_h100_report(out_dir: str, limit_s: float) -> StepResult:
+    path = os.path.join(out_dir, "h100_report.json")
+    result = _subprocess("h100-report", [sys.executable, "-m", "gspo_kernels", "h100-report", "--json", path],
+                         limit_s)
+    if os.path.exists(path):
+        with open(path) as f:
+            rows = json.load(f)
+        from gspo_kernels.tools.h100_report import problems
+
+        failing = {row["name"]: problems(row) for row in rows if problems(row)}
+        result.data.update(configs=len(rows), failing=failing, file=path,
+                           max_registers=max((row.get("registers") or 0) for row in rows) if rows else 0)
+        result.summary = f"{len(rows)} configurations, {len(failing)} failing"
+    return result
+
+
+def _junit_counts(path: str) -> Dict[str, int]:
+    import xml.etree.ElementTree as ET
+
+    counts = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
+    root = ET.parse(path).getroot()
+    suites = [root] if root.tag == "testsuite" else list(root)
+    for suite in suites:
+        for key in counts:
+            counts[key] += int(suite.get(key, 0))
+    counts["passed"] = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
+    return counts
+
+
+def _pytest_step(name: str, out_dir: str, limit_s: float, args: Sequence[str], xml_name: str) -> StepResult:
+    xml = os.path.join(out_dir, xml_name)
+    result = _subprocess(name, [sys.executable, "-m", "pytest", *args, "-q", "-rs", "-p", "no:cacheprovider",
+                                f"--junitxml={xml}"], limit_s)
+    if os.path.exists(xml):
+        counts = _junit_counts(xml)
+        result.data.update(counts, file=xml)
+        result.summary = (f"{counts['passed']} passed, {counts['failures'] + counts['errors']} failed, "
+                          f"{counts['skipped']} skipped")
+        if result.status == "ok" and counts["tests"] == counts["skipped"]:
+            result.status = "failed"  # nothing ran: a check that cannot fail is no check
+            result.summary += " (every test skipped)"
+    return result
+
+
+def step_gpu_tests(out_dir: str, limit_s: float) -> StepResult:
+    return _pytest_step("gpu-tests", out_dir, limit_s, ["-m", "gpu", "tests"], "gpu_tests.xml")
+
+
+def step_triton_tests(out_dir: str, limit_s: float) -> StepResult:
+    files = [f for f in ("tests/test_triton_logits.py", "tests/test_triton_linear.py")
+             if os.path.exists(os.path.join(ROOT, f))]
+    return _pytest_step("triton-tests", out_dir, limit_s, files, "triton_tests.xml")
+
+
+def compute_sanitizer() -> Optional[str]:
+    """Path of ``compute-sanitizer`` (PATH, then ``$CUDA_HOME/bin``, then ``/usr/local/cuda/bin``), or None."""
+    found = shutil.which("compute-sanitizer")
+    if found:
+        return found
+    for home in (os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
+        if home and os.path.exists(os.path.join(home, "bin", "compute-sanitizer")):
+            return os.path.join(home, "bin", "compute-sanitizer")
+    return None
+
+
+def step_memcheck(out_dir: str, limit_s: float) -> StepResult:
+    sanitizer = compute_sanitizer()
+    if sanitizer is None:
+        return StepResult("memcheck", "skipped", 0.0, "compute-sanitizer not found (PATH, $CUDA_HOME/bin, "
+                          "/usr/local/cuda/bin): install the CUDA toolkit to run it")
+    env = _env()
+    env["PYTORCH_NO_CUDA_MEMORY_CACHING"] = "1"  # every tensor its own allocation: overreads are caught
+    log = os.path.join(out_dir, "memcheck.log")
+    result = _subprocess("memcheck", [sanitizer, "--tool", "memcheck", "--error-exitcode", "3",
+                                      sys.executable, "-m", "gspo_kernels", "gpu-check", "--workload"],
+                         limit_s, env=env, log_path=log)
+    result.data["file"] = log
+    if "ERROR SUMMARY" in result.output_tail:
+        result.summary = result.output_tail[result.output_tail.rindex("ERROR SUMMARY"):].splitlines()[0]
+    return result
+
+
+def _benchmark_rows(out_dir: str) -> List[dict]:
+    """Rows of both benchmark files: pytest-benchmark's JSON (logits) and the JSON lines of the linear one."""
+    rows = []
+    path = os.path.join(out_dir, "benchmarks.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            for bench in json.load(f).get("benchmarks", []):
+                row = {"test": bench.get("name"), "median_ms": bench["stats"]["median"] * 1e3}
+                row.update(bench.get("extra_info", {}))
+                rows.append(row)
+    path = os.path.join(out_dir, "bench_linear.jsonl")
+    if os.path.exists(path):
+        with open(path) as f:
+            rows.extend(json.loads(line) for line in f if line.strip())
+    return rows
+
+
+def step_benchmarks(out_dir: str, limit_s: float) -> StepResult:
+    env = _env()
+    env["GSPO_BENCH_JSON"] = os.path.join(out_dir, "bench_linear.jsonl")
+    if os.path.exists(env["GSPO_BENCH_JSON"]):
+        os.remove(env["GSPO_BENCH_JSON"])
+    files = [f for f in ("benchmarks/test_gpu_logits.py", "benchmarks/test_gpu_linear.py")
+             if os.path.exists(os.path.join(ROOT, f))]
+    result = _subprocess("benchmarks", [sys.executable, "-m", "pytest", *files, "-q", "-s", "-rs", "-p",
+                                        "no:cacheprovider",
+                                        f"--benchmark-json={os.path.join(out_dir, 'benchmarks.json')}"],
+                         limit_s, env=env)
+    rows = _benchmark_rows(out_dir)
+    result.data["rows"] = rows
+    result.summary = f"{len(rows)} measurements" + ("" if result.status == "ok" else f"; {result.summary}")
+    if result.status == "ok" and not rows:
+        result.status = "failed"  # every benchmark skipped: nothing was measured
+        result.summary += " (every benchmark skipped)"
+    return result
+
+
+STEP_FUNCTIONS: Dict[str, Callable[[str, float], StepResult]] = {
+    "versions": step_versions,
+    "h100-report": step_h100_report,
+    "gpu-tests": step_gpu_tests,
+    "triton-tests": step_triton_tests,
+    "memcheck": step_memcheck,
+    "benchmarks": step_benchmarks,
+}
+STEP_LIMITS_S = {"versions": 60, "h100-report": 300, "gpu-tests": 300, "triton-tests": 300, "memcheck": 300,
+                 "benchmarks": 600}
+
+
+def make_steps(names: Sequence[str]) -> List[Step]:
+    return [Step(name, STEP_FUNCTIONS[name], STEP_LIMITS_S[name]) for name in names]
+
+
+# --- running and reporting ---------------------------------------------------------------------------------
+
+
+def run_steps(steps: Sequence[Step], out_dir: str, budget_s: float = DEFAULT_BUDGET_S,
+              header: Optional[Dict[str, object]] = None) -> List[StepResult]:
+    """Run ``steps`` in order within ``budget_s``; rewrite the JSON and Markdown reports after each one.
+
+    A step that raises is a failed step (the exception is its summary); a step with no time left is
+    "not run".
+    """
+    os.makedirs(out_dir, exist_ok=True)
+    results: List[StepResult] = []
+    deadline = time.monotonic() + budget_s
+    for step in steps:
+        left = deadline - time.monotonic()
+        if left <= 1:
+            results.append(StepResult(step.name, "not run", 0.0, "the time budget was spent"))
+        else:
+            start = time.perf_counter()
+            print(f"gpu-check: {step.name} (at most {min(step.limit_s, left):.0f} s) ...", flush=True)
+            try:
+                result = step.run(out_dir, min(step.limit_s, left))
+            except Exception as exc:
+                result = StepResult(step.name, "failed", time.perf_counter() - start, f"{type(exc).__name__}: {exc}")
+            print(f"gpu-check: {step.name}: {result.status} ({result.seconds:.0f} s) {result.summary}", flush=True)
+            results.append(result)
+        write_reports(results, out_dir, header)
+    return results
+
+
+def exit_status(results: Sequence[StepResult]) -> int:
+    return 1 if any(r.status in ("failed", "timeout") for r in results) else 0
+
+
+def write_reports(results: Sequence[StepResult], out_dir: str, header: Optional[Dict[str, object]] = None) -> None:
+    """``gpu_check.json`` (everything) and ``gpu_check.md`` (one table of steps, one of measurements)."""
+    header = dict(header or {})
+    header.setdefault("written_utc", time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()))
+    with open(os.path.join(out_dir, "gpu_check.json"), "w") as f:
+        json.dump({"header": header, "steps": [asdict(r) for r in results]}, f, indent=1, default=str)
+    with open(os.path.join(out_dir, "gpu_check.md"), "w") as f:
+        f.write(format_markdown(results, header))
+
+
+def _cell(value: object) -> str:
+    if isinstance(value, float):
+        return f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
+    return str(value).replace("|", "/").replace("\n", " ")
+
+
+BENCH_COLUMNS = ("case", "impl", "test", "active_share", "median_ms", "ms", "fwd_ms", "bwd_ms", "GB_s",
+                 "fraction_of_hbm_peak", "tflops_8nhv", "bwd_tflops_6nhv", "bwd_tflops_6nhv_active",
+                 "share_of_790", "device")
+
+
+def format_markdown(results: Sequence[StepResult], header: Optional[Dict[str, object]] = None) -> str:
+    lines = ["# gspo-kernels gpu-check", ""]
+    for key, value in (header or {}).items():
+        lines.append(f"- {key}: {_cell(value)}")
+    lines += ["", "| step | status | seconds | summary |", "|---|---|---|---|"]
+    for r in results:
+        lines.append(f"| {r.name} | {r.status} | {r.seconds:.0f} | {_cell(r.summary)} |")
+    rows = [row for r in results if r.name == "benchmarks" for row in r.data.get("rows", [])]
+    if rows:
+        columns = [c for c in BENCH_COLUMNS if any(c in row for row in rows)]
+        lines += ["", "## Measurements", "", "| " + " | ".join(columns) + " |",
+                  "|" + "---|" * len(columns)]
+        for row in rows:
+            lines.append("| " + " | ".join(_cell(row.get(c, "")) for c in columns) + " |")
+    failing = [r for r in results if r.status in ("failed", "timeout") and r.output_tail]
+    for r in failing:
+        lines += ["", f"## {r.name}: last output", "", "```", r.output_tail[-2000:], "```"]
+    return "\n".join(lines) + "\n"
+
+
+# --- the memcheck workload ---------------------------------------------------------------------------------
+
+
+def workload(device: str = "cuda", vocab_size: int = 4099, linear_vocab_size: int = 1000,
+             loss_types: Optional[Sequence[str]] = None) -> None:
+    """Small shapes through every Triton launch of the library (run under ``compute-sanitizer``).
+
+    Logits path: padded ``[:, :-1]`` view (routed to its base), transposed rows, in place, ``-inf`` logits,
+    out-of-range labels with the value checks skipped (decision 5: never read), a vocabulary that is not a
+    multiple of the block. Hidden-state path: bf16 and fp32 operands, with bias, through the public
+    functions. Sequence stage: every level and loss type, KL and entropy. Raises on a non-finite loss.
+    ``device="cpu"`` runs it in the Triton interpreter (tests).
+    """
+    import torch
+
+    import gspo_kernels as gk
+    from gspo_kernels.backends.triton.autograd import logits_logprobs
+    from gspo_kernels.config import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES
+
+    torch.manual_seed(0)
+    B, T, V = 3, 5, vocab_size
+    for level in IMPORTANCE_SAMPLING_LEVELS:
+        for loss_type in loss_types or LOSS_TYPES:
+            for inplace in (False, True):
+                model_out = torch.randn(B, T + 1, V, device=device, requires_grad=True) * 1.0  # non-leaf
+                labels = torch.randint(0, V, (B, T), device=device)
+                config = gk.GSPOConfig(importance_sampling_level=level, loss_type=loss_type,
+                                       max_completion_length=T, entropy_coef=0.01, beta=0.04)
+                logp_now = gk.token_logprobs(model_out.detach()[:, :-1], labels, backend="triton")
+                out = gk.gspo_loss(model_out[:, :-1], labels, torch.randn(B, device=device), logp_now - 1e-3,
+                                   ref_logprobs=logp_now + 0.01, config=config, backend="triton",
+                                   inplace_backward=inplace)
+                out.loss.backward()
+                if not torch.isfinite(out.loss):
+                    raise RuntimeError(f"non-finite loss ({level}, {loss_type})")
+    x = torch.randn(V, 7, device=device).t().requires_grad_(True)  # transposed rows
+    x_inf = torch.randn(7, V, device=device)
+    x_inf[:, ::3] = float("-inf")
+    labels = torch.tensor([0, 1, -100, V, 4, 5, V - 1], device=device)  # two out of range: never read
+    for logits in (x, x_inf.requires_grad_(True)):
+        logp, entropy = logits_logprobs(logits, labels, return_entropy=True)
+        torch.autograd.grad((logp.nan_to_num() + entropy).sum(), logits)
+    for dtype in (torch.bfloat16, torch.float32):
+        hidden = torch.randn(37, 64, device=device, dtype=dtype, requires_grad=True)
+        weight = (torch.randn(linear_vocab_size, 64, device=device) * 0.1).to(dtype).requires_grad_(True)
+        bias = torch.randn(linear_vocab_size, device=device, dtype=dtype, requires_grad=True)
+        y = torch.randint(0, linear_vocab_size, (37,), device=device)
+        logp, entropy = gk.linear_logprobs(hidden, weight, y, bias=bias, return_entropy=True, backend="triton")
+        torch.autograd.grad((logp + entropy).sum(), (hidden, weight, bias))
+        out = gk.fused_linear_gspo_loss(hidden[None], weight, y.reshape(1, 37), torch.ones(1, device=device),
+                                        backend="triton", config=gk.GSPOConfig(entropy_coef=0.01))
+        torch.autograd.grad(out.loss, (hidden, weight))
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+# --- the command -------------------------------------------------------------------------------------------
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.workload:
+        workload()
+        print("gpu-check workload: done")
+        return 0
+    import torch
+
+    try:
+        names = parse_steps(args.steps)
+    except ValueError as exc:
+        print(f"gpu-check: {exc}", file=sys.stderr)
+        return 2
+    out_dir = args.out if os.path.isabs(args.out) else os.path.join(os.getcwd(), args.out)
+    has_gpu = torch.cuda.is_available()
+    header = {"command": f"gspo-kernels gpu-check --out {args.out} --steps {','.join(names)}"
+                         + (" --static-only" if args.static_only else ""),
+              "cuda_available": has_gpu, "budget_s": args.budget_s}
+    if args.static_only:
+        names = [n for n in names if n in STATIC_STEPS]
+        header["mode"] = "static only: no GPU step ran"
+    elif not has_gpu:
+        print(f"gpu-check: no CUDA device on this machine (torch {torch.__version__}, built with CUDA "
+              f"{torch.version.cuda}): nothing was measured. Run it on a machine with a GPU, or run "
+              f"'gspo-kernels gpu-check --static-only' for the parts that need none.", file=sys.stderr)
+        header["mode"] = "no CUDA device: nothing measured"
+        os.makedirs(out_dir, exist_ok=True)
+        write_reports([StepResult(n, "not run", 0.0, "no CUDA device") for n in names], out_dir, header)
+        return 2
+    results = run_steps(make_steps(names), out_dir, args.budget_s, header)
+    print(f"gpu-check: wrote {os.path.join(out_dir, 'gpu_check.json')} and gpu_check.md")
+    return exit_status(results)

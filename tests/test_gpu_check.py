@@ -1,0 +1,134 @@
+"""``gspo-kernels gpu-check`` on a machine without a GPU: what can be checked here.
+
+The GPU steps themselves (GPU tests, memcheck, benchmarks) never ran in this project's development
+environment; these tests pin the command's parsing, its no-GPU behaviour, the report it writes (with a
+fake list of steps), and that the memcheck workload runs (in the Triton interpreter).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import pytest
+import torch
+
+from gspo_kernels.tools import cli, gpu_check
+from gspo_kernels.tools.gpu_check import Step, StepResult
+
+
+def _parse(argv):
+    parser = argparse.ArgumentParser()
+    gpu_check.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_arguments():
+    args = _parse([])
+    assert args.out == "results" and not args.static_only and args.budget_s == 1200
+    assert gpu_check.parse_steps(args.steps) == list(gpu_check.ALL_STEPS)
+    args = _parse(["--out", "x", "--steps", "versions,memcheck", "--static-only", "--budget-s", "60"])
+    assert gpu_check.parse_steps(args.steps) == ["versions", "memcheck"] and args.static_only
+    with pytest.raises(ValueError, match="--steps"):
+        gpu_check.parse_steps("versions,benchmark")  # a misspelt step is an error, not silently dropped
+    assert "gpu-check" in cli.SUBCOMMANDS
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without a CUDA device")
+def test_without_cuda_it_says_so_and_exits_nonzero(tmp_path, capsys):
+    status = cli.main(["gpu-check", "--out", str(tmp_path)])
+    assert status == 2
+    assert "no CUDA device" in capsys.readouterr().err
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert report["header"]["cuda_available"] is False
+    assert [s["status"] for s in report["steps"]] == ["not run"] * len(gpu_check.ALL_STEPS)
+    assert "nothing measured" in (tmp_path / "gpu_check.md").read_text()
+
+
+def test_report_from_a_fake_step_list(tmp_path):
+    """Each step's result lands in the JSON and the Markdown table; a raising step is a failure, a skipped
+    one is not; the benchmark rows become a measurements table; the exit status follows."""
+
+    def ok(out_dir, limit):
+        return StepResult("versions", "ok", 0.1, "torch x", {"torch": "x"})
+
+    def boom(out_dir, limit):
+        raise RuntimeError("compile failed")
+
+    def skipped(out_dir, limit):
+        return StepResult("memcheck", "skipped", 0.0, "compute-sanitizer not found")
+
+    def bench(out_dir, limit):
+        rows = [{"case": "gspo_kernels triton (inplace)", "median_ms": 5.1, "GB_s": 2930.0,
+                 "fraction_of_hbm_peak": 0.87}]
+        return StepResult("benchmarks", "ok", 3.0, "1 measurements", {"rows": rows})
+
+    steps = [Step("versions", ok, 10), Step("h100-report", boom, 10), Step("memcheck", skipped, 10),
+             Step("benchmarks", bench, 10)]
+    results = gpu_check.run_steps(steps, str(tmp_path), budget_s=60, header={"mode": "test"})
+    assert [r.status for r in results] == ["ok", "failed", "skipped", "ok"]
+    assert gpu_check.exit_status(results) == 1
+    assert gpu_check.exit_status([results[0], results[2]]) == 0
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert report["header"]["mode"] == "test"
+    assert report["steps"][1]["summary"] == "RuntimeError: compile failed"
+    md = (tmp_path / "gpu_check.md").read_text()
+    assert "| h100-report | failed |" in md and "| memcheck | skipped |" in md
+    assert "## Measurements" in md and "gspo_kernels triton (inplace)" in md and "2930" in md
+
+
+def test_budget_spent_marks_the_remaining_steps_not_run(tmp_path):
+    def slow(out_dir, limit):
+        time.sleep(1.2)
+        return StepResult("versions", "ok", 1.2)
+
+    results = gpu_check.run_steps([Step("versions", slow, 10), Step("gpu-tests", slow, 10)], str(tmp_path),
+                                  budget_s=2.0)
+    assert [r.status for r in results] == ["ok", "not run"]
+
+
+def test_memcheck_skips_with_a_reason_without_compute_sanitizer(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpu_check, "compute_sanitizer", lambda: None)
+    result = gpu_check.step_memcheck(str(tmp_path), 10)
+    assert result.status == "skipped" and "compute-sanitizer" in result.summary
+
+
+def test_a_pytest_step_where_everything_skipped_fails(tmp_path, monkeypatch):
+    """A check that cannot fail is no check: zero tests run counts as a failed step."""
+    xml = tmp_path / "gpu_tests.xml"
+
+    def fake_subprocess(name, argv, limit_s, env=None, log_path=None):
+        xml.write_text('<testsuites><testsuite tests="3" failures="0" errors="0" skipped="3"/></testsuites>')
+        return StepResult(name, "ok", 1.0, "exit status 0")
+
+    monkeypatch.setattr(gpu_check, "_subprocess", fake_subprocess)
+    result = gpu_check.step_gpu_tests(str(tmp_path), 10)
+    assert result.status == "failed" and "every test skipped" in result.summary
+
+
+def test_benchmarks_step_with_nothing_measured_fails(tmp_path, monkeypatch):
+    """Every benchmark skipped (no measurement) is a failed step; measured rows are collected."""
+    written = []
+
+    def fake_subprocess(name, argv, limit_s, env=None, log_path=None):
+        for line in written:
+            with open(env["GSPO_BENCH_JSON"], "a") as f:
+                f.write(line + "\n")
+        return StepResult(name, "ok", 1.0, "exit status 0")
+
+    monkeypatch.setattr(gpu_check, "_subprocess", fake_subprocess)
+    result = gpu_check.step_benchmarks(str(tmp_path), 10)
+    assert result.status == "failed" and "every benchmark skipped" in result.summary
+    written.append('{"impl": "gspo_kernels triton backward", "active_share": 0.5, "bwd_ms": 80.0}')
+    result = gpu_check.step_benchmarks(str(tmp_path), 10)
+    assert result.status == "ok"
+    assert result.data["rows"] == [{"impl": "gspo_kernels triton backward", "active_share": 0.5, "bwd_ms": 80.0}]
+
+
+def test_memcheck_workload_runs_in_the_interpreter():
+    from gspo_kernels.backends.triton import interpreter_active
+
+    if not interpreter_active():
+        pytest.skip("the workload runs on the GPU here (the GPU step covers it)")
+    gpu_check.workload("cpu", vocab_size=37, linear_vocab_size=40, loss_types=("grpo",))
