@@ -7,6 +7,13 @@ import sys
 from setuptools import find_packages, setup
 
 
+# No -ffast-math: its reciprocal approximations and reassociation change results (a logit scaled by
+# 1/temperature = 1e6 must round the same way everywhere). -ffp-contract=off: no implicit FMA, so
+# one expression gives the same bits wherever it is written (the code uses std::fma explicitly
+# where it wants one). -fno-math-errno / -fno-trapping-math let GCC vectorize floor and selects.
+CXX_FLAGS = ["-O3", "-g0", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off"]
+
+
 def _extensions():
     sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")))
     if not sources or os.environ.get("GSPO_KERNELS_NO_EXT") == "1":
@@ -17,7 +24,7 @@ def _extensions():
     ext = CppExtension(
         name="gspo_kernels.backends._C",
         sources=sources,
-        extra_compile_args={"cxx": ["-O3", "-g0", "-march=native", "-ffast-math", "-fno-finite-math-only", *openmp]},
+        extra_compile_args={"cxx": [*CXX_FLAGS, *openmp]},
         extra_link_args=openmp,
     )
     return [ext], {"build_ext": BuildExtension.with_options(use_ninja=False)}

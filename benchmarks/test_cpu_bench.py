@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from gspo_kernels import bench
+from gspo_kernels.tools import bench
 
 FULL = os.environ.get("GSPO_BENCH_FULL") == "1"
 CASES = bench.CASES if FULL else bench.QUICK_CASES

@@ -1,13 +1,26 @@
 // Shared scalar math for the CPU kernels of gspo_kernels (header only, no torch headers).
 //
-// Everything here is written as plain inline scalar code that GCC/Clang vectorize inside
-// `#pragma omp simd` loops (-O3 -march=native): a polynomial exp for non-positive arguments,
-// and loads/stores that convert fp16/bf16/fp64 <-> fp32.
+// Plain inline scalar code that GCC/Clang vectorize inside `#pragma omp simd` loops (-O3
+// -march=native): a polynomial exp for non-positive arguments, loads/stores that convert
+// fp16/bf16/fp64 <-> fp32, and the running softmax statistics of a row.
+//
+// Numerics (the build uses no -ffast-math and -ffp-contract=off, see setup.py):
+// * a logit is scaled exactly one way everywhere, x = (z [+ b]) * inv_t, so the row max m, the
+//   label's x and every x of the backward are the same fp32 numbers;
+// * a row keeps its max m and log s (s = sum exp(x - m)) separately, never one fp32
+//   lse = m + log s: log p = (x - m) - log s, where x - m is exact near the max, so logits offset
+//   by 1e4 or scaled by 1/temperature = 1e6 lose nothing to the rounding of a large lse;
+// * sums over a row run in kLanes fixed lanes (lane j takes the elements j, j + kLanes, ... of
+//   a chunk or tile), combined in a fixed tree: the bits of a row's results do not depend on the
+//   row's address, its neighbours, the thread that runs it or the vector width of the machine.
+// * exp of -inf (or below -87.3) is exactly 0, and p * log p is 0 there: -inf logits on
+//   non-label columns add nothing, not NaN.
 #pragma once
 
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -22,6 +35,10 @@ namespace gspo {
 // Elements of one row processed per chunk: the chunk is converted to fp32 (when needed) into a
 // stack buffer that stays in L1 while the max pass and the exp pass read it.
 constexpr int64_t kChunk = 2048;
+// Fixed number of partial sums per row (see the header comment).
+constexpr int kLanes = 16;
+// Elements per sub-chunk of RowStats::fold (a multiple of kLanes; two stack buffers of it).
+constexpr int64_t kSub = 512;
 
 inline float bits_to_float(uint32_t u) {
   float f;
@@ -35,23 +52,31 @@ inline uint32_t float_to_bits(float f) {
   return u;
 }
 
-// exp(x) for x <= ~0 (arguments are always "value - running max"), relative error ~1e-7.
+// exp(x) for x <= ~0 (arguments are always "value - running max"), relative error ~2e-7.
 // x = k ln2 + r with |r| <= ln2/2; exp(r) by a degree-7 Taylor polynomial; 2^k from the exponent
-// bits. Arguments below -87 are clamped (the result, ~1e-38, is negligible next to 1).
+// bits. Arguments below -87.3 (where exp(x) < 2^-126) give exactly 0, -inf included; NaN gives NaN.
 inline float exp_nonpos(float x) {
-  x = x < -87.0f ? -87.0f : x;
-  const float k = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float r = (x - k * 0.693145751953125f) - k * 1.428606765330187e-06f;
+  const bool underflow = x < -87.3f;
+  const float xc = underflow ? -87.3f : x;
+  const float k = std::floor(std::fma(xc, 1.44269504088896341f, 0.5f));
+  const float r = std::fma(-k, 1.428606765330187e-06f, std::fma(-k, 0.693145751953125f, xc));
   float p = 1.0f / 5040.0f;
-  p = p * r + 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const int32_t e = static_cast<int32_t>(k) + 127;
-  return p * bits_to_float(static_cast<uint32_t>(e) << 23);
+  p = std::fma(p, r, 1.0f / 720.0f);
+  p = std::fma(p, r, 1.0f / 120.0f);
+  p = std::fma(p, r, 1.0f / 24.0f);
+  p = std::fma(p, r, 1.0f / 6.0f);
+  p = std::fma(p, r, 0.5f);
+  p = std::fma(p, r, 1.0f);
+  p = std::fma(p, r, 1.0f);
+  const int32_t e = (x == x ? static_cast<int32_t>(k) : 0) + 127;  // NaN: keep the cast defined
+  const float v = p * bits_to_float(static_cast<uint32_t>(e) << 23);
+  return underflow ? 0.0f : v;
+}
+
+// The one way a logit is scaled (see the header comment).
+template <bool kBias>
+inline float scaled(const float* z, const float* bias, int64_t i, float inv_t) {
+  return (kBias ? z[i] + bias[i] : z[i]) * inv_t;
 }
 
 // Ask for transparent huge pages on a fresh, not yet touched buffer of `bytes` bytes (a gradient or
@@ -70,7 +95,7 @@ inline void advise_huge_pages(void* ptr, size_t bytes) {
 #endif
 }
 
-// fp32 <-> storage dtype conversions, vectorizable.
+// fp32 <-> storage dtype conversions, vectorizable. fp16/bf16 -> fp32 is exact.
 inline float to_float(float v) { return v; }
 inline float to_float(double v) { return static_cast<float>(v); }
 inline float to_float(c10::BFloat16 v) { return bits_to_float(static_cast<uint32_t>(v.x) << 16); }
@@ -105,16 +130,25 @@ inline const float* load_chunk<float>(const float* src, int64_t, float*) {
   return src;
 }
 
+// Sum of kLanes partial sums in a fixed tree.
+inline float lane_sum(const float* lanes) {
+  float t[kLanes / 2];
+  for (int j = 0; j < kLanes / 2; ++j) t[j] = lanes[j] + lanes[j + kLanes / 2];
+  for (int w = kLanes / 4; w >= 1; w /= 2)
+    for (int j = 0; j < w; ++j) t[j] = t[j] + t[j + w];
+  return t[0];
+}
+
 // Running softmax statistics of one row at temperature tau, in scaled units x = z / tau:
 // m = max x, s = sum exp(x - m), a = sum exp(x - m) (x - m). Then
-//   lse = m + log s,  entropy = log s - a / s.
+//   log p_y = (x_y - m) - log s,  entropy = log s - a / s.
 struct RowStats {
   float m = -std::numeric_limits<float>::infinity();
   float s = 0.0f;
   float a = 0.0f;
 
-  // Fold `n` fp32 values x[i] = (z[i] (+ bias[i])) * inv_t into the statistics: one max pass and
-  // one exp pass over data that is already in cache.
+  // Fold `n` values x[i] = scaled(z, bias, i) into the statistics: one max pass and one exp pass
+  // over data that is already in cache.
   template <bool kEntropy, bool kBias>
   inline void fold(const float* z, const float* bias, int64_t n, float inv_t) {
     float cmax = -std::numeric_limits<float>::infinity();
@@ -123,7 +157,7 @@ struct RowStats {
       const float v = kBias ? z[i] + bias[i] : z[i];
       cmax = v > cmax ? v : cmax;
     }
-    cmax *= inv_t;
+    cmax *= inv_t;  // max(v) * inv_t == max(v * inv_t): rounding is monotone
     if (!(cmax > -std::numeric_limits<float>::infinity())) return;  // all -inf (or empty)
     if (cmax > m) {
       if (s > 0.0f) {
@@ -135,34 +169,58 @@ struct RowStats {
       m = cmax;
     }
     const float mm = m;
-    float cs = 0.0f, ca = 0.0f;
-#pragma omp simd reduction(+ : cs, ca)
-    for (int64_t i = 0; i < n; ++i) {
-      const float d = (kBias ? z[i] + bias[i] : z[i]) * inv_t - mm;
-      const float e = exp_nonpos(d);
-      cs += e;
-      if (kEntropy) ca += e * d;
+    alignas(64) float cs[kLanes] = {};
+    alignas(64) float ca[kLanes] = {};
+    alignas(64) float eb[kSub];
+    alignas(64) float db[kSub];
+    for (int64_t c = 0; c < n; c += kSub) {
+      const int64_t len = std::min<int64_t>(kSub, n - c);
+      const float* zc = z + c;
+      const float* bc = kBias ? bias + c : nullptr;
+#pragma omp simd
+      for (int64_t i = 0; i < len; ++i) {  // the exps, vectorized like any elementwise loop
+        const float d = scaled<kBias>(zc, bc, i, inv_t) - mm;
+        const float e = exp_nonpos(d);
+        eb[i] = e;
+        if (kEntropy) db[i] = e > 0.0f ? e * d : 0.0f;  // e = 0 (a -inf logit): adds 0, not NaN
+      }
+      const int64_t padded = (len + kLanes - 1) / kLanes * kLanes;
+      for (int64_t i = len; i < padded; ++i) {
+        eb[i] = 0.0f;
+        db[i] = 0.0f;
+      }
+      for (int64_t i = 0; i < padded; i += kLanes) {  // element c + i + j goes to lane j
+        for (int j = 0; j < kLanes; ++j) cs[j] += eb[i + j];
+        if (kEntropy)
+          for (int j = 0; j < kLanes; ++j) ca[j] += db[i + j];
+      }
     }
-    s += cs;
-    a += ca;
+    s += lane_sum(cs);
+    if (kEntropy) a += lane_sum(ca);
   }
 
-  float lse() const { return m + std::log(s); }
+  float log_s() const { return std::log(s); }
   float entropy() const { return std::log(s) - a / s; }
 };
 
 // Gradient of (g * logp + ge * entropy) w.r.t. the logits z of one chunk, fp32 out:
-//   out[v] = inv_t * ( -p[v] * (g + ge * (log p[v] + H)) ),  p = exp(x - lse),  x = z * inv_t.
-// The label term (+ inv_t * g) is added by the caller.
+//   out[v] = inv_t * ( -p[v] * (g + ge * (log p[v] + H)) ),  log p = (x - m) - log_s.
+// A -inf logit has p = 0 and gets exactly 0. The label term (+ inv_t * g) is added by the caller.
 template <bool kEntropy, bool kBias>
-inline void softmax_grad(const float* z, const float* bias, float* out, int64_t n, float inv_t, float lse,
-                         float g, float ge, float ent) {
+inline void softmax_grad(const float* z, const float* bias, float* out, int64_t n, float inv_t, float m,
+                         float log_s, float g, float ge, float ent) {
   const float c0 = g + ge * ent;
+  const float ng = -inv_t * g;
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
-    const float d = (kBias ? z[i] + bias[i] : z[i]) * inv_t - lse;  // log p
+    const float d = (scaled<kBias>(z, bias, i, inv_t) - m) - log_s;  // log p
     const float p = exp_nonpos(d);
-    out[i] = kEntropy ? -inv_t * p * (c0 + ge * d) : -inv_t * g * p;
+    if (kEntropy) {
+      const float t = p * (c0 + ge * d);
+      out[i] = p > 0.0f ? -inv_t * t : (d == d ? 0.0f : d);  // p = 0: 0 (NaN stays NaN)
+    } else {
+      out[i] = ng * p;
+    }
   }
 }
 

@@ -2,10 +2,15 @@
 //
 // Forward, per row (OpenMP over rows via at::parallel_for): one pass over memory, chunk by chunk
 // (a chunk is converted to fp32 in L1, then a max pass and an exp pass fold it into the running
-// max / sum-exp / entropy sums); the label logit is gathered directly. Saves lse [N] fp32.
-// Backward, per row: from the saved lse, grad = (g/tau)(onehot - p) - (ge/tau) p (log p + H),
+// max / sum-exp / entropy sums); the label logit is gathered directly. Saves stats [2, N] fp32:
+// the row max m and log s (kept apart, see gspo_cpu.h).
+// Backward, per row: from the saved stats, grad = (g/tau)(onehot - p) - (ge/tau) p (log p + H),
 // written into a new tensor or into the logits' own storage; rows with g = ge = 0 (or inactive)
 // are zero-filled without reading the logits.
+// Labels are not range-checked here (the Python layer does it, except under torch.compile): a row
+// whose label is outside [0, V) reads nothing outside its row and gets a NaN log-prob.
+// Every row is computed by one thread in a fixed order: results are the same bits on every run
+// and do not depend on the other rows.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -13,6 +18,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 #include <tuple>
 
 #include "gspo_cpu.h"
@@ -50,18 +56,11 @@ void check_logits_inputs(const at::Tensor& logits, const at::Tensor& labels, con
                     active->is_contiguous(),
                 "active must be a contiguous [N] bool tensor");
   }
-  const int64_t V = logits.size(-1);
-  const int64_t* y = labels.data_ptr<int64_t>();
-  const bool* act = active.has_value() ? active->data_ptr<bool>() : nullptr;
-  for (int64_t r = 0; r < N; ++r) {
-    TORCH_CHECK(!(act == nullptr || act[r]) || (y[r] >= 0 && y[r] < V), "labels[", r, "] = ", y[r],
-                " is outside [0, ", V, ")");
-  }
 }
 
 template <typename T, bool kEntropy>
 void forward_rows(const at::Tensor& logits, const int64_t* y, const bool* act, float inv_t, float* logp, float* ent,
-                  float* lse, int64_t N) {
+                  float* stats, int64_t N) {
   const T* base = logits.data_ptr<T>();
   const RowIndex rows(logits);
   const int64_t V = logits.size(-1);
@@ -71,7 +70,8 @@ void forward_rows(const at::Tensor& logits, const int64_t* y, const bool* act, f
       if (act != nullptr && !act[r]) {
         logp[r] = 0.0f;
         ent[r] = 0.0f;
-        lse[r] = 0.0f;
+        stats[r] = 0.0f;
+        stats[N + r] = 0.0f;
         continue;
       }
       const T* row = base + rows.offset(r);
@@ -80,9 +80,16 @@ void forward_rows(const at::Tensor& logits, const int64_t* y, const bool* act, f
         const int64_t n = std::min(kChunk, V - c0);
         st.fold<kEntropy, false>(load_chunk(row + c0, n, buf), nullptr, n, inv_t);
       }
-      const float l = st.lse();
-      lse[r] = l;
-      logp[r] = to_float(row[y[r]]) * inv_t - l;
+      const float ls = st.log_s();
+      stats[r] = st.m;
+      stats[N + r] = ls;
+      const int64_t label = y[r];
+      if (label >= 0 && label < V) {
+        const float zl = to_float(row[label]);
+        logp[r] = (scaled<false>(&zl, nullptr, 0, inv_t) - st.m) - ls;
+      } else {
+        logp[r] = std::numeric_limits<float>::quiet_NaN();
+      }
       ent[r] = kEntropy ? st.entropy() : 0.0f;
     }
   });
@@ -91,7 +98,7 @@ void forward_rows(const at::Tensor& logits, const int64_t* y, const bool* act, f
 // out may alias in (in-place backward); out_rows describes out's layout.
 template <typename T, bool kEntropy>
 void backward_rows(const T* in, const RowIndex& in_rows, T* out, const RowIndex& out_rows, int64_t V, const int64_t* y,
-                   const bool* act, const float* g, const float* ge, const float* lse, const float* ent, float inv_t,
+                   const bool* act, const float* g, const float* ge, const float* stats, const float* ent, float inv_t,
                    int64_t N) {
   at::parallel_for(0, N, 1, [&](int64_t r0, int64_t r1) {
     alignas(64) float buf[kChunk];
@@ -110,7 +117,7 @@ void backward_rows(const T* in, const RowIndex& in_rows, T* out, const RowIndex&
         const int64_t n = std::min(kChunk, V - c0);
         const float* x = load_chunk(irow + c0, n, buf);
         float* o = std::is_same<T, float>::value ? reinterpret_cast<float*>(orow + c0) : obuf;
-        softmax_grad<kEntropy, false>(x, nullptr, o, n, inv_t, lse[r], gr, ger, ent[r]);
+        softmax_grad<kEntropy, false>(x, nullptr, o, n, inv_t, stats[r], stats[N + r], gr, ger, ent[r]);
         if (label >= c0 && label < c0 + n) o[label - c0] += inv_t * gr;
         if (!std::is_same<T, float>::value) {
           T* dst = orow + c0;
@@ -128,24 +135,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> logits_fwd(const at::Tensor& logi
   check_logits_inputs(logits, labels, active);
   const int64_t N = labels.size(0);
   auto opts = logits.options().dtype(at::kFloat);
-  at::Tensor logp = at::empty({N}, opts), ent = at::empty({N}, opts), lse = at::empty({N}, opts);
+  at::Tensor logp = at::empty({N}, opts), ent = at::empty({N}, opts), stats = at::empty({2, N}, opts);
   const float inv_t = static_cast<float>(1.0 / temperature);
   const bool* act = active.has_value() ? active->data_ptr<bool>() : nullptr;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "gspo_logits_fwd", [&] {
     if (return_entropy) {
       forward_rows<scalar_t, true>(logits, labels.data_ptr<int64_t>(), act, inv_t, logp.data_ptr<float>(),
-                                   ent.data_ptr<float>(), lse.data_ptr<float>(), N);
+                                   ent.data_ptr<float>(), stats.data_ptr<float>(), N);
     } else {
       forward_rows<scalar_t, false>(logits, labels.data_ptr<int64_t>(), act, inv_t, logp.data_ptr<float>(),
-                                    ent.data_ptr<float>(), lse.data_ptr<float>(), N);
+                                    ent.data_ptr<float>(), stats.data_ptr<float>(), N);
     }
   });
-  return {logp, ent, lse};
+  return {logp, ent, stats};
 }
 
 void run_backward(const at::Tensor& grad_logp, const c10::optional<at::Tensor>& grad_entropy, const at::Tensor& logits,
                   at::Tensor& out, const at::Tensor& labels, const c10::optional<at::Tensor>& active,
-                  const at::Tensor& lse, const at::Tensor& entropy, double temperature) {
+                  const at::Tensor& stats, const at::Tensor& entropy, double temperature) {
   check_logits_inputs(logits, labels, active);
   const int64_t N = labels.size(0);
   auto as_f32 = [N](const at::Tensor& t, const char* name) {
@@ -153,7 +160,9 @@ void run_backward(const at::Tensor& grad_logp, const c10::optional<at::Tensor>& 
     return t.reshape({N}).to(at::kFloat).contiguous();
   };
   const at::Tensor g = as_f32(grad_logp, "grad_logp");
-  const at::Tensor l = as_f32(lse, "lse");
+  TORCH_CHECK(stats.dim() == 2 && stats.size(0) == 2 && stats.size(1) == N, "stats must be [2, N], got ",
+              stats.sizes());
+  const at::Tensor l = stats.to(at::kFloat).contiguous();
   const at::Tensor h = as_f32(entropy, "entropy");
   const bool has_ge = grad_entropy.has_value() && grad_entropy->defined();
   const at::Tensor ge = has_ge ? as_f32(*grad_entropy, "grad_entropy") : at::Tensor();
@@ -178,17 +187,17 @@ void run_backward(const at::Tensor& grad_logp, const c10::optional<at::Tensor>& 
 
 at::Tensor logits_bwd(const at::Tensor& grad_logp, const c10::optional<at::Tensor>& grad_entropy,
                       const at::Tensor& logits, const at::Tensor& labels, const c10::optional<at::Tensor>& active,
-                      const at::Tensor& lse, const at::Tensor& entropy, double temperature) {
+                      const at::Tensor& stats, const at::Tensor& entropy, double temperature) {
   at::Tensor out = at::empty(logits.sizes(), logits.options().memory_format(at::MemoryFormat::Contiguous));
   advise_huge_pages(out.data_ptr(), out.nbytes());
-  run_backward(grad_logp, grad_entropy, logits, out, labels, active, lse, entropy, temperature);
+  run_backward(grad_logp, grad_entropy, logits, out, labels, active, stats, entropy, temperature);
   return out;
 }
 
 void logits_bwd_(at::Tensor& logits, const at::Tensor& grad_logp, const c10::optional<at::Tensor>& grad_entropy,
-                 const at::Tensor& labels, const c10::optional<at::Tensor>& active, const at::Tensor& lse,
+                 const at::Tensor& labels, const c10::optional<at::Tensor>& active, const at::Tensor& stats,
                  const at::Tensor& entropy, double temperature) {
-  run_backward(grad_logp, grad_entropy, logits, logits, labels, active, lse, entropy, temperature);
+  run_backward(grad_logp, grad_entropy, logits, logits, labels, active, stats, entropy, temperature);
 }
 
 }  // namespace

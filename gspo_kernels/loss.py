@@ -22,6 +22,7 @@ from gspo_kernels.validation import (
     check_labels,
     check_linear,
     check_logits,
+    check_memory_budget,
     check_same_device,
     check_temperature,
     prepare_loss_inputs,
@@ -84,6 +85,7 @@ def linear_logprobs(
     vocab_parallel: Optional[VocabParallel] = None,
     fp32_head: bool = False,
     check_finite: bool = False,
+    memory_budget: Optional[int] = None,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Per-token log-probs (and entropy) of ``hidden @ weight.T + bias``; the logits never exist.
 
@@ -97,12 +99,17 @@ def linear_logprobs(
             the lower-precision dtype of a mixed pair outside it).
         check_finite: raise ``ValueError`` naming ``hidden``, ``weight`` or ``bias`` when they hold NaN or
             inf (``-inf`` bias entries off the labels are allowed; see ``docs/policies.md``).
+        memory_budget: bytes the backend may use for logits saved between forward and backward and
+            for its chunk buffers (None: the backend's default; ``backend="cpu"``: 1 GiB of saved
+            logits, 0 recomputes them; ``backend="torch"`` saves none and ignores it). Results do
+            not depend on it.
     Returns:
         fp32 tensors shaped like ``labels`` (fp64 for fp64 inputs); first-order differentiable for hidden,
         weight and bias.
     """
     check_linear(hidden, weight, bias, labels)
     check_temperature(temperature)
+    check_memory_budget(memory_budget)
     vp = check_vocab_parallel(vocab_parallel)
     checks = ValueChecks()
     flat = check_labels(labels, weight.shape[0] if vp is None else vp.vocab_size, checks)
@@ -115,7 +122,8 @@ def linear_logprobs(
     rows = hidden if hidden.dim() in (2, 3) else hidden.reshape(-1, hidden.shape[-1])
     with backend_context(hidden.device):
         logp, entropy = _linear_stage(impl, vp)(
-            rows, weight, bias, flat, active=None, temperature=temperature, return_entropy=return_entropy
+            rows, weight, bias, flat, active=None, temperature=temperature, return_entropy=return_entropy,
+            memory_budget=memory_budget,
         )
     logp, entropy = first_order_only(logp, entropy)
     logp = logp.reshape(labels.shape)
@@ -200,6 +208,7 @@ def fused_linear_gspo_loss(
     vocab_parallel: Optional[VocabParallel] = None,
     fp32_head: bool = False,
     check_finite: bool = False,
+    memory_budget: Optional[int] = None,
 ) -> LossOutput:
     """:func:`gspo_loss` of ``hidden @ weight.T + bias`` without ever forming the logits.
 
@@ -210,9 +219,11 @@ def fused_linear_gspo_loss(
         The other arguments are those of :func:`gspo_loss` (``inplace_backward`` has no effect here).
         vocab_parallel: ``weight [end - start, H]`` (and ``bias``) is this rank's lm_head shard (see
             :func:`linear_logprobs`).
+        memory_budget: bytes for saved logits / chunk buffers, as in :func:`linear_logprobs`.
     """
     config = _check_config(config)
     check_linear(hidden, weight, bias, labels)
+    check_memory_budget(memory_budget)
     vp = check_vocab_parallel(vocab_parallel)
     inputs = prepare_loss_inputs(
         labels, advantages, weight.shape[0] if vp is None else vp.vocab_size, old_logprobs=old_logprobs,
@@ -229,7 +240,7 @@ def fused_linear_gspo_loss(
     with backend_context(hidden.device):
         logp, entropy = _linear_stage(impl, vp)(
             hidden, weight, bias, inputs.labels, active=inputs.batch.mask > 0, temperature=config.temperature,
-            return_entropy=True,
+            return_entropy=True, memory_budget=memory_budget,
         )
         return _first_order_loss((impl.objective or gspo_objective)(logp, entropy, inputs, config))
 
@@ -330,17 +341,24 @@ class GSPOLoss(nn.Module):
 
 
 class FusedLinearGSPOLoss(nn.Module):
-    """Module form of :func:`fused_linear_gspo_loss`: ``(hidden, weight, labels, advantages, old, **kw)``."""
+    """Module form of :func:`fused_linear_gspo_loss`: ``(hidden, weight, labels, advantages, old, **kw)``.
 
-    def __init__(self, config: Optional[GSPOConfig] = None, *, backend: str = "auto", check_finite: bool = False):
+    ``memory_budget``: bytes for saved logits / chunk buffers (see :func:`linear_logprobs`).
+    """
+
+    def __init__(self, config: Optional[GSPOConfig] = None, *, backend: str = "auto", check_finite: bool = False,
+                 memory_budget: Optional[int] = None):
         super().__init__()
         self.config = _check_config(config)
         self.backend = backend
         self.check_finite = check_finite
+        check_memory_budget(memory_budget)
+        self.memory_budget = memory_budget
 
     def forward(self, hidden: Tensor, weight: Tensor, labels: Tensor, advantages: Tensor,
                 old_logprobs: Optional[Tensor] = None, **kwargs) -> LossOutput:
         kwargs.setdefault("check_finite", self.check_finite)
+        kwargs.setdefault("memory_budget", self.memory_budget)
         return fused_linear_gspo_loss(hidden, weight, labels, advantages, old_logprobs, config=self.config,
                                       backend=self.backend, **kwargs)
 

@@ -504,3 +504,11 @@ def check_finite_linear(
             at_label = torch.where(counted, at_label, b.new_zeros(()))
         bad = torch.isnan(b).any() | (b == float("inf")).any() | ~torch.isfinite(at_label).all()
         checks.add(bad, "bias must hold no NaN or +inf, and be finite at the labels of unmasked rows (check_finite=True)")
+
+
+def check_memory_budget(memory_budget: Optional[int]) -> None:
+    """``memory_budget``: None (the backend's default) or an int number of bytes >= 0."""
+    if memory_budget is None:
+        return
+    if isinstance(memory_budget, bool) or not isinstance(memory_budget, int) or memory_budget < 0:
+        raise ValueError(f"memory_budget must be None or a number of bytes >= 0 (an int), got {memory_budget!r}")

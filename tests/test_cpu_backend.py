@@ -25,6 +25,7 @@ from tests.cases import (
     linear_loss_vs_reference,
     logits_loss_vs_reference,
 )
+from tests.test_torch_backend import check_extreme_logits, check_minus_inf_columns, check_out_of_range_labels
 
 cpu_backend = pytest.importorskip("gspo_kernels.backends.cpu")
 _REASON = backends.unavailable_reason("cpu")
@@ -106,13 +107,6 @@ def test_logits_op_inplace_backward_writes_every_row():
     assert torch.all(x.grad[2] == 0)  # a row without gradient is overwritten with zeros, not left as logits
 
 
-def test_logits_op_label_out_of_range_raises():
-    with pytest.raises(RuntimeError, match="outside"):
-        torch.ops.gspo_kernels.logits_fwd(torch.randn(2, 5), torch.tensor([1, 5]), None, 1.0, False, False)
-    # an inactive row's label is never read
-    out = torch.ops.gspo_kernels.logits_fwd(torch.randn(2, 5), torch.tensor([1, 5]), torch.tensor([True, False]),
-                                            1.0, False, False)
-    assert out[0][1] == 0
 
 
 # saved logits: none (recompute every tile), the first two of four tiles, all of them
@@ -125,7 +119,7 @@ SAVE_BUDGETS = {"recompute": 0, "save-half": 23 * 4 * 66, "save-all": 1 << 30}
 def test_linear_op_matches_float64(dtype, with_bias, save, monkeypatch):
     monkeypatch.setattr(cpu_backend, "ROW_BLOCK", 5)  # several row blocks, the last one partial
     monkeypatch.setattr(cpu_backend, "VOCAB_BLOCK", 33)  # several vocabulary tiles, the last one partial
-    monkeypatch.setattr(cpu_backend, "SAVE_LOGITS_BYTES", SAVE_BUDGETS[save])
+    monkeypatch.setattr(cpu_backend, "GEMM_ROWS", 2)  # several fixed-shape GEMMs per block, padding in the last
     N, H, V = 23, 20, 101
     assert cpu_backend.saved_columns(N, V, 33, SAVE_BUDGETS[save]) == {"recompute": 0, "save-half": 66,
                                                                         "save-all": V}[save]
@@ -146,7 +140,8 @@ def test_linear_op_matches_float64(dtype, with_bias, save, monkeypatch):
 
     leaves = [t.clone().requires_grad_() for t in (hidden, weight) + ((bias,) if with_bias else ())]
     logp, entropy = cpu_backend.linear_logprobs(leaves[0], leaves[1], leaves[2] if with_bias else None, labels,
-                                                active=active, temperature=temperature, return_entropy=True)
+                                                active=active, temperature=temperature, return_entropy=True,
+                                                memory_budget=SAVE_BUDGETS[save])
     assert torch.all(logp[~active] == 0) and torch.all(entropy[~active] == 0)
     assert rel_err(logp[active], ref_logp[active]) < RTOL
     assert rel_err(entropy[active], ref_ent[active]) < RTOL
@@ -159,12 +154,11 @@ def test_linear_op_matches_float64(dtype, with_bias, save, monkeypatch):
 
 
 @pytest.mark.parametrize("save", ["recompute", "save-all"])
-def test_linear_op_backward_twice_gives_the_same_gradients(save, monkeypatch):
-    monkeypatch.setattr(cpu_backend, "SAVE_LOGITS_BYTES", SAVE_BUDGETS[save])
+def test_linear_op_backward_twice_gives_the_same_gradients(save):
     hidden = torch.randn(9, 16, requires_grad=True)
     weight = (torch.randn(50, 16) * 0.3).requires_grad_()
     labels = torch.randint(0, 50, (9,))
-    logp, _ = cpu_backend.linear_logprobs(hidden, weight, None, labels)
+    logp, _ = cpu_backend.linear_logprobs(hidden, weight, None, labels, memory_budget=SAVE_BUDGETS[save])
     first = torch.autograd.grad(logp.sum(), (hidden, weight), retain_graph=True)
     second = torch.autograd.grad(logp.sum(), (hidden, weight))  # the saved logits were not consumed
     assert all(torch.equal(a, b) for a, b in zip(first, second))
@@ -319,3 +313,144 @@ def test_torch_compile_fullgraph_over_public_api():
         return a + gk.fused_linear_gspo_loss(h, w, labels, adv, old, config=cfg, backend="cpu", **kw).loss
 
     _eager_and_compiled(step, hidden, weight)
+
+
+# ---------------------------------------------------------------------------------------------
+# Numerics: extreme logits, -inf columns, out-of-range labels (the same checks as the torch backend).
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", ["offset-1e4", "temperature-1e-6"])
+@pytest.mark.parametrize("path", ["logits", "linear"])
+def test_extreme_logits_fp32_within_1e5_of_float64(path, case):
+    check_extreme_logits("cpu", path, case)
+
+
+@pytest.mark.parametrize("path", ["logits", "linear"])
+def test_minus_inf_on_non_label_columns(path):
+    check_minus_inf_columns("cpu", path)
+
+
+def test_out_of_range_labels_give_nan_not_out_of_bounds():
+    check_out_of_range_labels("cpu")
+    # the operator itself, inactive rows included: an inactive row's label is never read, its outputs are 0
+    logp, _, _ = torch.ops.gspo_kernels.logits_fwd(torch.randn(3, 5), torch.tensor([1, 5, -7]),
+                                                   torch.tensor([True, True, False]), 1.0, False, False)
+    assert torch.isfinite(logp[0]) and torch.isnan(logp[1]) and logp[2] == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# memory_budget (the public option that replaced the module global).
+# ---------------------------------------------------------------------------------------------
+
+
+def test_memory_budget_option_through_the_public_api():
+    B, T, H, V = 2, 5, 12, 70
+    hidden, weight = torch.randn(B, T, H), torch.randn(V, H) * 0.3
+    labels, adv = torch.randint(0, V, (B, T)), torch.tensor([1.0, -0.5])
+    results = []
+    for budget in (None, 0, 4 * 10 * 33, 1 << 40):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        out = gk.fused_linear_gspo_loss(h, w, labels, adv, backend="cpu", memory_budget=budget)
+        out.loss.backward()
+        results.append((out.loss.detach(), h.grad, w.grad))
+    module = gk.FusedLinearGSPOLoss(backend="cpu", memory_budget=0)
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    module(h, w, labels, adv).loss.backward()
+    results.append((None, h.grad, w.grad))
+    for r in results[1:]:  # the same bits whatever the budget (saved logits = recomputed logits)
+        assert all(a is None or torch.equal(a, b) for a, b in zip(r, results[0]))
+    for bad in (-1, 1.5, True, "1GB"):
+        with pytest.raises(ValueError, match="memory_budget"):
+            gk.linear_logprobs(hidden, weight, labels, backend="cpu", memory_budget=bad)
+        with pytest.raises(ValueError, match="memory_budget"):
+            gk.FusedLinearGSPOLoss(memory_budget=bad)
+
+
+# ---------------------------------------------------------------------------------------------
+# Determinism and batch invariance.
+# ---------------------------------------------------------------------------------------------
+
+
+def _rows_alone_and_in_batch(blocks, monkeypatch):
+    """A row's (logp, entropy, dH row) alone and among 64 others at several positions, with several
+    budgets and active masks; every variant must give the same bits."""
+    if blocks is not None:
+        monkeypatch.setattr(cpu_backend, "GEMM_ROWS", blocks[0])
+        monkeypatch.setattr(cpu_backend, "ROW_BLOCK", blocks[1])
+        monkeypatch.setattr(cpu_backend, "VOCAB_BLOCK", blocks[2])
+    gen = torch.Generator().manual_seed(11)
+    H, V = 256, 3000  # shapes where MKL's row results do depend on the number of rows of a GEMM
+    weight = torch.randn(V, H, generator=gen) * 0.2
+    bias = torch.randn(V, generator=gen)
+    others = torch.randn(64, H, generator=gen)
+    row = torch.randn(1, H, generator=gen)
+    other_labels = torch.randint(0, V, (64,), generator=gen)
+    label = torch.tensor([17])
+    g, ge = 0.7, -0.3
+
+    def run(hidden, labels, active, budget, pos):
+        h = hidden.clone().requires_grad_()
+        logp, ent = cpu_backend.linear_logprobs(h, weight, bias, labels, active=active, return_entropy=True,
+                                                memory_budget=budget)
+        gl, gent = torch.zeros_like(logp), torch.zeros_like(ent)
+        gl[pos], gent[pos] = g, ge
+        gl[:pos] = 1.0  # the other rows carry gradient too (they share the fixed-shape GEMMs)
+        (dh,) = torch.autograd.grad((gl * logp).sum() + (gent * ent).sum(), h)
+        return logp[pos], ent[pos], dh[pos]
+
+    results = [run(row, label, None, 0, 0), run(row, label, None, None, 0)]
+    for pos in (0, 37, 64):
+        hidden = torch.cat([others[:pos], row, others[pos:]])
+        labels = torch.cat([other_labels[:pos], label, other_labels[pos:]])
+        active = torch.rand(65, generator=gen) > 0.3
+        active[pos] = True
+        for budget, act in ((None, None), (0, None), (4 * 65 * 1024, active), (None, active)):
+            results.append(run(hidden, labels, act, budget, pos))
+    return results
+
+
+@pytest.mark.parametrize("blocks", [None, (8, 24, 1024)], ids=["default-blocks", "small-blocks"])
+def test_linear_rows_are_batch_invariant(blocks, monkeypatch):
+    results = _rows_alone_and_in_batch(blocks, monkeypatch)
+    first = results[0]
+    for r in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(r, first))
+
+
+def test_logits_rows_are_batch_invariant():
+    gen = torch.Generator().manual_seed(5)
+    V = 5000
+    row = torch.randn(1, V, generator=gen) * 3
+    others = torch.randn(40, V, generator=gen) * 3
+    label = torch.tensor([9])
+
+    def run(x, labels, pos):
+        x = x.clone().requires_grad_()
+        logp, ent = cpu_backend.logits_logprobs(x, labels, return_entropy=True)
+        (grad,) = torch.autograd.grad(logp[pos] * 0.7 - ent[pos] * 0.3, x)
+        return logp[pos], ent[pos], grad[pos]
+
+    first = run(row, label, 0)
+    for pos in (0, 13, 40):
+        x = torch.cat([others[:pos], row, others[pos:]])
+        labels = torch.cat([torch.zeros(pos, dtype=torch.long), label, torch.zeros(40 - pos, dtype=torch.long)])
+        # an odd offset of the row in memory too: the lane order of the sums does not depend on alignment
+        shifted = torch.cat([torch.zeros(x.numel() + 3)])[3:].view_as(x).copy_(x)
+        for inp in (x, shifted):
+            assert all(torch.equal(a, b) for a, b in zip(run(inp, labels, pos), first))
+
+
+def test_linear_backward_is_deterministic():
+    gen = torch.Generator().manual_seed(2)
+    N, H, V = 300, 40, 2500
+    hidden, weight, bias = torch.randn(N, H, generator=gen), torch.randn(V, H, generator=gen) * 0.2, torch.randn(V)
+    labels = torch.randint(0, V, (N,), generator=gen)
+    g, ge = torch.randn(N, generator=gen), torch.randn(N, generator=gen)
+    runs = []
+    for _ in range(3):
+        leaves = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
+        logp, ent = cpu_backend.linear_logprobs(*leaves, labels, return_entropy=True, memory_budget=0)
+        runs.append((logp, ent, *torch.autograd.grad((g * logp).sum() + (ge * ent).sum(), leaves)))
+    for r in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(r, runs[0]))

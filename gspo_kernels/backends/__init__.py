@@ -10,9 +10,14 @@ A backend provides, as differentiable functions (autograd Functions inside the b
     where both are zero; their logits gradient is exactly 0. With ``inplace_backward`` the gradient is
     written into the logits' own storage.
 
-``linear_logprobs(hidden, weight, bias, labels, *, active, temperature, return_entropy)``
+``linear_logprobs(hidden, weight, bias, labels, *, active, temperature, return_entropy, memory_budget=None)``
     ``hidden``: ``[N, H]`` or ``[B, T, H]``, ``weight``: ``[V, H]``, ``bias``: ``[V]`` or None; same
-    outputs and the same skipping rule, gradients for hidden, weight and bias.
+    outputs and the same skipping rule, gradients for hidden, weight and bias. ``memory_budget``:
+    bytes the backend may use for logits saved between forward and backward and for its chunk
+    buffers (None: the backend's documented default); it never changes the results' meaning.
+
+Labels outside ``[0, V)`` reach a backend only when the public checks are skipped (under
+``torch.compile``): a backend never reads out of bounds for them, and that row's log-prob is NaN.
 
 ``objective`` (optional)
     a replacement for :func:`gspo_kernels.objective.gspo_objective` with the same signature.

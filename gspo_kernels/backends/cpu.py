@@ -6,15 +6,30 @@ implementations, so ``torch.compile(fullgraph=True)`` traces through them, and a
 (``torch.library.register_autograd``), then exposes the two backend functions.
 
 * logits path: one pass over each row (OpenMP over rows), fp32 math from fp16/bf16/fp32 logits;
-  the backward reads the logits once more from the saved logsumexp and skips rows without gradient.
-* hidden-state path: ``[ROW_BLOCK, VOCAB_BLOCK]`` logits tiles produced by ATen's matmul and folded
-  in one pass; the backward recomputes tiles for the rows with gradient only, dH/dW in fp32.
-  Memory for speed: the forward keeps up to ``SAVE_LOGITS_BYTES`` of fp32 logits tiles (whole
-  vocabulary tiles, from the first one on) and the backward reads them instead of recomputing them,
-  saving one of the four ``N*H*V`` GEMMs for that share of the vocabulary. ``SAVE_LOGITS_BYTES = 0``
-  recomputes everything (the least memory: one tile plus the fp32 ``dW``).
+  the backward reads the logits once more from the saved row statistics and skips rows without
+  gradient.
+* hidden-state path: logits tiles produced by ATen's matmul and folded in one pass; the backward
+  recomputes tiles for the rows with gradient only, dH/dW in fp32. Memory for speed: the forward
+  keeps up to ``memory_budget`` bytes of fp32 logits tiles (whole vocabulary tiles, from the first
+  one on; default :data:`DEFAULT_MEMORY_BUDGET`, 1 GiB) and the backward reads them instead of
+  recomputing them, saving one of the four ``N*H*V`` GEMMs for that share of the vocabulary.
+  ``memory_budget=0`` recomputes everything (the least memory: one tile plus the fp32 ``dW``).
 
-fp64 inputs run the portable ``torch`` backend (fp64 math), and that is logged once.
+Precision: fp16/bf16 inputs are converted to fp32 exactly, so in the hidden-state path every
+product ``h_k * w_k`` is exact in fp32 and the GEMMs accumulate in fp32; log-probs and entropies
+are fp32, computed from the row max and ``log sum exp(x - max)`` kept apart (logits offset by 1e4,
+or temperatures of 1e-6, keep fp32 accuracy). fp64 inputs run the portable ``torch`` backend (fp64
+math: fp64 log-probs and entropies), and that is logged once.
+
+Determinism and batch invariance: every result is the same bits on every run (same thread count),
+and a row's log-prob, entropy and gradient row (logits path; ``dH`` row in the hidden-state path)
+do not depend on the other rows of the batch, on the row's position, or on ``memory_budget``: the
+per-row reductions run in a fixed order, and the row-dependent GEMMs have a fixed shape of
+``GEMM_ROWS`` rows (zero-padded), since BLAS picks its kernels by shape. ``dW`` and ``dbias`` sum
+over rows in a fixed order.
+
+Labels outside ``[0, V)`` (possible only when the public functions skip their value checks, under
+``torch.compile``) are never read out of bounds: that row's log-prob is NaN.
 The light sequence stage is the PyTorch one (:func:`gspo_kernels.objective.gspo_objective`).
 """
 
@@ -33,8 +48,12 @@ from gspo_kernels.backends.tiling import as_rows
 logger = logging.getLogger("gspo_kernels")
 
 ROW_BLOCK = 1024  # rows per logits tile of the hidden-state path (the weight is streamed once per block)
+# Rows of every row-dependent GEMM of the hidden-state path, zero-padded (fixed: batch invariance; ROW_BLOCK
+# is rounded up to a multiple of it). Measured on 2 cores at H = 896: 512 runs within ~10% of unpadded
+# 1024-row products, 128 about 1.4x slower; the price is that fewer than 512 active rows cost as much as 512.
+GEMM_ROWS = 512
 VOCAB_BLOCK = 8192  # vocabulary entries per tile: a [1024, 8192] fp32 tile is 32 MiB
-SAVE_LOGITS_BYTES = 1 << 30  # logits kept from the forward for the backward (1 GiB; 0: recompute all)
+DEFAULT_MEMORY_BUDGET = 1 << 30  # bytes of logits kept from the forward for the backward (0: recompute all)
 
 _registered = False
 _fp64_announced = False
@@ -68,25 +87,28 @@ def _register_fakes() -> None:
     @torch.library.register_fake(lib + "logits_fwd")
     def _(logits, labels, active, temperature, return_entropy, inplace_backward):
         n = labels.shape[0]
-        return tuple(logits.new_empty((n,), dtype=torch.float32) for _ in range(3))
+        f32 = dict(dtype=torch.float32)
+        return logits.new_empty((n,), **f32), logits.new_empty((n,), **f32), logits.new_empty((2, n), **f32)
 
     @torch.library.register_fake(lib + "logits_bwd")
-    def _(grad_logp, grad_entropy, logits, labels, active, lse, entropy, temperature):
+    def _(grad_logp, grad_entropy, logits, labels, active, stats, entropy, temperature):
         return logits.new_empty(logits.shape)
 
     @torch.library.register_fake(lib + "logits_bwd_")
-    def _(logits, grad_logp, grad_entropy, labels, active, lse, entropy, temperature):
+    def _(logits, grad_logp, grad_entropy, labels, active, stats, entropy, temperature):
         return None
 
     @torch.library.register_fake(lib + "linear_fwd")
-    def _(hidden, weight, bias, labels, active, temperature, return_entropy, row_block, vocab_block, save_cols):
+    def _(hidden, weight, bias, labels, active, temperature, return_entropy, row_block, gemm_rows, vocab_block,
+          save_cols):
         n = hidden.shape[0]
-        stats = tuple(hidden.new_empty((n,), dtype=torch.float32) for _ in range(3))
-        return (*stats, hidden.new_empty((n * save_cols,), dtype=torch.float32))
+        f32 = dict(dtype=torch.float32)
+        return (hidden.new_empty((n,), **f32), hidden.new_empty((n,), **f32), hidden.new_empty((2, n), **f32),
+                hidden.new_empty((n * save_cols,), **f32))
 
     @torch.library.register_fake(lib + "linear_bwd")
-    def _(grad_logp, grad_entropy, hidden, weight, bias, labels, active, lse, entropy, saved, temperature,
-          row_block, vocab_block, save_cols, weight_grad):
+    def _(grad_logp, grad_entropy, hidden, weight, bias, labels, active, stats, entropy, saved, temperature,
+          row_block, gemm_rows, vocab_block, save_cols, weight_grad):
         grad_hidden = hidden.new_empty(hidden.shape)
         grad_weight = weight.new_empty(weight.shape if weight_grad else (0, weight.shape[1]))
         grad_bias = bias.new_empty(bias.shape) if bias is not None else hidden.new_empty((0,), dtype=torch.float32)
@@ -103,22 +125,22 @@ def _register_autograd() -> None:
 
     def logits_setup(ctx, inputs, output):
         logits, labels, active, temperature, _return_entropy, inplace_backward = inputs
-        _logp, entropy, lse = output
+        _logp, entropy, stats = output
         ctx.set_materialize_grads(False)  # no zero-filled gradients for unused outputs
-        ctx.save_for_backward(logits, labels, active, lse, entropy)
+        ctx.save_for_backward(logits, labels, active, stats, entropy)
         ctx.temperature = temperature
         ctx.inplace = inplace_backward
 
-    def logits_backward(ctx, grad_logp, grad_entropy, _grad_lse):
-        logits, labels, active, lse, entropy = ctx.saved_tensors
+    def logits_backward(ctx, grad_logp, grad_entropy, _grad_stats):
+        logits, labels, active, stats, entropy = ctx.saved_tensors
         if grad_logp is None:
-            grad_logp = torch.zeros_like(lse)
+            grad_logp = torch.zeros_like(entropy)
         if ctx.inplace and not torch.compiler.is_compiling():
             target = logits.detach()
-            ops.logits_bwd_(target, grad_logp, grad_entropy, labels, active, lse, entropy, ctx.temperature)
+            ops.logits_bwd_(target, grad_logp, grad_entropy, labels, active, stats, entropy, ctx.temperature)
             grad = target
         else:
-            grad = ops.logits_bwd(grad_logp, grad_entropy, logits, labels, active, lse, entropy, ctx.temperature)
+            grad = ops.logits_bwd(grad_logp, grad_entropy, logits, labels, active, stats, entropy, ctx.temperature)
         return grad, None, None, None, None, None
 
     torch.library.register_autograd(
@@ -126,27 +148,28 @@ def _register_autograd() -> None:
     )
 
     def linear_setup(ctx, inputs, output):
-        hidden, weight, bias, labels, active, temperature, _return_entropy, row_block, vocab_block, save_cols = inputs
-        _logp, entropy, lse, saved = output
+        (hidden, weight, bias, labels, active, temperature, _return_entropy, row_block, gemm_rows, vocab_block,
+         save_cols) = inputs
+        _logp, entropy, stats, saved = output
         ctx.set_materialize_grads(False)  # else the unused `saved` output gets an [N, save_cols] zero gradient
-        ctx.save_for_backward(hidden, weight, bias, labels, active, lse, entropy, saved)
+        ctx.save_for_backward(hidden, weight, bias, labels, active, stats, entropy, saved)
         ctx.temperature = temperature
-        ctx.blocks = (row_block, vocab_block, save_cols)
+        ctx.blocks = (row_block, gemm_rows, vocab_block, save_cols)
 
-    def linear_backward(ctx, grad_logp, grad_entropy, _grad_lse, _grad_saved):
-        hidden, weight, bias, labels, active, lse, entropy, saved = ctx.saved_tensors
+    def linear_backward(ctx, grad_logp, grad_entropy, _grad_stats, _grad_saved):
+        hidden, weight, bias, labels, active, stats, entropy, saved = ctx.saved_tensors
         if grad_logp is None:
-            grad_logp = torch.zeros_like(lse)
+            grad_logp = torch.zeros_like(entropy)
         weight_grad = bool(ctx.needs_input_grad[1])
         grad_hidden, grad_weight, grad_bias = ops.linear_bwd(
-            grad_logp, grad_entropy, hidden, weight, bias, labels, active, lse, entropy, saved, ctx.temperature,
+            grad_logp, grad_entropy, hidden, weight, bias, labels, active, stats, entropy, saved, ctx.temperature,
             *ctx.blocks, weight_grad,
         )
         return (
             grad_hidden if ctx.needs_input_grad[0] else None,
             grad_weight if weight_grad else None,
             grad_bias if bias is not None and ctx.needs_input_grad[2] else None,
-            None, None, None, None, None, None, None,
+            None, None, None, None, None, None, None, None,
         )
 
     torch.library.register_autograd(
@@ -185,10 +208,12 @@ def logits_logprobs(
     return_entropy: bool = False,
     inplace_backward: bool = False,
 ) -> Tuple[Tensor, Optional[Tensor]]:
-    """Per-token ``(logp [N] fp32, entropy [N] fp32 | None)`` from ``logits [N, V]`` / ``[B, T, V]``.
+    """Per-token ``(logp [N], entropy [N] | None)`` from ``logits [N, V]`` / ``[B, T, V]``.
 
-    Any strides with a unit last stride are read in place (e.g. ``logits[:, :-1]``); other layouts
-    are copied once. With ``inplace_backward`` the gradient is written into the logits' storage.
+    fp16/bf16/fp32 logits give fp32 outputs (fp32 math); fp64 logits give fp64 outputs (the
+    ``torch`` backend's fp64 math). Any strides with a unit last stride are read in place (e.g.
+    ``logits[:, :-1]``); other layouts are copied once. With ``inplace_backward`` the gradient is
+    written into the logits' storage.
     """
     if logits.dtype == torch.float64:
         return _fp64_fallback("logits").logits_logprobs(
@@ -215,26 +240,35 @@ def linear_logprobs(
     active: Optional[Tensor] = None,
     temperature: float = 1.0,
     return_entropy: bool = False,
+    memory_budget: Optional[int] = None,
 ) -> Tuple[Tensor, Optional[Tensor]]:
-    """Per-token ``(logp [N] fp32, entropy [N] fp32 | None)`` of ``hidden @ weight.T + bias``.
+    """Per-token ``(logp [N], entropy [N] | None)`` of ``hidden @ weight.T + bias``.
 
     ``hidden``: ``[N, H]`` or ``[B, T, H]``; ``weight``: ``[V, H]``; ``bias``: ``[V]`` or None.
-    Extra memory: ``O(N)`` plus one ``[ROW_BLOCK, VOCAB_BLOCK]`` fp32 tile (and an fp32 copy of the
-    active rows of ``hidden`` when it is not fp32), up to ``SAVE_LOGITS_BYTES`` of saved logits
-    between forward and backward, and the fp32 ``dW`` accumulator in the backward.
+    fp16/bf16/fp32 inputs: exact fp32 products, fp32 accumulation, fp32 outputs; fp64 inputs: the
+    ``torch`` backend's fp64 math and fp64 outputs.
+    ``memory_budget``: bytes of fp32 logits the forward may keep for the backward (whole vocabulary
+    tiles; ``None``: :data:`DEFAULT_MEMORY_BUDGET` = 1 GiB; 0: recompute every tile). Results are
+    the same bits whatever the budget.
+    Extra memory: ``O(N)`` plus one ``[ROW_BLOCK, VOCAB_BLOCK]`` fp32 tile and a zero-padded fp32 copy
+    of the active rows of ``hidden``, up to ``memory_budget`` bytes of saved logits between forward
+    and backward, and the fp32 ``dW`` accumulator in the backward.
     """
     if torch.float64 in (hidden.dtype, weight.dtype):
         return _fp64_fallback("hidden states").linear_logprobs(
-            hidden, weight, bias, labels, active=active, temperature=temperature, return_entropy=return_entropy
+            hidden, weight, bias, labels, active=active, temperature=temperature, return_entropy=return_entropy,
+            memory_budget=memory_budget,
         )
     rows = as_rows(hidden)
     labels, active = _flags(labels, active)
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (rows, weight, bias))
-    budget = SAVE_LOGITS_BYTES if needs_grad else 0  # no backward will read them
-    save_cols = saved_columns(rows.shape[0], weight.shape[0], VOCAB_BLOCK, budget)
-    logp, entropy, _lse, _saved = torch.ops.gspo_kernels.linear_fwd(
-        rows, weight, bias, labels, active, float(temperature), bool(return_entropy), ROW_BLOCK, VOCAB_BLOCK,
-        save_cols,
+    budget = DEFAULT_MEMORY_BUDGET if memory_budget is None else int(memory_budget)
+    if budget < 0:
+        raise ValueError(f"memory_budget must be a number of bytes >= 0 (or None), got {memory_budget!r}")
+    save_cols = saved_columns(rows.shape[0], weight.shape[0], VOCAB_BLOCK, budget if needs_grad else 0)
+    logp, entropy, _stats, _saved = torch.ops.gspo_kernels.linear_fwd(
+        rows, weight, bias, labels, active, float(temperature), bool(return_entropy), ROW_BLOCK, GEMM_ROWS,
+        VOCAB_BLOCK, save_cols,
     )
     return logp, (entropy if return_entropy else None)
 

@@ -1,10 +1,19 @@
 """``backend="torch"``: the portable chunked heavy stage (any device), and the blueprint of the others.
 
-Forward: rows x vocabulary tiles, an online logsumexp with the label's logit and the entropy folded
-in, fp32 math; no ``[N, V]`` fp32 tensor exists (the logits path reads the caller's logits a tile at
-a time; the hidden-state path forms one ``[rows, vocab_block]`` logits tile at a time).
-Backward: recomputes tiles from the saved logsumexp, accumulates in fp32, and visits only the rows
-whose incoming gradient (of log-prob or entropy) is non-zero; the others get exactly zero gradient.
+fp32 math (fp64 for fp64 inputs); no ``[N, V]`` fp32 intermediate exists.
+Logits path: blocks of whole rows (about ``LOGITS_BLOCK_ELEMENTS`` elements) through ATen's fused
+``log_softmax`` / ``softmax`` kernels into two scratch blocks: forward 1 fused pass + 3 for the
+entropy; backward 2 passes (5 when the entropy carries gradient), writing the gradient directly.
+Hidden-state path: rows x vocabulary tiles, an online softmax (running max ``m``,
+``s = sum e^(x-m)``, ``a = sum e^(x-m)(x-m)``) with the label's logit and the entropy folded in;
+one ``[rows, vocab_block]`` logits tile exists at a time.
+Both keep the row max and ``log s`` apart (never one fp32 ``lse = m + log s``): log-probs and the
+entropy come from shifted logits, so logits offset by 1e4 or divided by a temperature of 1e-6 keep
+fp32 accuracy. Backward: recomputes from the logits (or tiles from the saved ``(m, log s)``),
+accumulates in fp32, and visits only the rows whose incoming gradient (of log-prob or entropy) is
+non-zero; the others get exactly zero gradient. ``-inf`` logits on non-label columns give ``p = 0`` and a zero gradient (never NaN).
+Labels outside ``[0, V)`` are never read (possible only when the public checks are skipped, under
+``torch.compile``): that row's log-prob is NaN.
 """
 
 from __future__ import annotations
@@ -17,8 +26,7 @@ from torch import Tensor
 from gspo_kernels.backends import Backend
 from gspo_kernels.backends.tiling import as_rows, row_blocks
 
-ROW_BLOCK = 256  # rows per tile
-VOCAB_BLOCK = 16384  # vocabulary entries per tile (64 KiB of fp32 per row)
+LOGITS_BLOCK_ELEMENTS = 1 << 23  # logits path: whole rows per block, about this many elements (32 MiB fp32)
 LINEAR_ROW_BLOCK = 1024  # rows per tile of the hidden-state path (the weight is streamed once per block)
 LINEAR_VOCAB_BLOCK = 4096
 
@@ -27,54 +35,100 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def _log_p_floor(dtype: torch.dtype) -> float:
+    """A log-probability below which ``exp`` is exactly 0 in ``dtype`` (used to keep ``-inf`` out of products)."""
+    return -800.0 if dtype == torch.float64 else -120.0
+
+
+class _Workspace:
+    """Flat scratch buffers of ``rows * cols`` elements, viewed as contiguous ``[r, c]`` tiles: two work
+    tiles, and one for a converted / scaled copy of the input tile (allocated when first needed)."""
+
+    def __init__(self, rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.size, self.dtype, self.device = rows * cols, dtype, device
+        self.a = torch.empty(self.size, dtype=dtype, device=device)
+        self.b = torch.empty(self.size, dtype=dtype, device=device)
+        self.x: Optional[Tensor] = None
+
+    def tiles(self, r: int, c: int) -> Tuple[Tensor, Tensor]:
+        return self.a[: r * c].view(r, c), self.b[: r * c].view(r, c)
+
+    def input_tile(self, r: int, c: int) -> Tensor:
+        if self.x is None:
+            self.x = torch.empty(self.size, dtype=self.dtype, device=self.device)
+        return self.x[: r * c].view(r, c)
+
+
+def _scaled(tile: Tensor, tau: float, cdt: torch.dtype, ws: _Workspace) -> Tensor:
+    """``tile / tau`` in ``cdt``: the tile itself when nothing changes, else written into a scratch tile."""
+    if tile.dtype == cdt and tau == 1.0:
+        return tile
+    out = ws.input_tile(*tile.shape)
+    if tile.dtype == cdt:
+        return torch.div(tile, tau, out=out)
+    out.copy_(tile)
+    return out if tau == 1.0 else out.div_(tau)
+
+
 class _OnlineSoftmax:
-    """Running max ``m``, ``s = sum e^(z-m)``, ``t = sum e^(z-m) z`` and the label's logit, per row."""
+    """Per row: running max ``m`` of the scaled logits ``x``, ``s = sum e^(x-m)``, ``a = sum e^(x-m) (x-m)``
+    and the label's ``x``. ``m`` and ``log s`` stay apart (``log p = (x - m) - log s``): no fp32
+    ``lse = m + log s`` whose rounding grows with the size of the logits."""
 
     def __init__(self, rows: int, labels: Tensor, dtype: torch.dtype, device: torch.device) -> None:
         self.m = torch.full((rows,), float("-inf"), dtype=dtype, device=device)
         self.s = torch.zeros(rows, dtype=dtype, device=device)
-        self.t = torch.zeros(rows, dtype=dtype, device=device)
-        self.label_logit = torch.zeros(rows, dtype=dtype, device=device)
+        self.a = torch.zeros(rows, dtype=dtype, device=device)
+        self.label_x = torch.full((rows,), float("nan"), dtype=dtype, device=device)  # NaN: label not in [0, V)
         self.labels = labels
 
-    def fold(self, z: Tensor, v0: int) -> None:
-        """Fold the scaled logits tile ``z [rows, vb]`` covering vocabulary ``[v0, v0 + vb)``."""
-        m_new = torch.maximum(self.m, z.amax(dim=1))
-        scale = torch.exp(self.m - m_new)
-        e = torch.exp(z - m_new[:, None])
-        self.s = self.s * scale + e.sum(dim=1)
-        self.t = self.t * scale + torch.where(e > 0, e * z, 0.0).sum(dim=1)  # -inf logits add 0
-        self.m = m_new
+    def fold(self, x: Tensor, v0: int, ws: _Workspace, entropy: bool) -> None:
+        """Fold the scaled logits tile ``x [rows, vb]`` covering vocabulary ``[v0, v0 + vb)``."""
+        m_new = torch.maximum(self.m, x.amax(dim=1))
+        m_ref = torch.where(m_new == float("-inf"), 0.0, m_new)  # a row of -inf so far: e = 0, not NaN
+        d, e = ws.tiles(*x.shape)
+        torch.sub(x, m_ref[:, None], out=d)
+        torch.exp(d, out=e)
+        s_tile = e.sum(dim=1)
+        seen = self.s > 0
+        shift = torch.where(seen, self.m - m_ref, 0.0)  # <= 0
+        scale = torch.where(seen, torch.exp(shift), 0.0)
+        if entropy:
+            a_tile = torch.nansum(e.mul_(d), dim=1)  # e * d is 0 * -inf = NaN only where e = 0 (a -inf logit)
+            self.a = scale * (self.a + shift * self.s) + a_tile
+        self.s = self.s * scale + s_tile
+        self.m = m_ref
         local = self.labels - v0
-        inside = (local >= 0) & (local < z.shape[1])
-        picked = z.gather(1, local.clamp(0, z.shape[1] - 1)[:, None])[:, 0]
-        self.label_logit = torch.where(inside, picked, self.label_logit)
+        inside = (local >= 0) & (local < x.shape[1])
+        picked = x.gather(1, local.clamp(0, x.shape[1] - 1)[:, None])[:, 0]
+        self.label_x = torch.where(inside, picked, self.label_x)
 
     def finish(self) -> Tuple[Tensor, Tensor, Tensor]:
-        """``(logp, entropy, lse)`` with ``lse = m + log s`` and ``H = lse - t / s``."""
-        lse = self.m + torch.log(self.s)
-        return self.label_logit - lse, lse - self.t / self.s, lse
+        """``(logp, entropy, stats [2, rows])``: ``log p_y = (x_y - m) - log s``, ``H = log s - a / s``."""
+        log_s = torch.log(self.s)
+        return (self.label_x - self.m) - log_s, log_s - self.a / self.s, torch.stack((self.m, log_s))
+def _grad_tile(x: Tensor, m: Tensor, log_s: Tensor, entropy: Tensor, g: Tensor, ge: Optional[Tensor],
+               local: Tensor, tau: float, ws: _Workspace, out: Tensor) -> None:
+    """Write ``dL/dlogits`` of one tile into ``out``: ``(g/tau)(onehot - p) - (ge/tau) p (log p + H)``.
 
-
-def _logit_grad(z: Tensor, lse: Tensor, entropy: Tensor, g: Tensor, h: Optional[Tensor], local: Tensor, tau: float) -> Tensor:
-    """``dL/dlogits`` of one tile: ``(g/tau)(onehot - p) - (h/tau) p (log p + H)``.
-
-    ``z`` is the scaled logits tile, a fresh tensor that is overwritten in place (one tile of memory).
+    ``x``: the scaled logits tile (not modified); ``log p = (x - m) - log s``; ``out`` may be a strided
+    view of the gradient (or of the logits themselves: ``x`` is read before ``out`` is written).
     """
-    dz = z.sub_(lse[:, None])  # log p
-    if h is not None:
-        log_p_plus_h = dz + entropy[:, None]
-    dz.exp_()  # p
-    if h is not None:
-        # p (log p + H) with 0 where p == 0 (a -inf logit): no 0 * inf
-        entropy_term = log_p_plus_h.mul_(dz).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0).mul_(h[:, None])
-    dz.mul_((-g / tau)[:, None])
-    if h is not None:
-        dz.sub_(entropy_term.mul_(1.0 / tau))
-    inside = (local >= 0) & (local < z.shape[1])
+    d, p = ws.tiles(*x.shape)
+    torch.sub(x, m[:, None], out=d)
+    d.sub_(log_s[:, None])  # log p
+    if ge is None:
+        torch.exp(d, out=p)
+        torch.mul(p, (-g / tau)[:, None], out=out)
+    else:
+        d.clamp_(min=_log_p_floor(d.dtype))  # exp is still exactly 0 there; no 0 * inf below
+        torch.exp(d, out=p)
+        alpha = -(g + ge * entropy) / tau
+        torch.addcmul(alpha[:, None], d, (-ge / tau)[:, None], out=d)
+        torch.mul(p, d, out=out)
+    inside = (local >= 0) & (local < x.shape[1])
     rows = torch.nonzero(inside)[:, 0]
-    dz[rows, local[rows]] += g[rows] / tau
-    return dz
+    out.index_put_((rows, local[rows]), (g[rows] / tau).to(out.dtype), accumulate=True)
 
 
 def _carries_gradient(grad_logp: Optional[Tensor], grad_entropy: Optional[Tensor], n: int, device) -> Tensor:
@@ -87,62 +141,102 @@ def _carries_gradient(grad_logp: Optional[Tensor], grad_entropy: Optional[Tensor
     return carries
 
 
+def _logits_block_rows(V: int) -> int:
+    """Rows per block of the logits path: whole rows, about ``LOGITS_BLOCK_ELEMENTS`` elements."""
+    return max(1, LOGITS_BLOCK_ELEMENTS // max(V, 1))
+
+
+def _scaled_rows(rows: Tensor, tau: float, cdt: torch.dtype, ws: _Workspace) -> Tensor:
+    """``rows / tau`` for the fused ops: the rows themselves when they are already ``cdt`` at tau = 1
+    (fp16/bf16 rows at tau = 1 too: the softmax ops convert them to fp32 exactly themselves)."""
+    if tau == 1.0:
+        return rows
+    return _scaled(rows, tau, cdt, ws)
+
+
 class _LogitsLogprobs(torch.autograd.Function):
+    """Whole rows at a time, through ATen's fused ``log_softmax`` / ``softmax`` kernels (one pass each,
+    ``(x - max) - log sum`` kept apart inside), into two ``[rows, V]`` scratch blocks of about
+    ``LOGITS_BLOCK_ELEMENTS`` elements: the fewest passes over the logits plain PyTorch allows, and no
+    ``[N, V]`` intermediate."""
+
     @staticmethod
     def forward(ctx, logits, labels, active, temperature, return_entropy, inplace_backward):
         V = logits.shape[-1]
         n = labels.shape[0]
         cdt = _compute_dtype(logits.dtype)
-        logp = torch.zeros(n, dtype=cdt, device=logits.device)
-        entropy = torch.zeros(n, dtype=cdt, device=logits.device)
-        lse = torch.zeros(n, dtype=cdt, device=logits.device)
-        for r0, r1, rows in row_blocks(logits, ROW_BLOCK):
-            index = torch.arange(r0, r1, device=logits.device)
+        device = logits.device
+        logp = torch.zeros(n, dtype=cdt, device=device)
+        entropy = torch.zeros(n, dtype=cdt, device=device)
+        R = _logits_block_rows(V)
+        ws = _Workspace(R, V, cdt, device)
+        for r0, r1, rows in row_blocks(logits, R):
+            index = torch.arange(r0, r1, device=device)
             if active is not None:
                 index = index[active[r0:r1]]
                 if index.numel() == 0:
                     continue
                 if index.numel() < r1 - r0:
                     rows = rows[index - r0]
-            state = _OnlineSoftmax(index.numel(), labels[index], cdt, logits.device)
-            for v0 in range(0, V, VOCAB_BLOCK):
-                state.fold(rows[:, v0 : v0 + VOCAB_BLOCK].to(cdt) / temperature, v0)
-            logp[index], entropy[index], lse[index] = state.finish()
-        ctx.save_for_backward(logits, labels, lse, entropy)
+            x = _scaled_rows(rows, temperature, cdt, ws)
+            lp, p = ws.tiles(*x.shape)
+            torch.log_softmax(x, 1, dtype=cdt, out=lp)
+            y = labels[index]
+            inside = (y >= 0) & (y < V)
+            picked = lp.gather(1, y.clamp(0, V - 1)[:, None])[:, 0]
+            logp[index] = torch.where(inside, picked, float("nan"))  # a label outside [0, V) is never read
+            if return_entropy:
+                lp.clamp_(min=_log_p_floor(cdt))  # exp is exactly 0 there: -inf logits add 0, not 0 * -inf
+                torch.exp(lp, out=p)
+                entropy[index] = -p.mul_(lp).sum(dim=1)
+        ctx.save_for_backward(logits, labels, entropy)
         ctx.temperature = temperature
         ctx.inplace = inplace_backward
-        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # an unused entropy gets grad None, not a zero-filled tensor
         return logp, entropy
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
-        logits, labels, lse, entropy = ctx.saved_tensors
+        logits, labels, entropy = ctx.saved_tensors
         tau = ctx.temperature
         V = logits.shape[-1]
         n = labels.shape[0]
+        cdt = entropy.dtype
         carries = _carries_gradient(grad_logp, grad_entropy, n, logits.device)
-        grad = logits.detach() if ctx.inplace else torch.zeros_like(logits)
-        g_all = grad_logp if grad_logp is not None else torch.zeros_like(lse)
-        for r0, r1, rows in row_blocks(logits.detach(), ROW_BLOCK):
+        grad = logits.detach() if ctx.inplace else torch.empty_like(logits, memory_format=torch.contiguous_format)
+        g_all = grad_logp if grad_logp is not None else torch.zeros_like(entropy)
+        R = _logits_block_rows(V)
+        ws = _Workspace(R, V, cdt, logits.device)
+        for r0, r1, rows in row_blocks(logits.detach(), R):
             index = torch.arange(r0, r1, device=logits.device)[carries[r0:r1]]
             target = _row_view(grad, r0, r1)
             if index.numel() == 0:
-                if ctx.inplace:
-                    target.zero_()
+                target.zero_()
                 continue
             full = index.numel() == r1 - r0
-            sub = rows if full else rows[index - r0]
-            g = g_all[index]
-            h = grad_entropy[index] if grad_entropy is not None else None
-            if ctx.inplace and not full:
+            sub = rows if full else rows[index - r0]  # (a copy: read before the in-place target is zeroed)
+            if not full:
                 target.zero_()
-            for v0 in range(0, V, VOCAB_BLOCK):
-                z = sub[:, v0 : v0 + VOCAB_BLOCK].to(lse.dtype, copy=True).div_(tau)
-                dz = _logit_grad(z, lse[index], entropy[index], g, h, labels[index] - v0, tau)
-                if full:
-                    target[:, v0 : v0 + VOCAB_BLOCK].copy_(dz)
-                else:
-                    target[index - r0, v0 : v0 + VOCAB_BLOCK] = dz.to(grad.dtype)
+            g = g_all[index]
+            x = _scaled_rows(sub, tau, cdt, ws)
+            lp, p = ws.tiles(*x.shape)
+            out = target if full else torch.empty(x.shape, dtype=grad.dtype, device=grad.device)
+            if grad_entropy is None:
+                torch.softmax(x, 1, dtype=cdt, out=p)
+                torch.mul(p, (-g / tau)[:, None], out=out)
+            else:
+                ge = grad_entropy[index]
+                torch.log_softmax(x, 1, dtype=cdt, out=lp)
+                lp.clamp_(min=_log_p_floor(cdt))  # p = 0 there, and p * (log p + H) stays 0
+                torch.exp(lp, out=p)
+                alpha = -(g + ge * entropy[index]) / tau
+                torch.addcmul(alpha[:, None], lp, (-ge / tau)[:, None], out=lp)
+                torch.mul(p, lp, out=out)
+            y = labels[index]
+            hit = torch.nonzero((y >= 0) & (y < V))[:, 0]
+            out.index_put_((hit, y[hit]), (g[hit] / tau).to(out.dtype), accumulate=True)
+            if not full:
+                target[index - r0] = out
         return grad, None, None, None, None, None
 
 
@@ -167,33 +261,37 @@ class _LinearLogprobs(torch.autograd.Function):
         device = hidden.device
         logp = torch.zeros(n, dtype=cdt, device=device)
         entropy = torch.zeros(n, dtype=cdt, device=device)
-        lse = torch.zeros(n, dtype=cdt, device=device)
+        stats = torch.zeros(2, n, dtype=cdt, device=device)
+        shifted = _shifted_bias(bias, cdt)
+        ws = _Workspace(LINEAR_ROW_BLOCK, min(LINEAR_VOCAB_BLOCK, V), cdt, device)
         index_all = torch.arange(n, device=device) if active is None else torch.nonzero(active)[:, 0]
         for b0 in range(0, index_all.numel(), LINEAR_ROW_BLOCK):
             index = index_all[b0 : b0 + LINEAR_ROW_BLOCK]
             h = rows_all[index].to(cdt)
             state = _OnlineSoftmax(index.numel(), labels[index], cdt, device)
             for v0 in range(0, V, LINEAR_VOCAB_BLOCK):
-                state.fold(_linear_tile(h, weight, bias, v0, cdt, temperature), v0)
-            logp[index], entropy[index], lse[index] = state.finish()
-        ctx.save_for_backward(hidden, weight, bias if bias is not None else torch.empty(0), labels, lse, entropy)
+                state.fold(_linear_tile(h, weight, shifted, v0, cdt, temperature), v0, ws, return_entropy)
+            logp[index], entropy[index], stats[:, index] = state.finish()
+        ctx.save_for_backward(hidden, weight, bias if bias is not None else torch.empty(0), labels, stats, entropy)
         ctx.has_bias = bias is not None
         ctx.temperature = temperature
-        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # an unused entropy gets grad None, not a zero-filled tensor
         return logp, entropy
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
-        hidden, weight, bias, labels, lse, entropy = ctx.saved_tensors
+        hidden, weight, bias, labels, stats, entropy = ctx.saved_tensors
         bias = bias if ctx.has_bias else None
         tau = ctx.temperature
         n = labels.shape[0]
         V, H = weight.shape
-        cdt = lse.dtype
+        cdt = stats.dtype
         device = hidden.device
         rows_all = as_rows(hidden)
+        shifted = _shifted_bias(bias, cdt)
+        ws = _Workspace(LINEAR_ROW_BLOCK, min(LINEAR_VOCAB_BLOCK, V), cdt, device)
         index_all = torch.nonzero(_carries_gradient(grad_logp, grad_entropy, n, device))[:, 0]
-        g_all = grad_logp if grad_logp is not None else torch.zeros_like(lse)
+        g_all = grad_logp if grad_logp is not None else torch.zeros_like(entropy)
         d_hidden = torch.zeros(n, H, dtype=cdt, device=device)
         d_weight = torch.zeros(V, H, dtype=cdt, device=device)  # fp32 accumulator: V*H*4 bytes
         d_bias = torch.zeros(V, dtype=cdt, device=device) if bias is not None else None
@@ -201,16 +299,17 @@ class _LinearLogprobs(torch.autograd.Function):
             index = index_all[b0 : b0 + LINEAR_ROW_BLOCK]
             h = rows_all[index].to(cdt)
             g = g_all[index]
-            he = grad_entropy[index] if grad_entropy is not None else None
+            ge = grad_entropy[index] if grad_entropy is not None else None
+            m, log_s, ent = stats[0, index], stats[1, index], entropy[index]
             dh = torch.zeros_like(h)
             for v0 in range(0, V, LINEAR_VOCAB_BLOCK):
-                z = _linear_tile(h, weight, bias, v0, cdt, tau)
-                dz = _logit_grad(z, lse[index], entropy[index], g, he, labels[index] - v0, tau)
+                z = _linear_tile(h, weight, shifted, v0, cdt, tau)
+                _grad_tile(z, m, log_s, ent, g, ge, labels[index] - v0, tau, ws, out=z)  # dz, in place
                 w_tile = weight[v0 : v0 + LINEAR_VOCAB_BLOCK].to(cdt)
-                dh.addmm_(dz, w_tile)
-                d_weight[v0 : v0 + LINEAR_VOCAB_BLOCK].addmm_(dz.T, h)
+                dh.addmm_(z, w_tile)
+                d_weight[v0 : v0 + LINEAR_VOCAB_BLOCK].addmm_(z.T, h)
                 if d_bias is not None:
-                    d_bias[v0 : v0 + LINEAR_VOCAB_BLOCK] += dz.sum(dim=0)
+                    d_bias[v0 : v0 + LINEAR_VOCAB_BLOCK] += z.sum(dim=0)
             d_hidden[index] = dh
         grad_hidden = d_hidden.to(hidden.dtype).reshape(hidden.shape) if ctx.needs_input_grad[0] else None
         grad_weight = d_weight.to(weight.dtype) if ctx.needs_input_grad[1] else None
@@ -218,13 +317,24 @@ class _LinearLogprobs(torch.autograd.Function):
         return grad_hidden, grad_weight, grad_bias, None, None, None, None
 
 
+def _shifted_bias(bias: Optional[Tensor], cdt: torch.dtype) -> Optional[Tensor]:
+    """``bias - max(bias)`` in ``cdt`` (softmax is shift-invariant): a bias of 1e4 + noise then adds
+    no rounding of 1e4-sized numbers to the logits. Unchanged when its max is not finite."""
+    if bias is None or bias.numel() == 0:
+        return None if bias is None else bias.to(cdt)
+    b = bias.to(cdt)
+    top = b.max()
+    return torch.where(torch.isfinite(top), b - top, b)
+
+
 def _linear_tile(h: Tensor, weight: Tensor, bias: Optional[Tensor], v0: int, cdt: torch.dtype, tau: float) -> Tensor:
-    """Scaled logits ``(h @ W[v0:v1].T + b[v0:v1]) / tau`` of one vocabulary tile, accumulated in ``cdt``."""
+    """Scaled logits ``(h @ W[v0:v1].T + b[v0:v1]) / tau`` of one vocabulary tile, accumulated in ``cdt``
+    (fp16/bf16 operands are converted to fp32 exactly: exact products, fp32 sums)."""
     w_tile = weight[v0 : v0 + LINEAR_VOCAB_BLOCK].to(cdt)
     z = h @ w_tile.T
     if bias is not None:
-        z += bias[v0 : v0 + LINEAR_VOCAB_BLOCK].to(cdt)
-    return z / tau
+        z += bias[v0 : v0 + LINEAR_VOCAB_BLOCK]
+    return z if tau == 1.0 else z.div_(tau)
 
 
 def logits_logprobs(
@@ -235,8 +345,14 @@ def logits_logprobs(
     temperature: float = 1.0,
     return_entropy: bool = False,
     inplace_backward: bool = False,
-):
-    """Per-token ``(logp [N], entropy [N] | None)`` in fp32 from ``logits [N, V]`` / ``[B, T, V]``."""
+) -> Tuple[Tensor, Optional[Tensor]]:
+    """Per-token ``(logp [N], entropy [N] | None)`` from ``logits [N, V]`` / ``[B, T, V]``.
+
+    fp16/bf16/fp32 logits: fp32 math and outputs; fp64 logits: fp64 math and outputs. Extra memory:
+    ``O(N)`` plus two (three with a temperature) scratch blocks of whole rows, about
+    ``LOGITS_BLOCK_ELEMENTS`` elements each; the backward writes one gradient the size of the logits
+    (or into the logits with ``inplace_backward``).
+    """
     logp, entropy = _LogitsLogprobs.apply(logits, labels, active, float(temperature), return_entropy, inplace_backward)
     return logp, (entropy if return_entropy else None)
 
@@ -250,10 +366,14 @@ def linear_logprobs(
     active: Optional[Tensor] = None,
     temperature: float = 1.0,
     return_entropy: bool = False,
-):
-    """Per-token ``(logp [N], entropy [N] | None)`` in fp32 of ``hidden @ weight.T + bias``.
+    memory_budget: Optional[int] = None,
+) -> Tuple[Tensor, Optional[Tensor]]:
+    """Per-token ``(logp [N], entropy [N] | None)`` of ``hidden @ weight.T + bias``.
 
-    Extra memory: ``O(N)`` plus one ``[1024, 4096]`` tile; the backward adds fp32 accumulators for
+    fp16/bf16/fp32 inputs: converted to fp32 exactly (exact products), fp32 accumulation and outputs;
+    fp64 inputs: fp64 math and outputs. ``memory_budget`` is accepted for the backend contract and
+    ignored: this backend keeps no logits between forward and backward (it recomputes every tile).
+    Extra memory: ``O(N)`` plus a few ``[1024, 4096]`` tiles; the backward adds accumulators for
     ``dW`` (``V*H*4`` bytes), ``dH`` (``N*H*4``) and ``dbias`` (``V*4``).
     """
     logp, entropy = _LinearLogprobs.apply(hidden, weight, bias, labels, active, float(temperature), return_entropy)

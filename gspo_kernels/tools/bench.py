@@ -13,7 +13,7 @@ Throughput formulas (the work a step must do, not what an implementation chooses
   gradient), as GB/s.
 
 Implementations: ours (each backend; ``gspo-cpu-recompute`` is the cpu backend with
-``SAVE_LOGITS_BYTES = 0``), the plain PyTorch path (materialized logits, ``log_softmax`` +
+``memory_budget=0``), the plain PyTorch path (materialized logits, ``log_softmax`` +
 ``gather``), TRL (``trl.kernels.ChunkedLogProbFunction``; ``selective_log_softmax``) and Cut
 Cross-Entropy (``impl="torch_compile"``, ``reduction="none"``) with the GSPO formula on their
 log-probs, and Liger (``LigerFusedLinearGRPOLoss(importance_sampling_level="sequence",
@@ -147,20 +147,12 @@ def build_impl(name: str, case: Dict, inputs: Dict) -> Tuple[Callable, List]:
         weight = inputs["weight"].requires_grad_()
         leaves = [hidden, weight]
         if name.startswith("gspo-"):
+            budget = 0 if name == "gspo-cpu-recompute" else None  # 0: no logits kept, the least memory
+
             def step():
-                return gk.fused_linear_gspo_loss(hidden, weight, labels, adv, old, mask=mask, backend=backend).loss
-
-            if name != "gspo-cpu-recompute":
-                return step, leaves
-            from gspo_kernels.backends import cpu as cpu_backend
-
-            def recompute_step():  # no logits kept between forward and backward: the least memory
-                budget, cpu_backend.SAVE_LOGITS_BYTES = cpu_backend.SAVE_LOGITS_BYTES, 0
-                try:
-                    return step()
-                finally:
-                    cpu_backend.SAVE_LOGITS_BYTES = budget
-            return recompute_step, leaves
+                return gk.fused_linear_gspo_loss(hidden, weight, labels, adv, old, mask=mask, backend=backend,
+                                                 memory_budget=budget).loss
+            return step, leaves
         if name == "plain-torch":
             def step():
                 logp = (hidden @ weight.T).float().log_softmax(-1).gather(-1, labels[..., None])[..., 0]
@@ -432,6 +424,10 @@ def targets(results: List[Dict]) -> List[Dict]:
     if lg and lref:
         check("logits: >= 3x faster than log_softmax + gather + autograd", lref["total_ms"] >= 3 * lg["total_ms"],
               f"speed-up {lref['total_ms'] / lg['total_ms']:.2f}x")
+    lt = get("logits", "gspo-torch")
+    if lt and lref:
+        check("logits: backend='torch' total <= log_softmax + gather + autograd", lt["total_ms"] <= lref["total_ms"],
+              f"ratio {lt['total_ms'] / lref['total_ms']:.2f}")
     if lg and lg["peak_extra_bytes"] is not None:
         case = next(r["case_spec"] for r in results if r["case"] == "logits")
         grad_bytes = case["B"] * case["T"] * case["V"] * {"fp32": 4, "bf16": 2}[case["dtype"]]
