@@ -4,9 +4,6 @@ Each case ends in one of two ways: a clear error naming the argument, or a match
 reference (fp32: 1e-5 relative, ``tests.cases.check_against_reference``). The policies pinned here are
 written in ``docs/policies.md``. The Triton backend runs in the interpreter on CPU-only machines
 (``tests/conftest.py`` sets ``TRITON_INTERPRET=1``), so ``available_backends("cpu")`` lists it.
-
-Parametrizations that fail because of another backend's kernels carry ``xfail(strict=True)`` with the
-branch that fixes them: an unexpected pass fails loudly, so the marks are dropped after the merge.
 """
 
 from __future__ import annotations
@@ -27,18 +24,10 @@ BACKENDS = tuple(gk.available_backends(DEVICE))
 RTOL = 1e-5
 
 
-def _xfail(owner: str, what: str):
-    return pytest.mark.xfail(strict=True, reason=f"fixed on branch {owner}: {what}")
-
-
-def backends(known: dict | None = None, *, with_reference: bool = False):
-    """``pytest.param`` per available backend (plus ``"reference"``), with the known failures marked.
-
-    ``known``: ``{backend: (owner branch, what fails)}``.
-    """
-    known = known or {}
+def backends(*, with_reference: bool = False):
+    """``pytest.param`` per available backend (plus ``"reference"``, the float64 oracle)."""
     names = BACKENDS + (("reference",) if with_reference else ())
-    return [pytest.param(n, marks=[_xfail(*known[n])] if n in known else [], id=n) for n in names]
+    return [pytest.param(n, id=n) for n in names]
 
 
 def with_first(value, params):
@@ -92,12 +81,8 @@ def close_to_reference(out, grad, expected, ref_grad, rtol=RTOL):
 # 1. -inf logits on non-label columns (vocabulary masking, padded vocabulary rows): valid input.
 # ---------------------------------------------------------------------------------------------
 
-CLASS1_KNOWN = {
-    "cpu": ("cpu", "the C++ entropy is inf and its gradient NaN with -inf logits off the label"),
-}
 
-
-@pytest.mark.parametrize("backend", backends(CLASS1_KNOWN, with_reference=True))
+@pytest.mark.parametrize("backend", backends(with_reference=True))
 def test_class1_reproducer_minus_inf_logits(backend):
     x = torch.randn(2, 4, 11)
     x[..., 0] = float("-inf")
@@ -111,10 +96,8 @@ def test_class1_reproducer_minus_inf_logits(backend):
     assert torch.all(grad[..., 0] == 0)
 
 
-CLASS1_TOKEN_KNOWN = {"cpu": ("cpu", "the C++ entropy is inf with -inf logits off the label")}
 
-
-@pytest.mark.parametrize("backend", backends(CLASS1_TOKEN_KNOWN))
+@pytest.mark.parametrize("backend", backends())
 def test_class1_token_logprobs_with_masked_vocabulary(backend):
     V = 19
     x = torch.randn(6, V) * 3
@@ -130,10 +113,8 @@ def test_class1_token_logprobs_with_masked_vocabulary(backend):
     assert rel_err(xl.grad.cpu(), x64.grad) < RTOL
 
 
-CLASS1_BIAS_KNOWN = {"cpu": ("cpu", "the C++ hidden-state entropy is inf / NaN with a -inf bias entry")}
 
-
-@pytest.mark.parametrize("backend", backends(CLASS1_BIAS_KNOWN))
+@pytest.mark.parametrize("backend", backends())
 def test_class1_minus_inf_bias_entry_on_the_hidden_state_path(backend):
     B, T, V, H = 2, 4, 17, 8
     hidden, weight, bias = torch.randn(B, T, H), torch.randn(V, H) * 0.3, torch.randn(V) * 0.1
@@ -242,15 +223,8 @@ def test_class3_guard_adds_nothing_to_first_order_gradients():
 # 4. Precision: fp32 logits near 1e4, temperature 1e-6 (kernel numerics of each backend).
 # ---------------------------------------------------------------------------------------------
 
-CLASS4_OFFSET_KNOWN = {
-    "cpu": ("cpu", "z - logsumexp loses ~1e-4 relative at logits near 1e4"),
-    "torch": ("cpu", "backends/pytorch.py: z - logsumexp and the entropy cancel at logits near 1e4"),
-}
-CLASS4_TEMPERATURE_KNOWN = {"cpu": ("cpu", "the C++ logits path divides late: gradient error 0.24 at temperature 1e-6")}
-CLASS4_TEMPERATURE_LINEAR_KNOWN = {"cpu": ("cpu", "the C++ hidden-state path: gradient error 0.05 at temperature 1e-6")}
 
-
-@pytest.mark.parametrize("backend", backends(CLASS4_OFFSET_KNOWN))
+@pytest.mark.parametrize("backend", backends())
 def test_class4_huge_offset_logits(backend):
     logits, labels, adv, old = logits_case(V=64)
     logits = logits + 1e4
@@ -260,7 +234,7 @@ def test_class4_huge_offset_logits(backend):
     close_to_reference(out, grad, expected, ref_grad)
 
 
-@pytest.mark.parametrize("backend", backends(CLASS4_TEMPERATURE_KNOWN))
+@pytest.mark.parametrize("backend", backends())
 def test_class4_tiny_temperature_logits(backend):
     """``temperature = 1e-6`` on random fp32 logits: the softmax is one-hot (logit gaps far above fp32
     rounding), so on-policy (weights exactly 1) the loss and the gradient ``(onehot(label) - onehot(argmax))
@@ -277,7 +251,7 @@ def test_class4_tiny_temperature_logits(backend):
     close_to_reference(out, grad, expected, ref_grad)
 
 
-@pytest.mark.parametrize("backend", backends(CLASS4_TEMPERATURE_LINEAR_KNOWN))
+@pytest.mark.parametrize("backend", backends())
 def test_class4_tiny_temperature_hidden_states(backend):
     """``temperature = 1e-6`` on the hidden-state path, on-policy: the softmax is one-hot (logit gaps are far
     above fp32 rounding), the gradient ``(W[label] - W[argmax]) / temperature`` is exact in fp32."""
@@ -357,10 +331,8 @@ def test_class5_live_weight_keeps_the_reference_gradient_in_band():
 # 6. NaN at masked positions of is_ratio / per-token advantages never spreads.
 # ---------------------------------------------------------------------------------------------
 
-CLASS6_REF_KNOWN: dict = {}
 
-
-@pytest.mark.parametrize("level, backend", with_first("sequence", backends(CLASS6_REF_KNOWN, with_reference=True))
+@pytest.mark.parametrize("level, backend", with_first("sequence", backends(with_reference=True))
                          + with_first("token", backends(with_reference=True)))
 @pytest.mark.parametrize("poisoned", ["is_ratio", "advantages"])
 def test_class6_masked_nan_does_not_spread(backend, poisoned, level):
@@ -412,10 +384,8 @@ def test_class7_num_items_in_batch_structure(backend, items, error):
         run_logits(backend, logits, labels, adv, old, num_items_in_batch=items, config=C(loss_type="dapo"))
 
 
-CLASS7_KNOWN: dict = {}
 
-
-@pytest.mark.parametrize("backend", backends(CLASS7_KNOWN, with_reference=True))
+@pytest.mark.parametrize("backend", backends(with_reference=True))
 @pytest.mark.parametrize("items", [0.5, 0.25], ids=lambda v: repr(v))
 def test_class7_fractional_num_items_is_used_as_given(backend, items):
     """TRL passes ``num_items_in_batch / num_processes``: below 1 on a small batch over many processes."""
@@ -623,8 +593,6 @@ def _call(backend, path, t, **kw):
 LOGITS_POISON = ["logits", "logits+inf", "logits-inf-label", "advantages", "old_logprobs", "ref_logprobs",
                  "is_ratio"]
 LINEAR_POISON = ["hidden", "weight", "bias", "advantages", "old_logprobs", "ref_logprobs", "is_ratio"]
-CLASS11_CLEAN_KNOWN = {"cpu": ("cpu", "the C++ entropy is inf with -inf logits off the label")}
-
 
 @pytest.mark.parametrize("backend", backends())
 @pytest.mark.parametrize("path, name", [("logits", n) for n in LOGITS_POISON] + [("linear", n) for n in LINEAR_POISON])
@@ -643,7 +611,7 @@ def test_class11_reproducer_nan_in_nan_out(backend, path, name):
     assert not torch.isfinite(out.loss)
 
 
-@pytest.mark.parametrize("path, backend", with_first("logits", backends(CLASS11_CLEAN_KNOWN))
+@pytest.mark.parametrize("path, backend", with_first("logits", backends())
                          + with_first("linear", backends()))
 def test_class11_masked_garbage_and_masked_vocabulary_pass_check_finite(path, backend):
     t = _poison(None)
