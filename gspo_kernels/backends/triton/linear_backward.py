@@ -47,8 +47,9 @@ import torch
 import triton
 import triton.language as tl
 
+from gspo_kernels.backends.triton import device_guard
 from gspo_kernels.backends.triton.addressing import grouped_tile, interpreter_active, row_offsets, row_strides
-from gspo_kernels.backends.triton.linear_forward import device_guard, kernel_signature, logits_tile, upcast_dots
+from gspo_kernels.backends.triton.linear_forward import kernel_signature, logits_tile, upcast_dots
 
 DEFAULT_MEMORY_BUDGET = 1 << 30
 

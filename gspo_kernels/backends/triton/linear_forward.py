@@ -31,13 +31,13 @@ weight streams through. Sizes are runtime arguments: a new ``N`` or sequence len
 
 from __future__ import annotations
 
-import contextlib
 from typing import Dict, Optional, Tuple
 
 import torch
 import triton
 import triton.language as tl
 
+from gspo_kernels.backends.triton import device_guard
 from gspo_kernels.backends.triton.addressing import grouped_tile, interpreter_active, row_offsets, row_strides
 
 # Launch configurations. CUDA, half-precision operands: tuned against the static sm_90a report (0 spills,
@@ -57,11 +57,6 @@ COMBINE_BLOCK = 128
 # A finite "minus infinity" for the running max: exp(_NEG_BIG - m) is 0 and (_NEG_BIG - m) * 0 is 0 (no NaN
 # when a whole tile or split is -inf, e.g. a -inf bias over a vocabulary range).
 _NEG_BIG = tl.constexpr(-1.0e30)
-
-
-def device_guard(t: torch.Tensor):
-    """``torch.cuda.device(t.device)`` for CUDA tensors (launch on the tensors' device), else a no-op."""
-    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
 
 
 @triton.jit
