@@ -20,15 +20,10 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from gspo_kernels import backends
 from gspo_kernels.backends.triton import linear_forward
 from gspo_kernels.backends.triton.autograd import linear_logprobs
 from gspo_kernels.backends.triton.linear_forward import linear_logprobs_forward
 from tests.cases import (
-    assert_zero_rows_get_zero_dh,
-    check_against_reference,
-    configs,
-    linear_loss_vs_reference,
     rel_err,
 )
 
@@ -170,20 +165,6 @@ def test_half_precision_against_float64(dtype):
         assert got.dtype == dtype
         assert rel_err(got, want) < GRAD_RTOL[dtype]
     assert torch.all(grads[0].reshape(N, H)[::4] == 0)
-
-
-def triton_backend_or_skip():
-    if backends.load("triton") is None:
-        pytest.skip(f"backend 'triton' unavailable: {backends.unavailable_reason('triton')}")
-
-
-@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
-@pytest.mark.parametrize("config", configs(), ids=lambda c: f"{c.importance_sampling_level}-{c.loss_type}")
-def test_fused_linear_gspo_loss_triton_fp32(config, packed):
-    triton_backend_or_skip()
-    out, expected, grads, ref_grads = linear_loss_vs_reference("triton", config, packed)
-    check_against_reference(out, expected, grads, ref_grads)
-    assert_zero_rows_get_zero_dh(config, grads, ref_grads)
 
 
 # --- determinism and batch invariance ---------------------------------------------------------------
