@@ -47,7 +47,7 @@ def test_every_kernel_module_declares_its_launch_configs():
         assert top_level <= covered, f"{module.__name__}: kernels missing from H100_CONFIGS: {top_level - covered}"
         for config in configs:
             assert {"name", "fn", "constexprs", "num_warps", "num_stages"} <= set(config)
-            full = h100_report.normalize_config(config)  # the signature is derived when not given
+            full = h100_report.normalize_config(config)  # the signature is derived from the arguments
             assert list(full["signature"]) == list(config["fn"].arg_names)
         seen += 1
     assert seen >= 3  # logprobs, logprobs_backward, sequence (and the hidden-state path's modules)

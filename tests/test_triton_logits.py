@@ -2,8 +2,10 @@
 
 Without a GPU the kernels run in the Triton interpreter on CPU tensors (``tests/conftest.py`` sets
 ``TRITON_INTERPRET=1`` before triton is imported); on a CUDA machine the same tests run on the GPU.
-Tolerances: fp32 within 1e-5 relative (plus a tiny absolute floor for values near 0); bf16/fp16 no worse
-than the plain PyTorch path in that dtype, plus the stated margin.
+Tolerances: fp32 within 1e-5 relative (plus a tiny absolute floor for values near 0); a bf16 gradient
+within its rounding to bf16. The loss against the oracle for every level x loss type, half precision
+and the edge cases shared by every backend live in ``tests/test_conformance.py``; this file keeps what is
+specific to the Triton kernels.
 """
 
 from __future__ import annotations
@@ -115,42 +117,6 @@ def test_backward_matches_float64(kind, V):
     assert out is inplace and torch.equal(out.cpu(), grad.cpu())
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_low_precision_no_worse_than_plain_torch(dtype):
-    """logp / entropy / gradient errors vs float64 of the same (rounded) logits, against the plain
-    ``log_softmax`` path in ``dtype``. Margin: one rounding of the gradient's largest magnitude to ``dtype``."""
-    V, N = 3001, 12
-    x, x64 = _logits("padded_view", N, V, dtype=dtype)  # [4, 3, V], not contiguous
-    labels = torch.randint(0, V, (N,), device=DEVICE)
-    g = torch.randn(N, device=DEVICE)
-    with torch.no_grad():
-        logp, entropy = gk.token_logprobs(x, labels.reshape(4, 3), return_entropy=True, backend="triton")
-    x_req = x.detach().clone().requires_grad_(True)
-    logp_t, _ = gk.token_logprobs(x_req, labels.reshape(4, 3), return_entropy=True, backend="triton")
-    (logp_t.reshape(-1) * g).sum().backward()
-
-    plain = x.detach().clone().requires_grad_(True)
-    plain_all = torch.log_softmax(plain.reshape(-1, V), dim=-1)  # computed in `dtype`
-    plain_logp = plain_all.gather(1, labels[:, None])[:, 0]
-    (plain_logp * g.to(dtype)).sum().backward()
-
-    x64r = x64.clone().requires_grad_(True)
-    ref_logp, ref_entropy = _ref_logprobs(x64r, labels, 1.0)
-    (ref_logp * g.cpu().double()).sum().backward()
-
-    err = (logp.reshape(-1).cpu().double() - ref_logp).abs().max()
-    plain_err = (plain_logp.cpu().double() - ref_logp).abs().max()
-    assert err <= plain_err + 1e-6, (float(err), float(plain_err))
-    assert err <= 1e-5 * float(ref_logp.detach().abs().max()) + 1e-6  # fp32 math from low-precision inputs
-    _close(entropy.reshape(-1).cpu(), ref_entropy, rtol=1e-5, atol=1e-5)
-    ulp = torch.finfo(dtype).eps
-    ref_grad = x64r.grad.reshape(-1, V)
-    grad_err = (x_req.grad.reshape(-1, V).cpu().double() - ref_grad).abs().max()
-    plain_grad_err = (plain.grad.reshape(-1, V).cpu().double() - ref_grad).abs().max()
-    margin = _rounding_ulps(dtype) * ulp * float(ref_grad.abs().max())
-    assert grad_err <= plain_grad_err + margin, (float(grad_err), float(plain_grad_err))
-
-
 def test_qwen_vocabulary_few_rows():
     V = 151936
     x = (torch.randn(3, V) * 4).to(torch.bfloat16).to(DEVICE)
@@ -236,20 +202,6 @@ def _check(out, grad, ref, ref_grad):
     for name in ref.metrics:
         _close(out.metrics[name], ref.metrics[name], rtol=1e-5, atol=1e-6)
     _close(grad, ref_grad, atol=1e-5 * max(float(ref_grad.abs().max()), 1e-12))
-
-
-@pytest.mark.parametrize("level,loss_type", list(itertools.product(IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES)))
-def test_gspo_loss_matches_reference(level, loss_type):
-    """Padded, strided logits; an empty and a length-1 response; clipped responses; no KL / entropy."""
-    base, logits, labels, adv, old, kwargs = _loss_case("padded", adv_per_token=False)
-    config = GSPOConfig(importance_sampling_level=level, loss_type=loss_type, max_completion_length=8)
-    out, grad, ref, ref_grad = _run_both(base, labels, adv, old, kwargs, config, lambda x: x[:, :-1])
-    _check(out, grad, ref, ref_grad)
-    assert float(ref.metrics["clip_ratio/low_mean"]) > 0 and float(ref.metrics["clip_ratio/high_mean"]) > 0
-    # Responses clipped as a whole, the zero-advantage one and the empty one get exactly zero gradient.
-    if level == "sequence":
-        assert torch.equal(grad[[1, 2, 3, 4]], torch.zeros_like(grad[[1, 2, 3, 4]]))
-        assert grad[0].abs().sum() > 0
 
 
 @pytest.mark.parametrize("level,loss_type", list(itertools.product(IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES)))

@@ -25,9 +25,8 @@ module-level ``H100_CONFIGS`` list with one dict per launch configuration the li
         },
     ]
 
-The launch signature is derived from the kernel's own parameter list (:func:`derive_signature`): only what
-the names cannot say is written down. A config may instead give a full ``"signature"`` dict (and
-``"aligned"``, the list of 16-divisible arguments); :func:`normalize_config` accepts both.
+The launch signature is always derived from the kernel's own parameter list (:func:`derive_signature`): only
+what the names cannot say is written down, so a renamed or added kernel argument cannot go unreported.
 
 The command prints a table (registers, dynamic shared memory, local bytes, HGMMA, 128-bit loads) and returns
 nonzero on any compile error (or a module that fails to import), any spill (local bytes > 0), a ``uses_dot``
@@ -116,14 +115,13 @@ def derive_signature(
 
 
 def normalize_config(config: dict) -> dict:
-    """A config with its ``"signature"`` and ``"aligned"`` filled in (derived when not given)."""
+    """A config with its ``"signature"`` (:func:`derive_signature`) and ``"aligned"`` (every pointer, then the
+    ``aligned_ints``) filled in."""
     config = dict(config)
-    if "signature" not in config:
-        config["signature"] = derive_signature(config["fn"], config.get("constexprs", {}),
-                                               pointers=config.get("pointers"), floats=config.get("floats", ()))
-    if config.get("aligned") is None:
-        pointers = [name for name, kind in config["signature"].items() if kind.startswith("*")]
-        config["aligned"] = pointers + list(config.get("aligned_ints", ()))
+    config["signature"] = derive_signature(config["fn"], config.get("constexprs", {}),
+                                           pointers=config.get("pointers"), floats=config.get("floats", ()))
+    pointers = [name for name, kind in config["signature"].items() if kind.startswith("*")]
+    config["aligned"] = pointers + list(config.get("aligned_ints", ()))
     return config
 
 

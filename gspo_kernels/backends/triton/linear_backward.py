@@ -47,8 +47,9 @@ import torch
 import triton
 import triton.language as tl
 
+from gspo_kernels.backends.triton import device_guard
 from gspo_kernels.backends.triton.addressing import grouped_tile, interpreter_active, row_offsets, row_strides
-from gspo_kernels.backends.triton.linear_forward import device_guard, kernel_signature, logits_tile, upcast_dots
+from gspo_kernels.backends.triton.linear_forward import logits_tile, upcast_dots
 
 DEFAULT_MEMORY_BUDGET = 1 << 30
 
@@ -318,19 +319,17 @@ def linear_logprobs_backward(
 
 
 def _h100_configs() -> list:
-    """Launch configurations used on CUDA (read by ``h100_report``).
+    """Launch configurations used on CUDA (read by ``h100_report``, which derives each signature from the
+    kernel's parameter names: only the non-fp32 pointers, the fp32 scalars and the 16-divisible sizes are
+    written here).
 
     bf16 operands (the production case) must use HGMMA; fp32 operands are multiplied exactly
     (``input_precision="ieee"``: FMA, no tensor cores, by design), so their rows only check spills.
     """
     out = []
     for dtype, cfgs in (("bf16", CUDA_BWD_CONFIG), ("fp32", CUDA_BWD_CONFIG_FP32)):
-        common = {"order_ptr": "*i64", "count_ptr": "*i64", "chunk_start": "i32", "C": "i32", "V": "i32", "H": "i32",
-                  "T": "i32", "stride_hb": "i32", "stride_ht": "i32", "stride_wv": "i32", "stride_bv": "i32",
-                  "inv_temperature": "fp32", "hidden_ptr": f"*{dtype}", "weight_ptr": f"*{dtype}",
-                  "dz_ptr": f"*{dtype}", "bias_ptr": "*fp32", "labels_ptr": "*i64", "max_ptr": "*fp32",
-                  "log_sum_ptr": "*fp32", "ent_ptr": "*fp32", "g_logp_ptr": "*fp32", "g_ent_ptr": "*fp32",
-                  "db_part_ptr": "*fp32", "dh_ptr": f"*{dtype}", "dw_ptr": "*fp32", "db_ptr": "*fp32"}
+        pointers = {"order_ptr": "i64", "count_ptr": "i64", "labels_ptr": "i64", "hidden_ptr": dtype,
+                    "weight_ptr": dtype, "dz_ptr": dtype, "dh_ptr": dtype}
         c = cfgs["dz"]
         kernels = [
             ("linear_dz_bias_entropy", linear_dz_kernel, c, {
@@ -352,12 +351,12 @@ def _h100_configs() -> list:
             "BLOCK_H": c["BLOCK_H"], "BLOCK_K": c["BLOCK_K"], "GROUP": c["GROUP"],
             "DZ_BLOCK_N": cfgs["dz"]["BLOCK_N"]}))
         for name, fn, c, constexprs in kernels:
-            signature = kernel_signature(fn, common, constexprs)
+            params = fn.arg_names
             out.append({
-                "name": f"{name}[{dtype}]", "fn": fn, "signature": signature, "constexprs": constexprs,
+                "name": f"{name}[{dtype}]", "fn": fn, "constexprs": constexprs,
+                "pointers": {k: v for k, v in pointers.items() if k in params}, "floats": ["inv_temperature"],
                 "num_warps": c["num_warps"], "num_stages": c["num_stages"], "uses_dot": dtype != "fp32",
-                "aligned": [k for k, v in signature.items() if v.startswith("*")]
-                + [k for k in ("H", "V", "stride_hb", "stride_ht", "stride_wv") if k in signature],
+                "aligned_ints": [k for k in ("H", "V", "stride_hb", "stride_ht", "stride_wv") if k in params],
             })
     return out
 

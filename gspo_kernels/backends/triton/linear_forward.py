@@ -31,13 +31,13 @@ weight streams through. Sizes are runtime arguments: a new ``N`` or sequence len
 
 from __future__ import annotations
 
-import contextlib
 from typing import Dict, Optional, Tuple
 
 import torch
 import triton
 import triton.language as tl
 
+from gspo_kernels.backends.triton import device_guard
 from gspo_kernels.backends.triton.addressing import grouped_tile, interpreter_active, row_offsets, row_strides
 
 # Launch configurations. CUDA, half-precision operands: tuned against the static sm_90a report (0 spills,
@@ -57,11 +57,6 @@ COMBINE_BLOCK = 128
 # A finite "minus infinity" for the running max: exp(_NEG_BIG - m) is 0 and (_NEG_BIG - m) * 0 is 0 (no NaN
 # when a whole tile or split is -inf, e.g. a -inf bias over a vocabulary range).
 _NEG_BIG = tl.constexpr(-1.0e30)
-
-
-def device_guard(t: torch.Tensor):
-    """``torch.cuda.device(t.device)`` for CUDA tensors (launch on the tensors' device), else a no-op."""
-    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
 
 
 @triton.jit
@@ -320,56 +315,36 @@ def linear_logprobs_forward(
     return out[0], out[1], out[2], out[3]
 
 
-def kernel_signature(fn, types: Dict[str, str], constexprs: Dict[str, object]) -> Dict[str, str]:
-    """The ``h100_report`` signature of ``fn``: ``types`` for its runtime arguments, "constexpr" for the rest.
-
-    Derived from the kernel's own parameter list, so a renamed or added parameter cannot go unreported:
-    a runtime argument missing from ``types`` raises ``KeyError`` at import.
-    """
-    return {name: ("constexpr" if name in constexprs else types[name]) for name in fn.arg_names}
-
-
 def _h100_configs() -> list:
-    """Launch configurations the library uses on CUDA (read by ``h100_report``).
+    """Launch configurations the library uses on CUDA (read by ``h100_report``, which derives each signature
+    from the kernel's parameter names: only the non-fp32 pointers, the fp32 scalars and the 16-divisible
+    sizes are written here).
 
     bf16 operands (the production case) must use HGMMA. fp32 operands are multiplied exactly
     (``input_precision="ieee"``: FMA, no tensor cores, by design), so their rows only check spills.
     """
     out = []
+    indices = {"order_ptr": "i64", "count_ptr": "i64", "labels_ptr": "i64"}
     for dtype, cfg, variants in (("bf16", CUDA_FWD_CONFIG, (False, True)), ("fp32", CUDA_FWD_CONFIG_FP32, (True,))):
-        types = {
-            "hidden_ptr": f"*{dtype}", "weight_ptr": f"*{dtype}", "bias_ptr": "*fp32", "order_ptr": "*i64",
-            "count_ptr": "*i64", "labels_ptr": "*i64", "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32",
-            "part_ent_ptr": "*fp32", "label_logit_ptr": "*fp32", "M": "i32", "V": "i32", "H": "i32", "T": "i32",
-            "stride_hb": "i32", "stride_ht": "i32", "stride_wv": "i32", "stride_bv": "i32",
-            "inv_temperature": "fp32", "cols_per_split": "i32", "num_splits": "i32",
-        }
         for has_bias in variants:
-            constexprs = {
-                "stride_hh": 1, "stride_wh": 1, "HAS_BIAS": has_bias, "HAS_ORDER": True, "EVEN_H": True,
-                "UPCAST": False, "BLOCK_N": cfg["BLOCK_N"], "BLOCK_V": cfg["BLOCK_V"], "BLOCK_H": cfg["BLOCK_H"],
-                "GROUP_N": cfg["GROUP_N"],
-            }
-            signature = kernel_signature(linear_logprobs_fwd_kernel, types, constexprs)
             out.append({
                 "name": f"linear_logprobs_fwd{'_bias' if has_bias else ''}[{dtype}]",
                 "fn": linear_logprobs_fwd_kernel,
-                "signature": signature,
-                "constexprs": constexprs,
+                "pointers": {"hidden_ptr": dtype, "weight_ptr": dtype, **indices},
+                "floats": ["inv_temperature"],
+                "constexprs": {
+                    "stride_hh": 1, "stride_wh": 1, "HAS_BIAS": has_bias, "HAS_ORDER": True, "EVEN_H": True,
+                    "UPCAST": False, "BLOCK_N": cfg["BLOCK_N"], "BLOCK_V": cfg["BLOCK_V"], "BLOCK_H": cfg["BLOCK_H"],
+                    "GROUP_N": cfg["GROUP_N"],
+                },
                 "num_warps": cfg["num_warps"],
                 "num_stages": cfg["num_stages"],
                 "uses_dot": dtype != "fp32",
-                # pointers, and the sizes/strides that are multiples of 16 for real models (H, H * T, H)
-                "aligned": [k for k, v in signature.items() if v.startswith("*")] + ["H", "stride_hb", "stride_ht", "stride_wv"],
+                # the sizes/strides that are multiples of 16 for real models (H, H * T, H)
+                "aligned_ints": ["H", "stride_hb", "stride_ht", "stride_wv"],
             })
-    types = {"order_ptr": "*i64", "count_ptr": "*i64", "labels_ptr": "*i64", "part_max_ptr": "*fp32",
-             "part_sum_ptr": "*fp32", "part_ent_ptr": "*fp32", "label_logit_ptr": "*fp32", "logp_ptr": "*fp32",
-             "entropy_ptr": "*fp32", "max_ptr": "*fp32", "log_sum_ptr": "*fp32", "M": "i32", "V": "i32",
-             "num_splits": "i32"}
-    constexprs = {"HAS_ORDER": True, "BLOCK": COMBINE_BLOCK}
-    out.append({"name": "linear_logprobs_combine", "fn": linear_logprobs_combine_kernel,
-                "signature": kernel_signature(linear_logprobs_combine_kernel, types, constexprs),
-                "constexprs": constexprs, "num_warps": 4, "num_stages": 1})
+    out.append({"name": "linear_logprobs_combine", "fn": linear_logprobs_combine_kernel, "pointers": indices,
+                "constexprs": {"HAS_ORDER": True, "BLOCK": COMBINE_BLOCK}, "num_warps": 4, "num_stages": 1})
     return out
 
 

@@ -30,12 +30,12 @@ import triton.language as tl
 from torch import Tensor
 
 from gspo_kernels.backends.triton import device_guard
+from gspo_kernels.backends.triton.addressing import row_strides
 from gspo_kernels.backends.triton.logits_forward import (
     _ELEMENT_SIZES,
     NUM_STAGES,
     NUM_WARPS,
     block_v,
-    row_strides,
 )
 
 
@@ -152,8 +152,8 @@ def logprobs_backward(
     if out.numel() == 0:
         return out
     vocab_size = logits.shape[-1]
-    rows_per_batch, stride_b, stride_t, stride_v = row_strides(logits)
-    out_rows_per_batch, dstride_b, dstride_t, dstride_v = row_strides(out)
+    rows_per_batch, stride_b, stride_t, stride_v = row_strides(logits, "logits")
+    out_rows_per_batch, dstride_b, dstride_t, dstride_v = row_strides(out, "out")
     shifted = logits.dim() == 3 and tuple(out.shape) == (logits.shape[0], logits.shape[1] + 1, vocab_size)
     if tuple(out.shape) != tuple(logits.shape) and not shifted:
         raise ValueError(f"out must be shaped like logits {tuple(logits.shape)} (or [B, T + 1, V]), "

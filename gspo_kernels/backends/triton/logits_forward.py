@@ -39,6 +39,7 @@ import triton.language as tl
 from torch import Tensor
 
 from gspo_kernels.backends.triton import device_guard
+from gspo_kernels.backends.triton.addressing import row_strides
 
 # A finite "minus infinity" for the running max: exp((_NEG_BIG - m) / T) is 0 (no NaN from -inf - -inf).
 _NEG_BIG = tl.constexpr(-1.0e30)
@@ -125,18 +126,6 @@ def block_v(vocab_size: int, element_size: int = 2) -> int:
     return min(widest, triton.next_power_of_2(max(int(vocab_size), 1)))
 
 
-def row_strides(logits: Tensor) -> Tuple[int, int, int, int]:
-    """``(rows_per_batch, stride_b, stride_t, stride_v)`` addressing row ``r`` of ``[N, V]`` / ``[B, T, V]``.
-
-    Row ``r`` starts at ``(r // rows_per_batch) * stride_b + (r % rows_per_batch) * stride_t``.
-    """
-    if logits.dim() == 2:
-        return max(logits.shape[0], 1), 0, logits.stride(0), logits.stride(1)
-    if logits.dim() == 3:
-        return max(logits.shape[1], 1), logits.stride(0), logits.stride(1), logits.stride(2)
-    raise ValueError(f"logits must be [N, V] or [B, T, V], got shape {tuple(logits.shape)}")
-
-
 def logsumexp_from_stats(stats: Tensor, temperature: float = 1.0) -> Tensor:
     """``logsumexp(logits / T)`` per row from the forward's ``stats [2, N]`` (``m / T + log S``)."""
     return stats[0] / temperature + stats[1]
@@ -182,7 +171,7 @@ def logprobs_forward(
     labels = labels.reshape(-1)
     if labels.dtype != torch.int64:
         labels = labels.to(torch.int64)
-    rows_per_batch, stride_b, stride_t, stride_v = row_strides(logits)
+    rows_per_batch, stride_b, stride_t, stride_v = row_strides(logits, "logits")
     with device_guard(logits):
         _logprobs_fwd_kernel[(n_rows,)](
             logits,
