@@ -188,15 +188,46 @@ def test_two_runs_give_identical_bits():
         assert torch.equal(a, b)
 
 
+@pytest.fixture
+def row_independent_dot(monkeypatch):
+    """Under the interpreter, ``tl.dot`` with each output element summed over ``k`` in one fixed order.
+
+    The interpreter's ``tl.dot`` is numpy's ``matmul``, i.e. the CPU's BLAS, and that is not row-independent
+    everywhere: numpy's OpenBLAS on an AMD EPYC (Haswell kernels) rounds rows 6-11 of a ``[16, 32] @ [32, 16]``
+    product differently depending on what the other rows of the tile hold. A GPU's MMA computes every output
+    element of a tile in the same order whatever the other rows hold, which is what the kernels' batch
+    invariance rests on; this fixture gives the interpreter that property (products in the accumulator
+    dtype, then a sequential sum over ``k``), so the test checks the kernels' own structure (chunking,
+    compaction, reduction steps) on any CPU. On CUDA it changes nothing."""
+    from gspo_kernels.backends.triton.addressing import interpreter_active
+
+    if not interpreter_active():
+        return
+    import numpy as np
+    from triton.runtime import interpreter
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        acc = d.data.dtype
+        lhs, rhs = a.data.astype(acc), b.data.astype(acc)
+        out = d.data.copy()
+        for k in range(lhs.shape[-1]):
+            out = out + lhs[..., :, k, None] * rhs[..., None, k, :]
+        return interpreter.TensorHandle(np.asarray(out, dtype=acc), d.dtype.scalar)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_batch_invariance(dtype):
+def test_batch_invariance(dtype, device, row_independent_dot):
     """A row's log-prob, entropy and dH row are the same bits alone, among 64 others at any position,
     among rows that carry no gradient, and for any chunk budget (one row tile per chunk or one chunk).
 
     Every row that carries a gradient in two differently composed batches is compared, and three rows
-    are also computed alone."""
+    are also computed alone. On the CPU (interpreter) with the fixed-order ``tl.dot`` of
+    :func:`row_independent_dot`; on CUDA with the real tensor-core kernels."""
     H, V = 24, 300
-    hidden, weight, bias, labels, g_logp, g_ent = _problem(N=65, H=H, V=V, seed=11)
+    hidden, weight, bias, labels, g_logp, g_ent = (t.to(device) for t in _problem(N=65, H=H, V=V, seed=11))
     hidden, weight = hidden.to(dtype), weight.to(dtype)
     base = run(hidden, weight, bias, labels, g_logp, g_ent)
     for probe in (0, 7, 64):
@@ -205,7 +236,7 @@ def test_batch_invariance(dtype):
         for k in range(3):
             assert torch.equal(alone[k][0], base[k][probe]), (probe, k)
     for shift, budget in ((13, 1), (40, 2 * V * 16 * hidden.element_size())):
-        perm = torch.roll(torch.arange(65), shift)  # every row lands at another position (and row tile)
+        perm = torch.roll(torch.arange(65, device=device), shift)  # every row lands at another position (and row tile)
         gl, ge = g_logp[perm].clone(), g_ent[perm].clone()
         gl[::3], ge[::3] = 0, 0  # rows that carry no gradient change the compaction around the others
         among = run(hidden[perm], weight, bias, labels[perm], gl, ge, memory_budget=budget)
