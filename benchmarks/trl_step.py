@@ -41,7 +41,7 @@ def _rss_kb(field: str) -> int:
     raise RuntimeError(field)
 
 
-def run_case(case: str, precision: str, backend: str) -> dict:
+def run_case(case: str, precision: str, backend: str, memory_budget: str = "drop-in") -> dict:
     import torch
     import trl
     from datasets import Dataset
@@ -64,6 +64,8 @@ def run_case(case: str, precision: str, backend: str) -> dict:
     )
     cls = trl.GRPOTrainer if case == "trl" else GRPOTrainer
     extra = {} if case == "trl" else {"gspo_backend": backend}
+    if case != "trl" and memory_budget != "drop-in":
+        extra["gspo_memory_budget"] = None if memory_budget == "none" else int(memory_budget)
     trainer = cls(model=model, reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=args,
                   train_dataset=Dataset.from_dict({"prompt": ["1 2 3"] * B}), processing_class=hf_tokenizer(), **extra)
     g = torch.Generator().manual_seed(1)
@@ -105,14 +107,18 @@ def main() -> None:
     parser.add_argument("--precision", choices=("fp32", "bf16"))
     parser.add_argument("--backend", default="auto", help="gspo_kernels backend for the drop-in (default auto)")
     parser.add_argument("--precisions", default="fp32,bf16")
+    parser.add_argument("--memory-budget", default="drop-in",
+                        help="the drop-in's gspo_memory_budget in bytes, 'none' for the library default, or 'drop-in' "
+                        "(the drop-in's own default)")
     opts = parser.parse_args()
     if opts.case:
-        print(json.dumps(run_case(opts.case, opts.precision, opts.backend)))
+        print(json.dumps(run_case(opts.case, opts.precision, opts.backend, opts.memory_budget)))
         return
     rows = []
     for precision in opts.precisions.split(","):
         for case in ("trl", "gspo"):  # a fresh process per case
-            cmd = [sys.executable, __file__, "--case", case, "--precision", precision, "--backend", opts.backend]
+            cmd = [sys.executable, __file__, "--case", case, "--precision", precision, "--backend", opts.backend,
+                   "--memory-budget", opts.memory_budget]
             out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=os.environ.copy())
             rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
     print(f"{'precision':9} {'case':5} {'old s':>7} {'step s':>7} {'total s':>8} {'peak MB':>8} {'loss':>10} "

@@ -314,3 +314,50 @@ def test_unknown_backend_raises(policy_dir, tmp_path):
         GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(policy_dir), reward_funcs=trl_reward_function(TASK),
                     args=_config(tmp_path), train_dataset=_dataset(), processing_class=hf_tokenizer(),
                     gspo_backend="cuda")
+
+
+@pytest.mark.parametrize("budget", [-1, 1.5, "1GiB"])
+def test_bad_memory_budget_raises_naming_it(policy_dir, tmp_path, budget):
+    from transformers import AutoModelForCausalLM
+
+    with pytest.raises(ValueError, match="gspo_memory_budget"):
+        GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(policy_dir), reward_funcs=trl_reward_function(TASK),
+                    args=_config(tmp_path), train_dataset=_dataset(), processing_class=hf_tokenizer(),
+                    gspo_memory_budget=budget)
+
+
+def test_memory_budget_reaches_the_head_and_keeps_the_bits(policy_dir, tmp_path, monkeypatch):
+    """``gspo_memory_budget`` is the ``memory_budget`` of every head call (old log-probs and the loss), and the
+    old log-probs, the loss and every gradient are the same bits for any budget (cpu backend)."""
+    from transformers import AutoModelForCausalLM
+
+    import gspo_kernels.integrations.trl as drop_in
+
+    seen = []
+    real = drop_in.linear_logprobs
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["memory_budget"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(drop_in, "linear_logprobs", spy)
+    results = []
+    for budget in ("default", None, 0, 1 << 20):
+        seen.clear()
+        extra = {} if budget == "default" else {"gspo_memory_budget": budget}
+        trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32),
+                              reward_funcs=trl_reward_function(TASK), args=_config(tmp_path), train_dataset=_dataset(),
+                              processing_class=hf_tokenizer(), gspo_backend="cpu", **extra)
+        inputs = _inputs(trainer.model, torch.Generator().manual_seed(5), with_old=True, beta=0.0)
+        ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+        attn = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+        with torch.no_grad():
+            old, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, attn, inputs["completion_ids"].shape[1])
+        loss, grads = _loss_and_grads(trainer, inputs)
+        expected = drop_in.DEFAULT_MEMORY_BUDGET if budget == "default" else budget
+        assert len(seen) == 2 and all(b == expected for b in seen), (budget, seen)
+        results.append((old, loss, grads))
+    old0, loss0, grads0 = results[0]
+    for old, loss, grads in results[1:]:
+        assert torch.equal(old, old0) and torch.equal(loss, loss0)
+        assert all(torch.equal(grads[name], grads0[name]) for name in grads0)

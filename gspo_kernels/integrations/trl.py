@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import functools
 import types
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import torch
 import trl
@@ -51,7 +51,14 @@ from trl.trainer.utils import FusedCausalLMOutput, maybe_gather_lm_head_ctx, nan
 from gspo_kernels import backends
 from gspo_kernels.config import LOSS_TYPES, GSPOConfig
 from gspo_kernels.loss import linear_logprobs, policy_loss
+from gspo_kernels.validation import check_memory_budget
 
+# The head's memory_budget in the drop-in (bytes; see GRPOTrainer). Smaller than the library's 1 GiB: a trainer's
+# loss step holds the model's gradients (the lm_head's fp32 one alone is V*H*4 bytes, 0.54 GB for a 0.5B model)
+# beside whatever the head keeps. Measured by benchmarks/trl_step.py (hidden 896, vocabulary 151936, 2048
+# completion tokens, cpu backend): 256 MiB kept the peak at 0.43x stock TRL's (fp32) where 1 GiB gave 0.61x,
+# and cost 0.3-0.8 s of recomputed logits per step against 1 GiB (0 costs about 2 s).
+DEFAULT_MEMORY_BUDGET = 256 << 20
 _FSDP1_OWN_UNIT = (
     "an lm_head wrapped as its own FSDP (FullyShardedDataParallel) unit is not supported by gspo_kernels' "
     "GRPOTrainer; keep lm_head in the root FSDP unit (use_orig_params=True), or use FSDP2 (fully_shard) or DDP"
@@ -69,20 +76,29 @@ class GRPOTrainer(trl.GRPOTrainer):
     Args:
         *args, **kwargs: those of ``trl.GRPOTrainer``.
         gspo_backend: the library backend (``"auto"``, ``"triton"``, ``"cpu"``, ``"torch"``).
+        gspo_memory_budget: the head's ``memory_budget`` in bytes (see :func:`gspo_kernels.linear_logprobs`):
+            the logits the ``cpu`` backend keeps between the forward and the backward, the Triton backward's
+            chunk buffers. Default :data:`DEFAULT_MEMORY_BUDGET` (256 MiB); ``None`` takes the library's default
+            (1 GiB); 0 gives the least memory (the ``cpu`` backend recomputes every logits tile).
     """
 
-    def __init__(self, *args: Any, gspo_backend: str = "auto", **kwargs: Any) -> None:
+    def __init__(self, *args: Any, gspo_backend: str = "auto", gspo_memory_budget: Optional[int] = DEFAULT_MEMORY_BUDGET,
+                 **kwargs: Any) -> None:
         if gspo_backend != "auto" and gspo_backend not in backends.BACKENDS:
             raise ValueError(f"gspo_backend must be one of {('auto',) + backends.BACKENDS}, got {gspo_backend!r}")
+        try:
+            check_memory_budget(gspo_memory_budget)
+        except ValueError as exc:
+            raise ValueError(f"gspo_memory_budget: {exc}") from None
         super().__init__(*args, **kwargs)
         self.gspo_backend = gspo_backend
         self._check_supported()
         # TRL added its fused head to these two models (before any wrapping); ours replaces it.
-        install_head(self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model,
-                     temperature=self.temperature, fp32_head=bool(self.args.cast_lm_head_to_fp32), backend=gspo_backend)
+        head = dict(temperature=self.temperature, fp32_head=bool(self.args.cast_lm_head_to_fp32), backend=gspo_backend,
+                    memory_budget=gspo_memory_budget)
+        install_head(self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model, **head)
         if self.ref_model is not None:
-            install_head(self.ref_model, temperature=self.temperature, fp32_head=bool(self.args.cast_lm_head_to_fp32),
-                         backend=gspo_backend)
+            install_head(self.ref_model, **head)
 
     def _check_supported(self) -> None:
         args = self.args
@@ -236,7 +252,8 @@ class GRPOTrainer(trl.GRPOTrainer):
         metrics["importance_weight/max"].append(wmax.item() if torch.isfinite(wmax) else 1.0)
 
 
-def install_head(model, *, temperature: float, fp32_head: bool, backend: str) -> None:
+def install_head(model, *, temperature: float, fp32_head: bool, backend: str,
+                 memory_budget: Optional[int] = DEFAULT_MEMORY_BUDGET) -> None:
     """Make ``model(..., labels=labels, fused_lm_head=True)`` score the labels through the library.
 
     Replaces the fused head TRL's ``add_fused_lm_head`` installed (any other call goes to the forward
@@ -276,7 +293,7 @@ def install_head(model, *, temperature: float, fp32_head: bool, backend: str) ->
         with maybe_gather_lm_head_ctx(head.weight, head.bias):  # ZeRO-3 gathers in place; else nothing
             logp, entropy = linear_logprobs(
                 hidden[mask], weight, labels[mask], bias=bias, temperature=temperature / scale, return_entropy=True,
-                backend=backend, fp32_head=fp32_head,
+                backend=backend, fp32_head=fp32_head, memory_budget=memory_budget,
             )
         # masked_scatter keeps the outputs connected to the graph even when no label is valid
         log_probs = logp.new_zeros(mask.shape).masked_scatter(mask, logp)
