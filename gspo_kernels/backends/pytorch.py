@@ -221,9 +221,12 @@ class _LogitsLogprobs(torch.autograd.Function):
             x = _scaled_rows(sub, tau, cdt, ws)
             lp, p = ws.tiles(*x.shape)
             out = target if full else torch.empty(x.shape, dtype=grad.dtype, device=grad.device)
+            # Half-precision gradients are formed in the compute dtype (the scratch tile p) and rounded once
+            # when stored: adding g at the label column to an already rounded -g p would round it twice.
+            acc = out if out.dtype == cdt else p
             if grad_entropy is None:
                 torch.softmax(x, 1, dtype=cdt, out=p)
-                torch.mul(p, (-g / tau)[:, None], out=out)
+                torch.mul(p, (-g / tau)[:, None], out=acc)
             else:
                 ge = grad_entropy[index]
                 torch.log_softmax(x, 1, dtype=cdt, out=lp)
@@ -231,10 +234,12 @@ class _LogitsLogprobs(torch.autograd.Function):
                 torch.exp(lp, out=p)
                 alpha = -(g + ge * entropy[index]) / tau
                 torch.addcmul(alpha[:, None], lp, (-ge / tau)[:, None], out=lp)
-                torch.mul(p, lp, out=out)
+                torch.mul(p, lp, out=acc)
             y = labels[index]
             hit = torch.nonzero((y >= 0) & (y < V))[:, 0]
-            out.index_put_((hit, y[hit]), (g[hit] / tau).to(out.dtype), accumulate=True)
+            acc.index_put_((hit, y[hit]), g[hit] / tau, accumulate=True)
+            if acc is not out:
+                out.copy_(acc)
             if not full:
                 target[index - r0] = out
         return grad, None, None, None, None, None
