@@ -327,8 +327,9 @@ def test_bad_memory_budget_raises_naming_it(policy_dir, tmp_path, budget):
 
 
 def test_memory_budget_reaches_the_head_and_keeps_the_bits(policy_dir, tmp_path, monkeypatch):
-    """``gspo_memory_budget`` is the ``memory_budget`` of every head call (old log-probs and the loss), and the
-    old log-probs, the loss and every gradient are the same bits for any budget (cpu backend)."""
+    """``gspo_memory_budget`` is the ``memory_budget`` of every head call (old log-probs and the loss; by default
+    ``CPU_MEMORY_BUDGET`` on CPU tensors), and the old log-probs, the loss and every gradient are the same bits for
+    any budget (cpu backend)."""
     from transformers import AutoModelForCausalLM
 
     import gspo_kernels.integrations.trl as drop_in
@@ -342,7 +343,7 @@ def test_memory_budget_reaches_the_head_and_keeps_the_bits(policy_dir, tmp_path,
 
     monkeypatch.setattr(drop_in, "linear_logprobs", spy)
     results = []
-    for budget in ("default", None, 0, 1 << 20):
+    for budget in ("default", None, 0, 1 << 20, 1 << 30):
         seen.clear()
         extra = {} if budget == "default" else {"gspo_memory_budget": budget}
         trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32),
@@ -354,10 +355,19 @@ def test_memory_budget_reaches_the_head_and_keeps_the_bits(policy_dir, tmp_path,
         with torch.no_grad():
             old, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, attn, inputs["completion_ids"].shape[1])
         loss, grads = _loss_and_grads(trainer, inputs)
-        expected = drop_in.DEFAULT_MEMORY_BUDGET if budget == "default" else budget
+        expected = drop_in.CPU_MEMORY_BUDGET if budget in ("default", None) else budget
         assert len(seen) == 2 and all(b == expected for b in seen), (budget, seen)
         results.append((old, loss, grads))
     old0, loss0, grads0 = results[0]
     for old, loss, grads in results[1:]:
         assert torch.equal(old, old0) and torch.equal(loss, loss0)
         assert all(torch.equal(grads[name], grads0[name]) for name in grads0)
+
+
+def test_default_head_budget_is_the_library_default_off_the_cpu():
+    """On CUDA the drop-in leaves the budget to the library (it sizes the Triton backward's chunks there)."""
+    from gspo_kernels.integrations.trl import CPU_MEMORY_BUDGET, head_memory_budget
+
+    assert head_memory_budget(None, torch.device("cpu")) == CPU_MEMORY_BUDGET
+    assert head_memory_budget(None, torch.device("cuda", 1)) is None
+    assert head_memory_budget(0, torch.device("cuda")) == 0 and head_memory_budget(5, torch.device("cpu")) == 5

@@ -53,12 +53,14 @@ from gspo_kernels.config import LOSS_TYPES, GSPOConfig
 from gspo_kernels.loss import linear_logprobs, policy_loss
 from gspo_kernels.validation import check_memory_budget
 
-# The head's memory_budget in the drop-in (bytes; see GRPOTrainer). Smaller than the library's 1 GiB: a trainer's
-# loss step holds the model's gradients (the lm_head's fp32 one alone is V*H*4 bytes, 0.54 GB for a 0.5B model)
-# beside whatever the head keeps. Measured by benchmarks/trl_step.py (hidden 896, vocabulary 151936, 2048
-# completion tokens, cpu backend): 256 MiB kept the peak at 0.43x stock TRL's (fp32) where 1 GiB gave 0.61x,
-# and cost 0.3-0.8 s of recomputed logits per step against 1 GiB (0 costs about 2 s).
-DEFAULT_MEMORY_BUDGET = 256 << 20
+# The head's memory_budget on CPU tensors when the caller gives none (bytes; see GRPOTrainer): the logits the cpu
+# backend keeps between forward and backward. Smaller than the library's 1 GiB: a trainer's loss step holds the
+# model's gradients (the lm_head's fp32 one alone is V*H*4 bytes, 0.54 GB for a 0.5B model) beside whatever the
+# head keeps. Measured by benchmarks/trl_step.py (hidden 896, vocabulary 151936, 2048 completion tokens): 256 MiB
+# kept the peak at 0.43x stock TRL's (fp32) where 1 GiB gave 0.61x, and cost 0.3-0.8 s of recomputed logits per
+# step against 1 GiB (0 costs about 2 s). On CUDA the library's default stands: there the budget sizes the Triton
+# backward's chunks, and smaller chunks mean more passes over the fp32 dW accumulator.
+CPU_MEMORY_BUDGET = 256 << 20
 _FSDP1_OWN_UNIT = (
     "an lm_head wrapped as its own FSDP (FullyShardedDataParallel) unit is not supported by gspo_kernels' "
     "GRPOTrainer; keep lm_head in the root FSDP unit (use_orig_params=True), or use FSDP2 (fully_shard) or DDP"
@@ -78,11 +80,11 @@ class GRPOTrainer(trl.GRPOTrainer):
         gspo_backend: the library backend (``"auto"``, ``"triton"``, ``"cpu"``, ``"torch"``).
         gspo_memory_budget: the head's ``memory_budget`` in bytes (see :func:`gspo_kernels.linear_logprobs`):
             the logits the ``cpu`` backend keeps between the forward and the backward, the Triton backward's
-            chunk buffers. Default :data:`DEFAULT_MEMORY_BUDGET` (256 MiB); ``None`` takes the library's default
-            (1 GiB); 0 gives the least memory (the ``cpu`` backend recomputes every logits tile).
+            chunk buffers. ``None`` (default): :data:`CPU_MEMORY_BUDGET` (256 MiB) on CPU tensors, the library's
+            default (1 GiB) on CUDA. 0 gives the least memory (the ``cpu`` backend recomputes every logits tile).
     """
 
-    def __init__(self, *args: Any, gspo_backend: str = "auto", gspo_memory_budget: Optional[int] = DEFAULT_MEMORY_BUDGET,
+    def __init__(self, *args: Any, gspo_backend: str = "auto", gspo_memory_budget: Optional[int] = None,
                  **kwargs: Any) -> None:
         if gspo_backend != "auto" and gspo_backend not in backends.BACKENDS:
             raise ValueError(f"gspo_backend must be one of {('auto',) + backends.BACKENDS}, got {gspo_backend!r}")
@@ -253,7 +255,7 @@ class GRPOTrainer(trl.GRPOTrainer):
 
 
 def install_head(model, *, temperature: float, fp32_head: bool, backend: str,
-                 memory_budget: Optional[int] = DEFAULT_MEMORY_BUDGET) -> None:
+                 memory_budget: Optional[int] = None) -> None:
     """Make ``model(..., labels=labels, fused_lm_head=True)`` score the labels through the library.
 
     Replaces the fused head TRL's ``add_fused_lm_head`` installed (any other call goes to the forward
@@ -293,7 +295,7 @@ def install_head(model, *, temperature: float, fp32_head: bool, backend: str,
         with maybe_gather_lm_head_ctx(head.weight, head.bias):  # ZeRO-3 gathers in place; else nothing
             logp, entropy = linear_logprobs(
                 hidden[mask], weight, labels[mask], bias=bias, temperature=temperature / scale, return_entropy=True,
-                backend=backend, fp32_head=fp32_head, memory_budget=memory_budget,
+                backend=backend, fp32_head=fp32_head, memory_budget=head_memory_budget(memory_budget, hidden.device),
             )
         # masked_scatter keeps the outputs connected to the graph even when no label is valid
         log_probs = logp.new_zeros(mask.shape).masked_scatter(mask, logp)
@@ -312,6 +314,14 @@ def install_head(model, *, temperature: float, fp32_head: bool, backend: str,
         return FusedCausalLMOutput(loss=loss, log_probs=log_probs, entropy=entropy, label_mask=mask, aux_loss=aux_loss)
 
     model.forward = types.MethodType(forward, model)
+
+
+def head_memory_budget(memory_budget: Optional[int], device: torch.device) -> Optional[int]:
+    """The ``memory_budget`` of a head call: the caller's, else :data:`CPU_MEMORY_BUDGET` on CPU and the
+    library's default (None) elsewhere."""
+    if memory_budget is not None:
+        return memory_budget
+    return CPU_MEMORY_BUDGET if device.type == "cpu" else None
 
 
 def _gathered(head: torch.nn.Linear, hidden_size: int):
