@@ -34,7 +34,7 @@ ext_modules, cmdclass = _extensions()
 
 setup(
     name="gspo_kernels",
-    version="0.1.0",
+    version="0.2.0",
     description="Fused kernels for the GSPO / GRPO reinforcement-learning loss",
     long_description=open("README.md").read() if os.path.exists("README.md") else "",
     long_description_content_type="text/markdown",
