@@ -56,10 +56,11 @@ from gspo_kernels.validation import check_memory_budget
 # The head's memory_budget on CPU tensors when the caller gives none (bytes; see GRPOTrainer): the logits the cpu
 # backend keeps between forward and backward. Smaller than the library's 1 GiB: a trainer's loss step holds the
 # model's gradients (the lm_head's fp32 one alone is V*H*4 bytes, 0.54 GB for a 0.5B model) beside whatever the
-# head keeps. Measured by benchmarks/trl_step.py (hidden 896, vocabulary 151936, 2048 completion tokens): 256 MiB
-# kept the peak at 0.43x stock TRL's (fp32) where 1 GiB gave 0.61x, and cost 0.3-0.8 s of recomputed logits per
-# step against 1 GiB (0 costs about 2 s). On CUDA the library's default stands: there the budget sizes the Triton
-# backward's chunks, and smaller chunks mean more passes over the fp32 dW accumulator.
+# head keeps. Measured by benchmarks/trl_step.py (hidden 896, vocabulary 151936, 2048 completion tokens, fp32,
+# single runs on 2 noisy cores): 256 MiB kept the peak at 0.43x stock TRL's where 1 GiB gave 0.60-0.61x; old pass
+# + loss step took 21.0-22.7 s with 256 MiB, 20.1-21.6 s with 1 GiB, 22.7-26.4 s with 0. On CUDA the library's
+# default stands: there the budget sizes the Triton backward's chunks, and smaller chunks mean more passes over
+# the fp32 dW accumulator.
 CPU_MEMORY_BUDGET = 256 << 20
 _FSDP1_OWN_UNIT = (
     "an lm_head wrapped as its own FSDP (FullyShardedDataParallel) unit is not supported by gspo_kernels' "

@@ -131,8 +131,8 @@ def log_weight_offsets(n: int, gen) -> "torch.Tensor":
 
     A log-weight within ~1e-6 of an edge (the fp32 rounding of a log-prob near 7) would clip in the float64
     oracle and not in fp32, or the reverse: a discontinuous difference (that response's whole gradient) which
-    no tolerance should absorb. Random offsets of scale 3e-4 land there in about one ``verify`` run in 20.
-    """
+    no tolerance should absorb. Offsets drawn as ``3e-4 * randn`` put one there in one of about ten ``verify``
+    runs (a gradient error of 0.77 and a clip-ratio error of 0.056 at seed 64396)."""
     import torch
 
     inside = torch.rand(n, generator=gen, dtype=torch.float64) * 2.5e-4  # |log w| <= 2.5e-4 < 3.0e-4
