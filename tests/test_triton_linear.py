@@ -220,8 +220,6 @@ def row_independent_dot(monkeypatch):
     invariance rests on; this fixture gives the interpreter that property (products in the accumulator
     dtype, then a sequential sum over ``k``), so the test checks the kernels' own structure (chunking,
     compaction, reduction steps) on any CPU. On CUDA it changes nothing."""
-    from gspo_kernels.backends.triton.addressing import interpreter_active
-
     if not interpreter_active():
         return
     import numpy as np
