@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from gspo_kernels.config import GSPOConfig
-from gspo_kernels.validation import LossInputs
+from gspo_kernels.layout import LossInputs
 
 
 class LossOutput(NamedTuple):

@@ -216,7 +216,7 @@ def test_torch_compile_fullgraph_over_cpu_ops_matches_eager():
     """The custom ops, their fake implementations and autograd formulas trace without graph breaks
     in both paths, with the PyTorch sequence stage on validated inputs."""
     from gspo_kernels.objective import gspo_objective
-    from gspo_kernels.validation import prepare_loss_inputs
+    from gspo_kernels.layout import prepare_loss_inputs
 
     hidden, weight, labels, adv, old, kw = _compile_case()
     cfg = gk.GSPOConfig(loss_type="bnpo", beta=0.04, entropy_coef=0.01)

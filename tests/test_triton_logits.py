@@ -24,7 +24,7 @@ from gspo_kernels.backends.triton import interpreter_active, sequence  # noqa: E
 from gspo_kernels.backends.triton.logits_backward import logprobs_backward  # noqa: E402
 from gspo_kernels.backends.triton.logits_forward import logprobs_forward, logsumexp_from_stats  # noqa: E402
 from gspo_kernels.config import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, GSPOConfig  # noqa: E402
-from gspo_kernels.validation import LossInputs, TokenBatch  # noqa: E402
+from gspo_kernels.layout import LossInputs, TokenBatch  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu" and not interpreter_active():
@@ -541,10 +541,10 @@ def test_logits_path_autograd_has_no_host_synchronization():
 def _prepared(labels, adv, old, mask, config, V):
     """The validated inputs of ``gspo_loss`` (built outside the recorded region: the eager value checks
     read values on purpose)."""
-    from gspo_kernels.validation import prepare_loss_inputs
+    from gspo_kernels.layout import prepare_loss_inputs
 
     return prepare_loss_inputs(labels.to(DEVICE), adv.to(DEVICE), V, old_logprobs=old.to(DEVICE), mask=mask.to(DEVICE),
-                               ref_logprobs=old.to(DEVICE), config=config)
+                               ref_logprobs=old.to(DEVICE), beta=config.beta)
 
 
 @pytest.mark.parametrize("level", IMPORTANCE_SAMPLING_LEVELS)

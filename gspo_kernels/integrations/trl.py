@@ -51,7 +51,7 @@ from trl.trainer.utils import FusedCausalLMOutput, maybe_gather_lm_head_ctx, nan
 from gspo_kernels import backends
 from gspo_kernels.config import LOSS_TYPES, GSPOConfig
 from gspo_kernels.loss import linear_logprobs, policy_loss
-from gspo_kernels.validation import check_memory_budget
+from gspo_kernels.checks import check_memory_budget
 
 # The head's memory_budget on CPU tensors when the caller gives none (bytes; see GRPOTrainer): the logits the cpu
 # backend keeps between forward and backward. Smaller than the library's 1 GiB: a trainer's loss step holds the
