@@ -29,6 +29,7 @@ from gspo_kernels.checks import (
     first_true,
 )
 
+
 @dataclass(frozen=True)
 class TokenBatch:
     """Where the ``N`` tokens of a batch belong.

@@ -15,7 +15,7 @@ even when its weight overflows (``exp(100)`` in fp32), instead of ``0 * inf = Na
 from __future__ import annotations
 
 import math
-from typing import Dict, NamedTuple, Optional
+from typing import Dict, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -80,8 +80,7 @@ def gspo_objective(
 
     kl = None
     if config.beta > 0:
-        d = torch.where(valid, inputs.ref_logprobs.to(logp.dtype), zero) - logp_m
-        kl = torch.exp(d) - d - 1.0
+        kl = k3_kl(torch.where(valid, inputs.ref_logprobs.to(logp.dtype), zero), logp_m)
         if config.use_bias_correction_kl:
             kl = kl * torch.exp(log_w)  # the weight's gradient counts here whatever the clipping
         per_token = per_token + config.beta * kl
@@ -151,12 +150,27 @@ def _live_log_weight(log_w: Tensor, A: Tensor, config: GSPOConfig) -> Tensor:
     return torch.where(frozen, stand_in, log_w)
 
 
+def k3_kl(ref_logp: Tensor, logp: Tensor) -> Tensor:
+    """The k3 estimator of KL(policy || reference) per token: ``exp(d) - d - 1`` with ``d = ref - logp``."""
+    d = ref_logp - logp
+    return torch.exp(d) - d - 1.0
+
+
+def clip_flags(w: Tensor, A: Tensor, config: GSPOConfig) -> Tuple[Tensor, Tensor]:
+    """``(low, high)`` bool: the weight left the band on the side where clipping removes the gradient
+    (``w < 1 - epsilon_low`` with ``A < 0``; ``w > 1 + epsilon_high`` with ``A > 0``). The one definition
+    of the ``clip_ratio/*`` metrics (the TRL drop-in weights them across processes itself)."""
+    low = (w < 1.0 - config.epsilon_low) & (A < 0)
+    high = (w > 1.0 + config.epsilon_high) & (A > 0)
+    return low, high
+
+
 def _weight_metrics(w: Tensor, A: Tensor, valid: Tensor, config: GSPOConfig) -> Dict[str, Tensor]:
     """Clip shares and importance-weight stats over the counted items (responses or tokens)."""
     count = valid.sum()
     n = count.clamp(min=1).to(torch.float32)
-    low = valid & (w < 1.0 - config.epsilon_low) & (A < 0)
-    high = valid & (w > 1.0 + config.epsilon_high) & (A > 0)
+    low, high = clip_flags(w, A, config)
+    low, high = valid & low, valid & high
     w32 = w.to(torch.float32)
     some = count > 0
     zero = w32.new_zeros(())

@@ -7,7 +7,7 @@ under ``GSPO_KERNELS_REQUIRE_EXT=1`` (``make test``), where a missing extension 
 Tolerances: fp32 inputs within 1e-5 relative (of the largest reference entry) for the loss, the
 metrics and the gradients. bf16 / fp16 inputs: the loss and log-probs keep the fp32 tolerance (the
 math runs in fp32); a gradient returned in the input dtype may differ by the fp32 tolerance plus its
-roundings to that dtype (:func:`gspo_kernels.tools.verify.gradient_tolerance`, the bound ``verify``
+roundings to that dtype (:func:`gspo_kernels.testing.gradient_tolerance`, the bound ``verify``
 prints). The plain bf16 PyTorch path's error is never the bar.
 """
 
@@ -21,9 +21,9 @@ import pytest
 import torch
 
 import gspo_kernels as gk
-from gspo_kernels import backends, reference
+from gspo_kernels import backends, reference, testing
 from gspo_kernels.tools import verify
-from tests.cases import (
+from tests.support import (
     RTOL,
     check_against_reference,
     configs,
@@ -162,7 +162,7 @@ def test_half_precision_within_fp32_math_plus_output_rounding(backend, path, dty
     for name, value in expected.metrics.items():
         assert abs(float(out.metrics[name]) - float(value)) <= RTOL * max(1.0, abs(float(value))), name
     dtype_name = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
-    tol = verify.gradient_tolerance(dtype_name, path)
+    tol = testing.gradient_tolerance(dtype_name, path)
     assert tol <= 2.0**-6
     for got, want in zip(grads, ref_grads):
         assert got.dtype == dtype
@@ -193,7 +193,7 @@ def test_half_precision_logits_gradient_is_rounded_once(backend, dtype, with_ent
     loss64 = (lp64 * g_logp.double()).sum() + ((ent64 * g_ent.double()).sum() if with_entropy else 0.0)
     (want,) = torch.autograd.grad(loss64, [x64])
     dtype_name = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
-    tol = verify.gradient_tolerance(dtype_name, "logits")
+    tol = testing.gradient_tolerance(dtype_name, "logits")
     assert grad.dtype == dtype
     assert rel_err(grad.cpu(), want) <= tol, (rel_err(grad.cpu(), want), tol)
 
@@ -465,7 +465,7 @@ class _ScaleGradient(torch.autograd.Function):
 @pytest.mark.parametrize("path", ["logits", "linear"])
 def test_verify_fails_on_a_5_percent_bf16_gradient_error(path, monkeypatch):
     """``verify`` passes the torch backend as it is, and fails it once its bf16 gradients are 5% off."""
-    assert verify.gradient_tolerance("bf16", path) <= 2.0**-6
+    assert testing.gradient_tolerance("bf16", path) <= 2.0**-6
     row = verify.check_case("torch", path, "sequence", "grpo", "bf16", seed=3)
     assert row.ok, row
     impl = backends.load("torch")

@@ -7,9 +7,9 @@ import torch
 
 import gspo_kernels as gk
 from gspo_kernels import reference
-from gspo_kernels.objective import gspo_objective
 from gspo_kernels.layout import prepare_loss_inputs
-from tests.cases import configs
+from gspo_kernels.objective import gspo_objective
+from tests.support import configs
 
 
 @pytest.mark.parametrize("per_token_adv", [False, True], ids=["seq-adv", "token-adv"])

@@ -126,7 +126,7 @@ def test_qwen_vocabulary_few_rows():
     _close(entropy.cpu(), ref_entropy)
     ref_grad = x64.grad
     # bf16 gradient: within one rounding to nearest of the float64 gradient (half an ulp, relative), on a GPU and
-    # in the interpreter alike (its truncating cast is replaced: verify.round_interpreter_bf16_casts).
+    # in the interpreter alike (its truncating cast is replaced: testing.round_interpreter_bf16_casts).
     tol = torch.finfo(torch.bfloat16).eps / 2
     assert bool(((x_req.grad.cpu().double() - ref_grad).abs() <= tol * ref_grad.abs() + 1e-12).all())
 
@@ -653,7 +653,7 @@ def _to_bf16_kernel(x_ptr, explicit_ptr, implicit_ptr, n, BLOCK: tl.constexpr):
 
 def test_bf16_casts_round_to_nearest_even_as_on_the_gpu():
     """fp32 -> bf16 inside a kernel gives the bits of ``Tensor.to(torch.bfloat16)`` (round to nearest even): on a
-    GPU natively, in the interpreter through ``verify.round_interpreter_bf16_casts`` (its own cast truncates).
+    GPU natively, in the interpreter through ``testing.round_interpreter_bf16_casts`` (its own cast truncates).
     Magnitudes over 60 decades, ties of both parities, the largest finite values, infinities, NaN, signed zeros
     (subnormals left out: a GPU may flush them)."""
     one_ulp = 2.0**-7

@@ -14,7 +14,9 @@ A backend provides, as differentiable functions (autograd Functions inside the b
     ``hidden``: ``[N, H]`` or ``[B, T, H]``, ``weight``: ``[V, H]``, ``bias``: ``[V]`` or None; same
     outputs and the same skipping rule, gradients for hidden, weight and bias. ``memory_budget``:
     bytes the backend may use for logits saved between forward and backward and for its chunk
-    buffers (None: the backend's documented default); it never changes the results' meaning.
+    buffers (None: :data:`DEFAULT_MEMORY_BUDGET`, the one default of every backend that uses it); it is
+    validated by the public functions (:func:`gspo_kernels.checks.check_memory_budget`), never again
+    here, and never changes the results' meaning.
 
 Labels outside ``[0, V)`` reach a backend only when the public checks are skipped (under
 ``torch.compile``): a backend never reads out of bounds for them, and that row's log-prob is NaN.
@@ -37,6 +39,7 @@ import torch
 logger = logging.getLogger("gspo_kernels")
 
 BACKENDS = ("torch", "triton", "cpu")
+DEFAULT_MEMORY_BUDGET = 1 << 30  # bytes; see the contract above
 _MODULES = {
     "torch": "gspo_kernels.backends.pytorch",
     "triton": "gspo_kernels.backends.triton",

@@ -25,14 +25,11 @@ from torch import Tensor
 
 from gspo_kernels.backends import Backend
 from gspo_kernels.backends.tiling import as_rows, row_blocks
+from gspo_kernels.precision import compute_dtype
 
 LOGITS_BLOCK_ELEMENTS = 1 << 23  # logits path: whole rows per block, about this many elements (32 MiB fp32)
 LINEAR_ROW_BLOCK = 1024  # rows per tile of the hidden-state path (the weight is streamed once per block)
 LINEAR_VOCAB_BLOCK = 4096
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _log_p_floor(dtype: torch.dtype) -> float:
@@ -164,7 +161,7 @@ class _LogitsLogprobs(torch.autograd.Function):
     def forward(ctx, logits, labels, active, temperature, return_entropy, inplace_backward):
         V = logits.shape[-1]
         n = labels.shape[0]
-        cdt = _compute_dtype(logits.dtype)
+        cdt = compute_dtype(logits.dtype)
         device = logits.device
         logp = torch.zeros(n, dtype=cdt, device=device)
         entropy = torch.zeros(n, dtype=cdt, device=device)
@@ -262,7 +259,7 @@ class _LinearLogprobs(torch.autograd.Function):
         rows_all = as_rows(hidden)
         n = labels.shape[0]
         V = weight.shape[0]
-        cdt = _compute_dtype(hidden.dtype)
+        cdt = compute_dtype(hidden.dtype)
         device = hidden.device
         logp = torch.zeros(n, dtype=cdt, device=device)
         entropy = torch.zeros(n, dtype=cdt, device=device)
