@@ -181,7 +181,7 @@ def check_labels(
     :func:`gspo_kernels.token_logprobs`). Positions that do not count are set to 0.
     """
     labels = check_integer("labels", labels)
-    flat = labels.detach().reshape(-1).to(torch.int64)
+    flat = labels.detach().reshape(-1).to(torch.int64).contiguous()  # kernels index labels as a dense [N] array
     out_of_range = (flat < 0) | (flat >= vocab_size)
     where = " at unmasked positions" if counted is not None else ""
     if counted is not None:

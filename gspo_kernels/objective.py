@@ -71,18 +71,22 @@ def gspo_objective(
 
     adv = inputs.advantages.to(logp.dtype)
     A = torch.where(valid, adv if inputs.advantages_per_token else adv[seq], zero)
-    w = torch.exp(_live_log_weight(log_w, A, config))
+    is_ratio = None if inputs.is_ratio is None else torch.where(valid, inputs.is_ratio.to(logp.dtype), zero)
+    # A token whose correction weight is 0 (masked by the rollout correction) contributes nothing whatever its
+    # importance weight: it takes the finite stand-in weight, so an overflowing weight there is no inf * 0.
+    A_live = A if is_ratio is None else torch.where(is_ratio == 0, zero, A)
+    w = torch.exp(_live_log_weight(log_w, A_live, config))
     c1 = w if config.delta is None else torch.clamp(w, max=config.delta)
     c2 = torch.clamp(w, 1.0 - config.epsilon_low, 1.0 + config.epsilon_high)
-    per_token = -torch.minimum(c1 * A, c2 * A)
-    if inputs.is_ratio is not None:
-        per_token = per_token * torch.where(valid, inputs.is_ratio.to(logp.dtype), zero)
+    per_token = -torch.minimum(c1 * A_live, c2 * A_live)
+    if is_ratio is not None:
+        per_token = per_token * is_ratio
 
     kl = None
     if config.beta > 0:
         kl = k3_kl(torch.where(valid, inputs.ref_logprobs.to(logp.dtype), zero), logp_m)
         if config.use_bias_correction_kl:
-            kl = kl * torch.exp(log_w)  # the weight's gradient counts here whatever the clipping
+            kl = kl * torch.exp(torch.where(valid, log_w, zero))  # the weight counts here whatever the clipping
         per_token = per_token + config.beta * kl
     per_token = torch.where(valid, per_token, zero)
 
