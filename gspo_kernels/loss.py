@@ -82,6 +82,7 @@ def linear_logprobs(
     fp32_head: bool = False,
     check_finite: bool = False,
     memory_budget: Optional[int] = None,
+    batch_invariant: bool = False,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Per-token log-probs (and entropy) of ``hidden @ weight.T + bias``; the logits never exist.
 
@@ -99,13 +100,16 @@ def linear_logprobs(
             for its chunk buffers (None: the backend's default; ``backend="cpu"``: 1 GiB of saved
             logits, 0 recomputes them; ``backend="torch"`` saves none and ignores it). Results do
             not depend on it.
+        batch_invariant: a row's log-prob, entropy and ``dH`` row are the same bits whatever the other rows
+            of the batch, the row's position and ``memory_budget`` (``backend="triton"`` and ``"cpu"``; the
+            price in speed is in ``docs/gpu.md`` and ``docs/cpu_backends.md``). ``backend="torch"`` refuses it.
     Returns:
         fp32 tensors shaped like ``labels`` (fp64 for fp64 inputs); first-order differentiable for hidden,
         weight and bias.
     """
     check_linear(hidden, weight, bias, labels)
     head = _LinearHead(hidden, weight, bias, check_vocab_parallel(vocab_parallel), fp32_head=fp32_head,
-                       memory_budget=memory_budget)
+                       memory_budget=memory_budget, batch_invariant=batch_invariant)
     return _run_logprobs(head, labels, temperature=temperature, return_entropy=return_entropy, backend=backend,
                          check_finite=check_finite)
 
@@ -176,6 +180,7 @@ def fused_linear_gspo_loss(
     fp32_head: bool = False,
     check_finite: bool = False,
     memory_budget: Optional[int] = None,
+    batch_invariant: bool = False,
 ) -> LossOutput:
     """:func:`gspo_loss` of ``hidden @ weight.T + bias`` without ever forming the logits.
 
@@ -187,10 +192,11 @@ def fused_linear_gspo_loss(
         vocab_parallel: ``weight [end - start, H]`` (and ``bias``) is this rank's lm_head shard (see
             :func:`linear_logprobs`).
         memory_budget: bytes for saved logits / chunk buffers, as in :func:`linear_logprobs`.
+        batch_invariant: bitwise batch invariance of the per-token results, as in :func:`linear_logprobs`.
     """
     check_linear(hidden, weight, bias, labels)
     head = _LinearHead(hidden, weight, bias, check_vocab_parallel(vocab_parallel), fp32_head=fp32_head,
-                       memory_budget=memory_budget)
+                       memory_budget=memory_budget, batch_invariant=batch_invariant)
     return _run(head, labels, advantages, old_logprobs, mask=mask, cu_seqlens=cu_seqlens, ref_logprobs=ref_logprobs,
                 is_ratio=is_ratio, num_items_in_batch=num_items_in_batch, config=config, backend=backend,
                 check_finite=check_finite)
@@ -266,11 +272,14 @@ class _LinearHead:
     """Per-token log-probs of ``hidden @ weight.T + bias`` (operands cast once by the precision policy)."""
 
     def __init__(self, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], vp: Optional[VocabParallel], *,
-                 fp32_head: bool, memory_budget: Optional[int]) -> None:
+                 fp32_head: bool, memory_budget: Optional[int], batch_invariant: bool) -> None:
         check_memory_budget(memory_budget)
+        self.options = {"memory_budget": memory_budget}
+        if check_bool("batch_invariant", batch_invariant):  # passed only when asked: the default contract call
+            self.options["batch_invariant"] = True
         self.hidden, self.weight, self.bias = apply_precision(hidden, weight, bias, fp32_head=fp32_head)
         self.raw = (hidden, weight, bias)  # the caller's tensors: the finite checks read these
-        self.vp, self.memory_budget = vp, memory_budget
+        self.vp = vp
         self.device = hidden.device
         self.vocab_size = weight.shape[0] if vp is None else vp.vocab_size
 
@@ -283,7 +292,7 @@ class _LinearHead:
         rows = hidden if hidden.dim() in (2, 3) else hidden.reshape(-1, hidden.shape[-1])
         stage = impl.linear_logprobs if self.vp is None else functools.partial(parallel.linear_logprobs, impl, self.vp)
         return stage(rows, self.weight, self.bias, labels, active=active, temperature=temperature,
-                     return_entropy=return_entropy, memory_budget=self.memory_budget)
+                     return_entropy=return_entropy, **self.options)
 
 
 class _GivenLogprobs:
@@ -389,22 +398,25 @@ class GSPOLoss(nn.Module):
 class FusedLinearGSPOLoss(nn.Module):
     """Module form of :func:`fused_linear_gspo_loss`: ``(hidden, weight, labels, advantages, old, **kw)``.
 
-    ``memory_budget``: bytes for saved logits / chunk buffers (see :func:`linear_logprobs`).
+    ``memory_budget``: bytes for saved logits / chunk buffers; ``batch_invariant``: bitwise batch invariance
+    (see :func:`linear_logprobs`).
     """
 
     def __init__(self, config: Optional[GSPOConfig] = None, *, backend: str = "auto", check_finite: bool = False,
-                 memory_budget: Optional[int] = None):
+                 memory_budget: Optional[int] = None, batch_invariant: bool = False):
         super().__init__()
         self.config = check_config(config)
         self.backend = backend
         self.check_finite = check_finite
         check_memory_budget(memory_budget)
         self.memory_budget = memory_budget
+        self.batch_invariant = check_bool("batch_invariant", batch_invariant)
 
     def forward(self, hidden: Tensor, weight: Tensor, labels: Tensor, advantages: Tensor,
                 old_logprobs: Optional[Tensor] = None, **kwargs) -> LossOutput:
         kwargs.setdefault("check_finite", self.check_finite)
         kwargs.setdefault("memory_budget", self.memory_budget)
+        kwargs.setdefault("batch_invariant", self.batch_invariant)
         return fused_linear_gspo_loss(hidden, weight, labels, advantages, old_logprobs, config=self.config,
                                       backend=self.backend, **kwargs)
 

@@ -240,9 +240,11 @@ def linear_logprobs(
     temperature: float = 1.0,
     return_entropy: bool = False,
     memory_budget: Optional[int] = None,
+    batch_invariant: bool = False,
 ) -> Tuple[Tensor, Optional[Tensor]]:
     """Per-token ``(logp [N], entropy [N] | None)`` of ``hidden @ weight.T + bias``.
 
+    ``batch_invariant``: this backend's results are batch invariant either way (see the module docstring).
     ``hidden``: ``[N, H]`` or ``[B, T, H]``; ``weight``: ``[V, H]``; ``bias``: ``[V]`` or None.
     fp16/bf16/fp32 inputs: exact fp32 products, fp32 accumulation, fp32 outputs; fp64 inputs: the
     ``torch`` backend's fp64 math and fp64 outputs.

@@ -369,15 +369,20 @@ def linear_logprobs(
     temperature: float = 1.0,
     return_entropy: bool = False,
     memory_budget: Optional[int] = None,
+    batch_invariant: bool = False,
 ) -> Tuple[Tensor, Optional[Tensor]]:
     """Per-token ``(logp [N], entropy [N] | None)`` of ``hidden @ weight.T + bias``.
 
+    ``batch_invariant=True`` is refused: the BLAS this backend calls picks its kernels by shape.
     fp16/bf16/fp32 inputs: converted to fp32 exactly (exact products), fp32 accumulation and outputs;
     fp64 inputs: fp64 math and outputs. ``memory_budget`` is accepted for the backend contract and
     ignored: this backend keeps no logits between forward and backward (it recomputes every tile).
     Extra memory: ``O(N)`` plus a few ``[1024, 4096]`` tiles; the backward adds accumulators for
     ``dW`` (``V*H*4`` bytes), ``dH`` (``N*H*4``) and ``dbias`` (``V*4``).
     """
+    if batch_invariant:
+        raise ValueError("batch_invariant=True needs backend='triton' or backend='cpu': the 'torch' backend's "
+                         "matmuls round a row depending on the batch's shape")
     logp, entropy = _LinearLogprobs.apply(hidden, weight, bias, labels, active, float(temperature), return_entropy)
     return logp, (entropy if return_entropy else None)
 
