@@ -79,3 +79,19 @@ def backend_context(device: torch.device) -> Iterator[None]:
             yield
     else:
         yield
+
+
+def kernel_operand_dtype(hidden_dtype: torch.dtype, weight_dtype: torch.dtype) -> torch.dtype:
+    """The dtype a kernel backend without fp64 products (Triton) multiplies ``hidden`` and ``weight`` in.
+
+    Called by a backend *after* :func:`apply_precision` has decided; it decides nothing new: fp64 runs in
+    fp32, equal dtypes keep that dtype, and a pair that still differs raises ``TypeError`` naming both.
+    """
+    hidden_kernel = torch.float32 if hidden_dtype == torch.float64 else hidden_dtype
+    weight_kernel = torch.float32 if weight_dtype == torch.float64 else weight_dtype
+    if hidden_kernel != weight_kernel:
+        raise TypeError(
+            f"hidden is {hidden_dtype} and weight is {weight_dtype}: the kernels need one operand dtype; "
+            "apply gspo_kernels.precision.apply_precision first (the public functions do)"
+        )
+    return hidden_kernel
