@@ -139,9 +139,7 @@ def linear_logprobs_fwd_kernel(
     order_ptr,  # [M] int64: the computed rows, compacted (read only when HAS_ORDER)
     count_ptr,  # [1] int64: how many entries of order are valid (read only when HAS_ORDER)
     labels_ptr,  # [N] int64 (any values: compared, never used as an address)
-    part_max_ptr,  # [splits, M] fp32, indexed by position in order
-    part_sum_ptr,  # [splits, M] fp32
-    part_ent_ptr,  # [splits, M] fp32
+    part_max_ptr, part_sum_ptr, part_ent_ptr,  # [splits, M] fp32 each, indexed by position in order
     label_logit_ptr,  # [M] fp32 (written by the split that holds the label)
     M, V, H, T,
     stride_hb, stride_ht, stride_hh, stride_wv, stride_wh, stride_bv,

@@ -69,22 +69,10 @@ _NEG_BIG = tl.constexpr(-1.0e30)
 
 @triton.jit
 def logprobs_fwd_kernel(
-    logits_ptr,
-    labels_ptr,
-    active_ptr,
-    logp_ptr,
-    entropy_ptr,
+    logits_ptr, labels_ptr, active_ptr, logp_ptr, entropy_ptr,
     row_stats_ptr,  # [2, N]: the row's max raw logit, then log S
-    n_rows,
-    rows_per_batch,
-    stride_b,
-    stride_t,
-    stride_v,
-    vocab_size,
-    inv_temperature,
-    BLOCK_V: tl.constexpr,
-    HAS_ACTIVE: tl.constexpr,
-    HAS_ENTROPY: tl.constexpr,
+    n_rows, rows_per_batch, stride_b, stride_t, stride_v, vocab_size, inv_temperature,
+    BLOCK_V: tl.constexpr, HAS_ACTIVE: tl.constexpr, HAS_ENTROPY: tl.constexpr,
 ):
     row = tl.program_id(0)
     if HAS_ACTIVE:
@@ -136,29 +124,11 @@ def logprobs_fwd_kernel(
 
 @triton.jit
 def logprobs_bwd_kernel(
-    logits_ptr,
-    dlogits_ptr,
-    labels_ptr,
-    active_ptr,
-    grad_logp_ptr,
-    grad_entropy_ptr,
-    entropy_ptr,
+    logits_ptr, dlogits_ptr, labels_ptr, active_ptr, grad_logp_ptr, grad_entropy_ptr, entropy_ptr,
     row_stats_ptr,  # [2, N] from the forward
-    n_rows,
-    rows_per_batch,
-    out_rows_per_batch,
-    stride_b,
-    stride_t,
-    stride_v,
-    dstride_b,
-    dstride_t,
-    dstride_v,
-    vocab_size,
-    inv_temperature,
-    BLOCK_V: tl.constexpr,
-    HAS_ACTIVE: tl.constexpr,
-    HAS_GRAD_LOGP: tl.constexpr,
-    HAS_GRAD_ENTROPY: tl.constexpr,
+    n_rows, rows_per_batch, out_rows_per_batch, stride_b, stride_t, stride_v, dstride_b, dstride_t, dstride_v,
+    vocab_size, inv_temperature,
+    BLOCK_V: tl.constexpr, HAS_ACTIVE: tl.constexpr, HAS_GRAD_LOGP: tl.constexpr, HAS_GRAD_ENTROPY: tl.constexpr,
 ):
     out_row = tl.program_id(0).to(tl.int64)
     batch = out_row // out_rows_per_batch

@@ -168,6 +168,33 @@ def _clipped_surrogate(w, adv, low_edge, high_edge, delta, HAS_DELTA: tl.constex
 
 
 @triton.jit
+def _kl_penalty(ref_ptr, idx, inside, on, lp, w, beta, BIAS_CORRECTION_KL: tl.constexpr):
+    """``(kl, kl as added to the loss, d(beta kl)/dlogp not through w)`` of ``kl = e^d - d - 1``,
+    ``d = ref - logp``; with the bias correction (``use_bias_correction_kl``) the added term is ``w kl``."""
+    d = tl.where(on, tl.load(ref_ptr + idx, mask=inside, other=0.0), 0.0) - lp
+    ed = tl.exp(d)
+    kl = ed - d - 1.0
+    if BIAS_CORRECTION_KL:
+        return kl, _times(kl, w), _times(beta * (1.0 - ed), w)
+    else:
+        return kl, kl, beta * (1.0 - ed)
+
+
+@triton.jit
+def _accumulate_weight_metrics(low_acc, high_acc, region_acc, w_acc, w_min, w_max, on, w, adv, low_edge, high_edge):
+    """The per-lane clip counts and weight statistics of the unmasked tokens ``on``, updated by one tile."""
+    low = on & (w < low_edge) & (adv < 0)
+    high = on & (w > high_edge) & (adv > 0)
+    low_acc += low.to(tl.float32)
+    high_acc += high.to(tl.float32)
+    region_acc += (low | high).to(tl.float32)
+    w_acc += tl.where(on, w, 0.0)
+    w_min = tl.minimum(w_min, tl.where(on, w, float("inf")))
+    w_max = tl.maximum(w_max, tl.where(on, w, float("-inf")))
+    return low_acc, high_acc, region_acc, w_acc, w_min, w_max
+
+
+@triton.jit
 def _add_sequence_cross_term(coef_ptr, mask_ptr, start, end, cross, BLOCK_T: tl.constexpr):
     """Pass 3 (``"sequence"`` level): ``coef_t += cross`` on every unmasked token of the response, the
     gradient through the mean log-ratio."""
@@ -256,15 +283,10 @@ def gspo_sequence_kernel(
             dl_dw = dl_dw * isr
         direct = tl.zeros([BLOCK_T], tl.float32)  # d l_t / d logp_t not through w
         if HAS_KL:
-            d = tl.where(on, tl.load(ref_ptr + idx, mask=inside, other=0.0), 0.0) - lp
-            ed = tl.exp(d)
-            kl = ed - d - 1.0
+            kl, kl_weighted, direct = _kl_penalty(ref_ptr, idx, inside, on, lp, w, beta, BIAS_CORRECTION_KL)
             if BIAS_CORRECTION_KL:
                 dl_dw += beta * kl
-                direct = _times(beta * (1.0 - ed), w)
-                kl = _times(kl, w)
-            else:
-                direct = beta * (1.0 - ed)
+            kl = kl_weighted
             loss += beta * kl
             kl_acc += tl.where(on, kl, 0.0)
         loss_acc += tl.where(on, loss, 0.0)
@@ -277,14 +299,8 @@ def gspo_sequence_kernel(
             coef = tl.where(on, lam * (_times(dl_dw, dw) + direct), 0.0)
         tl.store(coef_ptr + idx, coef, mask=inside)
         if (LEVEL != LEVEL_SEQUENCE) | ADV_PER_TOKEN:  # metrics over unmasked tokens
-            low = on & (w < low_edge) & (adv < 0)
-            high = on & (w > high_edge) & (adv > 0)
-            low_acc += low.to(tl.float32)
-            high_acc += high.to(tl.float32)
-            region_acc += (low | high).to(tl.float32)
-            w_acc += tl.where(on, w, 0.0)
-            w_min = tl.minimum(w_min, tl.where(on, w, float("inf")))
-            w_max = tl.maximum(w_max, tl.where(on, w, float("-inf")))
+            low_acc, high_acc, region_acc, w_acc, w_min, w_max = _accumulate_weight_metrics(
+                low_acc, high_acc, region_acc, w_acc, w_min, w_max, on, w, adv, low_edge, high_edge)
 
     if LEVEL == LEVEL_SEQUENCE:
         cross = _times(lam * tl.sum(q_acc, axis=0) * seq_pass / denom, w_seq)
