@@ -295,7 +295,7 @@ def test_chunk_buffers_stay_within_the_memory_budget(tiles):
             return out
 
     hidden, weight, bias, labels, g_logp, g_ent = _problem(N=70, V=90)
-    tile = configs.linear_backward_config(torch.float32)["dz"]["BLOCK_N"]  # rows of one row tile (16 in the interpreter)
+    tile = configs.linear_bwd_config(torch.float32)["dz"]["BLOCK_N"]  # rows of one row tile (16 in the interpreter)
     budget = tiles * (tile * 90 * 4 + 4 * 90)  # fp32 dZ rows of one row tile + its bias partials
     h, w, b = (t.clone().requires_grad_() for t in (hidden, weight, bias))
     logp, entropy = linear_logprobs(h, w, b, labels, return_entropy=True, memory_budget=budget)

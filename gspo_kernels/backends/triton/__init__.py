@@ -7,7 +7,7 @@ Function side by side:
 * ``linear.py``: ``hidden @ weight.T (+ bias) -> (logp, entropy)`` without the logits (``linear_logprobs``);
 * ``sequence.py``: ``(logp, entropy) -> loss`` with the metrics (the backend's ``gspo_objective``);
 
-plus ``launch.py`` (device guard, interpreter detection, row addressing shared by the kernels) and
+plus ``launch.py`` (device guard, interpreter detection, row offsets shared by the kernels) and
 ``configs.py`` (every tile size and tuning table, and ``H100_CONFIGS`` for ``gspo-kernels h100-report``).
 
 Runs on CUDA tensors, and on CPU tensors when the Triton interpreter is active (``TRITON_INTERPRET=1`` set

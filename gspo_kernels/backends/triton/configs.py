@@ -72,7 +72,7 @@ INTERPRETER_BWD_CONFIG: Dict[str, Dict[str, int]] = {
 DEFAULT_MEMORY_BUDGET = 1 << 30
 
 
-def linear_forward_config(dtype: torch.dtype, config: Optional[Dict[str, int]] = None) -> Dict[str, int]:
+def linear_fwd_config(dtype: torch.dtype, config: Optional[Dict[str, int]] = None) -> Dict[str, int]:
     """The forward's launch configuration: ``config`` if given, else the interpreter's or the CUDA one for ``dtype``."""
     if config is not None:
         return dict(config)
@@ -81,7 +81,7 @@ def linear_forward_config(dtype: torch.dtype, config: Optional[Dict[str, int]] =
     return dict(CUDA_FWD_CONFIG_FP32 if dtype == torch.float32 else CUDA_FWD_CONFIG)
 
 
-def linear_backward_config(
+def linear_bwd_config(
     dtype: torch.dtype, config: Optional[Dict[str, Dict[str, int]]] = None
 ) -> Dict[str, Dict[str, int]]:
     """The backward's three launch configurations (``dz``, ``dh``, ``dw``): ``config`` if given, else the
@@ -119,7 +119,7 @@ SEQUENCE_NUM_WARPS = 4
 # "kernel" is "module.function" inside this package).
 
 
-def _logits_forward_h100(dtype: str, has_active: bool, has_entropy: bool) -> dict:
+def _logits_fwd_h100(dtype: str, has_active: bool, has_entropy: bool) -> dict:
     return {
         "name": f"logprobs_fwd[{dtype},{'active' if has_active else 'all'},{'H' if has_entropy else 'noH'}]",
         "kernel": "logits.logprobs_fwd_kernel",
@@ -137,7 +137,7 @@ def _logits_forward_h100(dtype: str, has_active: bool, has_entropy: bool) -> dic
     }
 
 
-def _logits_backward_h100(dtype: str, has_grad_entropy: bool) -> dict:
+def _logits_bwd_h100(dtype: str, has_grad_entropy: bool) -> dict:
     return {
         "name": f"logprobs_bwd[{dtype},{'dlogp+dH' if has_grad_entropy else 'dlogp'}]",
         "kernel": "logits.logprobs_bwd_kernel",
@@ -241,14 +241,14 @@ def _sequence_h100(level: str, **flags: bool) -> dict:
 
 
 H100_CONFIGS: List[dict] = [
-    _logits_forward_h100("bf16", True, True),
-    _logits_forward_h100("bf16", False, False),
-    _logits_forward_h100("fp16", True, True),
-    _logits_forward_h100("fp32", True, True),
-    _logits_backward_h100("bf16", False),
-    _logits_backward_h100("bf16", True),
-    _logits_backward_h100("fp16", False),
-    _logits_backward_h100("fp32", True),
+    _logits_fwd_h100("bf16", True, True),
+    _logits_fwd_h100("bf16", False, False),
+    _logits_fwd_h100("fp16", True, True),
+    _logits_fwd_h100("fp32", True, True),
+    _logits_bwd_h100("bf16", False),
+    _logits_bwd_h100("bf16", True),
+    _logits_bwd_h100("fp16", False),
+    _logits_bwd_h100("fp32", True),
     *_linear_h100(),
     _sequence_h100("sequence"),
     _sequence_h100("sequence", HAS_KL=True, BIAS_CORRECTION_KL=True, HAS_IS_RATIO=True, HAS_DELTA=True),

@@ -36,7 +36,7 @@ def device_guard(tensor: torch.Tensor):
 
 
 def row_strides(t: torch.Tensor, name: str = "tensor") -> Tuple[int, int, int, int]:
-    """``(rows_per_batch, stride_b, stride_t, stride_x)`` addressing row ``r`` of ``t [N, X]`` / ``[B, T, X]``.
+    """``(rows_per_batch, stride_b, stride_t, stride_x)`` locating row ``r`` of ``t [N, X]`` / ``[B, T, X]``.
 
     Row ``r`` starts at ``(r // rows_per_batch) * stride_b + (r % rows_per_batch) * stride_t``; its
     ``j``-th element is ``stride_x * j`` further. ``rows_per_batch`` is at least 1 (empty tensors).

@@ -423,7 +423,7 @@ def linear_logprobs_forward(
         labels: ``[N]`` int64. Out-of-range labels give a NaN log-prob (they are never used as addresses).
         temperature: logits are divided by it.
         order, count: a compaction of the rows to compute (see :func:`compact_rows`), or None for all rows.
-        config: block sizes / warps / stages / ``SPLIT_COLS`` (default: ``configs.linear_forward_config``).
+        config: block sizes / warps / stages / ``SPLIT_COLS`` (default: ``configs.linear_fwd_config``).
 
     Returns:
         ``(logp, entropy, row_max, log_sum)``, each ``[N]`` fp32; rows not computed hold 0. ``row_max`` is the
@@ -436,7 +436,7 @@ def linear_logprobs_forward(
     out = torch.zeros((4, N), device=device, dtype=torch.float32)
     if N == 0:
         return out[0], out[1], out[2], out[3]
-    cfg = configs.linear_forward_config(hidden.dtype, config)
+    cfg = configs.linear_fwd_config(hidden.dtype, config)
     block_v = cfg["BLOCK_V"]
     cols_per_split = triton.cdiv(cfg["SPLIT_COLS"], block_v) * block_v
     num_splits = triton.cdiv(V, cols_per_split)
@@ -520,7 +520,7 @@ def linear_logprobs_backward(
         grad_logp, grad_entropy: ``[N]`` fp32 or None (None: no gradient through that output).
         order, count: the device-side compaction of the rows to visit (:func:`compact_rows`).
         memory_budget: bytes for the chunk buffers (None: ``configs.DEFAULT_MEMORY_BUDGET``).
-        config: the three kernels' launch configurations (default: ``configs.linear_backward_config``).
+        config: the three kernels' launch configurations (default: ``configs.linear_bwd_config``).
 
     Returns:
         ``(dh [N, H] in the hidden dtype or None, dw [V, H] fp32 or None, db [V] fp32 or None)``; rows of
@@ -536,7 +536,7 @@ def linear_logprobs_backward(
     has_logp, has_ent = grad_logp is not None, grad_entropy is not None
     if N == 0 or V == 0 or not (compute_dh or compute_dw or compute_db) or not (has_logp or has_ent):
         return dh, dw, db
-    cfg = configs.linear_backward_config(hidden.dtype, config)
+    cfg = configs.linear_bwd_config(hidden.dtype, config)
     c_dz = cfg["dz"]
     C = configs.chunk_rows(N, V, hidden.dtype, c_dz["BLOCK_N"], memory_budget)
     dz = torch.empty((C, V), device=device, dtype=hidden.dtype)
