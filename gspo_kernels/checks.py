@@ -36,6 +36,18 @@ def tracing() -> bool:
     return torch.compiler.is_compiling()
 
 
+def cuda_graph_capturing() -> bool:
+    """True while the current CUDA stream is being captured into a CUDA graph."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def host_reads_allowed() -> bool:
+    """Whether the library may read a device value back to the host now: not under ``torch.compile`` tracing,
+    not during CUDA-graph capture. When it may not, value checks become device asserts and the backward
+    stages skip no zero-gradient rows that would need a count on the host (the results are the same)."""
+    return not (tracing() or cuda_graph_capturing())
+
+
 class ValueChecks:
     """Checks that read tensor values, gathered so that :meth:`run` reads them all with one host sync.
 
@@ -55,7 +67,7 @@ class ValueChecks:
         checks, self._checks = self._checks, []
         if not checks:
             return
-        if tracing():
+        if not host_reads_allowed():
             for bad, rule, _ in checks:
                 torch._assert_async(torch.logical_not(bad), rule)
             return
@@ -221,7 +233,7 @@ def check_num_items(value: Union[None, int, float, Tensor], device: torch.device
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         if not (math.isfinite(value) and value > 0):
             raise ValueError(f"{rule}, got {value!r}")
-        return torch.tensor(float(value), device=device, dtype=torch.float32)
+        return torch.full((), float(value), device=device, dtype=torch.float32)  # a fill, no host-to-device copy
     raise TypeError(f"num_items_in_batch must be an int, float or scalar tensor, got {type(value).__name__}")
 
 

@@ -247,7 +247,14 @@ def policy_loss(
 # ---------------------------------------------------------------------------------------------
 
 
-class _LogitsHead:
+class _Head:
+    """What the pipeline asks of a head; :meth:`fused_loss` returns None unless the head has a one-pass form."""
+
+    def fused_loss(self, impl: Backend, objective, inputs, config: GSPOConfig) -> Optional[LossOutput]:
+        return None
+
+
+class _LogitsHead(_Head):
     """Per-token log-probs from materialized logits (``[B, T, V]``, ``[N, V]`` or ``[..., V]``)."""
 
     def __init__(self, logits: Tensor, vp: Optional[VocabParallel], *, inplace_backward: bool) -> None:
@@ -268,7 +275,7 @@ class _LogitsHead:
                      inplace_backward=self.inplace_backward)
 
 
-class _LinearHead:
+class _LinearHead(_Head):
     """Per-token log-probs of ``hidden @ weight.T + bias`` (operands cast once by the precision policy)."""
 
     def __init__(self, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], vp: Optional[VocabParallel], *,
@@ -286,6 +293,15 @@ class _LinearHead:
     def check_finite(self, labels: Tensor, checks: ValueChecks, counted: Optional[Tensor]) -> None:
         check_finite_linear(*self.raw, labels if self.vp is None else None, checks, counted)
 
+    def fused_loss(self, impl: Backend, objective, inputs, config: GSPOConfig) -> Optional[LossOutput]:
+        """The backend's one-pass loss (gradient formed in the forward) when it has one and the call allows it
+        (no vocabulary split, no batch invariance asked)."""
+        if impl.fused_linear_loss is None or self.vp is not None or "batch_invariant" in self.options:
+            return None
+        hidden = self.hidden.reshape(-1, self.hidden.shape[-1])
+        return impl.fused_linear_loss(objective, hidden, self.weight, self.bias, inputs, config,
+                                      memory_budget=self.options["memory_budget"])
+
     def logprobs(self, impl: Backend, labels: Tensor, active: Optional[Tensor], temperature: float,
                  return_entropy: bool) -> Tuple[Tensor, Optional[Tensor]]:
         hidden = self.hidden
@@ -295,7 +311,7 @@ class _LinearHead:
                      return_entropy=return_entropy, **self.options)
 
 
-class _GivenLogprobs:
+class _GivenLogprobs(_Head):
     """Log-probs (and entropies) the caller computed: the sequence stage alone (:func:`policy_loss`)."""
 
     vocab_size = None  # no labels: the log-probs tensor carries the token layout
@@ -346,9 +362,12 @@ def _run(head, tokens: Tensor, advantages: Tensor, old_logprobs: Optional[Tensor
         head.check_finite(inputs.labels, checks, counted)
         checks.run()
     impl = backends.resolve(backend, head.device)
+    objective = impl.objective or gspo_objective
     with backend_context(head.device):
-        logp, entropy = head.logprobs(impl, inputs.labels, counted, config.temperature, True)
-        output = (impl.objective or gspo_objective)(logp, entropy, inputs, config)
+        output = head.fused_loss(impl, objective, inputs, config)
+        if output is None:
+            logp, entropy = head.logprobs(impl, inputs.labels, counted, config.temperature, True)
+            output = objective(logp, entropy, inputs, config)
     (loss,) = first_order_only(output.loss)
     return LossOutput(loss, output.metrics)
 

@@ -19,3 +19,32 @@ def pytest_collection_modifyitems(config, items):
 def _seed():
     torch.manual_seed(1234)
     yield
+
+
+@pytest.fixture
+def row_independent_dot(monkeypatch):
+    """Under the interpreter, ``tl.dot`` with each output element summed over ``k`` in one fixed order.
+
+    The interpreter's ``tl.dot`` is numpy's ``matmul``, i.e. the CPU's BLAS, and that is not row-independent
+    everywhere: numpy's OpenBLAS on an AMD EPYC (Haswell kernels) rounds rows 6-11 of a ``[16, 32] @ [32, 16]``
+    product differently depending on what the other rows of the tile hold. A GPU's MMA computes every output
+    element of a tile in the same order whatever the other rows hold, which is what the kernels' batch
+    invariance rests on; this fixture gives the interpreter that property (products in the accumulator
+    dtype, then a sequential sum over ``k``), so the test checks the kernels' own structure (chunking,
+    compaction, reduction steps) on any CPU. On CUDA it changes nothing."""
+    from gspo_kernels.backends.triton.launch import interpreter_active
+
+    if not interpreter_active():
+        return
+    import numpy as np
+    from triton.runtime import interpreter
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        acc = d.data.dtype
+        lhs, rhs = a.data.astype(acc), b.data.astype(acc)
+        out = d.data.copy()
+        for k in range(lhs.shape[-1]):
+            out = out + lhs[..., :, k, None] * rhs[..., None, k, :]
+        return interpreter.TensorHandle(np.asarray(out, dtype=acc), d.dtype.scalar)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)

@@ -101,7 +101,8 @@ def check_against_reference(out, expected, grads, ref_grads, rtol: float = RTOL)
     assert torch.isfinite(out.loss)
     loss_err = abs(out.loss.item() - expected.loss.item()) / max(abs(expected.loss.item()), 1.0)
     assert loss_err < rtol, (out.loss.item(), expected.loss.item())
-    assert set(out.metrics) == set(expected.metrics)
+    extra = set(out.metrics) - set(expected.metrics)  # implementation diagnostics, never a math metric
+    assert set(expected.metrics) <= set(out.metrics) and all(name.startswith("fused_linear/") for name in extra)
     for name, value in expected.metrics.items():
         assert abs(float(out.metrics[name]) - float(value)) <= rtol * max(1.0, abs(float(value))), name
     for g, r in zip(grads, ref_grads):

@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from gspo_kernels.backends.triton import configs
 from gspo_kernels.backends.triton.launch import interpreter_active
-from gspo_kernels.backends.triton.linear import linear_logprobs, linear_logprobs_forward
+from gspo_kernels.backends.triton.linear_invariant import linear_logprobs, linear_logprobs_forward
 from tests.support import (
     rel_err,
 )
@@ -208,33 +208,6 @@ def test_two_runs_give_identical_bits():
         assert torch.equal(a, b)
 
 
-@pytest.fixture
-def row_independent_dot(monkeypatch):
-    """Under the interpreter, ``tl.dot`` with each output element summed over ``k`` in one fixed order.
-
-    The interpreter's ``tl.dot`` is numpy's ``matmul``, i.e. the CPU's BLAS, and that is not row-independent
-    everywhere: numpy's OpenBLAS on an AMD EPYC (Haswell kernels) rounds rows 6-11 of a ``[16, 32] @ [32, 16]``
-    product differently depending on what the other rows of the tile hold. A GPU's MMA computes every output
-    element of a tile in the same order whatever the other rows hold, which is what the kernels' batch
-    invariance rests on; this fixture gives the interpreter that property (products in the accumulator
-    dtype, then a sequential sum over ``k``), so the test checks the kernels' own structure (chunking,
-    compaction, reduction steps) on any CPU. On CUDA it changes nothing."""
-    if not interpreter_active():
-        return
-    import numpy as np
-    from triton.runtime import interpreter
-
-    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        acc = d.data.dtype
-        lhs, rhs = a.data.astype(acc), b.data.astype(acc)
-        out = d.data.copy()
-        for k in range(lhs.shape[-1]):
-            out = out + lhs[..., :, k, None] * rhs[..., None, k, :]
-        return interpreter.TensorHandle(np.asarray(out, dtype=acc), d.dtype.scalar)
-
-    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_batch_invariance(dtype, row_independent_dot):
     """A row's log-prob, entropy and dH row are the same bits alone, among 64 others at any position,
@@ -320,7 +293,7 @@ def test_fp64_inputs_give_fp64_outputs_computed_in_fp32():
 @pytest.mark.parametrize("n", [0, 1, 37])
 def test_device_compaction_is_a_stable_permutation(n):
     """``compact_rows``: the True indices in order, then the False ones; ``count`` on the device."""
-    from gspo_kernels.backends.triton.linear import compact_rows
+    from gspo_kernels.backends.triton.linear_invariant import compact_rows
 
     mask = torch.rand(n) > 0.6
     order, count = compact_rows(mask)
@@ -335,7 +308,7 @@ def test_bad_memory_budget_is_refused(budget):
 
     hidden, weight, _, labels, _, _ = _problem(N=4, V=20)
     with pytest.raises(ValueError, match="memory_budget"):
-        gk.linear_logprobs(hidden, weight, labels, memory_budget=budget, backend="triton")
+        gk.linear_logprobs(hidden, weight, labels, memory_budget=budget, backend="triton", batch_invariant=True)
 
 
 def test_no_floating_point_atomics_in_any_kernel():
@@ -421,7 +394,7 @@ def test_bf16_hidden_with_fp32_weight_runs_bf16_operands(monkeypatch):
     (no fp32 ``ieee`` products), the backend keeps no fp32 copy of the hidden states for the backward, and
     the gradients come back in the caller's dtypes."""
     import gspo_kernels as gk
-    from gspo_kernels.backends.triton import linear
+    from gspo_kernels.backends.triton import linear_invariant as linear
 
     seen = []
     real = linear.linear_logprobs_forward
@@ -436,7 +409,7 @@ def test_bf16_hidden_with_fp32_weight_runs_bf16_operands(monkeypatch):
     w32 = weight.clone().requires_grad_()
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        logp = gk.linear_logprobs(h16, w32, labels, backend="triton")
+        logp = gk.linear_logprobs(h16, w32, labels, backend="triton", batch_invariant=True)
     assert seen == [(torch.bfloat16, torch.bfloat16)]
     big = [t for t in saved if t.numel() > 16]
     assert big and all(t.dtype == torch.bfloat16 for t in big), [(t.dtype, t.shape) for t in big]
@@ -518,7 +491,7 @@ def test_h100_static_report_linear_kernels():
 
     if not os.path.exists(h100_report._cuobjdump()):
         pytest.skip("triton's bundled cuobjdump is missing")
-    rows = h100_report.static_report(modules=["linear"])
+    rows = h100_report.static_report(modules=["linear_invariant"])
     assert len(rows) == 12  # forward: 2 bf16 + 1 fp32 + combine; backward: 4 bf16 + 4 fp32
     for row in rows:
         assert not row["error"], row

@@ -26,6 +26,11 @@ Labels outside ``[0, V)`` reach a backend only when the public checks are skippe
 ``objective`` (optional)
     a replacement for :func:`gspo_kernels.objective.gspo_objective` with the same signature.
 
+``fused_linear_loss(objective, hidden, weight, bias, inputs, config, *, memory_budget=None)`` (optional)
+    the whole loss of the hidden-state path in one call, its gradient formed during the forward (the
+    one-pass form of :func:`gspo_kernels.fused_linear_gspo_loss`); returns a ``LossOutput``, or None when it
+    cannot run this input (the pipeline then runs ``linear_logprobs`` and the objective).
+
 ``"auto"`` picks, for the tensors' device, the first available of: CUDA -> triton, torch;
 CPU -> cpu (the C++ extension), torch. It logs the backend it picked once per (device, name).
 """
@@ -61,11 +66,13 @@ class Backend:
         linear_logprobs: Callable,
         objective: Optional[Callable] = None,
         supports: Optional[Callable[[torch.device], bool]] = None,
+        fused_linear_loss: Optional[Callable] = None,
     ) -> None:
         self.name = name
         self.logits_logprobs = logits_logprobs
         self.linear_logprobs = linear_logprobs
         self.objective = objective
+        self.fused_linear_loss = fused_linear_loss
         self._supports = supports
 
     def supports(self, device: torch.device) -> bool:

@@ -59,7 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--only", default=None, help="report only the kernels whose name contains this text")
     parser.add_argument("--json", default=None, help="also write the rows to this JSON file")
     parser.add_argument("--modules", default=None,
-                        help="comma-separated kernel modules to report (e.g. logits,linear,sequence)")
+                        help="comma-separated kernel modules to report (e.g. logits,linear_invariant,sequence)")
 
 
 def kernel_parameters(fn) -> List[tuple]:

@@ -36,8 +36,9 @@ def supports(device: torch.device) -> bool:
 def make_backend():
     """The Triton backend; raises (reported by ``backends.load``) when triton cannot be imported."""
     from gspo_kernels.backends import Backend
-    from gspo_kernels.backends.triton.linear import linear_logprobs
+    from gspo_kernels.backends.triton.linear import fused_linear_loss, linear_logprobs
     from gspo_kernels.backends.triton.logits import logits_logprobs
     from gspo_kernels.backends.triton.sequence import fused_objective
 
-    return Backend("triton", logits_logprobs, linear_logprobs, objective=fused_objective, supports=supports)
+    return Backend("triton", logits_logprobs, linear_logprobs, objective=fused_objective, supports=supports,
+                   fused_linear_loss=fused_linear_loss)

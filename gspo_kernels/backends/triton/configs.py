@@ -14,8 +14,27 @@ from typing import Dict, List, Optional
 import torch
 import triton
 
+from gspo_kernels.backends import DEFAULT_MEMORY_BUDGET as BACKEND_DEFAULT_MEMORY_BUDGET
 from gspo_kernels.backends.triton.launch import ELEMENT_SIZES, interpreter_active
 from gspo_kernels.config import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES
+
+# The vendor-GEMM hidden-state path (linear.py): rows per chunk of the fp32 logits buffer.
+GEMM_MIN_CHUNK_ROWS = 16  # never fewer rows per GEMM than this, whatever the budget (tiny GEMMs waste the GPU)
+GEMM_ROW_MULTIPLE = 16  # chunk sizes in multiples of this (tensor-core friendly M)
+
+
+def gemm_chunk_rows(n_rows: int, V: int, operand: torch.dtype, memory_budget: Optional[int], *, need_dz: bool) -> int:
+    """Rows per chunk of the vendor-GEMM path: the most rows whose buffers fit ``memory_budget`` bytes
+    (None: ``DEFAULT_MEMORY_BUDGET``): per row, ``V`` logits in the compute dtype (fp32, fp64 for fp64) and,
+    with ``need_dz``, ``V`` gradient elements in the operand dtype (none extra when it is the compute dtype)."""
+    budget = DEFAULT_MEMORY_BUDGET if memory_budget is None else int(memory_budget)
+    acc = 8 if operand == torch.float64 else 4
+    op = torch.empty((), dtype=operand).element_size()
+    per_row = V * (acc + (op if need_dz and op != acc else 0))
+    rows = max(GEMM_MIN_CHUNK_ROWS, budget // max(per_row, 1))
+    rows = max(GEMM_MIN_CHUNK_ROWS, rows // GEMM_ROW_MULTIPLE * GEMM_ROW_MULTIPLE)
+    return int(min(rows, max(n_rows, 1)))
+
 
 # ---------------------------------------------------------------------------------------------------------
 # Logits path (logits.py): one program per row, the row streamed in BLOCK_V tiles.
@@ -67,9 +86,9 @@ INTERPRETER_BWD_CONFIG: Dict[str, Dict[str, int]] = {
     "dh": {"BLOCK_N": 16, "BLOCK_H": 16, "BLOCK_V": 32, "GROUP": 2, "num_warps": 4, "num_stages": 1},
     "dw": {"BLOCK_V": 32, "BLOCK_H": 16, "BLOCK_K": 16, "GROUP": 2, "num_warps": 4, "num_stages": 1},
 }
-# Bytes of the backward's chunk buffers when the caller gives no memory_budget (the public functions
-# validate the value; the backend only uses it).
-DEFAULT_MEMORY_BUDGET = 1 << 30
+# Bytes of the chunk buffers when the caller gives no memory_budget: the one default of every backend
+# (the public functions validate the value; the backend only uses it).
+DEFAULT_MEMORY_BUDGET = BACKEND_DEFAULT_MEMORY_BUDGET
 
 
 def linear_fwd_config(dtype: torch.dtype, config: Optional[Dict[str, int]] = None) -> Dict[str, int]:
@@ -163,7 +182,7 @@ def _linear_h100() -> List[dict]:
         for has_bias in variants:
             out.append({
                 "name": f"linear_logprobs_fwd{'_bias' if has_bias else ''}[{dtype}]",
-                "kernel": "linear.linear_logprobs_fwd_kernel",
+                "kernel": "linear_invariant.linear_logprobs_fwd_kernel",
                 "pointers": {"hidden_ptr": dtype, "weight_ptr": dtype, **index},
                 "floats": ["inv_temperature"],
                 "constexprs": {
@@ -177,7 +196,7 @@ def _linear_h100() -> List[dict]:
                 # the sizes/strides that are multiples of 16 for real models (H, H * T, H)
                 "aligned_ints": ["H", "stride_hb", "stride_ht", "stride_wv"],
             })
-    out.append({"name": "linear_logprobs_combine", "kernel": "linear.linear_logprobs_combine_kernel",
+    out.append({"name": "linear_logprobs_combine", "kernel": "linear_invariant.linear_logprobs_combine_kernel",
                 "pointers": index, "constexprs": {"HAS_ORDER": True, "BLOCK": COMBINE_BLOCK},
                 "num_warps": COMBINE_NUM_WARPS, "num_stages": 1})
     for dtype, cfgs in (("bf16", CUDA_BWD_CONFIG), ("fp32", CUDA_BWD_CONFIG_FP32)):
@@ -185,7 +204,7 @@ def _linear_h100() -> List[dict]:
         common = {"floats": ["inv_temperature"], "uses_dot": dtype != "fp32"}
         for name, with_bias_entropy in (("linear_dz_bias_entropy", True), ("linear_dz", False)):
             out.append(dict(common, **{
-                "name": f"{name}[{dtype}]", "kernel": "linear.linear_dz_kernel",
+                "name": f"{name}[{dtype}]", "kernel": "linear_invariant.linear_dz_kernel",
                 "pointers": {"hidden_ptr": dtype, "weight_ptr": dtype, "dz_ptr": dtype, **index},
                 "constexprs": {
                     "stride_hh": 1, "stride_wh": 1, "HAS_BIAS": with_bias_entropy, "HAS_LOGP_GRAD": True,
@@ -196,7 +215,7 @@ def _linear_h100() -> List[dict]:
                 "aligned_ints": ["H", "V", "stride_hb", "stride_ht", "stride_wv"],
             }))
         out.append(dict(common, **{
-            "name": f"linear_dh[{dtype}]", "kernel": "linear.linear_dh_kernel",
+            "name": f"linear_dh[{dtype}]", "kernel": "linear_invariant.linear_dh_kernel",
             "pointers": {"dz_ptr": dtype, "weight_ptr": dtype, "dh_ptr": dtype, "order_ptr": "i64",
                          "count_ptr": "i64"},
             "constexprs": {"stride_wh": 1, "UPCAST": False, "BLOCK_N": dh["BLOCK_N"], "BLOCK_H": dh["BLOCK_H"],
@@ -205,7 +224,7 @@ def _linear_h100() -> List[dict]:
             "aligned_ints": ["H", "V", "stride_wv"],
         }))
         out.append(dict(common, **{
-            "name": f"linear_dw_db[{dtype}]", "kernel": "linear.linear_dw_kernel",
+            "name": f"linear_dw_db[{dtype}]", "kernel": "linear_invariant.linear_dw_kernel",
             "pointers": {"dz_ptr": dtype, "hidden_ptr": dtype, "order_ptr": "i64", "count_ptr": "i64"},
             "constexprs": {"stride_hh": 1, "COMPUTE_DW": True, "COMPUTE_DB": True, "UPCAST": False,
                            "BLOCK_V": dw["BLOCK_V"], "BLOCK_H": dw["BLOCK_H"], "BLOCK_K": dw["BLOCK_K"],

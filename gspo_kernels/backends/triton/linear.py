@@ -1,642 +1,384 @@
-"""The hidden-state path: ``hidden @ weight.T (+ bias) -> (logp [N], entropy [N])`` and its gradient,
-without the ``[N, V]`` logits and without atomics.
+"""The hidden-state path on the vendor GEMMs (the default): ``hidden @ weight.T (+ bias)`` in chunks of rows.
 
-Forward (:func:`linear_logprobs_fwd_kernel` + :func:`linear_logprobs_combine_kernel`, launched by
-:func:`linear_logprobs_forward`). A program owns ``BLOCK_N`` rows and one *split* of the vocabulary
-(``cols_per_split`` consecutive columns); it walks that split ``BLOCK_V`` columns at a time, builds each
-logits tile with ``tl.dot`` (fp32 accumulation over ``H`` in ``BLOCK_H`` steps, :func:`logits_tile`), scales
-it by ``1 / temperature`` and folds it into a running (online) log-sum-exp, the entropy sum and the label's
-logit. Only per-row partial statistics leave the kernel (three fp32 values per (split, row) plus the label
-logit); the combine kernel merges the splits of each row in split order.
+The FLOPs go where their speed is known: every product is a ``torch.mm`` / ``torch.addmm`` (cuBLAS on
+CUDA, with fp32 accumulation; fp32 operands take cuBLAS's fp32 path and follow
+``torch.backends.cuda.matmul.allow_tf32``). Triton does only the memory-bound part, in place on the
+chunk's fp32 logits buffer, with the logits path's kernels (:mod:`.logits`): the online log-sum-exp,
+the label's logit and the entropy in the forward, and ``dZ = dL/dZ`` in the backward. The ``[N, V]`` logits
+never exist: one chunk of ``C`` rows does, ``C`` set by the memory budget (:func:`configs.gemm_chunk_rows`).
 
-Per row, with ``z = (h . W[v] + b[v]) / tau`` and a split's running maximum ``row_max``:
-``s = sum_v exp(z_v - row_max)`` and ``t = sum_v exp(z_v - row_max) (z_v - row_max)``, so that
-``log-sum-exp = row_max + log s`` and ``entropy = log s - t / s`` (no cancellation against the log-sum-exp).
-``row_max`` and ``log_sum = log s`` are returned separately (not summed into one fp32 log-sum-exp), so that
-``log p = (z - row_max) - log_sum`` keeps its precision when the logits are large (``1e4`` offsets):
-``z - row_max`` is exact there, while ``row_max + log_sum`` would be rounded to the spacing of ``row_max``.
-A bias is replaced by :func:`max_subtracted_bias` before the kernels (the softmax does not change; the
-logits stay small).
+Per chunk of rows ``r``:
 
-Backward (:func:`linear_logprobs_backward`). Only the rows whose incoming gradient is non-zero are visited:
-the autograd Function compacts them on the device (``order[:count]``, :func:`compact_rows`; ``count`` stays
-on the device, so nothing synchronises with the host). The rows are processed in fixed-size **chunks** of
-``C`` compacted rows (``C`` from the memory budget, ``configs.chunk_rows``); each chunk runs three kernels:
+* forward: ``Z = H[r] @ W.T + b`` (fp32 out), ``logprobs_forward(Z)`` -> ``logp, entropy, row_stats``;
+* backward (only the rows whose incoming gradient is not zero): ``Z`` again, ``dZ = logprobs_backward(Z)``
+  written in the operand dtype (one rounding), ``dH[r] = dZ @ W``, ``dW += dZ.T @ H[r]`` into an fp32
+  accumulator (the GEMM's beta on CUDA; see :func:`accumulate_dw`), ``db += sum_r dZ``.
 
-1. :func:`linear_dz_kernel` (grid: row tiles x vocabulary tiles of the chunk, grouped order): recomputes the
-   logits tile and forms
+That is ``8 N H V`` FLOPs for a forward and a backward (the logits are computed twice). The one-call loss
+(:func:`fused_linear_loss`) needs the gradient while the chunk's logits are still there: it runs over
+chunks of *whole responses*, so that the sequence stage can produce ``dL/dlogp`` for the chunk's tokens
+before ``dZ`` is formed, and does ``6 N H V`` (``2 N H V`` plus ``4 H V`` per row that carries a gradient).
 
-       q[r, v] = g_logp[r] * (1[v = y_r] - p[r, v]) - g_ent[r] * p[r, v] * (log p[r, v] + entropy[r]),
-       log p = (z - row_max) - log_sum,
+Rows whose gradient is zero (masked, clipped, zero advantage) enter no backward GEMM: they are compacted
+away (``torch.nonzero``: one host read of the count per chunk). Inside CUDA-graph capture (and
+``torch.compile``) nothing is read back: every row of the chunk goes through the GEMMs (zero rows give zero
+products), so a step can be captured.
 
-   the gradient with respect to ``z`` (the raw logits' gradient is ``q / tau``; ``1 / tau`` is applied in
-   fp32 by the next kernels, so a tiny temperature cannot overflow a half-precision ``q``). ``q`` is written
-   to the chunk buffer ``dZ [C, V]`` in the operand dtype, and, with a bias, the fp32 column sums of each
-   row tile to ``dB_part [C / BLOCK_N, V]``.
-2. :func:`linear_dh_kernel` (grid: row tiles x ``H`` tiles): ``dH[rows] = (dZ @ W) / tau``, fp32
-   accumulation, the reduction over ``V`` in ``BLOCK_V`` steps from 0 upwards for every row.
-3. :func:`linear_dw_kernel` (grid: vocabulary tiles x ``H`` tiles): ``dW += (dZ^T @ H[rows]) / tau`` into an
-   fp32 ``[V, H]`` accumulator that each program owns for its tile (plain load, add, store: no atomics), and
-   ``dbias += sum of the chunk's dB_part rows / tau`` in row-tile order.
-
-Steps 2 and 3 are plain GEMMs on the chunk buffer, each launched by its own function (:func:`_launch_dh`,
-:func:`_launch_dw`), so that another GEMM implementation can replace either without touching the rest.
-
-Batch invariance and determinism: a row's results depend only on that row and on the launch configuration,
-which depends on the dtype alone (``configs.py``): the split width is a constant, the ``tl.dot`` products
-are per output element, the reductions over ``H`` (for ``z``) and ``V`` (for ``dH``) run in the same steps
-whatever the chunk, the row's position or its neighbours, and the splits are combined in a fixed order. So a
-row gives the same bits alone or among any other rows and for any memory budget. ``dW`` and ``dbias`` are
-sums over rows: deterministic (chunk order, then row order). Nothing is summed by atomics.
-
-Rows: all ``N`` rows, or the first ``count`` entries of ``order`` (read by the kernels: no host
-synchronisation). Programs past ``count`` exit at once. Out-of-range labels are never used as addresses;
-such a row's log-prob (and gradient) is NaN. Sizes are runtime arguments: a new ``N`` or sequence length
-never recompiles.
-
-Memory: forward ``(3 * splits + 1) * N`` fp32 of partial statistics (``splits = ceil(V / SPLIT_COLS)``);
-backward the chunk buffers, ``C * V * (operand bytes) + ceil(C / BLOCK_N) * V * 4`` bytes, at most the
-``memory_budget`` (default ``configs.DEFAULT_MEMORY_BUDGET``) but never less than one row tile, plus the fp32
-``dW [V, H]`` and ``dbias [V]`` accumulators. Cost: ``6 C H V`` flops per chunk plus ``3 C V`` operand-dtype
-elements of chunk-buffer traffic (~5% of the flop time at H = 4096 on an H100).
+Results are deterministic run to run but not batch invariant (cuBLAS picks its kernels by shape): a row's
+bits may depend on how many rows share its GEMM. ``batch_invariant=True`` selects :mod:`.linear_invariant`.
 """
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple
+import logging
+from typing import Callable, List, Optional, Tuple
 
 import torch
-import triton
-import triton.language as tl
 from torch import Tensor
 
-from gspo_kernels.backends.triton import configs
-from gspo_kernels.backends.triton.launch import (
-    device_guard,
-    grouped_tile,
-    interpreter_active,
-    row_offsets,
-    row_strides,
-)
-from gspo_kernels.precision import kernel_operand_dtype
+from gspo_kernels.backends.triton import configs, linear_invariant
+from gspo_kernels.backends.triton.linear_invariant import max_subtracted_bias
+from gspo_kernels.backends.triton.logits import logprobs_backward, logprobs_forward
+from gspo_kernels import checks
+from gspo_kernels.precision import compute_dtype
 
-# A finite "minus infinity" for the running max: exp(_NEG_BIG - m) is 0 and (_NEG_BIG - m) * 0 is 0 (no NaN
-# when a whole tile or split is -inf, e.g. a -inf bias over a vocabulary range).
-_NEG_BIG = tl.constexpr(-1.0e30)
+logger = logging.getLogger("gspo_kernels")
+
+_fp32_out_gemm: dict = {}  # device type -> whether mm(out_dtype=float32) runs for half operands
 
 
-@triton.jit
-def logits_tile(
-    hidden_ptr, weight_ptr, bias_ptr, h_row_off, offs_v, v_ok, V, H,
-    stride_hh, stride_wv, stride_wh, stride_bv, inv_temperature,
-    HAS_BIAS: tl.constexpr, EVEN_H: tl.constexpr, UPCAST: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
-):
-    """``z [BLOCK_N, BLOCK_V]`` fp32 = ``(hidden[rows] @ weight[offs_v].T + bias[offs_v]) * inv_temperature``.
+def _half_fp32_out(device: torch.device) -> bool:
+    """Whether ``torch.mm(a, b, out_dtype=torch.float32)`` runs for bf16 / fp16 operands here (CUDA: yes on
+    current PyTorch; probed once per device type, logged when it does not)."""
+    key = device.type
+    if key not in _fp32_out_gemm:
+        try:
+            a = torch.ones((2, 2), device=device, dtype=torch.bfloat16)
+            torch.mm(a, a, out_dtype=torch.float32)
+            _fp32_out_gemm[key] = True
+        except (RuntimeError, TypeError, NotImplementedError):
+            _fp32_out_gemm[key] = False
+            if key == "cuda":
+                logger.warning("gspo_kernels: torch.mm(out_dtype=float32) is unavailable for half operands; the "
+                               "logits chunk is formed from an fp32 copy of the operands (slower)")
+    return _fp32_out_gemm[key]
 
-    ``h_row_off`` [BLOCK_N] int64: element offsets of the rows in ``hidden`` (every one a valid row).
-    Columns ``>= V`` hold finite junk values that the caller must mask. The reduction over ``H`` runs in
-    ``BLOCK_H`` steps from 0 upwards for every row: a row's value does not depend on the other rows.
+
+def chunk_logits(h: Tensor, weight: Tensor, bias: Optional[Tensor], out: Tensor) -> Tensor:
+    """``out[:n] = h @ weight.T + bias`` in ``out``'s dtype (fp32, or fp64 for fp64 operands), fp32 accumulation.
+
+    Half operands: one GEMM with an fp32 output (``out_dtype``) where PyTorch has it (CUDA); elsewhere
+    (the Triton interpreter's CPU tensors) the operands are converted to fp32 first, which is exact, so
+    the products are the same as the tensor cores' and only the summation order differs.
     """
-    acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
-    # Out-of-range rows already point at a valid row and out-of-range columns are clamped to V - 1, so
-    # only a ragged H needs a load mask (EVEN_H drops it: fewer registers on the tensor-core path).
-    w_col_off = tl.minimum(offs_v, V - 1).to(tl.int64) * stride_wv
-    for h0 in range(0, H, BLOCK_H):
-        offs_h = h0 + tl.arange(0, BLOCK_H)
-        a_ptrs = hidden_ptr + h_row_off[:, None] + offs_h[None, :] * stride_hh
-        b_ptrs = weight_ptr + w_col_off[None, :] + offs_h[:, None] * stride_wh
-        if EVEN_H:
-            a = tl.load(a_ptrs)
-            b = tl.load(b_ptrs)
+    z = out[: h.shape[0]]
+    if h.dtype == out.dtype:
+        if bias is None:
+            torch.mm(h, weight.t(), out=z)
         else:
-            a = tl.load(a_ptrs, mask=(offs_h < H)[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=(offs_h < H)[:, None], other=0.0)
-        if UPCAST:  # the interpreter's bf16 tl.dot is wrong (docs/kernels.md): multiply in fp32 there
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision="ieee")
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_v.to(tl.int64) * stride_bv, mask=v_ok, other=0.0).to(tl.float32)[None, :]
-    return acc * inv_temperature
-
-
-@triton.jit
-def as_operand(x, like_ptr, UPCAST: tl.constexpr):
-    """``x`` in the element type of ``like_ptr`` (the other ``tl.dot`` operand), or fp32 when upcasting."""
-    if UPCAST:
-        return x.to(tl.float32)
+            torch.addmm(bias.to(out.dtype), h, weight.t(), out=z)
+        return z
+    if _half_fp32_out(h.device):
+        z.copy_(torch.mm(h, weight.t(), out_dtype=out.dtype))
     else:
-        return x.to(like_ptr.dtype.element_ty)
+        torch.mm(h.to(out.dtype), weight.t().to(out.dtype), out=z)
+    if bias is not None:
+        z.add_(bias.to(out.dtype))
+    return z
 
 
-# Row and split counts vary per batch: never specialize on them (no recompile for N == 1 or N % 16 == 0).
-@triton.jit(do_not_specialize=["M", "T", "cols_per_split", "num_splits"])
-def linear_logprobs_fwd_kernel(
-    hidden_ptr,  # [B, T, H] or [N, H], any strides, fp16/bf16/fp32
-    weight_ptr,  # [V, H], same dtype
-    bias_ptr,  # [V] (any stride, any float dtype) or dummy
-    order_ptr,  # [M] int64: the computed rows, compacted (read only when HAS_ORDER)
-    count_ptr,  # [1] int64: how many entries of order are valid (read only when HAS_ORDER)
-    labels_ptr,  # [N] int64 (any values: compared, never used as an address)
-    part_max_ptr, part_sum_ptr, part_ent_ptr,  # [splits, M] fp32 each, indexed by position in order
-    label_logit_ptr,  # [M] fp32 (written by the split that holds the label)
-    M, V, H, T,
-    stride_hb, stride_ht, stride_hh, stride_wv, stride_wh, stride_bv,
-    inv_temperature, cols_per_split, num_splits,
-    HAS_BIAS: tl.constexpr, HAS_ORDER: tl.constexpr, EVEN_H: tl.constexpr, UPCAST: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, GROUP_N: tl.constexpr,
-):
-    row_tile, split = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_N), num_splits, GROUP_N)
-    if HAS_ORDER:
-        count = tl.load(count_ptr).to(tl.int32)
+def accumulate_dw(dw: Tensor, dz: Tensor, h: Tensor) -> None:
+    """``dw += dz.T @ h`` with ``dw`` fp32 (or fp64) and ``dz``, ``h`` in the operand dtype.
+
+    Half operands on CUDA: one ``addmm`` into the fp32 accumulator (``out_dtype``: cuBLAS's beta = 1), so
+    ``dW`` is summed in fp32 across chunks and rounded once, at the end, to the weight's dtype.
+    """
+    if dz.dtype == dw.dtype:
+        dw.addmm_(dz.t(), h)
+    elif _half_fp32_out(dz.device):
+        torch.addmm(dw, dz.t(), h, out_dtype=dw.dtype, out=dw)
     else:
-        count = M
-    if row_tile * BLOCK_N < count:  # tiles past the active rows do nothing
-        offs_n = row_tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_ok = offs_n < count
-        if HAS_ORDER:
-            rows = tl.load(order_ptr + offs_n, mask=row_ok, other=0)
+        dw.addmm_(dz.t().to(dw.dtype), h.to(dw.dtype))
+
+
+class _Buffers:
+    """The chunk's logits buffer (fp32) and its ``dZ`` in the operand dtype (a view of the same storage
+    when the operand dtype is the compute dtype)."""
+
+    def __init__(self, rows: int, vocab: int, operand: torch.dtype, device: torch.device, need_dz: bool):
+        acc = compute_dtype(operand)
+        self.logits = torch.empty((rows, vocab), device=device, dtype=acc)
+        self.dz = None
+        if need_dz:
+            self.dz = self.logits if operand == acc else torch.empty((rows, vocab), device=device, dtype=operand)
+
+
+def _chunk_statistics(z: Tensor, labels: Tensor, active: Optional[Tensor], temperature: float, logp: Tensor,
+                      entropy: Tensor, row_stats: Tensor) -> None:
+    """The forward kernel on one chunk's logits, its outputs written into the slices given (the kernel
+    writes ``row_stats`` as a dense ``[2, n]`` block: the chunk's own, then copied into its columns)."""
+    stats = torch.empty((2, z.shape[0]), device=z.device, dtype=row_stats.dtype)
+    logprobs_forward(z, labels, active=active, temperature=temperature, return_entropy=True,
+                     out=(logp, entropy, stats))
+    row_stats.copy_(stats)
+
+
+def _rows_with_gradient(carries: Tensor, start: int, stop: int, device: torch.device) -> Tensor:
+    """The rows of ``start:stop`` that carry a gradient: their indices (a host read of the count), or, where no
+    host read is allowed, the ``[n]`` bool mask itself (every row then goes through the GEMMs)."""
+    if not checks.host_reads_allowed():
+        return carries[start:stop]
+    return torch.nonzero(carries[start:stop]).reshape(-1)  # the host read of the count
+
+
+def backward_rows(
+    rows: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, row_stats: Tensor, entropy: Optional[Tensor],
+    grad_logp: Optional[Tensor], grad_entropy: Optional[Tensor], temperature: float, buffers: _Buffers,
+    dh: Optional[Tensor], dw: Optional[Tensor], db: Optional[Tensor], index: Optional[Tensor], logits: Optional[Tensor],
+) -> None:
+    """The backward of one chunk: ``dZ`` from the chunk's logits (recomputed unless ``logits`` is given),
+    then the two GEMMs. ``rows``, ``labels``, ... are the chunk's (``row_stats [2, n]``); ``index``: the rows to
+    visit, as indices (the others are skipped), or as a bool mask (no host read: every row is multiplied, the
+    others as zero rows, so that garbage in rows without gradient, e.g. NaN padding, cannot reach ``dW``)."""
+    if index is not None and index.dtype == torch.bool:
+        rows = torch.where(index[:, None], rows, torch.zeros((), device=rows.device, dtype=rows.dtype))
+        index = None
+    if index is not None and index.numel() == rows.shape[0]:
+        index = None  # every row carries a gradient: no gather
+    if index is not None:
+        if index.numel() == 0:
+            return
+        pick = lambda t: None if t is None else t.index_select(-1, index)  # noqa: E731
+        rows = rows.index_select(0, index)
+        labels, row_stats, entropy = pick(labels), pick(row_stats), pick(entropy)
+        grad_logp, grad_entropy = pick(grad_logp), pick(grad_entropy)
+        logits = None if logits is None else logits.index_select(0, index)
+    n = rows.shape[0]
+    row_stats = row_stats.contiguous()  # the kernel reads a dense [2, n] block
+    z = logits if logits is not None else chunk_logits(rows, weight, bias, buffers.logits)
+    if db is not None:  # dZ in fp32 first (the bias gradient sums it), then one rounding to the operand dtype
+        logprobs_backward(z, labels, row_stats, entropy, grad_logp, grad_entropy, temperature=temperature,
+                          inplace=True)
+        db.add_(z.sum(0, dtype=db.dtype))
+        dz = buffers.dz[:n]
+        if dz.data_ptr() != z.data_ptr():
+            dz.copy_(z)
+    else:
+        dz = logprobs_backward(z, labels, row_stats, entropy, grad_logp, grad_entropy, temperature=temperature,
+                               out=buffers.dz[:n])
+    if dh is not None:
+        part = dz @ weight
+        if index is None:
+            dh.copy_(part)
         else:
-            rows = tl.where(row_ok, offs_n, 0).to(tl.int64)
-        h_row_off = row_offsets(rows, T, stride_hb, stride_ht)
-        label = tl.load(labels_ptr + rows, mask=row_ok, other=-1)
-
-        v_begin = split * cols_per_split
-        v_end = tl.minimum(v_begin + cols_per_split, V)
-        row_max = tl.full((BLOCK_N,), _NEG_BIG, dtype=tl.float32)  # of this split's scaled logits
-        s_i = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        t_i = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        lab = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for v0 in range(v_begin, v_end, BLOCK_V):
-            offs_v = v0 + tl.arange(0, BLOCK_V)
-            v_ok = offs_v < v_end
-            z = logits_tile(
-                hidden_ptr, weight_ptr, bias_ptr, h_row_off, offs_v, v_ok, V, H,
-                stride_hh, stride_wv, stride_wh, stride_bv, inv_temperature,
-                HAS_BIAS, EVEN_H, UPCAST, BLOCK_N, BLOCK_V, BLOCK_H,
-            )
-            lab += tl.sum(tl.where(offs_v[None, :] == label[:, None], z, 0.0), axis=1)
-            z = tl.where(v_ok[None, :], z, float("-inf"))
-            new_max = tl.maximum(row_max, tl.max(z, axis=1))
-            shift = row_max - new_max
-            alpha = tl.exp(shift)
-            zs = z - new_max[:, None]
-            e = tl.exp(zs)
-            # e == 0 where z = -inf (padding, a -inf bias entry): its p log p term is 0, not 0 * -inf = NaN.
-            t_i = alpha * (t_i + shift * s_i) + tl.sum(tl.where(e > 0, e * zs, 0.0), axis=1)
-            s_i = alpha * s_i + tl.sum(e, axis=1)
-            row_max = new_max
-
-        out = split * M + offs_n
-        tl.store(part_max_ptr + out, row_max, mask=row_ok)
-        tl.store(part_sum_ptr + out, s_i, mask=row_ok)
-        tl.store(part_ent_ptr + out, t_i, mask=row_ok)
-        tl.store(label_logit_ptr + offs_n, lab, mask=row_ok & (label >= v_begin) & (label < v_end))
+            dh.index_copy_(0, index, part)
+    if dw is not None:
+        accumulate_dw(dw, dz, rows)
 
 
-@triton.jit(do_not_specialize=["M", "num_splits"])
-def linear_logprobs_combine_kernel(
-    order_ptr, count_ptr, labels_ptr, part_max_ptr, part_sum_ptr, part_ent_ptr, label_logit_ptr,
-    logp_ptr,  # [N] fp32 outputs, indexed by row
-    entropy_ptr,
-    row_max_ptr,  # [N] fp32: the row's largest scaled logit
-    log_sum_ptr,  # [N] fp32: log sum exp(z - row_max)
-    M, V, num_splits,
-    HAS_ORDER: tl.constexpr, BLOCK: tl.constexpr,
-):
-    """Combines the splits of each row in split order (0, 1, ...): the same bits for any batch."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    if HAS_ORDER:
-        count = tl.load(count_ptr).to(tl.int32)
-    else:
-        count = M
-    ok = offs < count
-    if HAS_ORDER:
-        rows = tl.load(order_ptr + offs, mask=ok, other=0)
-    else:
-        rows = offs.to(tl.int64)
-    row_max = tl.full((BLOCK,), _NEG_BIG, dtype=tl.float32)
-    for s in range(0, num_splits):
-        row_max = tl.maximum(row_max, tl.load(part_max_ptr + s * M + offs, mask=ok, other=_NEG_BIG))
-    total = tl.zeros((BLOCK,), dtype=tl.float32)
-    t = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in range(0, num_splits):
-        pm = tl.load(part_max_ptr + s * M + offs, mask=ok, other=_NEG_BIG)
-        ps = tl.load(part_sum_ptr + s * M + offs, mask=ok, other=0.0)
-        pt = tl.load(part_ent_ptr + s * M + offs, mask=ok, other=0.0)
-        scale = tl.exp(pm - row_max)
-        total += scale * ps
-        t += scale * (pt + (pm - row_max) * ps)
-    total = tl.where(ok, total, 1.0)  # lanes past the rows: no log(0) on junk
-    log_sum = tl.log(total)
-    label = tl.load(labels_ptr + rows, mask=ok, other=0)
-    label_ok = (label >= 0) & (label < V)
-    logp = (tl.load(label_logit_ptr + offs, mask=ok, other=0.0) - row_max) - log_sum
-    logp = tl.where(label_ok, logp, float("nan"))  # an out-of-range label gives NaN, never an address
-    tl.store(logp_ptr + rows, logp, mask=ok)
-    tl.store(entropy_ptr + rows, log_sum - t / total, mask=ok)
-    tl.store(row_max_ptr + rows, row_max, mask=ok)
-    tl.store(log_sum_ptr + rows, log_sum, mask=ok)
+def _operands(hidden: Tensor, weight: Tensor, bias: Optional[Tensor]):
+    rows = hidden.reshape(-1, hidden.shape[-1])
+    w = weight if weight.stride(-1) == 1 else weight.contiguous()
+    return rows, w, max_subtracted_bias(bias, compute_dtype(weight.dtype))
 
 
-@triton.jit(do_not_specialize=["chunk_start", "C", "T"])
-def linear_dz_kernel(
-    hidden_ptr, weight_ptr, bias_ptr,
-    order_ptr,  # [N] int64: compacted rows with a gradient; count_ptr: [1] int64
-    count_ptr,
-    labels_ptr, row_max_ptr, log_sum_ptr, ent_ptr, g_logp_ptr, g_ent_ptr,  # [N], indexed by row
-    dz_ptr,  # [C, V] operand dtype (row stride V): q of the chunk's rows
-    db_part_ptr,  # [ceil(C / BLOCK_N), V] fp32: column sums of q per row tile (COMPUTE_DB)
-    chunk_start, C, V, H, T,
-    stride_hb, stride_ht, stride_hh, stride_wv, stride_wh, stride_bv, inv_temperature,
-    HAS_BIAS: tl.constexpr, HAS_LOGP_GRAD: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr,
-    COMPUTE_DB: tl.constexpr, EVEN_H: tl.constexpr, UPCAST: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, GROUP: tl.constexpr,
-):
-    row_tile, vocab_tile = grouped_tile(tl.program_id(0), tl.cdiv(C, BLOCK_N), tl.cdiv(V, BLOCK_V), GROUP)
-    n_here = tl.minimum(tl.load(count_ptr).to(tl.int32) - chunk_start, C)
-    if row_tile * BLOCK_N < n_here:
-        offs_n = row_tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_ok = offs_n < n_here
-        rows = tl.load(order_ptr + chunk_start + offs_n, mask=row_ok, other=0)
-        offs_v = vocab_tile * BLOCK_V + tl.arange(0, BLOCK_V)
-        v_ok = offs_v < V
-        z = logits_tile(
-            hidden_ptr, weight_ptr, bias_ptr, row_offsets(rows, T, stride_hb, stride_ht), offs_v, v_ok, V, H,
-            stride_hh, stride_wv, stride_wh, stride_bv, inv_temperature,
-            HAS_BIAS, EVEN_H, UPCAST, BLOCK_N, BLOCK_V, BLOCK_H,
-        )
-        row_max = tl.load(row_max_ptr + rows, mask=row_ok, other=0.0)
-        log_sum = tl.load(log_sum_ptr + rows, mask=row_ok, other=0.0)
-        label = tl.load(labels_ptr + rows, mask=row_ok, other=-1)
-        valid = row_ok[:, None] & v_ok[None, :]
-        logp = (z - row_max[:, None]) - log_sum[:, None]
-        p = tl.where(valid, tl.exp(logp), 0.0)
-        q = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
-        if HAS_LOGP_GRAD:
-            g_logp = tl.load(g_logp_ptr + rows, mask=row_ok, other=0.0)
-            q = g_logp[:, None] * (tl.where(offs_v[None, :] == label[:, None], 1.0, 0.0) - p)
-        if HAS_ENTROPY_GRAD:
-            g_ent = tl.load(g_ent_ptr + rows, mask=row_ok, other=0.0)
-            ent = tl.load(ent_ptr + rows, mask=row_ok, other=0.0)
-            # p == 0 where z = -inf (a -inf bias entry): its term is 0, not 0 * -inf = NaN
-            q -= g_ent[:, None] * tl.where(p > 0, p * (logp + ent[:, None]), 0.0)
-        label_ok = (label >= 0) & (label < V)  # an out-of-range label: NaN gradient, like its NaN log-prob
-        q = tl.where(valid, tl.where(label_ok[:, None], q, float("nan")), 0.0)
-        dz_off = offs_n.to(tl.int64)[:, None] * V + offs_v[None, :]
-        tl.store(dz_ptr + dz_off, q.to(dz_ptr.dtype.element_ty), mask=valid)
-        if COMPUTE_DB:
-            tl.store(db_part_ptr + row_tile.to(tl.int64) * V + offs_v, tl.sum(q, axis=0), mask=v_ok)
-
-
-@triton.jit(do_not_specialize=["chunk_start", "C"])
-def linear_dh_kernel(
-    dz_ptr,  # [C, V] operand dtype
-    weight_ptr,  # [V, H]
-    order_ptr, count_ptr,
-    dh_ptr,  # [N, H] contiguous, hidden dtype: rows order[chunk_start:...] are written
-    chunk_start, C, V, H,
-    stride_wv, stride_wh, inv_temperature,
-    UPCAST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_V: tl.constexpr,
-    GROUP: tl.constexpr,
-):
-    row_tile, h_tile = grouped_tile(tl.program_id(0), tl.cdiv(C, BLOCK_N), tl.cdiv(H, BLOCK_H), GROUP)
-    n_here = tl.minimum(tl.load(count_ptr).to(tl.int32) - chunk_start, C)
-    if row_tile * BLOCK_N < n_here:
-        offs_n = row_tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_ok = offs_n < n_here
-        offs_h = h_tile * BLOCK_H + tl.arange(0, BLOCK_H)
-        h_ok = offs_h < H
-        dz_rows = dz_ptr + offs_n.to(tl.int64)[:, None] * V
-        w_cols = weight_ptr + offs_h[None, :] * stride_wh
-        acc = tl.zeros((BLOCK_N, BLOCK_H), dtype=tl.float32)
-        for v0 in range(0, V, BLOCK_V):  # the same steps for every row: batch-invariant
-            offs_v = v0 + tl.arange(0, BLOCK_V)
-            v_ok = offs_v < V
-            a = tl.load(dz_rows + offs_v[None, :], mask=row_ok[:, None] & v_ok[None, :], other=0.0)
-            b = tl.load(w_cols + offs_v.to(tl.int64)[:, None] * stride_wv, mask=v_ok[:, None] & h_ok[None, :], other=0.0)
-            acc = tl.dot(as_operand(a, weight_ptr, UPCAST), as_operand(b, weight_ptr, UPCAST), acc, input_precision="ieee")
-        rows = tl.load(order_ptr + chunk_start + offs_n, mask=row_ok, other=0)
-        out = dh_ptr + rows.to(tl.int64)[:, None] * H + offs_h[None, :]
-        tl.store(out, (acc * inv_temperature).to(dh_ptr.dtype.element_ty), mask=row_ok[:, None] & h_ok[None, :])
-
-
-@triton.jit(do_not_specialize=["chunk_start", "C", "T"])
-def linear_dw_kernel(
-    dz_ptr,  # [C, V] operand dtype
-    hidden_ptr,  # [B, T, H] or [N, H], any strides
-    order_ptr, count_ptr,
-    db_part_ptr,  # [ceil(C / DZ_BLOCK_N), V] fp32
-    dw_ptr,  # [V, H] fp32 accumulator (contiguous)
-    db_ptr,  # [V] fp32 accumulator
-    chunk_start, C, V, H, T,
-    stride_hb, stride_ht, stride_hh, inv_temperature,
-    COMPUTE_DW: tl.constexpr, COMPUTE_DB: tl.constexpr, UPCAST: tl.constexpr,
-    BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
-    DZ_BLOCK_N: tl.constexpr,
-):
-    vocab_tile, h_tile = grouped_tile(tl.program_id(0), tl.cdiv(V, BLOCK_V), tl.cdiv(H, BLOCK_H), GROUP)
-    n_here = tl.minimum(tl.load(count_ptr).to(tl.int32) - chunk_start, C)
-    if n_here > 0:
-        offs_v = vocab_tile * BLOCK_V + tl.arange(0, BLOCK_V)
-        v_ok = offs_v < V
-        if COMPUTE_DW:
-            offs_h = h_tile * BLOCK_H + tl.arange(0, BLOCK_H)
-            h_ok = offs_h < H
-            acc = tl.zeros((BLOCK_V, BLOCK_H), dtype=tl.float32)
-            for k0 in range(0, n_here, BLOCK_K):
-                offs_k = k0 + tl.arange(0, BLOCK_K)
-                k_ok = offs_k < n_here
-                a = tl.load(dz_ptr + offs_k.to(tl.int64)[:, None] * V + offs_v[None, :],
-                            mask=k_ok[:, None] & v_ok[None, :], other=0.0)
-                rows = tl.load(order_ptr + chunk_start + offs_k, mask=k_ok, other=0)
-                h_off = row_offsets(rows, T, stride_hb, stride_ht)
-                b = tl.load(hidden_ptr + h_off[:, None] + offs_h[None, :] * stride_hh,
-                            mask=k_ok[:, None] & h_ok[None, :], other=0.0)
-                acc = tl.dot(tl.trans(as_operand(a, hidden_ptr, UPCAST)), as_operand(b, hidden_ptr, UPCAST), acc,
-                             input_precision="ieee")
-            ptrs = dw_ptr + offs_v.to(tl.int64)[:, None] * H + offs_h[None, :]
-            io_mask = v_ok[:, None] & h_ok[None, :]
-            tl.store(ptrs, tl.load(ptrs, mask=io_mask, other=0.0) + acc * inv_temperature, mask=io_mask)
-        if COMPUTE_DB:
-            if h_tile == 0:
-                db = tl.zeros((BLOCK_V,), dtype=tl.float32)
-                for t in range(0, tl.cdiv(n_here, DZ_BLOCK_N)):  # row-tile order: deterministic
-                    db += tl.load(db_part_ptr + t * V + offs_v, mask=v_ok, other=0.0)
-                old = tl.load(db_ptr + offs_v, mask=v_ok, other=0.0)
-                tl.store(db_ptr + offs_v, old + db * inv_temperature, mask=v_ok)
-
-
-def upcast_dots(*tensors: Tensor) -> bool:
-    """True when the kernels must multiply bf16 operands in fp32 (the interpreter's bf16 ``tl.dot`` is wrong)."""
-    return interpreter_active() and any(t.dtype == torch.bfloat16 for t in tensors)
-
-
-def compact_rows(mask: Tensor) -> Tuple[Tensor, Tensor]:
-    """Device-side stable compaction: ``(order [N] int64, count [1] int64)``, no host synchronisation.
-
-    ``order`` is a permutation of ``0 .. N-1``: the indices of the True entries of ``mask [N]`` in increasing
-    order (the first ``count``), then those of the False entries. Built from an inclusive ``cumsum`` (the
-    number of True entries up to each index) and a scatter without collisions (deterministic in every mode).
-    """
-    mask = mask.reshape(-1).to(torch.bool)
-    n = mask.numel()
-    if n == 0:
-        return torch.zeros(0, device=mask.device, dtype=torch.int64), torch.zeros(1, device=mask.device,
-                                                                                  dtype=torch.int64)
-    seen = torch.cumsum(mask, 0)  # True entries in [0, i]
-    count = seen[-1:]
-    index = torch.arange(n, device=mask.device, dtype=torch.int64)
-    slot = torch.where(mask, seen - 1, count + index - seen)
-    order = torch.empty(n, device=mask.device, dtype=torch.int64).scatter_(0, slot, index)
-    return order, count.clone()
-
-
-def max_subtracted_bias(bias: Optional[Tensor]) -> Optional[Tensor]:
-    """fp32 ``bias - max(finite bias)``: the same softmax, small logits (``1e4`` offsets lose no bits)."""
-    if bias is None:
-        return None
-    b = bias.to(torch.float32)
-    finite = torch.where(torch.isfinite(b), b, torch.full_like(b, float("-inf")))
-    top = finite.max() if b.numel() else torch.zeros((), dtype=b.dtype, device=b.device)
-    return b - torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-
-
-def linear_logprobs_forward(
-    hidden: Tensor,
-    weight: Tensor,
-    bias: Optional[Tensor],
-    labels: Tensor,
-    temperature: float = 1.0,
-    *,
-    order: Optional[Tensor] = None,
-    count: Optional[Tensor] = None,
-    config: Optional[Dict[str, int]] = None,
-) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Log-probs and entropy of every row (or of the rows ``order[:count]``) of ``hidden @ weight.T + bias``.
-
-    Args:
-        hidden: ``[N, H]`` or ``[B, T, H]`` (any strides), fp16/bf16/fp32.
-        weight: ``[V, H]``, same dtype as ``hidden``. bias: ``[V]`` (any stride and float dtype) or None;
-            used as given (callers pass :func:`max_subtracted_bias` for precision).
-        labels: ``[N]`` int64. Out-of-range labels give a NaN log-prob (they are never used as addresses).
-        temperature: logits are divided by it.
-        order, count: a compaction of the rows to compute (see :func:`compact_rows`), or None for all rows.
-        config: block sizes / warps / stages / ``SPLIT_COLS`` (default: ``configs.linear_fwd_config``).
-
-    Returns:
-        ``(logp, entropy, row_max, log_sum)``, each ``[N]`` fp32; rows not computed hold 0. ``row_max`` is the
-        row's largest temperature-scaled logit and ``log_sum = log sum_v exp(z_v - row_max)`` (the
-        log-sum-exp is ``row_max + log_sum``, kept apart for precision).
-    """
-    N = labels.shape[0]
-    V, H = weight.shape
-    device = hidden.device
-    out = torch.zeros((4, N), device=device, dtype=torch.float32)
-    if N == 0:
-        return out[0], out[1], out[2], out[3]
-    cfg = configs.linear_fwd_config(hidden.dtype, config)
-    block_v = cfg["BLOCK_V"]
-    cols_per_split = triton.cdiv(cfg["SPLIT_COLS"], block_v) * block_v
-    num_splits = triton.cdiv(V, cols_per_split)
-    part = torch.empty((3, num_splits, N), device=device, dtype=torch.float32)
-    label_logit = torch.zeros(N, device=device, dtype=torch.float32)
-    T, stride_hb, stride_ht, stride_hh = row_strides(hidden, "hidden")
-    has_order = order is not None
-    index = (order, count) if has_order else (labels, labels)
-    with device_guard(hidden):
-        linear_logprobs_fwd_kernel[(triton.cdiv(N, cfg["BLOCK_N"]) * num_splits,)](
-            hidden, weight, bias if bias is not None else weight, *index, labels,
-            part[0], part[1], part[2], label_logit,
-            N, V, H, T, stride_hb, stride_ht, stride_hh, weight.stride(0), weight.stride(1),
-            bias.stride(0) if bias is not None else 0,
-            1.0 / float(temperature), cols_per_split, num_splits,
-            HAS_BIAS=bias is not None, HAS_ORDER=has_order, EVEN_H=H % cfg["BLOCK_H"] == 0,
-            UPCAST=upcast_dots(hidden, weight),
-            BLOCK_N=cfg["BLOCK_N"], BLOCK_V=block_v, BLOCK_H=cfg["BLOCK_H"], GROUP_N=cfg["GROUP_N"],
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        )
-        linear_logprobs_combine_kernel[(triton.cdiv(N, configs.COMBINE_BLOCK),)](
-            *index, labels, part[0], part[1], part[2], label_logit, out[0], out[1], out[2], out[3],
-            N, V, num_splits, HAS_ORDER=has_order, BLOCK=configs.COMBINE_BLOCK, num_warps=configs.COMBINE_NUM_WARPS,
-        )
-    return out[0], out[1], out[2], out[3]
-
-
-def _launch_dh(dz, weight, order, count, dh, chunk_start, rows_here, inv_t, upcast, cfg) -> None:
-    """``dh[order[chunk_start:...]] = (dZ @ W) / tau`` for one chunk (a GEMM)."""
-    V, H = weight.shape
-    linear_dh_kernel[(triton.cdiv(rows_here, cfg["BLOCK_N"]) * triton.cdiv(H, cfg["BLOCK_H"]),)](
-        dz, weight, order, count, dh, chunk_start, rows_here, V, H,
-        weight.stride(0), weight.stride(1), inv_t,
-        UPCAST=upcast, BLOCK_N=cfg["BLOCK_N"], BLOCK_H=cfg["BLOCK_H"], BLOCK_V=cfg["BLOCK_V"],
-        GROUP=cfg["GROUP"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )
-
-
-def _launch_dw(dz, hidden, order, count, db_part, dw, db, chunk_start, rows_here, V, inv_t, upcast, cfg,
-               dz_block_n, compute_dw, compute_db) -> None:
-    """``dw += (dZ^T @ H[rows]) / tau`` (a GEMM, when ``compute_dw``) and ``db += sum(dB_part) / tau`` (when
-    ``compute_db``) for one chunk; ``dw`` / ``db`` are fp32 accumulators (a dummy tensor when not computed)."""
-    T, stride_hb, stride_ht, stride_hh = row_strides(hidden, "hidden")
-    H = hidden.shape[-1]
-    h_tiles = triton.cdiv(H, cfg["BLOCK_H"]) if compute_dw else 1
-    linear_dw_kernel[(triton.cdiv(V, cfg["BLOCK_V"]) * h_tiles,)](
-        dz, hidden, order, count, db_part, dw, db,
-        chunk_start, rows_here, V, H, T, stride_hb, stride_ht, stride_hh, inv_t,
-        COMPUTE_DW=compute_dw, COMPUTE_DB=compute_db, UPCAST=upcast,
-        BLOCK_V=cfg["BLOCK_V"], BLOCK_H=cfg["BLOCK_H"], BLOCK_K=cfg["BLOCK_K"], GROUP=cfg["GROUP"],
-        DZ_BLOCK_N=dz_block_n, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )
-
-
-def linear_logprobs_backward(
-    hidden: Tensor,
-    weight: Tensor,
-    bias: Optional[Tensor],
-    labels: Tensor,
-    row_max: Tensor,
-    log_sum: Tensor,
-    entropy: Tensor,
-    grad_logp: Optional[Tensor],
-    grad_entropy: Optional[Tensor],
-    order: Tensor,
-    count: Tensor,
-    temperature: float = 1.0,
-    *,
-    compute_dh: bool = True,
-    compute_dw: bool = True,
-    compute_db: bool = True,
-    memory_budget: Optional[int] = None,
-    config: Optional[Dict[str, Dict[str, int]]] = None,
-) -> Tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
-    """Gradients of ``sum(grad_logp * logp + grad_entropy * entropy)`` over the rows ``order[:count]``.
-
-    Args:
-        hidden: ``[N, H]`` or ``[B, T, H]`` (any strides), fp16/bf16/fp32. weight: ``[V, H]``, same dtype.
-        bias: ``[V]`` (any stride, any float dtype) or None, exactly as given to the forward.
-        labels, row_max, log_sum, entropy: ``[N]`` (int64 / fp32), as given to / returned by the forward.
-        grad_logp, grad_entropy: ``[N]`` fp32 or None (None: no gradient through that output).
-        order, count: the device-side compaction of the rows to visit (:func:`compact_rows`).
-        memory_budget: bytes for the chunk buffers (None: ``configs.DEFAULT_MEMORY_BUDGET``).
-        config: the three kernels' launch configurations (default: ``configs.linear_bwd_config``).
-
-    Returns:
-        ``(dh [N, H] in the hidden dtype or None, dw [V, H] fp32 or None, db [V] fp32 or None)``; rows of
-        ``dh`` outside ``order[:count]`` are exactly 0.
-    """
-    N = labels.shape[0]
-    V, H = weight.shape
-    device = hidden.device
-    compute_db = compute_db and bias is not None
-    dh = torch.zeros((N, H), device=device, dtype=hidden.dtype) if compute_dh else None
-    dw = torch.zeros((V, H), device=device, dtype=torch.float32) if compute_dw else None
-    db = torch.zeros(V, device=device, dtype=torch.float32) if compute_db else None
-    has_logp, has_ent = grad_logp is not None, grad_entropy is not None
-    if N == 0 or V == 0 or not (compute_dh or compute_dw or compute_db) or not (has_logp or has_ent):
-        return dh, dw, db
-    cfg = configs.linear_bwd_config(hidden.dtype, config)
-    c_dz = cfg["dz"]
-    C = configs.chunk_rows(N, V, hidden.dtype, c_dz["BLOCK_N"], memory_budget)
-    dz = torch.empty((C, V), device=device, dtype=hidden.dtype)
-    db_part = torch.empty((triton.cdiv(C, c_dz["BLOCK_N"]), V), device=device, dtype=torch.float32) if compute_db else dz
-    T, stride_hb, stride_ht, stride_hh = row_strides(hidden, "hidden")
-    upcast = upcast_dots(hidden, weight)
-    inv_t = 1.0 / float(temperature)
-    dummy = row_max
-    with device_guard(hidden):
-        for chunk_start in range(0, N, C):
-            rows_here = min(C, N - chunk_start)  # an upper bound: the kernels read count themselves
-            linear_dz_kernel[(triton.cdiv(rows_here, c_dz["BLOCK_N"]) * triton.cdiv(V, c_dz["BLOCK_V"]),)](
-                hidden, weight, bias if bias is not None else weight, order, count,
-                labels, row_max, log_sum, entropy,
-                grad_logp if has_logp else dummy, grad_entropy if has_ent else dummy, dz, db_part,
-                chunk_start, rows_here, V, H, T, stride_hb, stride_ht, stride_hh,
-                weight.stride(0), weight.stride(1), bias.stride(0) if bias is not None else 0, inv_t,
-                HAS_BIAS=bias is not None, HAS_LOGP_GRAD=has_logp, HAS_ENTROPY_GRAD=has_ent,
-                COMPUTE_DB=compute_db, EVEN_H=H % c_dz["BLOCK_H"] == 0, UPCAST=upcast,
-                BLOCK_N=c_dz["BLOCK_N"], BLOCK_V=c_dz["BLOCK_V"], BLOCK_H=c_dz["BLOCK_H"], GROUP=c_dz["GROUP"],
-                num_warps=c_dz["num_warps"], num_stages=c_dz["num_stages"],
-            )
-            if compute_dh:
-                _launch_dh(dz, weight, order, count, dh, chunk_start, rows_here, inv_t, upcast, cfg["dh"])
-            if compute_dw or compute_db:
-                _launch_dw(dz, hidden, order, count, db_part, dw if compute_dw else dummy, db if compute_db else dummy,
-                           chunk_start, rows_here, V, inv_t, upcast, cfg["dw"], c_dz["BLOCK_N"], compute_dw, compute_db)
-    return dh, dw, db
-
-
-def _as_operands(hidden: Tensor, weight: Tensor) -> Tuple[Tensor, Tensor]:
-    """``hidden`` and ``weight`` (unit last stride) in ``precision.kernel_operand_dtype`` (fp64 -> fp32)."""
-    dtype = kernel_operand_dtype(hidden.dtype, weight.dtype)
-    h = hidden if hidden.dtype == dtype else hidden.to(dtype)
-    w = weight if weight.dtype == dtype else weight.to(dtype)
-    return h, (w if w.stride(-1) == 1 else w.contiguous())
-
-
-class LinearLogprobsFunction(torch.autograd.Function):
-    """``(hidden, weight, bias, labels, active, temperature, memory_budget) -> (logp, entropy)``.
-
-    Saves the caller's ``hidden``, ``weight``, ``bias`` (no copies: fp64 operands are cast to fp32 again in
-    the backward) and five ``[N]`` tensors. No host synchronisation in either direction (the active rows
-    are compacted on the device), so the Function can be captured in a CUDA graph.
-    """
+class VendorLinearLogprobs(torch.autograd.Function):
+    """``(hidden, weight, bias, labels, active, temperature, memory_budget) -> (logp, entropy)``, two passes
+    (the backward recomputes each chunk's logits). Saves ``hidden``, ``weight``, ``bias`` and ``[N]`` tensors."""
 
     @staticmethod
-    def forward(
-        ctx,
-        hidden: Tensor,
-        weight: Tensor,
-        bias: Optional[Tensor],
-        labels: Tensor,
-        active: Optional[Tensor],
-        temperature: float,
-        memory_budget: Optional[int],
-    ) -> Tuple[Tensor, Tensor]:
-        h, w = _as_operands(hidden.detach(), weight.detach())
-        b = max_subtracted_bias(None if bias is None else bias.detach())
-        labels = labels.reshape(-1).to(torch.int64)
-        if active is None:
-            order = count = None
-            computed = torch.ones(labels.shape[0], device=hidden.device, dtype=torch.bool)
-        else:
-            computed = active.reshape(-1).to(torch.bool)
-            order, count = compact_rows(computed)
-        logp, entropy, row_max, log_sum = linear_logprobs_forward(
-            h, w, b, labels, temperature, order=order, count=count
-        )
-        ctx.save_for_backward(hidden, weight, bias, labels, computed, row_max, log_sum, entropy)
-        ctx.temperature = temperature
-        ctx.memory_budget = memory_budget
+    def forward(ctx, hidden, weight, bias, labels, active, temperature, memory_budget):
+        rows, w, b = _operands(hidden.detach(), weight.detach(), None if bias is None else bias.detach())
+        n, vocab = rows.shape[0], w.shape[0]
+        acc = compute_dtype(w.dtype)
+        logp = torch.zeros(n, device=rows.device, dtype=acc)
+        entropy = torch.zeros_like(logp)
+        row_stats = torch.zeros((2, n), device=rows.device, dtype=acc)
+        chunk = configs.gemm_chunk_rows(n, vocab, w.dtype, memory_budget, need_dz=False)
+        buffers = _Buffers(min(chunk, n), vocab, w.dtype, rows.device, need_dz=False) if n else None
+        for r0 in range(0, n, chunk):
+            r1 = min(n, r0 + chunk)
+            z = chunk_logits(rows[r0:r1], w, b, buffers.logits)
+            _chunk_statistics(z, labels[r0:r1], None if active is None else active[r0:r1], temperature,
+                              logp[r0:r1], entropy[r0:r1], row_stats[:, r0:r1])
+        computed = torch.ones(n, device=rows.device, dtype=torch.bool) if active is None else active
+        ctx.save_for_backward(hidden, weight, bias, labels, computed, row_stats, entropy)
+        ctx.temperature, ctx.memory_budget = temperature, memory_budget
         ctx.set_materialize_grads(False)
-        out_dtype = torch.float64 if torch.float64 in (hidden.dtype, weight.dtype) else torch.float32
-        return logp.to(out_dtype), entropy.to(out_dtype)
+        return logp, entropy
 
     @staticmethod
-    def backward(ctx, grad_logp: Optional[Tensor], grad_entropy: Optional[Tensor]):
-        hidden, weight, bias, labels, computed, row_max, log_sum, entropy = ctx.saved_tensors
+    def backward(ctx, grad_logp, grad_entropy):
+        hidden, weight, bias, labels, computed, row_stats, entropy = ctx.saved_tensors
         need_dh, need_dw, need_db = ctx.needs_input_grad[:3]
         if grad_logp is None and grad_entropy is None:
-            return None, None, None, None, None, None, None
+            return (None,) * 7
+        rows, w, b = _operands(hidden.detach(), weight.detach(), None if bias is None else bias.detach())
+        n, vocab = rows.shape[0], w.shape[0]
+        acc = compute_dtype(w.dtype)
         carries = torch.zeros_like(computed)
-        if grad_logp is not None:
-            grad_logp = grad_logp.reshape(-1).to(torch.float32).contiguous()
-            carries |= grad_logp != 0
-        if grad_entropy is not None:
-            grad_entropy = grad_entropy.reshape(-1).to(torch.float32).contiguous()
-            carries |= grad_entropy != 0
-        order, count = compact_rows(carries & computed)
-        h, w = _as_operands(hidden.detach(), weight.detach())
-        dh, dw, db = linear_logprobs_backward(
-            h, w, max_subtracted_bias(None if bias is None else bias.detach()), labels, row_max, log_sum, entropy,
-            grad_logp, grad_entropy, order, count, ctx.temperature,
-            compute_dh=need_dh, compute_dw=need_dw, compute_db=need_db, memory_budget=ctx.memory_budget,
-        )
-        dh = dh.reshape(hidden.shape).to(hidden.dtype) if dh is not None else None
-        dw = dw.to(weight.dtype) if dw is not None else None
-        db = db.to(bias.dtype) if db is not None else None
-        return dh, dw, db, None, None, None, None
+        for g in (grad_logp, grad_entropy):
+            if g is not None:
+                carries |= g != 0
+        carries &= computed
+        grad_logp = None if grad_logp is None else grad_logp.to(acc)
+        grad_entropy = None if grad_entropy is None else grad_entropy.to(acc)
+        dh = torch.zeros_like(rows) if need_dh else None
+        dw = torch.zeros(w.shape, device=w.device, dtype=acc) if need_dw else None
+        db = torch.zeros(vocab, device=w.device, dtype=acc) if (need_db and bias is not None) else None
+        chunk = configs.gemm_chunk_rows(n, vocab, w.dtype, ctx.memory_budget, need_dz=True)
+        buffers = _Buffers(min(chunk, n), vocab, w.dtype, w.device, need_dz=True) if n else None
+        for r0 in range(0, n, chunk):
+            r1 = min(n, r0 + chunk)
+            index = _rows_with_gradient(carries, r0, r1, w.device)
+            sl = slice(r0, r1)
+            backward_rows(rows[sl], w, b, labels[sl], row_stats[:, sl], entropy[sl],
+                          None if grad_logp is None else torch.where(carries[sl], grad_logp[sl], 0),
+                          None if grad_entropy is None else torch.where(carries[sl], grad_entropy[sl], 0),
+                          ctx.temperature, buffers, None if dh is None else dh[sl], dw, db, index, None)
+        return (None if dh is None else dh.reshape(hidden.shape).to(hidden.dtype),
+                None if dw is None else dw.to(weight.dtype),
+                None if db is None else db.to(bias.dtype), None, None, None, None)
+
+
+# ---------------------------------------------------------------------------------------------
+# One call, one pass: the loss and its gradient over chunks of whole responses (6 N H V).
+# ---------------------------------------------------------------------------------------------
+
+
+class _GradientsKnown(torch.autograd.Function):
+    """``loss`` whose gradients with respect to ``inputs`` were computed in the forward (``grads``)."""
+
+    @staticmethod
+    def forward(ctx, loss, grads, *inputs):
+        ctx.grads = grads
+        return loss.detach().clone()
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grads = [None if g is None else g * grad_loss.to(g.dtype) for g in ctx.grads]
+        ctx.grads = None
+        return (None, None, *grads)
+
+
+def response_chunks(inputs, chunk_rows: int) -> Optional[List[Tuple[int, int, bool]]]:
+    """``(token_start, token_stop, whole)`` chunks of whole responses, each at most ``chunk_rows`` tokens;
+    a response longer than that is a chunk of its own with ``whole=False`` (two passes for it alone).
+    None when the boundaries cannot be read without a host synchronisation (packed layout under capture)."""
+    batch = inputs.batch
+    if len(batch.token_shape) == 2:  # padded: S responses of T tokens, no read needed
+        S, T = batch.token_shape
+        if T == 0 or S == 0:
+            return []
+        if T > chunk_rows:
+            return [(i * T, (i + 1) * T, False) for i in range(S)]
+        per = max(1, chunk_rows // T)
+        return [(i * T, min(S, i + per) * T, True) for i in range(0, S, per)]
+    if not checks.host_reads_allowed():
+        return None
+    cu = batch.cu_seqlens.tolist()  # the packed layout's one host read
+    chunks, start = [], 0
+    for i in range(1, len(cu)):
+        length = cu[i] - cu[i - 1]
+        if length > chunk_rows:
+            if cu[i - 1] > start:
+                chunks.append((start, cu[i - 1], True))
+            chunks.append((cu[i - 1], cu[i], False))
+            start = cu[i]
+        elif cu[i] - start > chunk_rows:
+            chunks.append((start, cu[i - 1], True))
+            start = cu[i - 1]
+    if cu and cu[-1] > start:
+        chunks.append((start, cu[-1], True))
+    return chunks
+
+
+def fused_linear_loss(
+    objective: Callable, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], inputs, config, *,
+    memory_budget: Optional[int] = None,
+):
+    """The loss of ``objective`` over ``hidden @ weight.T + bias`` with its gradient formed in the same pass.
+
+    ``objective(logp [N], entropy [N], inputs, config) -> LossOutput`` (the backend's sequence stage) must be
+    separable by response: the gradient for a response's tokens depends only on that response's log-probs
+    (true of every objective of :class:`GSPOConfig`: the aggregation constants come from the mask). For each
+    chunk of whole responses the stage runs on the whole batch with the chunk's log-probs in place and the
+    other tokens at a finite stand-in, and its gradient for the chunk is exact. At the end it runs once more
+    on all the log-probs for the loss and the metrics (the numbers the two-pass path reports). Returns None
+    when the chunks cannot be planned without a host read (packed layout under capture): the caller then
+    runs the two-pass path.
+    """
+    rows, w, b = _operands(hidden.detach(), weight.detach(), None if bias is None else bias.detach())
+    n, vocab = rows.shape[0], w.shape[0]
+    acc = compute_dtype(w.dtype)
+    chunk = configs.gemm_chunk_rows(n, vocab, w.dtype, memory_budget, need_dz=True)
+    plan = response_chunks(inputs, chunk)
+    if plan is None:
+        return None
+    labels, valid = inputs.labels, inputs.batch.mask > 0
+    temperature = config.temperature
+    need = [t.requires_grad for t in (hidden, weight)] + [bias is not None and bias.requires_grad]
+    dh = torch.zeros_like(rows) if need[0] else None
+    dw = torch.zeros(w.shape, device=w.device, dtype=acc) if need[1] else None
+    db = torch.zeros(vocab, device=w.device, dtype=acc) if need[2] else None
+    logp = torch.zeros(n, device=w.device, dtype=acc)
+    entropy = torch.zeros_like(logp)
+    row_stats = torch.zeros((2, n), device=w.device, dtype=acc)
+    stand_in = torch.zeros_like(logp) if inputs.old_logprobs is None else inputs.old_logprobs.to(acc).clone()
+    buffers = _Buffers(min(chunk, n), vocab, w.dtype, w.device, need_dz=True) if n else None
+    two_pass_tokens = 0
+    for t0, t1, whole in plan:
+        sl = slice(t0, t1)
+        parts = [(t0, t1)] if whole else [(s, min(t1, s + chunk)) for s in range(t0, t1, chunk)]
+        z = None
+        for s0, s1 in parts:  # forward: the chunk's (or, for a long response, each part's) statistics
+            z = chunk_logits(rows[s0:s1], w, b, buffers.logits)
+            _chunk_statistics(z, labels[s0:s1], valid[s0:s1], temperature, logp[s0:s1], entropy[s0:s1],
+                              row_stats[:, s0:s1])
+        g, ge = _chunk_gradient(objective, logp, entropy, stand_in, sl, inputs, config)
+        carries = (g != 0) if ge is None else ((g != 0) | (ge != 0))
+        if not whole:
+            two_pass_tokens += t1 - t0
+        for s0, s1 in parts:  # backward: dZ from the logits still in the buffer (whole) or recomputed (parts)
+            local = slice(s0 - t0, s1 - t0)
+            index = _rows_with_gradient(carries[local], 0, s1 - s0, w.device)
+            backward_rows(rows[s0:s1], w, b, labels[s0:s1], row_stats[:, s0:s1], entropy[s0:s1], g[local],
+                          None if ge is None else ge[local], temperature, buffers,
+                          None if dh is None else dh[s0:s1], dw, db, index, z if whole else None)
+        stand_in[sl] = logp[sl]
+    with torch.no_grad():
+        out = objective(logp, entropy, inputs, config)
+    metrics = dict(out.metrics)
+    metrics["fused_linear/two_pass_tokens"] = logp.new_full((), float(two_pass_tokens), dtype=torch.float32)
+    grads = (None if dh is None else dh.reshape(hidden.shape).to(hidden.dtype),
+             None if dw is None else dw.to(weight.dtype),
+             None if db is None else db.to(bias.dtype))
+    inputs_ = (hidden, weight) if bias is None else (hidden, weight, bias)
+    loss = _GradientsKnown.apply(out.loss, grads[: len(inputs_)], *inputs_)
+    return type(out)(loss, metrics)
+
+
+def _chunk_gradient(objective, logp, entropy, stand_in, sl, inputs, config) -> Tuple[Tensor, Optional[Tensor]]:
+    """``dL/dlogp`` (and ``dL/dentropy`` when the loss has an entropy term) for the tokens ``sl``: the stage on
+    the whole batch, the chunk's values in place, the other tokens at their stand-ins."""
+    with torch.enable_grad():
+        lp = stand_in.clone()
+        lp[sl] = logp[sl]
+        lp.requires_grad_(True)
+        ent = entropy.clone().requires_grad_(config.entropy_coef != 0)
+        out = objective(lp, ent, inputs, config)
+        wrt = (lp, ent) if config.entropy_coef != 0 else (lp,)
+        grads = torch.autograd.grad(out.loss, wrt, allow_unused=True)
+    g = grads[0][sl] if grads[0] is not None else torch.zeros_like(logp[sl])
+    ge = None
+    if config.entropy_coef != 0:
+        ge = grads[1][sl] if grads[1] is not None else torch.zeros_like(logp[sl])
+    return g, ge
+
+
+# ---------------------------------------------------------------------------------------------
+# The backend's entry points.
+# ---------------------------------------------------------------------------------------------
 
 
 def linear_logprobs(
@@ -649,31 +391,18 @@ def linear_logprobs(
     temperature: float = 1.0,
     return_entropy: bool = False,
     memory_budget: Optional[int] = None,
+    batch_invariant: bool = False,
 ) -> Tuple[Tensor, Optional[Tensor]]:
-    """Per-token log-probs (and entropy) of ``labels`` under ``softmax((hidden @ weight.T + bias) / temperature)``.
+    """The backend contract's ``linear_logprobs``: the vendor GEMMs (this module) by default; the batch-invariant
+    Triton GEMMs (:mod:`.linear_invariant`) with ``batch_invariant=True``.
 
-    The backend contract's ``linear_logprobs`` (see ``gspo_kernels/backends/__init__.py``).
-
-    Args:
-        hidden: ``[N, H]`` or ``[B, T, H]`` (any strides), fp16/bf16/fp32/fp64.
-        weight: ``[V, H]`` in the dtype of ``hidden`` (the public functions apply ``gspo_kernels.precision``
-            first; a pair that still differs raises ``TypeError``); fp64 operands are computed in fp32.
-            bias: ``[V]`` (any stride) or None.
-        labels: ``[N]`` (or ``[B, T]``) int64. Values outside ``[0, V)`` are never used as addresses:
-            such a row's log-prob (and gradient) is NaN.
-        active: ``[N]`` bool or None; rows where False are not computed (their outputs are 0).
-        temperature: logits are divided by it.
-        return_entropy: also return the entropy of each row's distribution.
-        memory_budget: bytes for the backward's chunk buffers, validated by the public functions (None:
-            ``configs.DEFAULT_MEMORY_BUDGET``; at least one row tile is always used). It changes the speed
-            and the memory, never the bits of any output.
-
-    Returns:
-        ``(logp [N], entropy [N] or None)``: fp32 (fp64, computed in fp32, for fp64 inputs),
-        differentiable w.r.t. hidden, weight and bias. The backward is deterministic (no atomics) and
-        batch-invariant (a row's results do not depend on the other rows); see the module docstring.
+    ``hidden [N, H]`` / ``[B, T, H]``, ``weight [V, H]`` in one dtype (the precision policy has cast them);
+    fp64 runs in fp64 here (cuBLAS's fp64 GEMM; fp32 in the invariant path). Returns fp32 ``(logp, entropy)``
+    (fp64 for fp64 operands here).
     """
-    logp, entropy = LinearLogprobsFunction.apply(
-        hidden, weight, bias, labels, active, float(temperature), memory_budget
-    )
+    if batch_invariant:
+        return linear_invariant.linear_logprobs(hidden, weight, bias, labels, active=active, temperature=temperature,
+                                                return_entropy=return_entropy, memory_budget=memory_budget)
+    logp, entropy = VendorLinearLogprobs.apply(hidden, weight, bias, labels.reshape(-1).to(torch.int64), active,
+                                               float(temperature), memory_budget)
     return logp, (entropy if return_entropy else None)
