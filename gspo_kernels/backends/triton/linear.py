@@ -36,10 +36,10 @@ from typing import Callable, List, Optional, Tuple
 import torch
 from torch import Tensor
 
+from gspo_kernels import checks
 from gspo_kernels.backends.triton import configs, linear_invariant
 from gspo_kernels.backends.triton.linear_invariant import max_subtracted_bias
 from gspo_kernels.backends.triton.logits import logprobs_backward, logprobs_forward
-from gspo_kernels import checks
 from gspo_kernels.precision import compute_dtype
 
 logger = logging.getLogger("gspo_kernels")
