@@ -1,8 +1,12 @@
-"""GPU benchmark of the Triton hidden-state path (``backend="triton"``, logits never formed). GPU-only.
+"""GPU benchmark of the hidden-state path (``backend="triton"``, logits never formed). GPU-only.
 
 Shape: N = 16384 tokens, H = 4096, V = 151936 (Qwen), bf16 hidden and lm_head weight.
-FLOP formulas: forward ``2 N H V`` (one GEMM); backward ``6 N H V`` (logits recompute + dH + dW), so a
-training step is ``8 N H V`` (81.6 TFLOP here). Rows report TFLOP/s against ``6 N H V`` (the useful work of
+Modes: the default (vendor GEMMs + Triton epilogues, ``backends/triton/linear.py``) and ``batch_invariant=True``
+(the Triton GEMMs, ``linear_invariant.py``); the one-call loss ``fused_linear_gspo_loss`` (one pass,
+``6 N H V``, less when rows carry no gradient) against plain PyTorch (cuBLAS logits, fp32 ``log_softmax``,
+gather, autograd) and the peers.
+FLOP formulas of the two-pass form: forward ``2 N H V`` (one GEMM); backward ``6 N H V`` (logits recompute +
+dH + dW), so a training step is ``8 N H V`` (81.6 TFLOP here). Rows report TFLOP/s against ``6 N H V`` (the useful work of
 a forward + backward, the convention of Liger's and Cut Cross-Entropy's reports: the forward's logits would
 be reused by a kernel that forms the gradient during the forward) and against ``8 N H V`` (the work this
 implementation does), and the backward alone against its ``6 N H V``.
@@ -97,14 +101,16 @@ def scattered_gradient(n: int, share: float, device: str) -> torch.Tensor:
     return g[torch.randperm(n, device=device)]
 
 
-def triton_step(hidden, weight, labels, grad_logp: torch.Tensor, memory_budget: Optional[int] = None):
-    """Forward seconds, backward seconds of the Triton path for one incoming gradient."""
-    from gspo_kernels.backends.triton.linear_invariant import linear_logprobs
+def triton_step(hidden, weight, labels, grad_logp: torch.Tensor, memory_budget: Optional[int] = None,
+                batch_invariant: bool = False):
+    """Forward seconds, backward seconds of the two-pass ``linear_logprobs`` for one incoming gradient."""
+    import gspo_kernels as gk
 
     state = {}
 
     def fwd():
-        state["logp"], _ = linear_logprobs(hidden, weight, None, labels, memory_budget=memory_budget)
+        state["logp"] = gk.linear_logprobs(hidden, weight, labels, backend="triton", memory_budget=memory_budget,
+                                           batch_invariant=batch_invariant)
 
     def bwd():
         torch.autograd.grad(state["logp"], (hidden, weight), grad_logp, retain_graph=True)
@@ -115,11 +121,12 @@ def triton_step(hidden, weight, labels, grad_logp: torch.Tensor, memory_budget: 
     return t_fwd, t_bwd
 
 
-def test_triton_forward_backward_tflops():
+@pytest.mark.parametrize("batch_invariant", [False, True], ids=["vendor-gemm", "batch-invariant"])
+def test_triton_forward_backward_tflops(batch_invariant):
     hidden, weight, labels = make_inputs()
-    t_fwd, t_bwd = triton_step(hidden, weight, labels, torch.ones(N, device="cuda"))
+    t_fwd, t_bwd = triton_step(hidden, weight, labels, torch.ones(N, device="cuda"), batch_invariant=batch_invariant)
     total = t_fwd + t_bwd
-    report(impl="gspo_kernels triton", N=N, H=H, V=V, dtype="bf16", fwd_ms=t_fwd * 1e3, bwd_ms=t_bwd * 1e3,
+    report(impl=f"gspo_kernels triton linear_logprobs ({'batch_invariant' if batch_invariant else 'vendor GEMMs'})", N=N, H=H, V=V, dtype="bf16", fwd_ms=t_fwd * 1e3, bwd_ms=t_bwd * 1e3,
            tflops_6nhv=6 * nhv() / total / 1e12, tflops_8nhv=8 * nhv() / total / 1e12,
            fwd_tflops_2nhv=2 * nhv() / t_fwd / 1e12, bwd_tflops_6nhv=6 * nhv() / t_bwd / 1e12,
            share_of_peak_8nhv=8 * nhv() / total / 1e12 / H100_BF16_TFLOPS)
@@ -141,9 +148,9 @@ def test_backward_memory_budget(budget_mib):
     hidden, weight, labels = make_inputs()
     budget = budget_mib << 20
     t_fwd, t_bwd = triton_step(hidden, weight, labels, torch.ones(N, device="cuda"), memory_budget=budget)
-    from gspo_kernels.backends.triton.linear_invariant import linear_logprobs
+    import gspo_kernels as gk
 
-    logp, _ = linear_logprobs(hidden, weight, None, labels, memory_budget=budget)
+    logp = gk.linear_logprobs(hidden, weight, labels, backend="triton", memory_budget=budget)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
@@ -155,6 +162,50 @@ def test_backward_memory_budget(budget_mib):
     report(impl="gspo_kernels triton backward", memory_budget_mib=budget_mib, N=N, H=H, V=V, dtype="bf16",
            bwd_ms=t_bwd * 1e3, peak_extra_mib=peak / 2**20,
            peak_minus_grads_and_fp32_dw_mib=(peak - gradient_bytes - fp32_dw_bytes) / 2**20)
+
+
+def _loss_inputs(zero_share: float):
+    B, T = 16, N // 16
+    adv = torch.randn(B, device="cuda")
+    adv[: int(B * zero_share)] = 0.0  # groups whose rewards were all equal
+    return B, T, adv
+
+
+@pytest.mark.parametrize("zero_share", [0.0, 0.5], ids=["all-active", "half-zero-advantage"])
+def test_one_call_loss_against_plain_pytorch(zero_share):
+    """``fused_linear_gspo_loss`` (one pass) and plain PyTorch, forward + backward, same inputs, same run."""
+    import gspo_kernels as gk
+
+    hidden, weight, labels = make_inputs()
+    B, T, adv = _loss_inputs(zero_share)
+    cfg = gk.GSPOConfig(importance_sampling_level="sequence")
+    h3, lab = hidden.view(B, T, H), labels.view(B, T)
+
+    def ours():
+        out = gk.fused_linear_gspo_loss(h3, weight, lab, adv, config=cfg, backend="triton")
+        torch.autograd.grad(out.loss, (hidden, weight))
+
+    def plain():
+        logits = (h3 @ weight.T).float()
+        logp = torch.log_softmax(logits, -1).gather(-1, lab.unsqueeze(-1)).squeeze(-1)
+        w = torch.exp(logp - logp.detach()).mean(-1)  # on-policy sequence weight (1), with its gradient
+        loss = -(w * adv).mean()
+        torch.autograd.grad(loss, (hidden, weight))
+
+    t_ours, t_plain = timed(ours), timed(plain)
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    ours()
+    peak_ours = torch.cuda.max_memory_allocated() - base
+    torch.cuda.reset_peak_memory_stats()
+    plain()
+    peak_plain = torch.cuda.max_memory_allocated() - base
+    useful = 2 * nhv() + 4 * nhv() * (1 - zero_share)  # dH and dW only for rows with a gradient
+    report(impl="gspo_kernels fused_linear_gspo_loss (one pass) vs plain PyTorch", zero_advantage_share=zero_share,
+           N=N, H=H, V=V, dtype="bf16", ours_ms=t_ours * 1e3, plain_ms=t_plain * 1e3, time_ratio=t_ours / t_plain,
+           ours_tflops_6nhv=6 * nhv() / t_ours / 1e12, ours_tflops_useful=useful / t_ours / 1e12,
+           plain_tflops_6nhv=6 * nhv() / t_plain / 1e12, peak_ours_gib=peak_ours / 2**30,
+           peak_plain_gib=peak_plain / 2**30)
 
 
 def test_baseline_trl_chunked_logprob():

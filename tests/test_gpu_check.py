@@ -132,3 +132,25 @@ def test_memcheck_workload_runs_in_the_interpreter():
     if not interpreter_active():
         pytest.skip("the workload runs on the GPU here (the GPU step covers it)")
     gpu_check.workload("cpu", vocab_size=37, linear_vocab_size=40, loss_types=("grpo",))
+
+
+def test_an_installed_package_without_tests_skips_the_tree_steps_and_says_why(tmp_path, monkeypatch):
+    """From an installed package (no tests/ next to it, none in the current directory), the steps that run the
+    repository's test files are skipped with the reason, never counted as passed, and the package's own
+    checks (versions, the static report, ``verify``) remain; a source tree is found by ``--tests-dir`` or
+    ``$GSPO_KERNELS_TESTS``."""
+    import os
+
+    monkeypatch.setattr(gpu_check, "ROOT", str(tmp_path / "site-packages"))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("GSPO_KERNELS_TESTS", raising=False)
+    assert gpu_check.find_test_tree() is None
+    monkeypatch.setitem(gpu_check._tree, "root", None)
+    for name in gpu_check.TREE_STEPS:
+        result = gpu_check.STEP_FUNCTIONS[name](str(tmp_path), 10.0)
+        assert result.status == "skipped" and "--tests-dir" in result.summary, name
+    assert "verify" in gpu_check.ALL_STEPS and "verify" not in gpu_check.TREE_STEPS
+    checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    assert gpu_check.find_test_tree(checkout) == checkout
+    monkeypatch.setenv("GSPO_KERNELS_TESTS", checkout)
+    assert gpu_check.find_test_tree() == checkout

@@ -47,7 +47,11 @@ from typing import Callable, Dict, List, Optional, Sequence
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEFAULT_BUDGET_S = 20 * 60
 STATIC_STEPS = ("versions", "h100-report")
-ALL_STEPS = ("versions", "h100-report", "gpu-tests", "triton-tests", "memcheck", "benchmarks")
+ALL_STEPS = ("versions", "h100-report", "verify", "gpu-tests", "triton-tests", "memcheck", "benchmarks")
+# The steps that run the repository's test files (tests/, benchmarks/): they need a source tree (a checkout,
+# or the unpacked sdist) found by :func:`find_test_tree`; the others run from the installed package alone.
+TREE_STEPS = ("gpu-tests", "triton-tests", "benchmarks")
+_tree: Dict[str, Optional[str]] = {"root": None}
 
 
 @dataclass
@@ -79,7 +83,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run only the steps that need no GPU (versions, h100-report), on any machine")
     parser.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S,
                         help="time budget of the whole check in seconds (default 1200)")
+    parser.add_argument("--tests-dir", default=None,
+                        help="a source tree holding tests/ and benchmarks/ (default: $GSPO_KERNELS_TESTS, the checkout "
+                             "this package runs from, or the current directory)")
     parser.add_argument("--workload", action="store_true", help=argparse.SUPPRESS)  # the memcheck target
+
+
+def find_test_tree(explicit: Optional[str] = None) -> Optional[str]:
+    """The first of ``explicit``, ``$GSPO_KERNELS_TESTS``, the directory above the package (a checkout) and the
+    current directory that holds the library's test files; None for an installed package with no source tree."""
+    for candidate in (explicit, os.environ.get("GSPO_KERNELS_TESTS"), ROOT, os.getcwd()):
+        if candidate and os.path.exists(os.path.join(candidate, "tests", "test_triton_logits.py")):
+            return os.path.abspath(candidate)
+    return None
+
+
+def _needs_tree(name: str) -> Optional[StepResult]:
+    """A skipped result naming what is missing when the step needs a source tree and none was found."""
+    if _tree["root"] is None:
+        return StepResult(name, "skipped", 0.0, "no source tree with tests/ and benchmarks/ (an installed package): "
+                          "run from a checkout or the unpacked sdist, or pass --tests-dir")
+    return None
 
 
 def parse_steps(text: str) -> List[str]:
@@ -108,10 +132,11 @@ def _tail(text: str, n: int = 4000) -> str:
 
 def _subprocess(name: str, argv: Sequence[str], limit_s: float, env: Optional[Dict[str, str]] = None,
                 log_path: Optional[str] = None) -> StepResult:
-    """Run ``argv`` from the repository root; ok on exit status 0, timeout past ``limit_s``."""
+    """Run ``argv`` from the source tree (else the current directory); ok on exit status 0, timeout past
+    ``limit_s``."""
     start = time.perf_counter()
     try:
-        proc = subprocess.run(list(argv), cwd=ROOT, env=env or _env(), capture_output=True, text=True,
+        proc = subprocess.run(list(argv), cwd=_tree["root"] or os.getcwd(), env=env or _env(), capture_output=True, text=True,
                               timeout=max(limit_s, 1.0))
     except subprocess.TimeoutExpired as exc:
         out = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
@@ -210,13 +235,25 @@ def _pytest_step(name: str, out_dir: str, limit_s: float, args: Sequence[str], x
     return result
 
 
+def step_verify(out_dir: str, limit_s: float) -> StepResult:
+    """``gspo-kernels verify`` on the GPU: every backend against the float64 reference (ships with the package)."""
+    log = os.path.join(out_dir, "verify.log")
+    result = _subprocess("verify", [sys.executable, "-m", "gspo_kernels", "verify"], limit_s, log_path=log)
+    result.data["file"] = log
+    return result
+
+
 def step_gpu_tests(out_dir: str, limit_s: float) -> StepResult:
-    return _pytest_step("gpu-tests", out_dir, limit_s, ["-m", "gpu", "tests"], "gpu_tests.xml")
+    return _needs_tree("gpu-tests") or _pytest_step("gpu-tests", out_dir, limit_s, ["-m", "gpu", "tests"],
+                                                    "gpu_tests.xml")
 
 
 def step_triton_tests(out_dir: str, limit_s: float) -> StepResult:
-    files = [f for f in ("tests/test_triton_logits.py", "tests/test_triton_linear.py")
-             if os.path.exists(os.path.join(ROOT, f))]
+    missing = _needs_tree("triton-tests")
+    if missing:
+        return missing
+    files = [f for f in ("tests/test_triton_logits.py", "tests/test_triton_linear.py", "tests/test_hidden_path_gemm.py")
+             if os.path.exists(os.path.join(_tree["root"], f))]
     return _pytest_step("triton-tests", out_dir, limit_s, files, "triton_tests.xml")
 
 
@@ -266,12 +303,15 @@ def _benchmark_rows(out_dir: str) -> List[dict]:
 
 
 def step_benchmarks(out_dir: str, limit_s: float) -> StepResult:
+    missing = _needs_tree("benchmarks")
+    if missing:
+        return missing
     env = _env()
     env["GSPO_BENCH_JSON"] = os.path.join(out_dir, "bench_linear.jsonl")
     if os.path.exists(env["GSPO_BENCH_JSON"]):
         os.remove(env["GSPO_BENCH_JSON"])
     files = [f for f in ("benchmarks/test_gpu_logits.py", "benchmarks/test_gpu_linear.py")
-             if os.path.exists(os.path.join(ROOT, f))]
+             if os.path.exists(os.path.join(_tree["root"], f))]
     result = _subprocess("benchmarks", [sys.executable, "-m", "pytest", *files, "-q", "-s", "-rs", "-p",
                                         "no:cacheprovider",
                                         f"--benchmark-json={os.path.join(out_dir, 'benchmarks.json')}"],
@@ -288,12 +328,13 @@ def step_benchmarks(out_dir: str, limit_s: float) -> StepResult:
 STEP_FUNCTIONS: Dict[str, Callable[[str, float], StepResult]] = {
     "versions": step_versions,
     "h100-report": step_h100_report,
+    "verify": step_verify,
     "gpu-tests": step_gpu_tests,
     "triton-tests": step_triton_tests,
     "memcheck": step_memcheck,
     "benchmarks": step_benchmarks,
 }
-STEP_LIMITS_S = {"versions": 60, "h100-report": 300, "gpu-tests": 300, "triton-tests": 300, "memcheck": 300,
+STEP_LIMITS_S = {"versions": 60, "h100-report": 300, "verify": 300, "gpu-tests": 300, "triton-tests": 300, "memcheck": 300,
                  "benchmarks": 600}
 
 
@@ -448,6 +489,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"gpu-check: {exc}", file=sys.stderr)
         return 2
     out_dir = args.out if os.path.isabs(args.out) else os.path.join(os.getcwd(), args.out)
+    _tree["root"] = find_test_tree(getattr(args, "tests_dir", None))
     has_gpu = torch.cuda.is_available()
     header = {"command": f"gspo-kernels gpu-check --out {args.out} --steps {','.join(names)}"
                          + (" --static-only" if args.static_only else ""),
