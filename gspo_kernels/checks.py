@@ -110,7 +110,7 @@ def check_integer(name: str, value: object) -> Tensor:
 
 
 def check_same_device(**tensors: Optional[Tensor]) -> torch.device:
-    """All given tensors share one device, and it is not ``meta`` (the first one named is the reference)."""
+    """All given tensors share one device, and it is not ``meta`` (the first one named sets the device the others must share)."""
     device = None
     first = None
     for name, value in tensors.items():

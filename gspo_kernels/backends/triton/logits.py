@@ -47,7 +47,7 @@ eager check is skipped under ``torch.compile``) is never used as an address; tha
 gradient, when it carries one) is NaN. Rows whose ``active`` flag is False are not read; their outputs are 0.
 
 :class:`TritonLogitsLogprobs` (autograd) saves only ``[N]`` tensors (labels, active, ``row_stats``,
-entropy) plus a reference to the logits; ``inplace_backward=True`` writes the gradient into the logits'
+entropy) plus the logits themselves (no copy); ``inplace_backward=True`` writes the gradient into the logits'
 storage (the caller's logits are consumed).
 """
 
