@@ -274,3 +274,16 @@ def test_a_loss_step_captures_in_a_cuda_graph():
     torch.cuda.synchronize()
     for a, b in zip(eager, static):
         assert rel_err(b, a) < 1e-3
+
+
+def test_no_gradient_work_without_grad_mode():
+    """Under ``torch.no_grad()`` (evaluation, old log-probs) the one-call loss does the forward GEMM only."""
+    hidden, weight, labels, adv, old = _problem()
+    B, T, H = hidden.shape
+    V = weight.shape[0]
+
+    def step():
+        with torch.no_grad():
+            gk.fused_linear_gspo_loss(hidden, weight, labels, adv, old, backend="triton")
+
+    assert _count(step)[0] == 2 * B * T * H * V

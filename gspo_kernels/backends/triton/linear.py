@@ -305,8 +305,9 @@ def fused_linear_loss(
     chunk of whole responses the stage runs on the whole batch with the chunk's log-probs in place and the
     other tokens at a finite stand-in, and its gradient for the chunk is exact. At the end it runs once more
     on all the log-probs for the loss and the metrics (the numbers the two-pass path reports). Returns None
-    when the chunks cannot be planned without a host read (packed layout under capture): the caller then
-    runs the two-pass path.
+    when no gradient is wanted, or when the chunks cannot be planned without a host read (packed layout under
+    capture): the caller then runs the two-pass path. The gradients are computed here and held until the
+    backward (the fp32 ``dW`` accumulator only during this call).
     """
     rows, w, b = _operands(hidden.detach(), weight.detach(), None if bias is None else bias.detach())
     n, vocab = rows.shape[0], w.shape[0]
@@ -318,6 +319,8 @@ def fused_linear_loss(
     labels, valid = inputs.labels, inputs.batch.mask > 0
     temperature = config.temperature
     need = [t.requires_grad for t in (hidden, weight)] + [bias is not None and bias.requires_grad]
+    if not (torch.is_grad_enabled() and any(need)):
+        return None  # no gradient wanted (evaluation, torch.no_grad): the forward alone is the two-pass form's
     dh = torch.zeros_like(rows) if need[0] else None
     dw = torch.zeros(w.shape, device=w.device, dtype=acc) if need[1] else None
     db = torch.zeros(vocab, device=w.device, dtype=acc) if need[2] else None
