@@ -23,6 +23,7 @@ has 3 significant digits, the clip band is 3e-4 wide).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import itertools
 import os
 import sys
@@ -61,6 +62,8 @@ def setup_triton_interpreter() -> str:
 
     if torch.cuda.is_available():
         return "cuda"
+    if importlib.util.find_spec("triton") is None:  # an install without triton: no Triton backend to check
+        return "cpu"
     if "triton" not in sys.modules and os.environ.get("TRITON_INTERPRET") is None:
         os.environ["TRITON_INTERPRET"] = "1"
     if os.environ.get("TRITON_INTERPRET") == "1":
