@@ -107,16 +107,20 @@ def _check_install(python: Path, workdir: Path, env: dict) -> str:
     return _run([python.parent / "gspo-kernels", "--version"], cwd=workdir, env=env)
 
 
+def _compiled_members(wheel: Path) -> list:
+    with zipfile.ZipFile(wheel) as whl:
+        return [n for n in whl.namelist() if n.endswith(COMPILED_SUFFIXES) or whl.read(n)[:4].startswith(BINARY_MAGIC)]
+
+
 def test_wheel_is_pure_python_and_carries_the_cpp_sources(dist):
+    assert _compiled_members(dist["wheel"]) == [], "compiled code in the wheel"
     with zipfile.ZipFile(dist["wheel"]) as whl:
         names = whl.namelist()
         wheel_meta = next(whl.read(n).decode() for n in names if n.endswith(".dist-info/WHEEL"))
         metadata = next(whl.read(n).decode() for n in names if n.endswith(".dist-info/METADATA"))
         entry_points = next(whl.read(n).decode() for n in names if n.endswith(".dist-info/entry_points.txt"))
-        compiled = [n for n in names if n.endswith(COMPILED_SUFFIXES) or whl.read(n)[:4].startswith(BINARY_MAGIC)]
         for name in SOURCES:
             assert whl.read(f"gspo_kernels/csrc/{name}") == (ROOT / "gspo_kernels" / "csrc" / name).read_bytes()
-    assert compiled == [], f"compiled code in the wheel: {compiled}"
     assert dist["wheel"].name.endswith("-py3-none-any.whl")
     assert "Root-Is-Purelib: true" in wheel_meta and "Tag: py3-none-any" in wheel_meta
     assert "Name: gspo-kernels" in metadata and f"Version: {gk.__version__}" in metadata
@@ -126,6 +130,14 @@ def test_wheel_is_pure_python_and_carries_the_cpp_sources(dist):
     assert any(r.startswith("torch>=") for r in requires)
     assert not any(r.startswith("tests") for r in names)
     assert "gspo-kernels = gspo_kernels.tools.cli:main" in entry_points
+
+
+def test_pip_wheel_of_the_checkout_is_pure_python(dist, tmp_path):
+    """``pip wheel --no-deps <checkout>`` with pip's defaults (build isolation): no compiled code."""
+    _run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", tmp_path, dist["src"]], cwd=tmp_path)
+    (wheel,) = tmp_path.glob("*.whl")
+    assert wheel.name.endswith("-py3-none-any.whl")
+    assert _compiled_members(wheel) == []
 
 
 def test_sdist_carries_the_cpp_sources_and_no_binaries(dist):
@@ -151,11 +163,17 @@ def test_wheel_installs_into_a_fresh_venv_and_runs(dist):
 
 def test_checkout_installs_with_default_pip_options_and_compiles_at_first_use(dist, tmp_path):
     """``pip install <checkout>`` (build isolation on) into a fresh venv, then the C++ kernels compiled from the
-    installed sources into an empty cache on first use by the README's example."""
+    installed sources into an empty cache on first use by the README's example, with the venv not activated and
+    no ninja on PATH (only the compiler's tools): the ``ninja`` dependency's binary is found anyway."""
     python = _fresh_venv(tmp_path / "venv-checkout")
     _run([python, "-m", "pip", "install", "-q", dist["src"]], cwd=tmp_path)
     cache = tmp_path / "cache"
-    env = _clean_env(GSPO_KERNELS_REQUIRE_EXT="1", GSPO_KERNELS_CACHE=str(cache))
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    for tool in ("c++", "as", "ld", "which", "sh"):
+        if shutil.which(tool):
+            (tools / tool).symlink_to(shutil.which(tool))
+    env = _clean_env(GSPO_KERNELS_REQUIRE_EXT="1", GSPO_KERNELS_CACHE=str(cache), PATH=str(tools))
     version = _check_install(python, tmp_path, env)
     (library,) = cache.glob("cpu-torch*/_C.so")
     assert f"built, cached at {library}" in version

@@ -155,15 +155,20 @@ def _with_ninja_on_path() -> Dict[str, str]:
     raise ExtensionUnavailable("the ninja build tool is not installed (pip install ninja)")
 
 
+def _check_tools() -> Dict[str, str]:
+    """Raises when the compiler or ninja is missing; returns the environment changes :func:`_compile` needs."""
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        raise ExtensionUnavailable(f"no C++ compiler found ({compiler!r} is not on PATH; install g++ or clang, or set CXX)")
+    return _with_ninja_on_path()
+
+
 def _compile(build_directory: Path, verbose: bool) -> None:
     """Compile and link the sources into ``build_directory`` (``torch.utils.cpp_extension.load``; it also
     loads the result into this process, which registers ``torch.ops.gspo_kernels.*``)."""
     from torch.utils import cpp_extension
 
-    compiler = os.environ.get("CXX", "c++")
-    if shutil.which(compiler) is None:
-        raise ExtensionUnavailable(f"no C++ compiler found ({compiler!r} is not on PATH; install g++ or clang, or set CXX)")
-    env_changes = _with_ninja_on_path()
+    env_changes = _check_tools()
     saved = {k: os.environ.get(k) for k in env_changes}
     os.environ.update(env_changes)
     flags = build_flags()
@@ -205,6 +210,7 @@ def build(verbose: bool = False) -> Path:
     library = final / f"{LIBRARY_NAME}.so"
     if library.is_file():
         return library
+    _check_tools()  # fail fast, before announcing a build
     import fcntl
 
     try:
@@ -218,6 +224,8 @@ def build(verbose: bool = False) -> Path:
             return library
         for stale in final.parent.glob(f".{final.name}.*"):  # left by a killed build of this key
             shutil.rmtree(stale, ignore_errors=True)
+        if final.exists():  # a build directory without its library (emptied by hand): replaced
+            shutil.rmtree(final)
         staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
         logger.warning("gspo_kernels: compiling the C++ CPU kernels for this machine into %s (once; about a minute)",
                        final)
