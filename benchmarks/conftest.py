@@ -14,7 +14,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tests.gpu_marker import skip_gpu_items_without_cuda  # noqa: E402
+from tests.support import skip_gpu_items_without_cuda  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from gspo_kernels.validation import check_temperature
+from gspo_kernels.checks import check_temperature
 
 IMPORTANCE_SAMPLING_LEVELS = ("sequence", "sequence_token", "token")
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
@@ -84,3 +84,12 @@ class GSPOConfig:
 
 def _finite(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def check_config(config: Optional[GSPOConfig]) -> GSPOConfig:
+    """``config`` as given, or the defaults for None; anything else is refused naming ``config``."""
+    if config is None:
+        return GSPOConfig()
+    if not isinstance(config, GSPOConfig):
+        raise TypeError(f"config must be a GSPOConfig, got {type(config).__name__}")
+    return config

@@ -1,4 +1,11 @@
-"""The public functions and modules: validate once, run the chosen backend's stages."""
+"""The public functions and modules: thin front-ends over one pipeline, :func:`_run`.
+
+Every loss runs the same steps in the same order: check the arguments, lay the tokens out flat
+(:mod:`gspo_kernels.layout`), cast the lm_head operands once (:mod:`gspo_kernels.precision`), resolve the
+backend, compute the per-token log-probs and entropies (a *head*: from logits, from hidden states, or given
+by the caller), apply the backend's sequence stage (the objective), and refuse double backward. The
+per-token functions share the same heads and checks without the objective.
+"""
 
 from __future__ import annotations
 
@@ -9,12 +16,10 @@ import torch
 from torch import Tensor, nn
 
 from gspo_kernels import backends, parallel
-from gspo_kernels.config import GSPOConfig
-from gspo_kernels.objective import LossOutput, gspo_objective
-from gspo_kernels.parallel import VocabParallel, check_vocab_parallel
-from gspo_kernels.precision import apply_precision, backend_context
-from gspo_kernels.validation import (
+from gspo_kernels.backends import Backend
+from gspo_kernels.checks import (
     ValueChecks,
+    check_bool,
     check_finite_linear,
     check_finite_logits,
     check_finite_values,
@@ -25,8 +30,12 @@ from gspo_kernels.validation import (
     check_memory_budget,
     check_same_device,
     check_temperature,
-    prepare_loss_inputs,
 )
+from gspo_kernels.config import GSPOConfig, check_config
+from gspo_kernels.layout import prepare_loss_inputs
+from gspo_kernels.objective import LossOutput, gspo_objective
+from gspo_kernels.parallel import VocabParallel, check_vocab_parallel
+from gspo_kernels.precision import apply_precision, backend_context
 
 Scalar = Union[None, int, float, Tensor]
 
@@ -55,22 +64,9 @@ def token_logprobs(
         row's distribution when ``return_entropy``. First-order differentiable only.
     """
     check_logits(logits, labels, None)
-    check_temperature(temperature)
-    vp = check_vocab_parallel(vocab_parallel)
-    checks = ValueChecks()
-    flat = check_labels(labels, logits.shape[-1] if vp is None else vp.vocab_size, checks)
-    checks.run()
-    if check_finite:
-        check_finite_logits(logits, flat if vp is None else None, checks)
-        checks.run()
-    impl = backends.resolve(backend, logits.device)
-    rows = logits if logits.dim() in (2, 3) else logits.reshape(-1, logits.shape[-1])
-    logp, entropy = _logits_stage(impl, vp)(
-        rows, flat, active=None, temperature=temperature, return_entropy=return_entropy, inplace_backward=False
-    )
-    logp, entropy = first_order_only(logp, entropy)
-    logp = logp.reshape(labels.shape)
-    return (logp, entropy.reshape(labels.shape)) if return_entropy else logp
+    head = _LogitsHead(logits, check_vocab_parallel(vocab_parallel), inplace_backward=False)
+    return _run_logprobs(head, labels, temperature=temperature, return_entropy=return_entropy, backend=backend,
+                         check_finite=check_finite)
 
 
 def linear_logprobs(
@@ -86,6 +82,7 @@ def linear_logprobs(
     fp32_head: bool = False,
     check_finite: bool = False,
     memory_budget: Optional[int] = None,
+    batch_invariant: bool = False,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Per-token log-probs (and entropy) of ``hidden @ weight.T + bias``; the logits never exist.
 
@@ -103,31 +100,18 @@ def linear_logprobs(
             for its chunk buffers (None: the backend's default; ``backend="cpu"``: 1 GiB of saved
             logits, 0 recomputes them; ``backend="torch"`` saves none and ignores it). Results do
             not depend on it.
+        batch_invariant: a row's log-prob, entropy and ``dH`` row are the same bits whatever the other rows
+            of the batch, the row's position and ``memory_budget`` (``backend="triton"`` and ``"cpu"``; the
+            price in speed is in ``docs/gpu.md`` and ``docs/cpu_backends.md``). ``backend="torch"`` refuses it.
     Returns:
         fp32 tensors shaped like ``labels`` (fp64 for fp64 inputs); first-order differentiable for hidden,
         weight and bias.
     """
     check_linear(hidden, weight, bias, labels)
-    check_temperature(temperature)
-    check_memory_budget(memory_budget)
-    vp = check_vocab_parallel(vocab_parallel)
-    checks = ValueChecks()
-    flat = check_labels(labels, weight.shape[0] if vp is None else vp.vocab_size, checks)
-    checks.run()
-    if check_finite:
-        check_finite_linear(hidden, weight, bias, flat if vp is None else None, checks)
-        checks.run()
-    impl = backends.resolve(backend, hidden.device)
-    hidden, weight, bias = apply_precision(hidden, weight, bias, fp32_head=fp32_head)
-    rows = hidden if hidden.dim() in (2, 3) else hidden.reshape(-1, hidden.shape[-1])
-    with backend_context(hidden.device):
-        logp, entropy = _linear_stage(impl, vp)(
-            rows, weight, bias, flat, active=None, temperature=temperature, return_entropy=return_entropy,
-            memory_budget=memory_budget,
-        )
-    logp, entropy = first_order_only(logp, entropy)
-    logp = logp.reshape(labels.shape)
-    return (logp, entropy.reshape(labels.shape)) if return_entropy else logp
+    head = _LinearHead(hidden, weight, bias, check_vocab_parallel(vocab_parallel), fp32_head=fp32_head,
+                       memory_budget=memory_budget, batch_invariant=batch_invariant)
+    return _run_logprobs(head, labels, temperature=temperature, return_entropy=return_entropy, backend=backend,
+                         check_finite=check_finite)
 
 
 def gspo_loss(
@@ -169,24 +153,11 @@ def gspo_loss(
     Returns:
         ``LossOutput(loss, metrics)``: 0-dim loss (first-order differentiable), detached 0-dim metrics.
     """
-    config = _check_config(config)
     check_logits(logits, labels, cu_seqlens)
-    vp = check_vocab_parallel(vocab_parallel)
-    inputs = prepare_loss_inputs(
-        labels, advantages, logits.shape[-1] if vp is None else vp.vocab_size, old_logprobs=old_logprobs,
-        mask=mask, cu_seqlens=cu_seqlens, ref_logprobs=ref_logprobs, is_ratio=is_ratio,
-        num_items_in_batch=num_items_in_batch, config=config, check_finite=check_finite,
-    )
-    if check_finite:
-        checks = ValueChecks()
-        check_finite_logits(logits, inputs.labels if vp is None else None, checks, inputs.batch.mask > 0)
-        checks.run()
-    impl = backends.resolve(backend, logits.device)
-    logp, entropy = _logits_stage(impl, vp)(
-        logits, inputs.labels, active=inputs.batch.mask > 0, temperature=config.temperature,
-        return_entropy=True, inplace_backward=inplace_backward,
-    )
-    return _first_order_loss((impl.objective or gspo_objective)(logp, entropy, inputs, config))
+    head = _LogitsHead(logits, check_vocab_parallel(vocab_parallel), inplace_backward=inplace_backward)
+    return _run(head, labels, advantages, old_logprobs, mask=mask, cu_seqlens=cu_seqlens, ref_logprobs=ref_logprobs,
+                is_ratio=is_ratio, num_items_in_batch=num_items_in_batch, config=config, backend=backend,
+                check_finite=check_finite)
 
 
 def fused_linear_gspo_loss(
@@ -209,6 +180,7 @@ def fused_linear_gspo_loss(
     fp32_head: bool = False,
     check_finite: bool = False,
     memory_budget: Optional[int] = None,
+    batch_invariant: bool = False,
 ) -> LossOutput:
     """:func:`gspo_loss` of ``hidden @ weight.T + bias`` without ever forming the logits.
 
@@ -220,29 +192,14 @@ def fused_linear_gspo_loss(
         vocab_parallel: ``weight [end - start, H]`` (and ``bias``) is this rank's lm_head shard (see
             :func:`linear_logprobs`).
         memory_budget: bytes for saved logits / chunk buffers, as in :func:`linear_logprobs`.
+        batch_invariant: bitwise batch invariance of the per-token results, as in :func:`linear_logprobs`.
     """
-    config = _check_config(config)
     check_linear(hidden, weight, bias, labels)
-    check_memory_budget(memory_budget)
-    vp = check_vocab_parallel(vocab_parallel)
-    inputs = prepare_loss_inputs(
-        labels, advantages, weight.shape[0] if vp is None else vp.vocab_size, old_logprobs=old_logprobs,
-        mask=mask, cu_seqlens=cu_seqlens, ref_logprobs=ref_logprobs, is_ratio=is_ratio,
-        num_items_in_batch=num_items_in_batch, config=config, check_finite=check_finite,
-    )
-    if check_finite:
-        checks = ValueChecks()
-        check_finite_linear(hidden, weight, bias, inputs.labels if vp is None else None, checks,
-                            inputs.batch.mask > 0)
-        checks.run()
-    impl = backends.resolve(backend, hidden.device)
-    hidden, weight, bias = apply_precision(hidden, weight, bias, fp32_head=fp32_head)
-    with backend_context(hidden.device):
-        logp, entropy = _linear_stage(impl, vp)(
-            hidden, weight, bias, inputs.labels, active=inputs.batch.mask > 0, temperature=config.temperature,
-            return_entropy=True, memory_budget=memory_budget,
-        )
-        return _first_order_loss((impl.objective or gspo_objective)(logp, entropy, inputs, config))
+    head = _LinearHead(hidden, weight, bias, check_vocab_parallel(vocab_parallel), fp32_head=fp32_head,
+                       memory_budget=memory_budget, batch_invariant=batch_invariant)
+    return _run(head, labels, advantages, old_logprobs, mask=mask, cu_seqlens=cu_seqlens, ref_logprobs=ref_logprobs,
+                is_ratio=is_ratio, num_items_in_batch=num_items_in_batch, config=config, backend=backend,
+                check_finite=check_finite)
 
 
 def policy_loss(
@@ -279,43 +236,141 @@ def policy_loss(
         ``LossOutput(loss, metrics)``: 0-dim loss (fp32, fp64 for fp64 log-probs; first-order differentiable),
         detached 0-dim metrics.
     """
-    config = _check_config(config)
-    logprobs = check_float("logprobs", logprobs)
-    token_shape = tuple(logprobs.shape)
-    if cu_seqlens is None and logprobs.dim() != 2:
-        raise ValueError(f"logprobs must be [B, T] (padded layout) or [N] with cu_seqlens (packed layout), "
-                         f"got shape {token_shape}")
-    if cu_seqlens is not None and logprobs.dim() != 1:
-        raise ValueError(f"logprobs must be [N] when cu_seqlens is given (packed layout), got shape {token_shape}")
-    if entropy is not None:
-        entropy = check_float("entropy", entropy)
-        if tuple(entropy.shape) != token_shape:
-            raise ValueError(f"entropy must have logprobs' shape {token_shape}, got {tuple(entropy.shape)}")
-    check_same_device(logprobs=logprobs, entropy=entropy)
-    labels = torch.zeros(token_shape, dtype=torch.int64, device=logprobs.device)  # the layout only
+    head = _GivenLogprobs(logprobs, entropy, packed=cu_seqlens is not None)
+    return _run(head, logprobs, advantages, old_logprobs, mask=mask, cu_seqlens=cu_seqlens, ref_logprobs=ref_logprobs,
+                is_ratio=is_ratio, num_items_in_batch=num_items_in_batch, config=config, backend=backend,
+                check_finite=check_finite)
+
+
+# ---------------------------------------------------------------------------------------------
+# The one pipeline behind the public functions.
+# ---------------------------------------------------------------------------------------------
+
+
+class _LogitsHead:
+    """Per-token log-probs from materialized logits (``[B, T, V]``, ``[N, V]`` or ``[..., V]``)."""
+
+    def __init__(self, logits: Tensor, vp: Optional[VocabParallel], *, inplace_backward: bool) -> None:
+        self.logits, self.vp = logits, vp
+        self.inplace_backward = check_bool("inplace_backward", inplace_backward)
+        self.device = logits.device
+        self.vocab_size = logits.shape[-1] if vp is None else vp.vocab_size
+
+    def check_finite(self, labels: Tensor, checks: ValueChecks, counted: Optional[Tensor]) -> None:
+        check_finite_logits(self.logits, labels if self.vp is None else None, checks, counted)
+
+    def logprobs(self, impl: Backend, labels: Tensor, active: Optional[Tensor], temperature: float,
+                 return_entropy: bool) -> Tuple[Tensor, Optional[Tensor]]:
+        logits = self.logits
+        rows = logits if logits.dim() in (2, 3) else logits.reshape(-1, logits.shape[-1])
+        stage = impl.logits_logprobs if self.vp is None else functools.partial(parallel.logits_logprobs, impl, self.vp)
+        return stage(rows, labels, active=active, temperature=temperature, return_entropy=return_entropy,
+                     inplace_backward=self.inplace_backward)
+
+
+class _LinearHead:
+    """Per-token log-probs of ``hidden @ weight.T + bias`` (operands cast once by the precision policy)."""
+
+    def __init__(self, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], vp: Optional[VocabParallel], *,
+                 fp32_head: bool, memory_budget: Optional[int], batch_invariant: bool) -> None:
+        check_memory_budget(memory_budget)
+        self.options = {"memory_budget": memory_budget}
+        if check_bool("batch_invariant", batch_invariant):  # passed only when asked: the default contract call
+            self.options["batch_invariant"] = True
+        self.hidden, self.weight, self.bias = apply_precision(hidden, weight, bias, fp32_head=fp32_head)
+        self.raw = (hidden, weight, bias)  # the caller's tensors: the finite checks read these
+        self.vp = vp
+        self.device = hidden.device
+        self.vocab_size = weight.shape[0] if vp is None else vp.vocab_size
+
+    def check_finite(self, labels: Tensor, checks: ValueChecks, counted: Optional[Tensor]) -> None:
+        check_finite_linear(*self.raw, labels if self.vp is None else None, checks, counted)
+
+    def logprobs(self, impl: Backend, labels: Tensor, active: Optional[Tensor], temperature: float,
+                 return_entropy: bool) -> Tuple[Tensor, Optional[Tensor]]:
+        hidden = self.hidden
+        rows = hidden if hidden.dim() in (2, 3) else hidden.reshape(-1, hidden.shape[-1])
+        stage = impl.linear_logprobs if self.vp is None else functools.partial(parallel.linear_logprobs, impl, self.vp)
+        return stage(rows, self.weight, self.bias, labels, active=active, temperature=temperature,
+                     return_entropy=return_entropy, **self.options)
+
+
+class _GivenLogprobs:
+    """Log-probs (and entropies) the caller computed: the sequence stage alone (:func:`policy_loss`)."""
+
+    vocab_size = None  # no labels: the log-probs tensor carries the token layout
+
+    def __init__(self, logprobs: Tensor, entropy: Optional[Tensor], *, packed: bool) -> None:
+        logprobs = check_float("logprobs", logprobs)
+        shape = tuple(logprobs.shape)
+        if not packed and logprobs.dim() != 2:
+            raise ValueError(f"logprobs must be [B, T] (padded layout) or [N] with cu_seqlens (packed layout), "
+                             f"got shape {shape}")
+        if packed and logprobs.dim() != 1:
+            raise ValueError(f"logprobs must be [N] when cu_seqlens is given (packed layout), got shape {shape}")
+        if entropy is not None:
+            entropy = check_float("entropy", entropy)
+            if tuple(entropy.shape) != shape:
+                raise ValueError(f"entropy must have logprobs' shape {shape}, got {tuple(entropy.shape)}")
+        self.device = check_same_device(logprobs=logprobs, entropy=entropy)
+        self.logp = _upcast_half(logprobs.reshape(-1))
+        self.entropy = None if entropy is None else _upcast_half(entropy.reshape(-1))
+
+    def check_finite(self, labels: Optional[Tensor], checks: ValueChecks, counted: Optional[Tensor]) -> None:
+        check_finite_values("logprobs", self.logp, checks, counted)
+        if self.entropy is not None:
+            check_finite_values("entropy", self.entropy, checks, counted)
+
+    def logprobs(self, impl: Backend, labels: Optional[Tensor], active: Optional[Tensor], temperature: float,
+                 return_entropy: bool) -> Tuple[Tensor, Optional[Tensor]]:
+        return self.logp, self.entropy
+
+
+def _run(head, tokens: Tensor, advantages: Tensor, old_logprobs: Optional[Tensor], *, mask, cu_seqlens, ref_logprobs,
+         is_ratio, num_items_in_batch, config: Optional[GSPOConfig], backend: str, check_finite: bool) -> LossOutput:
+    """Validate, lay out, dispatch, apply the objective: the one order every loss follows.
+
+    ``head`` computes the per-token log-probs and entropies (from logits, from hidden states, or given);
+    ``tokens`` is the tensor that carries the token layout (the labels, or the given log-probs).
+    """
+    config = check_config(config)
+    check_bool("check_finite", check_finite)
     inputs = prepare_loss_inputs(
-        labels, advantages, 1, old_logprobs=old_logprobs, mask=mask, cu_seqlens=cu_seqlens,
-        ref_logprobs=ref_logprobs, is_ratio=is_ratio, num_items_in_batch=num_items_in_batch, config=config,
+        tokens, advantages, head.vocab_size, old_logprobs=old_logprobs, mask=mask, cu_seqlens=cu_seqlens,
+        ref_logprobs=ref_logprobs, is_ratio=is_ratio, num_items_in_batch=num_items_in_batch, beta=config.beta,
         check_finite=check_finite,
     )
-    logp = _upcast_half(logprobs.reshape(-1))
-    ent = None if entropy is None else _upcast_half(entropy.reshape(-1))
+    counted = inputs.batch.mask > 0
     if check_finite:
         checks = ValueChecks()
-        check_finite_values("logprobs", logp, checks, inputs.batch.mask > 0)
-        if ent is not None:
-            check_finite_values("entropy", ent, checks, inputs.batch.mask > 0)
+        head.check_finite(inputs.labels, checks, counted)
         checks.run()
-    impl = backends.resolve(backend, logprobs.device)
-    return _first_order_loss((impl.objective or gspo_objective)(logp, ent, inputs, config))
+    impl = backends.resolve(backend, head.device)
+    with backend_context(head.device):
+        logp, entropy = head.logprobs(impl, inputs.labels, counted, config.temperature, True)
+        output = (impl.objective or gspo_objective)(logp, entropy, inputs, config)
+    (loss,) = first_order_only(output.loss)
+    return LossOutput(loss, output.metrics)
 
 
-def _logits_stage(impl, vp: Optional[VocabParallel]):
-    return impl.logits_logprobs if vp is None else functools.partial(parallel.logits_logprobs, impl, vp)
-
-
-def _linear_stage(impl, vp: Optional[VocabParallel]):
-    return impl.linear_logprobs if vp is None else functools.partial(parallel.linear_logprobs, impl, vp)
+def _run_logprobs(head, labels: Tensor, *, temperature: float, return_entropy: bool, backend: str,
+                  check_finite: bool) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """The per-token functions: the same checks and dispatch as :func:`_run`, without the objective."""
+    check_temperature(temperature)
+    check_bool("return_entropy", return_entropy)
+    check_bool("check_finite", check_finite)
+    checks = ValueChecks()
+    flat = check_labels(labels, head.vocab_size, checks)
+    checks.run()
+    if check_finite:
+        head.check_finite(flat, checks, None)
+        checks.run()
+    impl = backends.resolve(backend, head.device)
+    with backend_context(head.device):
+        logp, entropy = head.logprobs(impl, flat, None, temperature, return_entropy)
+    logp, entropy = first_order_only(logp, entropy)
+    logp = logp.reshape(labels.shape)
+    return (logp, entropy.reshape(labels.shape)) if return_entropy else logp
 
 
 def _upcast_half(x: Tensor) -> Tensor:
@@ -328,7 +383,7 @@ class GSPOLoss(nn.Module):
     def __init__(self, config: Optional[GSPOConfig] = None, *, backend: str = "auto", inplace_backward: bool = False,
                  check_finite: bool = False):
         super().__init__()
-        self.config = _check_config(config)
+        self.config = check_config(config)
         self.backend = backend
         self.inplace_backward = inplace_backward
         self.check_finite = check_finite
@@ -343,32 +398,27 @@ class GSPOLoss(nn.Module):
 class FusedLinearGSPOLoss(nn.Module):
     """Module form of :func:`fused_linear_gspo_loss`: ``(hidden, weight, labels, advantages, old, **kw)``.
 
-    ``memory_budget``: bytes for saved logits / chunk buffers (see :func:`linear_logprobs`).
+    ``memory_budget``: bytes for saved logits / chunk buffers; ``batch_invariant``: bitwise batch invariance
+    (see :func:`linear_logprobs`).
     """
 
     def __init__(self, config: Optional[GSPOConfig] = None, *, backend: str = "auto", check_finite: bool = False,
-                 memory_budget: Optional[int] = None):
+                 memory_budget: Optional[int] = None, batch_invariant: bool = False):
         super().__init__()
-        self.config = _check_config(config)
+        self.config = check_config(config)
         self.backend = backend
         self.check_finite = check_finite
         check_memory_budget(memory_budget)
         self.memory_budget = memory_budget
+        self.batch_invariant = check_bool("batch_invariant", batch_invariant)
 
     def forward(self, hidden: Tensor, weight: Tensor, labels: Tensor, advantages: Tensor,
                 old_logprobs: Optional[Tensor] = None, **kwargs) -> LossOutput:
         kwargs.setdefault("check_finite", self.check_finite)
         kwargs.setdefault("memory_budget", self.memory_budget)
+        kwargs.setdefault("batch_invariant", self.batch_invariant)
         return fused_linear_gspo_loss(hidden, weight, labels, advantages, old_logprobs, config=self.config,
                                       backend=self.backend, **kwargs)
-
-
-def _check_config(config: Optional[GSPOConfig]) -> GSPOConfig:
-    if config is None:
-        return GSPOConfig()
-    if not isinstance(config, GSPOConfig):
-        raise TypeError(f"config must be a GSPOConfig, got {type(config).__name__}")
-    return config
 
 
 DOUBLE_BACKWARD_ERROR = (
@@ -405,8 +455,3 @@ def first_order_only(*tensors: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]
     for i, t in zip(index, wrapped):
         out[i] = t
     return tuple(out)
-
-
-def _first_order_loss(output: LossOutput) -> LossOutput:
-    (loss,) = first_order_only(output.loss)
-    return LossOutput(loss, output.metrics)

@@ -15,13 +15,13 @@ even when its weight overflows (``exp(100)`` in fp32), instead of ``0 * inf = Na
 from __future__ import annotations
 
 import math
-from typing import Dict, NamedTuple, Optional
+from typing import Dict, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from gspo_kernels.config import GSPOConfig
-from gspo_kernels.validation import LossInputs
+from gspo_kernels.layout import LossInputs
 
 
 class LossOutput(NamedTuple):
@@ -71,19 +71,22 @@ def gspo_objective(
 
     adv = inputs.advantages.to(logp.dtype)
     A = torch.where(valid, adv if inputs.advantages_per_token else adv[seq], zero)
-    w = torch.exp(_live_log_weight(log_w, A, config))
+    is_ratio = None if inputs.is_ratio is None else torch.where(valid, inputs.is_ratio.to(logp.dtype), zero)
+    # A token whose correction weight is 0 (masked by the rollout correction) contributes nothing whatever its
+    # importance weight: it takes the finite stand-in weight, so an overflowing weight there is no inf * 0.
+    A_live = A if is_ratio is None else torch.where(is_ratio == 0, zero, A)
+    w = torch.exp(_live_log_weight(log_w, A_live, config))
     c1 = w if config.delta is None else torch.clamp(w, max=config.delta)
     c2 = torch.clamp(w, 1.0 - config.epsilon_low, 1.0 + config.epsilon_high)
-    per_token = -torch.minimum(c1 * A, c2 * A)
-    if inputs.is_ratio is not None:
-        per_token = per_token * torch.where(valid, inputs.is_ratio.to(logp.dtype), zero)
+    per_token = -torch.minimum(c1 * A_live, c2 * A_live)
+    if is_ratio is not None:
+        per_token = per_token * is_ratio
 
     kl = None
     if config.beta > 0:
-        d = torch.where(valid, inputs.ref_logprobs.to(logp.dtype), zero) - logp_m
-        kl = torch.exp(d) - d - 1.0
+        kl = k3_kl(torch.where(valid, inputs.ref_logprobs.to(logp.dtype), zero), logp_m)
         if config.use_bias_correction_kl:
-            kl = kl * torch.exp(log_w)  # the weight's gradient counts here whatever the clipping
+            kl = kl * torch.exp(torch.where(valid, log_w, zero))  # the weight counts here whatever the clipping
         per_token = per_token + config.beta * kl
     per_token = torch.where(valid, per_token, zero)
 
@@ -151,12 +154,27 @@ def _live_log_weight(log_w: Tensor, A: Tensor, config: GSPOConfig) -> Tensor:
     return torch.where(frozen, stand_in, log_w)
 
 
+def k3_kl(ref_logp: Tensor, logp: Tensor) -> Tensor:
+    """The k3 estimator of KL(policy || reference) per token: ``exp(d) - d - 1`` with ``d = ref - logp``."""
+    d = ref_logp - logp
+    return torch.exp(d) - d - 1.0
+
+
+def clip_flags(w: Tensor, A: Tensor, config: GSPOConfig) -> Tuple[Tensor, Tensor]:
+    """``(low, high)`` bool: the weight left the band on the side where clipping removes the gradient
+    (``w < 1 - epsilon_low`` with ``A < 0``; ``w > 1 + epsilon_high`` with ``A > 0``). The one definition
+    of the ``clip_ratio/*`` metrics (the TRL drop-in weights them across processes itself)."""
+    low = (w < 1.0 - config.epsilon_low) & (A < 0)
+    high = (w > 1.0 + config.epsilon_high) & (A > 0)
+    return low, high
+
+
 def _weight_metrics(w: Tensor, A: Tensor, valid: Tensor, config: GSPOConfig) -> Dict[str, Tensor]:
     """Clip shares and importance-weight stats over the counted items (responses or tokens)."""
     count = valid.sum()
     n = count.clamp(min=1).to(torch.float32)
-    low = valid & (w < 1.0 - config.epsilon_low) & (A < 0)
-    high = valid & (w > 1.0 + config.epsilon_high) & (A > 0)
+    low, high = clip_flags(w, A, config)
+    low, high = valid & low, valid & high
     w32 = w.to(torch.float32)
     some = count > 0
     zero = w32.new_zeros(())

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from gspo_kernels.validation import tracing
+from gspo_kernels.checks import tracing
 
 
 class VocabParallel:

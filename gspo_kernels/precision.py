@@ -12,7 +12,7 @@ Which dtype the operands of ``hidden @ weight.T + bias`` take (the *operand dtyp
 
 Whatever the operand dtype, the products accumulate in fp32 (fp64 for fp64 operands), and the
 log-probs, entropies and the loss are fp32 (fp64 for fp64 inputs); they are never rounded to the
-operand dtype. The casts are differentiable, so gradients reach the caller's tensors in their own
+operand dtype (:func:`compute_dtype`, asked by every backend). The casts are differentiable, so gradients reach the caller's tensors in their own
 dtypes. The backends themselves run with autocast disabled: the policy has already decided.
 """
 
@@ -53,6 +53,12 @@ def operand_dtype(
             "of them, or run under torch.autocast, or pass fp32_head=True"
         )
     return hidden_dtype if hidden_dtype in _LOW else weight_dtype
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a backend accumulates in and returns log-probs / entropies in, for inputs of ``dtype``:
+    fp64 for fp64, fp32 for everything else (bf16 / fp16 values are converted exactly)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def apply_precision(

@@ -1,7 +1,7 @@
 """Adversarial inputs, the eleven classes of issue 13, over every available backend (and the float64 oracle).
 
 Each case ends in one of two ways: a clear error naming the argument, or a match with the float64
-reference (fp32: 1e-5 relative, ``tests.cases.check_against_reference``). The policies pinned here are
+reference (fp32: 1e-5 relative, ``tests.support.check_against_reference``). The policies pinned here are
 written in ``docs/policies.md``. The Triton backend runs in the interpreter on CPU-only machines
 (``tests/conftest.py`` sets ``TRITON_INTERPRET=1``), so ``available_backends("cpu")`` lists it.
 """
@@ -16,7 +16,7 @@ import torch
 import gspo_kernels as gk
 from gspo_kernels import reference
 from gspo_kernels.loss import DOUBLE_BACKWARD_ERROR
-from tests.cases import check_against_reference, rel_err
+from tests.support import check_against_reference, rel_err
 
 C = gk.GSPOConfig
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

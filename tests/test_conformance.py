@@ -7,7 +7,7 @@ under ``GSPO_KERNELS_REQUIRE_EXT=1`` (``make test``), where a missing extension 
 Tolerances: fp32 inputs within 1e-5 relative (of the largest reference entry) for the loss, the
 metrics and the gradients. bf16 / fp16 inputs: the loss and log-probs keep the fp32 tolerance (the
 math runs in fp32); a gradient returned in the input dtype may differ by the fp32 tolerance plus its
-roundings to that dtype (:func:`gspo_kernels.tools.verify.gradient_tolerance`, the bound ``verify``
+roundings to that dtype (:func:`gspo_kernels.testing.gradient_tolerance`, the bound ``verify``
 prints). The plain bf16 PyTorch path's error is never the bar.
 """
 
@@ -21,9 +21,9 @@ import pytest
 import torch
 
 import gspo_kernels as gk
-from gspo_kernels import backends, reference
+from gspo_kernels import backends, reference, testing
 from gspo_kernels.tools import verify
-from tests.cases import (
+from tests.support import (
     RTOL,
     check_against_reference,
     configs,
@@ -162,7 +162,7 @@ def test_half_precision_within_fp32_math_plus_output_rounding(backend, path, dty
     for name, value in expected.metrics.items():
         assert abs(float(out.metrics[name]) - float(value)) <= RTOL * max(1.0, abs(float(value))), name
     dtype_name = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
-    tol = verify.gradient_tolerance(dtype_name, path)
+    tol = testing.gradient_tolerance(dtype_name, path)
     assert tol <= 2.0**-6
     for got, want in zip(grads, ref_grads):
         assert got.dtype == dtype
@@ -193,7 +193,7 @@ def test_half_precision_logits_gradient_is_rounded_once(backend, dtype, with_ent
     loss64 = (lp64 * g_logp.double()).sum() + ((ent64 * g_ent.double()).sum() if with_entropy else 0.0)
     (want,) = torch.autograd.grad(loss64, [x64])
     dtype_name = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
-    tol = verify.gradient_tolerance(dtype_name, "logits")
+    tol = testing.gradient_tolerance(dtype_name, "logits")
     assert grad.dtype == dtype
     assert rel_err(grad.cpu(), want) <= tol, (rel_err(grad.cpu(), want), tol)
 
@@ -465,7 +465,7 @@ class _ScaleGradient(torch.autograd.Function):
 @pytest.mark.parametrize("path", ["logits", "linear"])
 def test_verify_fails_on_a_5_percent_bf16_gradient_error(path, monkeypatch):
     """``verify`` passes the torch backend as it is, and fails it once its bf16 gradients are 5% off."""
-    assert verify.gradient_tolerance("bf16", path) <= 2.0**-6
+    assert testing.gradient_tolerance("bf16", path) <= 2.0**-6
     row = verify.check_case("torch", path, "sequence", "grpo", "bf16", seed=3)
     assert row.ok, row
     impl = backends.load("torch")
@@ -490,3 +490,99 @@ def test_verify_keeps_importance_weights_off_the_clip_edges():
     assert float(torch.minimum((log_w - low).abs(), (log_w - high).abs()).min()) >= 5e-5
     inside = (log_w > low) & (log_w < high)
     assert 0.4 < float(inside.double().mean()) < 0.6 and bool((log_w > high).any()) and bool((log_w < low).any())
+
+
+# ---------------------------------------------------------------------------------------------
+# Labels of any stride, and rollout-masked tokens whose importance weight overflows fp32.
+# ---------------------------------------------------------------------------------------------
+
+
+def _label_layouts(V: int, device: str):
+    """``(name, labels)`` of N = 6 tokens held in memory in unusual ways (all in ``[0, V)``)."""
+    base = torch.randint(0, V, (12,), device=device)
+    wide = torch.randint(0, V, (6, 3), device=device)
+    return [
+        ("strided", base[::2]),  # 1-D, stride 2
+        ("stride0", torch.tensor(V - 1, device=device).expand(6)),  # 1-D, stride 0
+        ("column", wide[:, 1]),  # a column of a row-major matrix, stride 3
+        ("int32-strided", base.to(torch.int32)[1::2]),
+    ]
+
+
+@pytest.mark.parametrize("path", ["logits", "linear"])
+def test_labels_of_any_stride_match_the_reference(backend, path):
+    device, V, H = _device(backend), 37, 16
+    gen = torch.Generator(device="cpu").manual_seed(7)
+    for name, labels in _label_layouts(V, device):
+        assert not labels.is_contiguous() or labels.stride() == (0,)
+        if path == "logits":
+            x = torch.randn(6, V, generator=gen).to(device).requires_grad_()
+            logp, ent = gk.token_logprobs(x, labels, return_entropy=True, backend=backend)
+            xr = x.detach().double().requires_grad_()
+            rlogp, rent = reference.token_logprobs(xr, labels.contiguous(), return_entropy=True)
+            inputs, ref_inputs = (x,), (xr,)
+        else:
+            h = torch.randn(6, H, generator=gen).to(device).requires_grad_()
+            w = (torch.randn(V, H, generator=gen) * 0.3).to(device).requires_grad_()
+            logp, ent = gk.linear_logprobs(h, w, labels, return_entropy=True, backend=backend)
+            hr, wr = h.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+            rlogp, rent = reference.linear_logprobs(hr, wr, labels.contiguous(), return_entropy=True)
+            inputs, ref_inputs = (h, w), (hr, wr)
+        assert rel_err(logp, rlogp) < RTOL and rel_err(ent, rent) < RTOL, name
+        weights = torch.linspace(-1, 1, 6, device=device)
+        grads = torch.autograd.grad((logp * weights).sum() + ent.sum(), inputs)
+        ref_grads = torch.autograd.grad((rlogp * weights.double()).sum() + rent.sum(), ref_inputs)
+        for g, rg in zip(grads, ref_grads):
+            assert rel_err(g, rg) < RTOL, name
+
+
+@pytest.mark.parametrize("path", ["logits", "linear"])
+def test_strided_labels_in_the_loss_match_the_reference(backend, path):
+    device, V, H, B, T = _device(backend), 29, 8, 2, 5
+    gen = torch.Generator(device="cpu").manual_seed(3)
+    labels = torch.randint(0, V, (T, B), generator=gen).to(device).t()  # [B, T], transposed storage
+    assert not labels.is_contiguous()
+    adv = torch.tensor([1.0, -0.5], device=device)
+    old = (torch.randn(B, T, generator=gen) * 0.1 - 3).to(device)
+    cfg = gk.GSPOConfig(importance_sampling_level="token", epsilon_low=0.2, epsilon_high=0.2)
+    if path == "logits":
+        x = torch.randn(B, T, V, generator=gen).to(device).requires_grad_()
+        out = gk.gspo_loss(x, labels, adv, old, config=cfg, backend=backend)
+        xr = x.detach().double().requires_grad_()
+        ref = reference.gspo_loss(xr, labels.contiguous(), adv.double(), old.double(), config=cfg)
+        pairs = [(x, xr)]
+    else:
+        h = torch.randn(B, T, H, generator=gen).to(device).requires_grad_()
+        w = (torch.randn(V, H, generator=gen) * 0.3).to(device).requires_grad_()
+        out = gk.fused_linear_gspo_loss(h, w, labels, adv, old, config=cfg, backend=backend)
+        hr, wr = h.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+        ref = reference.fused_linear_gspo_loss(hr, wr, labels.contiguous(), adv.double(), old.double(), config=cfg)
+        pairs = [(h, hr), (w, wr)]
+    assert abs(out.loss.item() - ref.loss.item()) < RTOL * max(1.0, abs(ref.loss.item()))
+    grads = torch.autograd.grad(out.loss, [p for p, _ in pairs])
+    ref_grads = torch.autograd.grad(ref.loss, [r for _, r in pairs])
+    for g, rg in zip(grads, ref_grads):
+        assert rel_err(g, rg) < RTOL
+
+
+@pytest.mark.parametrize("level", ["token", "sequence_token", "sequence"])
+def test_rollout_masked_token_with_overflowing_weight_is_finite(backend, level):
+    """``is_ratio = 0`` drops a token; its importance weight ``exp(97)`` overflows fp32 (not float64). The
+    loss and the gradient stay finite and equal the float64 reference's (no ``inf * 0``)."""
+    device = _device(backend)
+    logp = torch.tensor([[-1.0, -2.0, -3.0], [-1.0, -1.5, -0.5]], device=device).requires_grad_()
+    old = logp.detach().clone()
+    old[0, 1] = -99.0  # log-ratio 97 at the dropped token
+    is_ratio = torch.ones(2, 3, device=device)
+    is_ratio[0, 1] = 0.0
+    adv = torch.tensor([-1.0, 1.0], device=device)  # A < 0: the unclipped branch would carry the weight
+    cfg = gk.GSPOConfig(importance_sampling_level=level, epsilon_low=0.2, epsilon_high=0.2)
+    out = gk.policy_loss(logp, adv, old, is_ratio=is_ratio, config=cfg, backend=backend)
+    (g,) = torch.autograd.grad(out.loss, logp)
+    lp = logp.detach().double().requires_grad_()
+    ref = reference.policy_loss(lp, adv.double(), old.double(), is_ratio=is_ratio.double(), config=cfg)
+    (rg,) = torch.autograd.grad(ref.loss, lp)
+    assert torch.isfinite(out.loss) and torch.isfinite(g).all()
+    if level == "token":  # the sequence levels' weight of response 0 is exp(97 / 3): finite in fp32, compare
+        assert abs(out.loss.item() - ref.loss.item()) < RTOL * max(1.0, abs(ref.loss.item()))
+    assert rel_err(g, rg) < 1e-4

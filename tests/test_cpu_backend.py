@@ -16,7 +16,7 @@ import torch
 
 import gspo_kernels as gk
 from gspo_kernels import backends, reference
-from tests.cases import rel_err
+from tests.support import rel_err
 from tests.test_torch_backend import check_extreme_logits, check_minus_inf_columns, check_out_of_range_labels
 
 cpu_backend = pytest.importorskip("gspo_kernels.backends.cpu")
@@ -216,8 +216,8 @@ def _eager_and_compiled(step, hidden, weight):
 def test_torch_compile_fullgraph_over_cpu_ops_matches_eager():
     """The custom ops, their fake implementations and autograd formulas trace without graph breaks
     in both paths, with the PyTorch sequence stage on validated inputs."""
+    from gspo_kernels.layout import prepare_loss_inputs
     from gspo_kernels.objective import gspo_objective
-    from gspo_kernels.validation import prepare_loss_inputs
 
     hidden, weight, labels, adv, old, kw = _compile_case()
     cfg = gk.GSPOConfig(loss_type="bnpo", beta=0.04, entropy_coef=0.01)

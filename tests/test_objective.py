@@ -7,9 +7,9 @@ import torch
 
 import gspo_kernels as gk
 from gspo_kernels import reference
+from gspo_kernels.layout import prepare_loss_inputs
 from gspo_kernels.objective import gspo_objective
-from gspo_kernels.validation import prepare_loss_inputs
-from tests.cases import configs
+from tests.support import configs
 
 
 @pytest.mark.parametrize("per_token_adv", [False, True], ids=["seq-adv", "token-adv"])
@@ -108,7 +108,7 @@ def test_fp32_objective_matches_fp64_when_weights_overflow_and_masked_inputs_are
         a, r = adv.clone(), ratio.clone()
         a[mask == 0], r[mask == 0] = poison, poison
         inputs = prepare_loss_inputs(labels, a.to(dtype), 1, old_logprobs=old.to(dtype), mask=mask,
-                                     is_ratio=r.to(dtype), ref_logprobs=ref_lp.to(dtype), config=cfg)
+                                     is_ratio=r.to(dtype), ref_logprobs=ref_lp.to(dtype), beta=cfg.beta)
         logp = logp64.to(dtype).requires_grad_()
         out = gspo_objective(logp, None, inputs, cfg)
         grads.append((out.loss, torch.autograd.grad(out.loss, logp)[0]))

@@ -13,8 +13,8 @@ import torch
 
 import gspo_kernels as gk
 from gspo_kernels import reference
-from gspo_kernels.validation import prepare_loss_inputs
-from tests.cases import check_against_reference, configs
+from gspo_kernels.layout import prepare_loss_inputs
+from tests.support import check_against_reference, configs
 
 LENGTHS = (5, 1, 0, 7, 4)
 BACKENDS = ("torch", "cpu", "triton")

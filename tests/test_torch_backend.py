@@ -11,7 +11,7 @@ import torch
 import gspo_kernels as gk
 from gspo_kernels import reference
 from gspo_kernels.backends import pytorch as torch_backend
-from tests.cases import (
+from tests.support import (
     RTOL,
     rel_err,
 )

@@ -1,4 +1,4 @@
-"""The reference trainer: toy tasks, rollouts, and reference-loss vs fused-loss parity.
+"""The toy trainer: toy tasks, rollouts, and reference-loss vs fused-loss parity.
 
 Parity tolerance (fp32 policy): with the same seed, the first rollout is bit-identical; old log-probs
 agree to 2e-6 (float64 oracle vs fp32 fused; observed <= 5e-7); after 3 AdamW steps (lr 1e-3, the

@@ -24,7 +24,7 @@ from gspo_kernels.backends.triton import interpreter_active, linear_forward
 from gspo_kernels.backends.triton.autograd import linear_logprobs
 from gspo_kernels.backends.triton.linear_backward import pick_config
 from gspo_kernels.backends.triton.linear_forward import linear_logprobs_forward
-from tests.cases import (
+from tests.support import (
     rel_err,
 )
 

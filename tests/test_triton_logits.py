@@ -24,7 +24,7 @@ from gspo_kernels.backends.triton import interpreter_active, sequence  # noqa: E
 from gspo_kernels.backends.triton.logits_backward import logprobs_backward  # noqa: E402
 from gspo_kernels.backends.triton.logits_forward import logprobs_forward, logsumexp_from_stats  # noqa: E402
 from gspo_kernels.config import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, GSPOConfig  # noqa: E402
-from gspo_kernels.validation import LossInputs, TokenBatch  # noqa: E402
+from gspo_kernels.layout import LossInputs, TokenBatch  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu" and not interpreter_active():
@@ -126,7 +126,7 @@ def test_qwen_vocabulary_few_rows():
     _close(entropy.cpu(), ref_entropy)
     ref_grad = x64.grad
     # bf16 gradient: within one rounding to nearest of the float64 gradient (half an ulp, relative), on a GPU and
-    # in the interpreter alike (its truncating cast is replaced: verify.round_interpreter_bf16_casts).
+    # in the interpreter alike (its truncating cast is replaced: testing.round_interpreter_bf16_casts).
     tol = torch.finfo(torch.bfloat16).eps / 2
     assert bool(((x_req.grad.cpu().double() - ref_grad).abs() <= tol * ref_grad.abs() + 1e-12).all())
 
@@ -541,10 +541,10 @@ def test_logits_path_autograd_has_no_host_synchronization():
 def _prepared(labels, adv, old, mask, config, V):
     """The validated inputs of ``gspo_loss`` (built outside the recorded region: the eager value checks
     read values on purpose)."""
-    from gspo_kernels.validation import prepare_loss_inputs
+    from gspo_kernels.layout import prepare_loss_inputs
 
     return prepare_loss_inputs(labels.to(DEVICE), adv.to(DEVICE), V, old_logprobs=old.to(DEVICE), mask=mask.to(DEVICE),
-                               ref_logprobs=old.to(DEVICE), config=config)
+                               ref_logprobs=old.to(DEVICE), beta=config.beta)
 
 
 @pytest.mark.parametrize("level", IMPORTANCE_SAMPLING_LEVELS)
@@ -653,7 +653,7 @@ def _to_bf16_kernel(x_ptr, explicit_ptr, implicit_ptr, n, BLOCK: tl.constexpr):
 
 def test_bf16_casts_round_to_nearest_even_as_on_the_gpu():
     """fp32 -> bf16 inside a kernel gives the bits of ``Tensor.to(torch.bfloat16)`` (round to nearest even): on a
-    GPU natively, in the interpreter through ``verify.round_interpreter_bf16_casts`` (its own cast truncates).
+    GPU natively, in the interpreter through ``testing.round_interpreter_bf16_casts`` (its own cast truncates).
     Magnitudes over 60 decades, ties of both parities, the largest finite values, infinities, NaN, signed zeros
     (subnormals left out: a GPU may flush them)."""
     one_ulp = 2.0**-7

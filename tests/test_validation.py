@@ -144,20 +144,21 @@ def test_label_range_has_one_rule():
     assert torch.isfinite(call(**padded(labels=labels, mask=mask)).loss)  # masked: never read
 
 
-def test_config_or_beta_decide_whether_ref_logprobs_is_required():
-    from gspo_kernels.validation import prepare_loss_inputs
+def test_beta_decides_whether_ref_logprobs_is_required():
+    from gspo_kernels.layout import prepare_loss_inputs
 
     labels, adv = torch.randint(0, V, (B, T)), torch.randn(B)
-    for kw in (dict(config=GSPOConfig(beta=0.1)), dict(beta=0.1)):
-        with pytest.raises(ValueError, match="ref_logprobs is required"):
-            prepare_loss_inputs(labels, adv, V, **kw)
-    assert prepare_loss_inputs(labels, adv, V, config=GSPOConfig()).ref_logprobs is None
+    with pytest.raises(ValueError, match="ref_logprobs is required"):
+        prepare_loss_inputs(labels, adv, V, beta=0.1)
+    with pytest.raises(ValueError, match="ref_logprobs is required"):
+        gk.gspo_loss(torch.randn(B, T, V), labels, adv, config=GSPOConfig(beta=0.1))
+    assert prepare_loss_inputs(labels, adv, V).ref_logprobs is None
 
 
 def test_value_checks_read_the_device_once(monkeypatch):
     """Eager validation of valid inputs: all value rules (labels, mask, cu_seqlens, num_items_in_batch,
     finiteness) are read back with a single ``tolist`` and no other host read."""
-    from gspo_kernels.validation import prepare_loss_inputs
+    from gspo_kernels.layout import prepare_loss_inputs
 
     reads = []
     for name in ("tolist", "item", "__bool__", "__int__", "__float__", "cpu", "numpy"):
@@ -174,7 +175,8 @@ def test_value_checks_read_the_device_once(monkeypatch):
 
 def test_token_to_response_index_stays_in_bounds_whatever_cu_seqlens_holds():
     """The guarantee behind torch.compile's asserts: even before a check fires, no index leaves [0, S)."""
-    from gspo_kernels.validation import ValueChecks, flatten_token_layout
+    from gspo_kernels.checks import ValueChecks
+    from gspo_kernels.layout import flatten_token_layout
 
     labels = torch.zeros(6, dtype=torch.long)
     for cu in ([0, 9, 2, 6], [3, 1, 2, 8], [0, 2, 4, 5], [-4, 0, 0, 100], [0, 0, 0, 0]):
@@ -187,7 +189,7 @@ def test_token_to_response_index_stays_in_bounds_whatever_cu_seqlens_holds():
 
 
 def test_seq_index_of_a_well_formed_layout():
-    from gspo_kernels.validation import flatten_token_layout
+    from gspo_kernels.layout import flatten_token_layout
 
     batch = flatten_token_layout(torch.zeros(6, dtype=torch.long), cu_seqlens=torch.tensor([0, 2, 2, 6]))
     assert batch.seq_index.tolist() == [0, 0, 2, 2, 2, 2]

@@ -22,7 +22,7 @@ if not torch.cuda.is_available():  # the children import triton after this line
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import gspo_kernels as gk  # noqa: E402
-from tests.cases import configs, rel_err  # noqa: E402
+from tests.support import configs, rel_err  # noqa: E402
 
 V, H = 37, 16
 RANGES = {2: [(0, 15), (15, 37)], 3: [(22, 37), (0, 7), (7, 22)]}  # uneven; 3 ranks out of order

@@ -10,11 +10,15 @@ A backend provides, as differentiable functions (autograd Functions inside the b
     where both are zero; their logits gradient is exactly 0. With ``inplace_backward`` the gradient is
     written into the logits' own storage.
 
-``linear_logprobs(hidden, weight, bias, labels, *, active, temperature, return_entropy, memory_budget=None)``
+``linear_logprobs(hidden, weight, bias, labels, *, active, temperature, return_entropy, memory_budget=None,
+batch_invariant=False)``
     ``hidden``: ``[N, H]`` or ``[B, T, H]``, ``weight``: ``[V, H]``, ``bias``: ``[V]`` or None; same
     outputs and the same skipping rule, gradients for hidden, weight and bias. ``memory_budget``:
     bytes the backend may use for logits saved between forward and backward and for its chunk
-    buffers (None: the backend's documented default); it never changes the results' meaning.
+    buffers (None: :data:`DEFAULT_MEMORY_BUDGET`, the one default of every backend that uses it); it is
+    validated by the public functions (:func:`gspo_kernels.checks.check_memory_budget`), never again
+    here, and never changes the results' meaning. ``batch_invariant=True`` (passed only when the caller asks):
+    a row's results are the same bits whatever the rest of the batch; a backend that cannot promise it raises.
 
 Labels outside ``[0, V)`` reach a backend only when the public checks are skipped (under
 ``torch.compile``): a backend never reads out of bounds for them, and that row's log-prob is NaN.
@@ -42,6 +46,7 @@ import torch
 logger = logging.getLogger("gspo_kernels")
 
 BACKENDS = ("torch", "triton", "cpu")
+DEFAULT_MEMORY_BUDGET = 1 << 30  # bytes; see the contract above
 _MODULES = {
     "torch": "gspo_kernels.backends.pytorch",
     "triton": "gspo_kernels.backends.triton",

@@ -41,7 +41,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from gspo_kernels.backends import Backend, cpu_build
+from gspo_kernels.backends import DEFAULT_MEMORY_BUDGET, Backend, cpu_build
 from gspo_kernels.backends.tiling import as_rows
 
 logger = logging.getLogger("gspo_kernels")
@@ -52,7 +52,6 @@ ROW_BLOCK = 1024  # rows per logits tile of the hidden-state path (the weight is
 # 1024-row products, 128 about 1.4x slower; the price is that fewer than 512 active rows cost as much as 512.
 GEMM_ROWS = 512
 VOCAB_BLOCK = 8192  # vocabulary entries per tile: a [1024, 8192] fp32 tile is 32 MiB
-DEFAULT_MEMORY_BUDGET = 1 << 30  # bytes of logits kept from the forward for the backward (0: recompute all)
 
 _registered = False
 _fp64_announced = False
@@ -236,9 +235,11 @@ def linear_logprobs(
     temperature: float = 1.0,
     return_entropy: bool = False,
     memory_budget: Optional[int] = None,
+    batch_invariant: bool = False,
 ) -> Tuple[Tensor, Optional[Tensor]]:
     """Per-token ``(logp [N], entropy [N] | None)`` of ``hidden @ weight.T + bias``.
 
+    ``batch_invariant``: this backend's results are batch invariant either way (see the module docstring).
     ``hidden``: ``[N, H]`` or ``[B, T, H]``; ``weight``: ``[V, H]``; ``bias``: ``[V]`` or None.
     fp16/bf16/fp32 inputs: exact fp32 products, fp32 accumulation, fp32 outputs; fp64 inputs: the
     ``torch`` backend's fp64 math and fp64 outputs.
@@ -257,9 +258,7 @@ def linear_logprobs(
     rows = as_rows(hidden)
     labels, active = _flags(labels, active)
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (rows, weight, bias))
-    budget = DEFAULT_MEMORY_BUDGET if memory_budget is None else int(memory_budget)
-    if budget < 0:
-        raise ValueError(f"memory_budget must be a number of bytes >= 0 (or None), got {memory_budget!r}")
+    budget = DEFAULT_MEMORY_BUDGET if memory_budget is None else memory_budget  # validated by the public API
     save_cols = saved_columns(rows.shape[0], weight.shape[0], VOCAB_BLOCK, budget if needs_grad else 0)
     logp, entropy, _stats, _saved = torch.ops.gspo_kernels.linear_fwd(
         rows, weight, bias, labels, active, float(temperature), bool(return_entropy), ROW_BLOCK, GEMM_ROWS,

@@ -25,14 +25,11 @@ from torch import Tensor
 
 from gspo_kernels.backends import Backend
 from gspo_kernels.backends.tiling import as_rows, row_blocks
+from gspo_kernels.precision import compute_dtype
 
 LOGITS_BLOCK_ELEMENTS = 1 << 23  # logits path: whole rows per block, about this many elements (32 MiB fp32)
 LINEAR_ROW_BLOCK = 1024  # rows per tile of the hidden-state path (the weight is streamed once per block)
 LINEAR_VOCAB_BLOCK = 4096
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _log_p_floor(dtype: torch.dtype) -> float:
@@ -164,7 +161,7 @@ class _LogitsLogprobs(torch.autograd.Function):
     def forward(ctx, logits, labels, active, temperature, return_entropy, inplace_backward):
         V = logits.shape[-1]
         n = labels.shape[0]
-        cdt = _compute_dtype(logits.dtype)
+        cdt = compute_dtype(logits.dtype)
         device = logits.device
         logp = torch.zeros(n, dtype=cdt, device=device)
         entropy = torch.zeros(n, dtype=cdt, device=device)
@@ -262,7 +259,7 @@ class _LinearLogprobs(torch.autograd.Function):
         rows_all = as_rows(hidden)
         n = labels.shape[0]
         V = weight.shape[0]
-        cdt = _compute_dtype(hidden.dtype)
+        cdt = compute_dtype(hidden.dtype)
         device = hidden.device
         logp = torch.zeros(n, dtype=cdt, device=device)
         entropy = torch.zeros(n, dtype=cdt, device=device)
@@ -372,15 +369,20 @@ def linear_logprobs(
     temperature: float = 1.0,
     return_entropy: bool = False,
     memory_budget: Optional[int] = None,
+    batch_invariant: bool = False,
 ) -> Tuple[Tensor, Optional[Tensor]]:
     """Per-token ``(logp [N], entropy [N] | None)`` of ``hidden @ weight.T + bias``.
 
+    ``batch_invariant=True`` is refused: the BLAS this backend calls picks its kernels by shape.
     fp16/bf16/fp32 inputs: converted to fp32 exactly (exact products), fp32 accumulation and outputs;
     fp64 inputs: fp64 math and outputs. ``memory_budget`` is accepted for the backend contract and
     ignored: this backend keeps no logits between forward and backward (it recomputes every tile).
     Extra memory: ``O(N)`` plus a few ``[1024, 4096]`` tiles; the backward adds accumulators for
     ``dW`` (``V*H*4`` bytes), ``dH`` (``N*H*4``) and ``dbias`` (``V*4``).
     """
+    if batch_invariant:
+        raise ValueError("batch_invariant=True needs backend='triton' or backend='cpu': the 'torch' backend's "
+                         "matmuls round a row depending on the batch's shape")
     logp, entropy = _LinearLogprobs.apply(hidden, weight, bias, labels, active, float(temperature), return_entropy)
     return logp, (entropy if return_entropy else None)
 

@@ -49,9 +49,10 @@ import trl
 from trl.trainer.utils import FusedCausalLMOutput, maybe_gather_lm_head_ctx, nanmax, nanmin
 
 from gspo_kernels import backends
+from gspo_kernels.checks import check_memory_budget
 from gspo_kernels.config import LOSS_TYPES, GSPOConfig
 from gspo_kernels.loss import linear_logprobs, policy_loss
-from gspo_kernels.validation import check_memory_budget
+from gspo_kernels.objective import clip_flags, k3_kl
 
 # The head's memory_budget on CPU tensors when the caller gives none (bytes; see GRPOTrainer): the logits the cpu
 # backend keeps between forward and backward. Smaller than the library's 1 GiB: a trainer's loss step holds the
@@ -172,7 +173,7 @@ class GRPOTrainer(trl.GRPOTrainer):
             num_items = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
             if mode == "train":
                 num_items = num_items * self.current_gradient_accumulation_steps / self.args.steps_per_generation
-        config = GSPOConfig(
+        config = self._gspo_config = GSPOConfig(
             importance_sampling_level=self.importance_sampling_level,
             loss_type=self.loss_type,
             epsilon_low=self.epsilon_low,
@@ -208,7 +209,12 @@ class GRPOTrainer(trl.GRPOTrainer):
 
     @torch.no_grad()
     def _log_loss_metrics(self, metrics, logp, entropies, old, ref, adv2d, mask) -> None:
-        """TRL's loss metrics, weighted across processes as TRL weights them (summed totals / gathered values)."""
+        """TRL's loss metrics, weighted across processes as TRL weights them (summed totals / gathered values).
+
+        The formulas are the library's (:func:`gspo_kernels.objective.clip_flags`, :func:`~gspo_kernels.objective.k3_kl`);
+        what is TRL's own is the weighting: every response counts (empty ones too), the totals are summed over
+        processes, the advantages are the unmasked ones (entropy / off-policy masking changes the loss, not
+        the metrics), and ``clip_ratio/low_min`` / ``high_max`` are taken over per-response shares."""
         mask = mask.to(logp.dtype)
         log_ratio = (logp - (logp if old is None else old.to(logp.dtype))) * mask
         per_sequence = self.importance_sampling_level != "token"
@@ -231,14 +237,13 @@ class GRPOTrainer(trl.GRPOTrainer):
             return x.squeeze(1) if per_sequence else (x * mask).sum(-1) / mask.sum(-1)
 
         if self.beta != 0.0:
-            d = ref.to(logp.dtype) - logp
-            kl = torch.exp(d) - d - 1
+            kl = k3_kl(ref.to(logp.dtype), logp)
             if self.args.use_bias_correction_kl:
                 kl = kl * weight
             metrics["kl"].append(weighted_mean(kl, False))
         metrics["entropy"].append(weighted_mean(entropies, False))
-        low = ((weight < 1 - self.epsilon_low) & (adv2d < 0)).to(logp.dtype)
-        high = ((weight > 1 + self.epsilon_high) & (adv2d > 0)).to(logp.dtype)
+        low, high = clip_flags(weight, adv2d, self._gspo_config)
+        low, high = low.to(logp.dtype), high.to(logp.dtype)
         region = ((low + high) > 0).to(logp.dtype)
         metrics["clip_ratio/low_mean"].append(weighted_mean(low, per_sequence))
         metrics["clip_ratio/high_mean"].append(weighted_mean(high, per_sequence))

@@ -1,1 +1,1 @@
-"""The reference GSPO / GRPO trainer (``gspo-kernels train``) and its toy tasks."""
+"""The toy GSPO / GRPO trainer (``gspo-kernels train``) and its toy tasks."""

@@ -1,4 +1,4 @@
-"""The reference GSPO / GRPO trainer: a minimal, readable RL loop that runs on the CPU in minutes.
+"""The toy GSPO / GRPO trainer: a minimal, readable RL loop that runs on the CPU in minutes.
 
 One step (the GSPO paper's setup):
 
@@ -240,7 +240,7 @@ def token_logprobs_of(loss: str, hidden: Tensor, weight: Tensor, labels: Tensor,
     return linear_logprobs(hidden, weight, labels, temperature=temperature, backend=loss)
 
 
-def policy_loss(loss: str, hidden: Tensor, weight: Tensor, batch: Dict[str, Tensor], config: GSPOConfig):
+def minibatch_loss(loss: str, hidden: Tensor, weight: Tensor, batch: Dict[str, Tensor], config: GSPOConfig):
     """The GSPO / GRPO :class:`~gspo_kernels.objective.LossOutput` of one mini-batch."""
     args = (hidden, weight, batch["completion_ids"], batch["advantages"], batch["old_logprobs"])
     kwargs = dict(mask=batch["completion_mask"], ref_logprobs=batch.get("ref_logprobs"), config=config)
@@ -379,7 +379,7 @@ def _update(model, optimizer, weight, batch: Rollout, cfg: TrainConfig, loss_con
         hidden, router = completion_hidden(
             model, batch.input_ids[rows], batch.attention_mask[rows], batch.prompt_length, router=moe
         )
-        out = policy_loss(cfg.loss, hidden, weight, mb, loss_config)
+        out = minibatch_loss(cfg.loss, hidden, weight, mb, loss_config)
         optimizer.zero_grad(set_to_none=True)
         out.loss.backward()
         grad_norm = None

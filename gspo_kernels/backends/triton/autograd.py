@@ -28,8 +28,8 @@ from gspo_kernels.backends.triton.linear_forward import compact_rows, linear_log
 from gspo_kernels.backends.triton.logits_backward import logprobs_backward
 from gspo_kernels.backends.triton.logits_forward import logprobs_forward
 from gspo_kernels.config import GSPOConfig
+from gspo_kernels.layout import LossInputs
 from gspo_kernels.objective import LossOutput
-from gspo_kernels.validation import LossInputs
 
 METRIC_NAMES = (
     ("clip_ratio/low_mean", sequence.O_LOW),

@@ -39,7 +39,7 @@ from torch import Tensor
 
 from gspo_kernels.backends.triton import device_guard
 from gspo_kernels.config import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, GSPOConfig
-from gspo_kernels.validation import LossInputs
+from gspo_kernels.layout import LossInputs
 
 # Per-response partial sums written by the first kernel: row i of a [S, 16] fp32 buffer holds, in columns
 # 0..10, the aggregated loss sum, |y_i|, sum of masked entropy, sum of masked KL, low / high / region clip

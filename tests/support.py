@@ -1,4 +1,5 @@
-"""Random loss inputs shared by the backend tests (fresh per call; seeded by conftest)."""
+"""What the tests share: random loss inputs (fresh per call; seeded by conftest), comparisons with the
+float64 reference at the library's stated tolerances, and the ``gpu`` marker's rule."""
 
 from __future__ import annotations
 
@@ -6,17 +7,18 @@ import itertools
 from dataclasses import dataclass
 from typing import Optional
 
+import pytest
 import torch
 
 from gspo_kernels import GSPOConfig
 from gspo_kernels.config import IMPORTANCE_SAMPLING_LEVELS as LEVELS
 from gspo_kernels.config import LOSS_TYPES
-from gspo_kernels.tools.verify import FP32_RTOL as RTOL
-from gspo_kernels.tools.verify import rel_err
+from gspo_kernels.testing import FP32_RTOL as RTOL
+from gspo_kernels.testing import rel_err
 
 __all__ = ["LEVELS", "LOSS_TYPES", "RTOL", "rel_err", "Case", "make_case", "configs", "check_against_reference",
            "logits_loss_vs_reference", "linear_loss_vs_reference", "assert_zero_rows_get_zero_dh",
-           "assert_bf16_within_fp32_math_plus_rounding", "assert_bf16_no_worse_than_plain_bf16"]
+           "assert_bf16_within_fp32_math_plus_rounding", "assert_bf16_no_worse_than_plain_bf16", "skip_gpu_items_without_cuda"]
 
 
 @dataclass
@@ -180,11 +182,11 @@ def assert_zero_rows_get_zero_dh(config, grads, ref_grads) -> None:
 
 def assert_bf16_within_fp32_math_plus_rounding(backend: str, path: str) -> None:
     """bf16 inputs through ``backend``'s public loss: the loss within the fp32 tolerance of the float64 oracle
-    (on the same rounded inputs), gradients within :func:`gspo_kernels.tools.verify.gradient_tolerance`
+    (on the same rounded inputs), gradients within :func:`gspo_kernels.testing.gradient_tolerance`
     (the fp32 error plus the roundings of a bf16 result, at most ``2^-6``). Never the plain bf16 path's error."""
     import gspo_kernels as gk
     from gspo_kernels import reference
-    from gspo_kernels.tools.verify import gradient_tolerance
+    from gspo_kernels.testing import gradient_tolerance
 
     B, T, V, H = 4, 16, 1000, 64
     labels = torch.randint(0, V, (B, T))
@@ -212,3 +214,13 @@ def assert_bf16_within_fp32_math_plus_rounding(backend: str, path: str) -> None:
 # The former name: its callers (per-backend copies of test_conformance.py's half-precision test) now get
 # the honest bound above.
 assert_bf16_no_worse_than_plain_bf16 = assert_bf16_within_fp32_math_plus_rounding
+
+
+def skip_gpu_items_without_cuda(items) -> None:
+    """Mark every item carrying ``@pytest.mark.gpu`` as skipped (with the reason) when CUDA is absent."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="GPU-only: no CUDA device on this machine (never ran here)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -1,0 +1,253 @@
+"""The canonical flat token layout every backend works on, and the validated loss inputs.
+
+Both layouts end up as ``N`` tokens in response order:
+
+* padded: labels ``[B, T]`` with an optional ``mask [B, T]``; token ``b * T + t``; ``S = B``;
+* packed: labels ``[N]`` with ``cu_seqlens [S + 1]`` (int32/int64) and an optional token ``mask [N]``.
+
+:func:`prepare_loss_inputs` checks every loss input against the layout (through
+:mod:`gspo_kernels.checks`) and flattens it into a :class:`LossInputs`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+from torch import Tensor
+
+from gspo_kernels.checks import (
+    ValueChecks,
+    check_finite_values,
+    check_float,
+    check_integer,
+    check_labels,
+    check_num_items,
+    check_same_device,
+    check_tensor,
+    first_true,
+)
+
+
+@dataclass(frozen=True)
+class TokenBatch:
+    """Where the ``N`` tokens of a batch belong.
+
+    Attributes:
+        mask: ``[N]`` float32, 1 for tokens that count, 0 otherwise.
+        seq_index: ``[N]`` int64, the response each token belongs to (always in ``[0, S)``).
+        cu_seqlens: ``[S + 1]`` int32, response boundaries (``arange(0, B*T+1, T)`` when padded).
+        num_seqs: ``S``.
+        token_shape: ``(B, T)`` for the padded layout, ``(N,)`` for the packed one.
+    """
+
+    mask: Tensor
+    seq_index: Tensor
+    cu_seqlens: Tensor
+    num_seqs: int
+    token_shape: tuple
+
+
+@dataclass(frozen=True)
+class LossInputs:
+    """Validated, flattened loss inputs: per-token tensors ``[N]``, fp16/bf16 upcast to fp32, fp64 kept."""
+
+    labels: Optional[Tensor]  # [N] int64, in [0, V) everywhere (masked positions set to 0); None: log-probs given
+    batch: TokenBatch
+    advantages: Tensor  # [S] (per response) or [N] (per token); fp32, or fp64 when given fp64
+    advantages_per_token: bool
+    old_logprobs: Optional[Tensor]
+    ref_logprobs: Optional[Tensor]
+    is_ratio: Optional[Tensor]  # [N], per-sequence ratios already broadcast to tokens
+    num_items_in_batch: Optional[Tensor]  # 0-dim float32, finite and > 0
+
+
+
+# ---------------------------------------------------------------------------------------------
+# The token layout, labels, mask, num_items_in_batch.
+# ---------------------------------------------------------------------------------------------
+
+
+def flatten_token_layout(
+    labels: Tensor,
+    *,
+    mask: Optional[Tensor] = None,
+    cu_seqlens: Optional[Tensor] = None,
+    checks: Optional[ValueChecks] = None,
+    name: str = "labels",
+) -> TokenBatch:
+    """Validate the token layout and build the :class:`TokenBatch`.
+
+    Value rules (``mask`` only 0/1, ``cu_seqlens`` from 0 to ``N`` non-decreasing) are added to ``checks``;
+    without ``checks`` they run before returning.
+    """
+    own = checks is None
+    checks = ValueChecks() if own else checks
+    if name == "labels":
+        labels = check_integer("labels", labels)
+    device = check_same_device(**{name: labels}, mask=mask, cu_seqlens=cu_seqlens)
+    if cu_seqlens is None:
+        if labels.dim() != 2:
+            raise ValueError(
+                f"{name} must be [B, T] for the padded layout (or [N] with cu_seqlens for the packed one), "
+                f"got shape {tuple(labels.shape)}"
+            )
+        B, T = labels.shape
+        token_mask = _token_mask(mask, (B, T), device, checks)
+        cu = torch.arange(0, B * T + 1, max(T, 1), device=device, dtype=torch.int32)[: B + 1]
+        if T == 0:
+            cu = torch.zeros(B + 1, device=device, dtype=torch.int32)
+        seq_index = torch.arange(B, device=device).repeat_interleave(T)
+        batch = TokenBatch(token_mask.reshape(-1), seq_index, cu, B, (B, T))
+    else:
+        batch = _packed_layout(labels, mask, check_tensor("cu_seqlens", cu_seqlens), checks, name)
+    if own:
+        checks.run()
+    return batch
+
+
+def _packed_layout(labels: Tensor, mask: Optional[Tensor], cu_seqlens: Tensor, checks: ValueChecks,
+                   name: str) -> TokenBatch:
+    device = labels.device
+    if labels.dim() != 1:
+        raise ValueError(f"{name} must be [N] when cu_seqlens is given (packed layout), got shape {tuple(labels.shape)}")
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"cu_seqlens must be int32 or int64, got {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
+        raise ValueError(f"cu_seqlens must be a 1-D tensor [S + 1], got shape {tuple(cu_seqlens.shape)}")
+    N = labels.shape[0]
+    S = cu_seqlens.numel() - 1
+    if S == 0 and N > 0:
+        raise ValueError(f"cu_seqlens = [0] describes no response but {name} holds N = {N} tokens")
+    token_mask = _token_mask(mask, (N,), device, checks)
+    cu = cu_seqlens.detach().to(torch.int64)
+    lengths = cu[1:] - cu[:-1]
+    checks.add(cu[0] != 0, "cu_seqlens must start at 0",
+               lambda: f"cu_seqlens must start at 0, got cu_seqlens[0] = {int(cu[0])}")
+    checks.add((lengths < 0).any(), "cu_seqlens must be non-decreasing",
+               lambda: (lambda i: f"cu_seqlens must be non-decreasing, but cu_seqlens[{i + 1}] < cu_seqlens[{i}]")(
+                   first_true(lengths < 0)))
+    checks.add(cu[-1] != N, f"cu_seqlens must end at N (the number of {name})",
+               lambda: f"cu_seqlens must end at N = {N} (the number of {name}), got cu_seqlens[-1] = {int(cu[-1])}")
+    # Token t belongs to the response i with cu[i] <= t < cu[i + 1]. searchsorted + clamp keeps every index
+    # in [0, S) whatever cu_seqlens holds, so nothing downstream can index out of bounds even when the
+    # value checks above are device asserts that have not fired yet.
+    positions = torch.arange(N, device=device, dtype=torch.int64)
+    seq_index = torch.searchsorted(cu[1:].contiguous(), positions, right=True).clamp_(max=max(S - 1, 0))
+    return TokenBatch(token_mask, seq_index, cu.to(torch.int32), S, (N,))
+
+
+def _token_mask(mask: Optional[Tensor], shape: tuple, device: torch.device, checks: ValueChecks) -> Tensor:
+    """The 0/1 float32 token mask; ``mask`` may be bool, integer or float, holding only 0 and 1."""
+    if mask is None:
+        return torch.ones(shape, device=device, dtype=torch.float32)
+    mask = check_tensor("mask", mask)
+    if tuple(mask.shape) != tuple(shape):
+        raise ValueError(f"mask must have shape {tuple(shape)} (like labels), got {tuple(mask.shape)}")
+    if mask.dtype.is_complex:
+        raise TypeError(f"mask must be bool, integer or float (0/1), got {mask.dtype}")
+    mask = mask.detach()
+    if mask.dtype != torch.bool:
+        not_binary = (mask != 0) & (mask != 1)  # NaN included
+        checks.add(
+            not_binary.any(),
+            "mask must hold only 0 and 1 (bool, integer or float)",
+            lambda: f"mask must hold only 0 and 1 (bool, integer or float); flat position "
+            f"{first_true(not_binary)} holds {mask.reshape(-1)[first_true(not_binary)].item()}",
+        )
+    return (mask != 0).to(torch.float32).reshape(shape)
+
+
+
+def _per_token(name: str, value: Optional[Tensor], batch: TokenBatch) -> Optional[Tensor]:
+    if value is None:
+        return None
+    value = check_float(name, value)
+    if tuple(value.shape) != tuple(batch.token_shape):
+        raise ValueError(f"{name} must have the token shape {tuple(batch.token_shape)}, got {tuple(value.shape)}")
+    return _upcast(value.detach().reshape(-1))
+
+
+def _upcast(x: Tensor) -> Tensor:
+    """fp16 / bf16 -> fp32; fp32 and fp64 are kept (the float64 oracle keeps full precision)."""
+    return x if x.dtype in (torch.float32, torch.float64) else x.to(torch.float32)
+
+
+def prepare_loss_inputs(
+    labels: Tensor,
+    advantages: Tensor,
+    vocab_size: Optional[int],
+    *,
+    old_logprobs: Optional[Tensor] = None,
+    mask: Optional[Tensor] = None,
+    cu_seqlens: Optional[Tensor] = None,
+    ref_logprobs: Optional[Tensor] = None,
+    is_ratio: Optional[Tensor] = None,
+    num_items_in_batch: Union[None, int, float, Tensor] = None,
+    beta: float = 0.0,
+    check_finite: bool = False,
+    checks: Optional[ValueChecks] = None,
+) -> LossInputs:
+    """Validate every loss input against the layout and flatten it to ``[N]`` / ``[S]``.
+
+    ``labels``: the sampled token ids (``[B, T]`` / ``[N]``, in ``[0, vocab_size)`` where unmasked); with
+    ``vocab_size=None`` it is instead the caller's per-token log-probs (:func:`gspo_kernels.policy_loss`),
+    which carry the layout only, and ``LossInputs.labels`` is None.
+    ``beta`` (the KL weight of the config) says whether ``ref_logprobs`` is required.
+    ``check_finite``: also require the float inputs to be finite at unmasked positions. The value checks
+    run before returning, with those already in ``checks`` (one host sync for all of them).
+    """
+    name = "labels" if vocab_size is not None else "logprobs"
+    check_same_device(**{name: labels}, advantages=advantages, old_logprobs=old_logprobs, mask=mask,
+                      cu_seqlens=cu_seqlens, ref_logprobs=ref_logprobs, is_ratio=is_ratio)
+    checks = ValueChecks() if checks is None else checks
+    batch = flatten_token_layout(labels, mask=mask, cu_seqlens=cu_seqlens, checks=checks, name=name)
+    device = labels.device
+    counted = batch.mask > 0
+    flat_labels = None if vocab_size is None else check_labels(labels, vocab_size, checks, counted)
+
+    advantages = check_float("advantages", advantages)
+    S = batch.num_seqs
+    if tuple(advantages.shape) == (S,):
+        per_token = False
+    elif tuple(advantages.shape) == tuple(batch.token_shape):
+        per_token = True
+    else:
+        raise ValueError(
+            f"advantages must be [S] = ({S},) (one per response) or the token shape "
+            f"{tuple(batch.token_shape)} (one per token), got {tuple(advantages.shape)}"
+        )
+    adv = _upcast(advantages.detach().reshape(-1))
+
+    old = _per_token("old_logprobs", old_logprobs, batch)
+    ref = _per_token("ref_logprobs", ref_logprobs, batch)
+    if beta > 0 and ref is None:
+        raise ValueError("ref_logprobs is required when beta > 0 (the KL term needs the reference log-probs)")
+
+    ratio = None
+    if is_ratio is not None:
+        is_ratio = check_float("is_ratio", is_ratio)
+        if tuple(is_ratio.shape) == tuple(batch.token_shape):
+            ratio = _upcast(is_ratio.detach().reshape(-1))
+        elif tuple(is_ratio.shape) in ((S,), (S, 1)):
+            ratio = _upcast(is_ratio.detach().reshape(-1))[batch.seq_index]
+        else:
+            raise ValueError(
+                f"is_ratio must be per token {tuple(batch.token_shape)} or per response ({S},), "
+                f"got {tuple(is_ratio.shape)}"
+            )
+
+    items = check_num_items(num_items_in_batch, device, checks)
+
+    if check_finite:
+        if per_token:
+            check_finite_values("advantages", adv, checks, counted)
+        else:  # the advantage of a response with at least one unmasked token
+            has_tokens = torch.zeros(S, device=device).index_add_(0, batch.seq_index, batch.mask) > 0
+            check_finite_values("advantages", adv, checks, has_tokens)
+        for name, value in (("old_logprobs", old), ("ref_logprobs", ref if beta > 0 else None), ("is_ratio", ratio)):
+            if value is not None:
+                check_finite_values(name, value, checks, counted)
+    checks.run()
+    return LossInputs(flat_labels, batch, adv, per_token, old, ref, ratio, items)

@@ -1,0 +1,113 @@
+"""The package's structure: no import cycles between its modules (type-only imports included), one
+definition of the pipeline's parts, and the public names all importable."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import gspo_kernels
+
+PACKAGE = Path(gspo_kernels.__file__).parent
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path, name: str, is_package: bool) -> set:
+    """Every ``gspo_kernels`` module named in an import statement of the file (anywhere: function bodies
+    and ``if TYPE_CHECKING:`` blocks count), resolved to the deepest existing module."""
+    tree = ast.parse(path.read_text())
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = name.split(".") if is_package else name.split(".")[:-1]
+                base = base[: len(base) - node.level + 1]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            # ``from a import b``: the submodule a.b when it exists, else a name defined in a
+            found.update(f"{module}.{alias.name}" for alias in node.names)
+    return {m for m in found if m == "gspo_kernels" or m.startswith("gspo_kernels.")}
+
+
+def import_graph() -> dict:
+    files = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph = {}
+    for name, path in files.items():
+        targets = set()
+        for target in _imports(path, name, path.name == "__init__.py"):
+            while target not in files and "." in target:
+                target = target.rsplit(".", 1)[0]
+            # importing a package's submodule runs the package's __init__ first, but that edge is the
+            # package's own choice; count the module actually named
+            if target in files and target != name:
+                targets.add(target)
+        graph[name] = targets
+    return graph
+
+
+def find_cycle(graph: dict):
+    state, stack = {}, []
+
+    def visit(node):
+        state[node] = "open"
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == "open":
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state:
+                cycle = visit(nxt)
+                if cycle:
+                    return cycle
+        stack.pop()
+        state[node] = "done"
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            cycle = visit(node)
+            if cycle:
+                return cycle
+    return None
+
+
+def test_import_graph_is_acyclic():
+    graph = import_graph()
+    assert "gspo_kernels.loss" in graph and "gspo_kernels.checks" in graph["gspo_kernels.loss"]
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_config_and_checks_do_not_import_each_other():
+    graph = import_graph()
+    assert "gspo_kernels.config" not in graph["gspo_kernels.checks"]
+    assert "gspo_kernels.config" not in graph["gspo_kernels.layout"]
+    assert graph["gspo_kernels.checks"] == set(), "checks.py is the bottom of the graph"
+
+
+def test_every_public_name_is_importable():
+    for name in gspo_kernels.__all__:
+        assert getattr(gspo_kernels, name) is not None, name
+
+
+def test_one_definition_of_each_pipeline_part():
+    """The orchestration, the precision decision and the objective are each defined once in the package."""
+    counts = {"def _run(": 0, "def operand_dtype(": 0, "def gspo_objective(": 0, "def prepare_loss_inputs(": 0,
+              "def _operand_dtype(": 0}
+    for path in PACKAGE.rglob("*.py"):
+        text = path.read_text()
+        for key in counts:
+            counts[key] += text.count(key)
+    assert counts == {"def _run(": 1, "def operand_dtype(": 1, "def gspo_objective(": 1, "def prepare_loss_inputs(": 1,
+                      "def _operand_dtype(": 0}, counts
