@@ -99,7 +99,7 @@ def scattered_gradient(n: int, share: float, device: str) -> torch.Tensor:
 
 def triton_step(hidden, weight, labels, grad_logp: torch.Tensor, memory_budget: Optional[int] = None):
     """Forward seconds, backward seconds of the Triton path for one incoming gradient."""
-    from gspo_kernels.backends.triton.autograd import linear_logprobs
+    from gspo_kernels.backends.triton.linear import linear_logprobs
 
     state = {}
 
@@ -141,7 +141,7 @@ def test_backward_memory_budget(budget_mib):
     hidden, weight, labels = make_inputs()
     budget = budget_mib << 20
     t_fwd, t_bwd = triton_step(hidden, weight, labels, torch.ones(N, device="cuda"), memory_budget=budget)
-    from gspo_kernels.backends.triton.autograd import linear_logprobs
+    from gspo_kernels.backends.triton.linear import linear_logprobs
 
     logp, _ = linear_logprobs(hidden, weight, None, labels, memory_budget=budget)
     torch.cuda.synchronize()

@@ -3,7 +3,8 @@
 Which dtype the operands of ``hidden @ weight.T + bias`` take (the *operand dtype*):
 
 1. ``fp32_head=True``: fp32 (bf16 / fp16 operands are upcast; TRL's ``cast_lm_head_to_fp32``).
-2. Any fp64 operand: nothing changes (fp64 inputs give fp64 results where the backend can).
+2. Any fp64 operand: fp64 for both (a bf16 / fp16 / fp32 partner converts exactly); fp64 inputs give fp64
+   results where the backend can.
 3. Under ``torch.autocast`` on the tensors' device: the autocast dtype, for hidden, weight and bias
    alike (as autocast treats ``F.linear``): an fp32 hidden state and an fp32 lm_head become bf16 under
    bf16 autocast.
@@ -37,10 +38,10 @@ def operand_dtype(
         fp32_head: force fp32 operands.
         device_type: ``"cpu"`` / ``"cuda"``: whose autocast state applies.
     Returns:
-        the operand dtype; both operands equal to it except for a mixed fp64 pair (left as given).
+        the operand dtype; both operands are cast to it.
     """
     if torch.float64 in (hidden_dtype, weight_dtype):
-        return torch.float64 if hidden_dtype == weight_dtype else torch.promote_types(hidden_dtype, weight_dtype)
+        return torch.float64
     if fp32_head:
         return torch.float32
     if torch.is_autocast_enabled(device_type):
@@ -68,8 +69,6 @@ def apply_precision(
     if not isinstance(fp32_head, bool):
         raise TypeError(f"fp32_head must be a bool, got {type(fp32_head).__name__}")
     dtype = operand_dtype(hidden.dtype, weight.dtype, fp32_head=fp32_head, device_type=hidden.device.type)
-    if dtype == torch.float64:
-        return hidden, weight, bias
     hidden = hidden if hidden.dtype == dtype else hidden.to(dtype)
     weight = weight if weight.dtype == dtype else weight.to(dtype)
     if bias is not None and bias.dtype != dtype and bias.dtype != torch.float64:
@@ -85,3 +84,19 @@ def backend_context(device: torch.device) -> Iterator[None]:
             yield
     else:
         yield
+
+
+def kernel_operand_dtype(hidden_dtype: torch.dtype, weight_dtype: torch.dtype) -> torch.dtype:
+    """The dtype a kernel backend without fp64 products (Triton) multiplies ``hidden`` and ``weight`` in.
+
+    Called by a backend *after* :func:`apply_precision` has decided; it decides nothing new: fp64 runs in
+    fp32, equal dtypes keep that dtype, and a pair that still differs raises ``TypeError`` naming both.
+    """
+    hidden_kernel = torch.float32 if hidden_dtype == torch.float64 else hidden_dtype
+    weight_kernel = torch.float32 if weight_dtype == torch.float64 else weight_dtype
+    if hidden_kernel != weight_kernel:
+        raise TypeError(
+            f"hidden is {hidden_dtype} and weight is {weight_dtype}: the kernels need one operand dtype; "
+            "apply gspo_kernels.precision.apply_precision first (the public functions do)"
+        )
+    return hidden_kernel

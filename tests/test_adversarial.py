@@ -83,7 +83,7 @@ def close_to_reference(out, grad, expected, ref_grad, rtol=RTOL):
 
 
 @pytest.mark.parametrize("backend", backends(with_reference=True))
-def test_class1_reproducer_minus_inf_logits(backend):
+def test_minus_inf_logits_give_finite_loss_and_zero_gradient(backend):
     x = torch.randn(2, 4, 11)
     x[..., 0] = float("-inf")
     y = torch.randint(1, 11, (2, 4))
@@ -98,7 +98,7 @@ def test_class1_reproducer_minus_inf_logits(backend):
 
 
 @pytest.mark.parametrize("backend", backends())
-def test_class1_token_logprobs_with_masked_vocabulary(backend):
+def test_token_logprobs_with_masked_vocabulary(backend):
     V = 19
     x = torch.randn(6, V) * 3
     x[:, ::3] = float("-inf")  # a third of the vocabulary masked; labels never there
@@ -115,7 +115,7 @@ def test_class1_token_logprobs_with_masked_vocabulary(backend):
 
 
 @pytest.mark.parametrize("backend", backends())
-def test_class1_minus_inf_bias_entry_on_the_hidden_state_path(backend):
+def test_minus_inf_bias_entry_on_the_hidden_state_path(backend):
     B, T, V, H = 2, 4, 17, 8
     hidden, weight, bias = torch.randn(B, T, H), torch.randn(V, H) * 0.3, torch.randn(V) * 0.1
     bias[[0, 5]] = float("-inf")
@@ -137,7 +137,7 @@ def test_class1_minus_inf_bias_entry_on_the_hidden_state_path(backend):
 # ---------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("backend", backends())
-def test_class2_strided_bias(backend):
+def test_strided_bias_is_read_with_its_stride(backend):
     B, T, V, H = 2, 3, 11, 8
     hidden, weight = torch.randn(B, T, H), torch.randn(V, H) * 0.3
     bias = torch.randn(2 * V)[::2]  # the issue's reproducer: stride 2
@@ -166,7 +166,7 @@ def test_class2_strided_bias(backend):
 
 
 @pytest.mark.parametrize("backend", backends())
-def test_class3_reproducer_double_backward_is_refused(backend):
+def test_double_backward_is_refused(backend):
     logits, labels, adv, old = logits_case()
     x = dev(logits).clone().requires_grad_()
     out = gk.gspo_loss(x, dev(labels), dev(adv), dev(old), config=C(entropy_coef=0.01), backend=backend)
@@ -180,7 +180,7 @@ def test_class3_reproducer_double_backward_is_refused(backend):
 
 
 @pytest.mark.parametrize("backend", backends())
-def test_class3_double_backward_refused_on_every_public_function(backend):
+def test_double_backward_refused_on_every_public_function(backend):
     B, T, V, H = 2, 3, 11, 8
     labels, adv = dev(torch.randint(0, V, (B, T))), dev(torch.randn(B))
     old = dev(torch.randn(B, T) - 2.5)
@@ -205,7 +205,7 @@ def test_class3_double_backward_refused_on_every_public_function(backend):
             t.grad = None
 
 
-def test_class3_guard_adds_nothing_to_first_order_gradients():
+def test_first_order_guard_adds_nothing_to_gradients():
     """The guard is an identity: first-order gradients are bit-identical with and without it, and rows
     the objective gives no gradient are still skipped (``None`` stays ``None`` through the guard)."""
     from gspo_kernels.loss import first_order_only
@@ -225,7 +225,7 @@ def test_class3_guard_adds_nothing_to_first_order_gradients():
 
 
 @pytest.mark.parametrize("backend", backends())
-def test_class4_huge_offset_logits(backend):
+def test_logits_offset_by_1e4_match_the_reference(backend):
     logits, labels, adv, old = logits_case(V=64)
     logits = logits + 1e4
     cfg = C(entropy_coef=0.01)
@@ -235,7 +235,7 @@ def test_class4_huge_offset_logits(backend):
 
 
 @pytest.mark.parametrize("backend", backends())
-def test_class4_tiny_temperature_logits(backend):
+def test_tiny_temperature_logits(backend):
     """``temperature = 1e-6`` on random fp32 logits: the softmax is one-hot (logit gaps far above fp32
     rounding), so on-policy (weights exactly 1) the loss and the gradient ``(onehot(label) - onehot(argmax))
     / temperature`` are exact in fp32, as plain fp32 ``log_softmax(logits / temperature)`` gets them."""
@@ -252,7 +252,7 @@ def test_class4_tiny_temperature_logits(backend):
 
 
 @pytest.mark.parametrize("backend", backends())
-def test_class4_tiny_temperature_hidden_states(backend):
+def test_tiny_temperature_hidden_states(backend):
     """``temperature = 1e-6`` on the hidden-state path, on-policy: the softmax is one-hot (logit gaps are far
     above fp32 rounding), the gradient ``(W[label] - W[argmax]) / temperature`` is exact in fp32."""
     B, T, V, H = 2, 4, 24, 8
@@ -277,7 +277,7 @@ def test_class4_tiny_temperature_hidden_states(backend):
 @pytest.mark.parametrize("backend", backends(with_reference=True))
 @pytest.mark.parametrize("level", ["sequence", "sequence_token", "token"])
 @pytest.mark.parametrize("clip", ["clipped", "delta"])
-def test_class5_reproducer_overflowing_weight(backend, level, clip):
+def test_overflowing_importance_weight_gives_finite_results(backend, level, clip):
     """``old = logp - 100``: w = e^100 (inf in fp32). Response 0 overflows and is clipped (A > 0) or capped
     by ``delta = 2`` (A < 0, where the unclipped branch would otherwise win); response 1 is ordinary, so
     the gradient is not zero everywhere."""
@@ -302,7 +302,7 @@ def test_class5_reproducer_overflowing_weight(backend, level, clip):
                                    msg=name)
 
 
-def test_class5_live_weight_keeps_the_reference_gradient_in_band():
+def test_live_weight_keeps_the_reference_gradient_in_band():
     """The stand-in is used only where the loss is constant in the weight: in-band tokens, ties and the
     unclipped branch keep the exact float64 gradient of ``-min(c1 A, c2 A)`` (ties split by torch.minimum)."""
     from gspo_kernels.objective import _live_log_weight
@@ -335,7 +335,7 @@ def test_class5_live_weight_keeps_the_reference_gradient_in_band():
 @pytest.mark.parametrize("level, backend", with_first("sequence", backends(with_reference=True))
                          + with_first("token", backends(with_reference=True)))
 @pytest.mark.parametrize("poisoned", ["is_ratio", "advantages"])
-def test_class6_masked_nan_does_not_spread(backend, poisoned, level):
+def test_masked_nan_does_not_spread(backend, poisoned, level):
     logits, labels, _, old = logits_case(B=3, T=5, V=13)
     mask = torch.ones(3, 5)
     mask[0, 3:] = 0
@@ -367,7 +367,7 @@ BAD_ITEMS = [0, -3, 0.0, -5.0, float("nan"), float("inf"), torch.tensor(0.0), to
 
 @pytest.mark.parametrize("backend", backends(with_reference=True))
 @pytest.mark.parametrize("items", BAD_ITEMS, ids=lambda v: repr(v))
-def test_class7_reproducer_bad_num_items_in_batch(backend, items):
+def test_bad_num_items_in_batch_is_refused(backend, items):
     logits, labels, adv, old = logits_case(B=2, T=3, V=7)
     with pytest.raises(ValueError, match="num_items_in_batch must be a finite number > 0"):
         run_logits(backend, logits, labels, adv, old, num_items_in_batch=items, config=C(loss_type="dapo"))
@@ -378,7 +378,7 @@ def test_class7_reproducer_bad_num_items_in_batch(backend, items):
     (True, TypeError), (torch.tensor([3.0, 4.0]), ValueError), (torch.tensor(True), TypeError),
     ("7", TypeError), (torch.tensor(3.0, device="meta"), ValueError),
 ], ids=["bool", "two-elements", "bool-tensor", "str", "meta"])
-def test_class7_num_items_in_batch_structure(backend, items, error):
+def test_num_items_in_batch_of_wrong_structure_is_refused(backend, items, error):
     logits, labels, adv, old = logits_case(B=2, T=3, V=7)
     with pytest.raises(error, match="num_items_in_batch"):
         run_logits(backend, logits, labels, adv, old, num_items_in_batch=items, config=C(loss_type="dapo"))
@@ -387,7 +387,7 @@ def test_class7_num_items_in_batch_structure(backend, items, error):
 
 @pytest.mark.parametrize("backend", backends(with_reference=True))
 @pytest.mark.parametrize("items", [0.5, 0.25], ids=lambda v: repr(v))
-def test_class7_fractional_num_items_is_used_as_given(backend, items):
+def test_fractional_num_items_is_used_as_given(backend, items):
     """TRL passes ``num_items_in_batch / num_processes``: below 1 on a small batch over many processes."""
     logits, labels, adv, old = logits_case(B=2, T=3, V=7)
     cfg = C(loss_type="dapo", epsilon_low=0.2, epsilon_high=0.2)
@@ -400,7 +400,7 @@ def test_class7_fractional_num_items_is_used_as_given(backend, items):
 @pytest.mark.parametrize("backend", backends(with_reference=True))
 @pytest.mark.parametrize("items", [7, 7.0, torch.tensor(7), torch.tensor(7.0, dtype=torch.float64),
                                    torch.tensor([7.0])], ids=["int", "float", "int-tensor", "fp64-tensor", "1-elem"])
-def test_class7_every_spelling_of_a_count_agrees(backend, items):
+def test_every_spelling_of_a_count_agrees(backend, items):
     logits, labels, adv, old = logits_case(B=2, T=3, V=7)
     cfg = C(loss_type="dapo", epsilon_low=0.2, epsilon_high=0.2)
     out, grad = run_logits(backend, logits, labels, adv, old, num_items_in_batch=items, config=cfg)
@@ -415,7 +415,7 @@ def test_class7_every_spelling_of_a_count_agrees(backend, items):
 
 @pytest.mark.parametrize("backend", backends(with_reference=True))
 @pytest.mark.parametrize("value", [0.5, 2.0, -1.0, float("nan"), float("inf")])
-def test_class8_reproducer_non_binary_mask_is_an_error(backend, value):
+def test_non_binary_mask_is_an_error(backend, value):
     logits, labels, adv, old = logits_case(B=2, T=4, V=7)
     mask = torch.ones(2, 4)
     mask[1, 2] = value
@@ -426,7 +426,7 @@ def test_class8_reproducer_non_binary_mask_is_an_error(backend, value):
 
 
 @pytest.mark.parametrize("backend", backends(with_reference=True))
-def test_class8_non_binary_integer_mask_in_packed_layout(backend):
+def test_non_binary_integer_mask_in_packed_layout_is_an_error(backend):
     logits, labels = torch.randn(6, 7), torch.randint(0, 7, (6,))
     cu = torch.tensor([0, 2, 6], dtype=torch.int32)
     with pytest.raises(ValueError, match="mask must hold only 0 and 1"):
@@ -435,7 +435,7 @@ def test_class8_non_binary_integer_mask_in_packed_layout(backend):
 
 
 @pytest.mark.parametrize("backend", backends(with_reference=True))
-def test_class8_binary_masks_of_every_dtype_agree(backend):
+def test_binary_masks_of_every_dtype_agree(backend):
     logits, labels, adv, old = logits_case(B=3, T=5, V=7)
     base = torch.rand(3, 5) > 0.3
     base[2] = False  # an empty response
@@ -451,7 +451,7 @@ def test_class8_binary_masks_of_every_dtype_agree(backend):
 
 
 @pytest.mark.parametrize("backend", backends() + [pytest.param("auto", id="auto")])
-def test_class9_meta_tensors_are_refused(backend):
+def test_meta_tensors_are_refused(backend):
     B, T, V, H = 2, 3, 7, 4
     m = dict(device="meta")
     logits, labels, adv = torch.randn(B, T, V, **m), torch.zeros(B, T, dtype=torch.long, **m), torch.randn(B, **m)
@@ -493,7 +493,7 @@ def _compiled_loss(backend, compiler):
 
 
 @pytest.mark.parametrize("backend, compiler", COMPILE_CASES)
-def test_class10_reproducer_bad_cu_seqlens_under_compile(backend, compiler):
+def test_bad_cu_seqlens_is_an_error_under_compile(backend, compiler):
     """The eager value checks become ``torch._assert_async`` graph nodes: a bad ``cu_seqlens`` is a
     ``RuntimeError`` with the rule's text, never a silent plausible loss."""
     N, V = 6, 9
@@ -509,7 +509,7 @@ def test_class10_reproducer_bad_cu_seqlens_under_compile(backend, compiler):
 
 
 @pytest.mark.parametrize("backend, compiler", COMPILE_CASES[1:2])
-def test_class10_labels_mask_and_num_items_checked_under_compile(backend, compiler):
+def test_labels_mask_and_num_items_checked_under_compile(backend, compiler):
     B, T, V = 2, 3, 7
     x, adv = dev(torch.randn(B, T, V)), dev(torch.randn(B))
     labels = dev(torch.randint(0, V, (B, T)))
@@ -532,7 +532,7 @@ def test_class10_labels_mask_and_num_items_checked_under_compile(backend, compil
 
 @pytest.mark.slow
 @pytest.mark.skipif("cpu" not in BACKENDS, reason="the cpu backend is for CPU tensors")
-def test_class10_bad_cu_seqlens_under_the_default_compiler():
+def test_bad_cu_seqlens_is_an_error_under_the_default_compiler():
     """``torch.compile`` with its default backend (inductor): the assert survives code generation."""
     N, V = 6, 9
     x, labels = torch.randn(N, V), torch.randint(0, V, (N,))
@@ -596,7 +596,7 @@ LINEAR_POISON = ["hidden", "weight", "bias", "advantages", "old_logprobs", "ref_
 
 @pytest.mark.parametrize("backend", backends())
 @pytest.mark.parametrize("path, name", [("logits", n) for n in LOGITS_POISON] + [("linear", n) for n in LINEAR_POISON])
-def test_class11_check_finite_names_the_argument(backend, path, name):
+def test_check_finite_names_the_argument(backend, path, name):
     t = _poison(name)
     with pytest.raises(ValueError, match=rf"^{name.split('+')[0].split('-')[0]} must "):
         _call(backend, path, t, check_finite=True)
@@ -605,7 +605,7 @@ def test_class11_check_finite_names_the_argument(backend, path, name):
 @pytest.mark.parametrize("backend", backends())
 @pytest.mark.parametrize("path, name", [("logits", n) for n in ("logits", "advantages", "ref_logprobs", "is_ratio")]
                          + [("linear", n) for n in ("hidden", "weight")])
-def test_class11_reproducer_nan_in_nan_out(backend, path, name):
+def test_nan_input_gives_nan_loss_without_check_finite(backend, path, name):
     """Default (``check_finite=False``): a NaN / inf at an unmasked position makes the loss non-finite."""
     out = _call(backend, path, _poison(name))
     assert not torch.isfinite(out.loss)
@@ -613,7 +613,7 @@ def test_class11_reproducer_nan_in_nan_out(backend, path, name):
 
 @pytest.mark.parametrize("path, backend", with_first("logits", backends())
                          + with_first("linear", backends()))
-def test_class11_masked_garbage_and_masked_vocabulary_pass_check_finite(path, backend):
+def test_masked_garbage_and_masked_vocabulary_pass_check_finite(path, backend):
     t = _poison(None)
     checked = _call(backend, path, t, check_finite=True)
     plain = _call(backend, path, t)
@@ -621,7 +621,7 @@ def test_class11_masked_garbage_and_masked_vocabulary_pass_check_finite(path, ba
 
 
 @pytest.mark.parametrize("backend", backends())
-def test_class11_check_finite_on_logprob_functions_and_modules(backend):
+def test_check_finite_on_logprob_functions_and_modules(backend):
     t = _poison(None)
     labels = t["labels"].clamp(min=0)
     x = t["logits"].clone()

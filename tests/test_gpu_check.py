@@ -127,7 +127,7 @@ def test_benchmarks_step_with_nothing_measured_fails(tmp_path, monkeypatch):
 
 
 def test_memcheck_workload_runs_in_the_interpreter():
-    from gspo_kernels.backends.triton import interpreter_active
+    from gspo_kernels.backends.triton.launch import interpreter_active
 
     if not interpreter_active():
         pytest.skip("the workload runs on the GPU here (the GPU step covers it)")

@@ -26,31 +26,37 @@ def _is_kernel(obj) -> bool:
 
 
 def _kernel_modules():
+    """``(module, names of its launched kernels)`` for every module of the backend that defines kernels."""
     import gspo_kernels.backends.triton as package
 
     for info in pkgutil.iter_modules(package.__path__):
         module = importlib.import_module(f"gspo_kernels.backends.triton.{info.name}")
         kernels = {name for name, obj in vars(module).items()
                    if _is_kernel(obj) and obj.fn.__module__ == module.__name__}
-        if any(k.endswith("_kernel") for k in kernels):  # launched kernels, not only @jit helpers (addressing)
-            yield module, kernels
+        launched = {k for k in kernels if k.endswith("_kernel")}  # not the @jit helpers (launch.py's, ...)
+        if launched:
+            yield module, launched
 
 
-def test_every_kernel_module_declares_its_launch_configs():
-    """A module that defines ``@triton.jit`` kernels lists each launched kernel in ``H100_CONFIGS``."""
-    seen = 0
+def test_every_kernel_is_in_the_launch_configs():
+    """``configs.H100_CONFIGS`` lists every launched kernel of every module of the backend, and each entry's
+    signature is derived from that kernel's own arguments."""
+    from gspo_kernels.backends.triton import configs
+
+    covered = {config["kernel"] for config in configs.H100_CONFIGS}
+    seen = set()
     for module, kernels in _kernel_modules():
-        configs = getattr(module, "H100_CONFIGS", None)
-        assert configs, f"{module.__name__} defines Triton kernels but no H100_CONFIGS"
-        covered = {config["fn"].__name__ for config in configs}
-        top_level = {k for k in kernels if k.endswith("_kernel")}  # launched kernels, not @jit helpers
-        assert top_level <= covered, f"{module.__name__}: kernels missing from H100_CONFIGS: {top_level - covered}"
-        for config in configs:
-            assert {"name", "fn", "constexprs", "num_warps", "num_stages"} <= set(config)
-            full = h100_report.normalize_config(config)  # the signature is derived from the arguments
-            assert list(full["signature"]) == list(config["fn"].arg_names)
-        seen += 1
-    assert seen >= 3  # logprobs, logprobs_backward, sequence (and the hidden-state path's modules)
+        short = module.__name__.rsplit(".", 1)[1]
+        names = {f"{short}.{k}" for k in kernels}
+        assert names <= covered, f"{module.__name__}: kernels missing from configs.H100_CONFIGS: {names - covered}"
+        seen |= names
+    assert seen == covered  # and no entry names a kernel that does not exist
+    assert {name.split(".")[0] for name in seen} == {"logits", "linear", "sequence"}
+    for config in configs.H100_CONFIGS:
+        assert {"name", "kernel", "constexprs", "num_warps", "num_stages"} <= set(config)
+        full = h100_report.normalize_config(config)  # the signature is derived from the arguments
+        assert list(full["signature"]) == list(full["fn"].arg_names)
+    assert len({config["name"] for config in configs.H100_CONFIGS}) == len(configs.H100_CONFIGS)
 
 
 def test_failure_rules():
@@ -88,22 +94,22 @@ def test_h100_report_compiles_every_kernel_without_spills():
 def test_signature_derived_from_the_kernel_arguments():
     """Pointers from ``*_ptr`` names (fp32 unless told), fp32 scalars when listed, i32 otherwise; constexprs
     from the annotation or the given values; a name the kernel does not have is an error."""
-    from gspo_kernels.backends.triton import logits_backward, sequence
+    from gspo_kernels.backends.triton import logits, sequence
 
     sig = h100_report.derive_signature(
-        logits_backward._logprobs_bwd_kernel,
+        logits.logprobs_bwd_kernel,
         {"stride_v": 1, "dstride_v": 1, "BLOCK_V": 64, "HAS_ACTIVE": True, "HAS_GRAD_LOGP": True,
          "HAS_GRAD_ENTROPY": False},
         pointers={"logits_ptr": "bf16", "dlogits_ptr": "bf16", "labels_ptr": "i64", "active_ptr": "i1"},
         floats=["inv_temperature"],
     )
-    assert sig["logits_ptr"] == "*bf16" and sig["labels_ptr"] == "*i64" and sig["stats_ptr"] == "*fp32"
+    assert sig["logits_ptr"] == "*bf16" and sig["labels_ptr"] == "*i64" and sig["row_stats_ptr"] == "*fp32"
     assert sig["stride_b"] == "i32" and sig["inv_temperature"] == "fp32"
     assert sig["stride_v"] == "constexpr" and sig["BLOCK_V"] == "constexpr"
     with pytest.raises(ValueError, match="no argument"):
-        h100_report.derive_signature(sequence._gspo_reduce_kernel, {}, floats=["entropy_coeff"])
+        h100_report.derive_signature(sequence.gspo_reduce_kernel, {}, floats=["entropy_coeff"])
     with pytest.raises(ValueError, match="needs a value"):
-        h100_report.derive_signature(sequence._gspo_reduce_kernel, {"LOSS_TYPE": 0, "HAS_NUM_ITEMS": True})
+        h100_report.derive_signature(sequence.gspo_reduce_kernel, {"LOSS_TYPE": 0, "HAS_NUM_ITEMS": True})
     # The sequence kernels' codes come from the config's tuples.
     from gspo_kernels.config import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES
 

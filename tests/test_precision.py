@@ -128,3 +128,38 @@ def test_fused_loss_follows_policy(backend, case):
     ref = reference.fused_linear_gspo_loss(r(hidden), r(weight), labels, adv.double(), old.double(), bias=r(bias),
                                            config=config)
     torch.testing.assert_close(out.loss.double(), ref.loss.double(), rtol=0, atol=1e-6)
+
+
+_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "fp64": torch.float64}
+# The documented table (gspo_kernels/precision.py), written out pair by pair outside autocast:
+# fp64 anywhere -> fp64; equal -> that dtype; half vs fp32 -> the half; fp16 vs bf16 -> refused.
+_TABLE = {
+    ("fp16", "fp16"): "fp16", ("fp16", "bf16"): None, ("fp16", "fp32"): "fp16", ("fp16", "fp64"): "fp64",
+    ("bf16", "fp16"): None, ("bf16", "bf16"): "bf16", ("bf16", "fp32"): "bf16", ("bf16", "fp64"): "fp64",
+    ("fp32", "fp16"): "fp16", ("fp32", "bf16"): "bf16", ("fp32", "fp32"): "fp32", ("fp32", "fp64"): "fp64",
+    ("fp64", "fp16"): "fp64", ("fp64", "bf16"): "fp64", ("fp64", "fp32"): "fp64", ("fp64", "fp64"): "fp64",
+}
+
+
+@pytest.mark.parametrize("pair", sorted(_TABLE), ids=lambda p: f"{p[0]}-{p[1]}")
+def test_every_dtype_pair_has_one_decision(pair):
+    """Every (hidden, weight) dtype pair: one operand dtype from ``operand_dtype`` (or a TypeError), both
+    operands cast to it by ``apply_precision``, fp32 with ``fp32_head`` unless fp64 is involved, and the
+    Triton kernels' dtype (``kernel_operand_dtype``) derived from that decision without a second opinion."""
+    from gspo_kernels.precision import kernel_operand_dtype
+
+    hd, wd = _DTYPES[pair[0]], _DTYPES[pair[1]]
+    want = _TABLE[pair]
+    if want is None:
+        with pytest.raises(TypeError, match="hidden is"):
+            apply_precision(torch.zeros(2, 3, dtype=hd), torch.zeros(4, 3, dtype=wd), None)
+    else:
+        h, w, _ = apply_precision(torch.zeros(2, 3, dtype=hd), torch.zeros(4, 3, dtype=wd), None)
+        assert h.dtype == w.dtype == _DTYPES[want]
+        assert kernel_operand_dtype(h.dtype, w.dtype) == (torch.float32 if want == "fp64" else _DTYPES[want])
+    head = operand_dtype(hd, wd, fp32_head=True)
+    assert head == (torch.float64 if "fp64" in pair else torch.float32)
+    as_kernel = {hd: hd, wd: wd, torch.float64: torch.float32}
+    if as_kernel[hd] != as_kernel[wd]:  # a pair the policy did not cast first is refused, never re-decided
+        with pytest.raises(TypeError, match="hidden is"):
+            kernel_operand_dtype(hd, wd)

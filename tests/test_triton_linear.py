@@ -20,10 +20,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from gspo_kernels.backends.triton import interpreter_active, linear_forward
-from gspo_kernels.backends.triton.autograd import linear_logprobs
-from gspo_kernels.backends.triton.linear_backward import pick_config
-from gspo_kernels.backends.triton.linear_forward import linear_logprobs_forward
+from gspo_kernels.backends.triton import configs
+from gspo_kernels.backends.triton.launch import interpreter_active
+from gspo_kernels.backends.triton.linear import linear_logprobs, linear_logprobs_forward
 from tests.support import (
     rel_err,
 )
@@ -134,10 +133,10 @@ def test_vocabulary_splits_combine(split_cols):
     N, H, V = 20, 16, 211
     hidden, weight = torch.randn(N, H), torch.randn(V, H)
     labels = torch.randint(0, V, (N,))
-    cfg = dict(linear_forward.INTERPRETER_FWD_CONFIG, SPLIT_COLS=split_cols)
-    logp, entropy, m, log_sum = linear_logprobs_forward(hidden, weight, None, labels, 1.0, config=cfg)
+    cfg = dict(configs.INTERPRETER_FWD_CONFIG, SPLIT_COLS=split_cols)
+    logp, entropy, row_max, log_sum = linear_logprobs_forward(hidden, weight, None, labels, 1.0, config=cfg)
     z = hidden.double() @ weight.double().T
-    assert rel_err(m + log_sum, z.logsumexp(-1)) < RTOL
+    assert rel_err(row_max + log_sum, z.logsumexp(-1)) < RTOL
     assert rel_err(logp, z.log_softmax(-1).gather(1, labels[:, None])[:, 0]) < RTOL
     assert rel_err(entropy, -(z.softmax(-1) * z.log_softmax(-1)).sum(-1)) < RTOL
 
@@ -296,7 +295,7 @@ def test_chunk_buffers_stay_within_the_memory_budget(tiles):
             return out
 
     hidden, weight, bias, labels, g_logp, g_ent = _problem(N=70, V=90)
-    tile = pick_config(torch.float32)["dz"]["BLOCK_N"]  # rows of one row tile (16 in the interpreter)
+    tile = configs.linear_bwd_config(torch.float32)["dz"]["BLOCK_N"]  # rows of one row tile (16 in the interpreter)
     budget = tiles * (tile * 90 * 4 + 4 * 90)  # fp32 dZ rows of one row tile + its bias partials
     h, w, b = (t.clone().requires_grad_() for t in (hidden, weight, bias))
     logp, entropy = linear_logprobs(h, w, b, labels, return_entropy=True, memory_budget=budget)
@@ -321,7 +320,7 @@ def test_fp64_inputs_give_fp64_outputs_computed_in_fp32():
 @pytest.mark.parametrize("n", [0, 1, 37])
 def test_device_compaction_is_a_stable_permutation(n):
     """``compact_rows``: the True indices in order, then the False ones; ``count`` on the device."""
-    from gspo_kernels.backends.triton.linear_forward import compact_rows
+    from gspo_kernels.backends.triton.linear import compact_rows
 
     mask = torch.rand(n) > 0.6
     order, count = compact_rows(mask)
@@ -331,15 +330,18 @@ def test_device_compaction_is_a_stable_permutation(n):
 
 @pytest.mark.parametrize("budget", [-1, 1.5, "1GB", True])
 def test_bad_memory_budget_is_refused(budget):
+    """Refused by the public function (validated once there, before the backend runs)."""
+    import gspo_kernels as gk
+
     hidden, weight, _, labels, _, _ = _problem(N=4, V=20)
     with pytest.raises(ValueError, match="memory_budget"):
-        linear_logprobs(hidden, weight, None, labels, memory_budget=budget)
+        gk.linear_logprobs(hidden, weight, labels, memory_budget=budget, backend="triton")
 
 
 def test_no_floating_point_atomics_in_any_kernel():
     """No ``atomic_add`` (or any other ``tl.atomic_*`` reduction) in the library's Triton sources."""
     sources = sorted(glob.glob(os.path.join(ROOT, "gspo_kernels", "backends", "triton", "*.py")))
-    assert len(sources) >= 7
+    assert {"launch.py", "logits.py", "linear.py", "sequence.py"} <= {os.path.basename(p) for p in sources}
     offenders = [os.path.basename(path) for path in sources
                  if re.search(r"\batomic_(add|max|min|xchg|cas)\b", open(path).read())]
     assert offenders == []
@@ -415,31 +417,45 @@ def test_out_of_range_labels_give_nan_rows_only():
 
 
 def test_bf16_hidden_with_fp32_weight_runs_bf16_operands(monkeypatch):
-    """Mixed dtypes: the half-precision dtype is the operand dtype of both (no fp32 ``ieee`` products), and no
-    converted copy of hidden or weight is kept for the backward."""
-    from gspo_kernels.backends.triton import autograd
+    """Mixed dtypes through the public function: the precision policy makes bf16 the operand dtype of both
+    (no fp32 ``ieee`` products), the backend keeps no fp32 copy of the hidden states for the backward, and
+    the gradients come back in the caller's dtypes."""
+    import gspo_kernels as gk
+    from gspo_kernels.backends.triton import linear
 
     seen = []
-    real = autograd.linear_logprobs_forward
+    real = linear.linear_logprobs_forward
 
     def spy(h, w, *args, **kwargs):
         seen.append((h.dtype, w.dtype))
         return real(h, w, *args, **kwargs)
 
-    monkeypatch.setattr(autograd, "linear_logprobs_forward", spy)
+    monkeypatch.setattr(linear, "linear_logprobs_forward", spy)
     hidden, weight, bias, labels, g_logp, _ = _problem(N=16, V=50)
     h16 = hidden.bfloat16().requires_grad_()
     w32 = weight.clone().requires_grad_()
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        logp, _ = linear_logprobs(h16, w32, None, labels)
+        logp = gk.linear_logprobs(h16, w32, labels, backend="triton")
     assert seen == [(torch.bfloat16, torch.bfloat16)]
     big = [t for t in saved if t.numel() > 16]
-    assert all(t.data_ptr() in (h16.data_ptr(), w32.data_ptr()) for t in big), [(t.dtype, t.shape) for t in big]
+    assert big and all(t.dtype == torch.bfloat16 for t in big), [(t.dtype, t.shape) for t in big]
+    assert any(t.data_ptr() == h16.data_ptr() for t in big)
     dh, dw = torch.autograd.grad((logp * g_logp).sum(), (h16, w32))
     assert dh.dtype == torch.bfloat16 and dw.dtype == torch.float32
     ref = float64_math(h16, weight.bfloat16(), None, labels, 1.0, g_logp, torch.zeros(16))
     assert rel_err(logp, ref[0]) < RTOL and rel_err(dw, ref[3]) < GRAD_RTOL[torch.bfloat16]
+
+
+def test_mixed_operand_dtypes_reaching_the_backend_are_refused():
+    """The backend decides no dtype: a pair the precision policy did not make equal raises ``TypeError``
+    naming hidden and weight (``precision.kernel_operand_dtype``); fp64 with fp32 runs in fp32."""
+    hidden, weight, _, labels, _, _ = _problem(N=4, V=20)
+    with pytest.raises(TypeError, match="hidden is torch.bfloat16 and weight is torch.float32"):
+        linear_logprobs(hidden.bfloat16(), weight, None, labels)
+    logp, _ = linear_logprobs(hidden.double(), weight, None, labels)
+    want, _ = linear_logprobs(hidden, weight, None, labels)
+    assert logp.dtype == torch.float64 and torch.equal(logp, want.double())
 
 
 @pytest.mark.parametrize("case", ["offset_1e4", "temperature_1e-6"])
@@ -502,7 +518,7 @@ def test_h100_static_report_linear_kernels():
 
     if not os.path.exists(h100_report._cuobjdump()):
         pytest.skip("triton's bundled cuobjdump is missing")
-    rows = h100_report.static_report(modules=["linear_forward", "linear_backward"])
+    rows = h100_report.static_report(modules=["linear"])
     assert len(rows) == 12  # forward: 2 bf16 + 1 fp32 + combine; backward: 4 bf16 + 4 fp32
     for row in rows:
         assert not row["error"], row

@@ -20,9 +20,13 @@ import triton.language as tl  # noqa: E402
 
 import gspo_kernels as gk  # noqa: E402
 from gspo_kernels import backends, reference  # noqa: E402
-from gspo_kernels.backends.triton import interpreter_active, sequence  # noqa: E402
-from gspo_kernels.backends.triton.logits_backward import logprobs_backward  # noqa: E402
-from gspo_kernels.backends.triton.logits_forward import logprobs_forward, logsumexp_from_stats  # noqa: E402
+from gspo_kernels.backends.triton import logits, sequence  # noqa: E402
+from gspo_kernels.backends.triton.launch import interpreter_active  # noqa: E402
+from gspo_kernels.backends.triton.logits import (  # noqa: E402
+    logprobs_backward,
+    logprobs_forward,
+    logsumexp_from_row_stats,
+)
 from gspo_kernels.config import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, GSPOConfig  # noqa: E402
 from gspo_kernels.layout import LossInputs, TokenBatch  # noqa: E402
 
@@ -65,14 +69,14 @@ def test_forward_matches_float64(kind, V):
     active[[1, 5]] = False
     poison = [torch.full((9,), float("nan"), device=DEVICE) for _ in range(3)]
     poison[2] = torch.full((2, 9), float("nan"), device=DEVICE)
-    logp, entropy, stats = logprobs_forward(x, labels, active=active, temperature=0.7, return_entropy=True,
-                                            out=tuple(poison))
+    logp, entropy, row_stats = logprobs_forward(x, labels, active=active, temperature=0.7, return_entropy=True,
+                                                out=tuple(poison))
     ref_logp, ref_entropy = _ref_logprobs(x64, labels, 0.7)
     on = active.cpu()
     _close(logp.cpu()[on], ref_logp[on])
     _close(entropy.cpu()[on], ref_entropy[on])
-    _close(logsumexp_from_stats(stats, 0.7).cpu()[on], torch.logsumexp(x64.reshape(-1, V) / 0.7, -1)[on])
-    _close(stats[0].cpu()[on], x64.reshape(-1, V).max(-1).values[on])
+    _close(logsumexp_from_row_stats(row_stats, 0.7).cpu()[on], torch.logsumexp(x64.reshape(-1, V) / 0.7, -1)[on])
+    _close(row_stats[0].cpu()[on], x64.reshape(-1, V).max(-1).values[on])
     assert torch.equal(logp.cpu()[~on], torch.zeros(2)) and torch.equal(entropy.cpu()[~on], torch.zeros(2))
 
 
@@ -94,9 +98,9 @@ def test_backward_matches_float64(kind, V):
     h = torch.randn(9, device=DEVICE)
     g[[0, 4]] = 0.0
     h[[0, 4, 7]] = 0.0  # rows 0 and 4 carry no gradient at all; row 7 only through logp
-    logp, entropy, stats = logprobs_forward(x, labels, temperature=1.3, return_entropy=True)
+    logp, entropy, row_stats = logprobs_forward(x, labels, temperature=1.3, return_entropy=True)
     poisoned = torch.full(x.shape, float("nan"), device=DEVICE)
-    grad = logprobs_backward(x, labels, stats, entropy, g, h, temperature=1.3, out=poisoned)
+    grad = logprobs_backward(x, labels, row_stats, entropy, g, h, temperature=1.3, out=poisoned)
     assert grad is poisoned and torch.isfinite(grad).all()  # every element written, skipped rows included
 
     x64 = x64.clone().requires_grad_(True)
@@ -108,7 +112,7 @@ def test_backward_matches_float64(kind, V):
     assert torch.equal(got[[0, 4]], torch.zeros(2, V))
 
     inplace = x.clone()
-    out = logprobs_backward(inplace, labels, stats, entropy, g, h, temperature=1.3, inplace=True)
+    out = logprobs_backward(inplace, labels, row_stats, entropy, g, h, temperature=1.3, inplace=True)
     assert out is inplace and torch.equal(out.cpu(), grad.cpu())
 
 
@@ -298,9 +302,9 @@ def test_sequence_stage_partials_and_poisoned_coefficients():
     w = torch.exp(torch.tensor(-1e-4, dtype=torch.float64))  # inside the clip band for both responses
     # grpo over S = 3: response 0 (2 tokens, A = 1), response 1 empty, response 2 (1 token, A = -0.5):
     # L = (-w + 0.5 w) / 3; dL/dlogp_t = (1/3) * dl_i/dw * w / |y_i|.
-    _close(out[sequence.O_LOSS], -0.5 * w / 3)
-    _close(coef.cpu() * out[sequence.O_SCALE_LOGP].cpu(), torch.tensor([-1 / 6, -1 / 6, 0.0, 1 / 6]).double() * w)
-    _close(out[sequence.O_W_MEAN], w)  # counted over the two non-empty responses
+    _close(out[sequence.O_LOSS.value], -0.5 * w / 3)
+    _close(coef.cpu() * out[sequence.O_SCALE_LOGP.value].cpu(), torch.tensor([-1 / 6, -1 / 6, 0.0, 1 / 6]).double() * w)
+    _close(out[sequence.O_W_MEAN.value], w)  # counted over the two non-empty responses
 
 
 def test_backend_registration():
@@ -459,7 +463,7 @@ def test_out_of_range_labels_are_never_read():
     """Decision 5: with the eager check skipped (torch.compile) an unmasked -100 or V must not be used as an
     address: the logits sit inside a larger buffer whose neighbouring elements are finite, so an
     out-of-bounds read would give a finite, wrong log-prob. The row's log-prob (and gradient) is NaN."""
-    from gspo_kernels.backends.triton.autograd import logits_logprobs
+    from gspo_kernels.backends.triton.logits import logits_logprobs
 
     V = 23
     storage = torch.randn(8, V, device=DEVICE)
@@ -521,7 +525,8 @@ def test_views_that_are_not_a_plain_shift_keep_their_own_gradient():
 def test_logits_path_autograd_has_no_host_synchronization():
     """Issue 12: no ``.item()`` / ``nonzero`` / ``.any()`` in the logits path's autograd (forward, backward
     and the sequence stage), so it can be captured in a CUDA graph. Recorded under a dispatch mode."""
-    from gspo_kernels.backends.triton.autograd import gspo_objective, logits_logprobs
+    from gspo_kernels.backends.triton.logits import logits_logprobs
+    from gspo_kernels.backends.triton.sequence import fused_objective
 
     base, logits, labels, adv, old, kwargs = _loss_case("padded", adv_per_token=False)
     x = base.clone().to(DEVICE).requires_grad_(True)
@@ -532,7 +537,7 @@ def test_logits_path_autograd_has_no_host_synchronization():
     with _Allocations(min_numel=1 << 60) as record:
         logp, entropy = logits_logprobs(x[:, :-1], inputs.labels, active=inputs.batch.mask > 0,
                                         temperature=config.temperature, return_entropy=True)
-        loss = gspo_objective(logp, entropy, inputs, config).loss
+        loss = fused_objective(logp, entropy, inputs, config).loss
         loss.backward()
     assert not syncs & set(record.ops), syncs & set(record.ops)
     assert x.grad is not None and torch.isfinite(x.grad).all()
@@ -578,15 +583,13 @@ def test_every_launch_runs_under_the_device_guard(monkeypatch):
     device otherwise). The GPU test below checks the behaviour on two devices."""
     import contextlib
 
-    from gspo_kernels.backends.triton import logits_backward, logits_forward
-
     seen = []
 
     def recording_guard(tensor):
         seen.append(tensor.device)
         return contextlib.nullcontext()
 
-    for module in (logits_forward, logits_backward, sequence):
+    for module in (logits, sequence):
         monkeypatch.setattr(module, "device_guard", recording_guard)
     x = torch.randn(2, 3, 9, device=DEVICE, requires_grad=True)
     out = gk.gspo_loss(x, torch.randint(0, 9, (2, 3), device=DEVICE), torch.ones(2, device=DEVICE),

@@ -392,7 +392,7 @@ def workload(device: str = "cuda", vocab_size: int = 4099, linear_vocab_size: in
     import torch
 
     import gspo_kernels as gk
-    from gspo_kernels.backends.triton.autograd import logits_logprobs
+    from gspo_kernels.backends.triton.logits import logits_logprobs
     from gspo_kernels.config import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES
 
     torch.manual_seed(0)

@@ -3,13 +3,14 @@
 No GPU is needed: ``triton.compile`` builds the cubin for ``GPUTarget("cuda", 90, 32)`` on the CPU and the
 ``cuobjdump`` bundled with triton reads registers, shared memory and local (spill) bytes from it.
 
-Format followed by every module of ``gspo_kernels.backends.triton`` that defines Triton kernels: a
-module-level ``H100_CONFIGS`` list with one dict per launch configuration the library really uses::
+Format of ``gspo_kernels.backends.triton.configs.H100_CONFIGS``, one dict per launch configuration the
+library really uses::
 
     H100_CONFIGS = [
         {
             "name": "logprobs_fwd[bf16]",   # unique label shown in the report
-            "fn": _logprobs_fwd_kernel,     # the @triton.jit function
+            "kernel": "logits.logprobs_fwd_kernel",  # the @triton.jit function, as "module.function"
+                                            #   inside gspo_kernels.backends.triton (resolve_kernel)
             "constexprs": {...},            # values of the tl.constexpr parameters, and of the arguments the
                                             #   runtime specializes (an int equal to 1, e.g. a unit stride)
             "pointers": {"x_ptr": "bf16"},  # element types of the pointer arguments (``*_ptr``) that are
@@ -41,7 +42,6 @@ import argparse
 import importlib
 import json
 import os
-import pkgutil
 import subprocess
 import sys
 import tempfile
@@ -59,7 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--only", default=None, help="report only the kernels whose name contains this text")
     parser.add_argument("--json", default=None, help="also write the rows to this JSON file")
     parser.add_argument("--modules", default=None,
-                        help="comma-separated kernel modules to report (e.g. linear_forward,linear_backward)")
+                        help="comma-separated kernel modules to report (e.g. logits,linear,sequence)")
 
 
 def kernel_parameters(fn) -> List[tuple]:
@@ -115,9 +115,11 @@ def derive_signature(
 
 
 def normalize_config(config: dict) -> dict:
-    """A config with its ``"signature"`` (:func:`derive_signature`) and ``"aligned"`` (every pointer, then the
-    ``aligned_ints``) filled in."""
+    """A config with its ``"fn"`` (:func:`resolve_kernel`), ``"signature"`` (:func:`derive_signature`) and
+    ``"aligned"`` (every pointer, then the ``aligned_ints``) filled in."""
     config = dict(config)
+    if "fn" not in config:
+        config["fn"] = resolve_kernel(config["kernel"])
     config["signature"] = derive_signature(config["fn"], config.get("constexprs", {}),
                                            pointers=config.get("pointers"), floats=config.get("floats", ()))
     pointers = [name for name, kind in config["signature"].items() if kind.startswith("*")]
@@ -125,21 +127,36 @@ def normalize_config(config: dict) -> dict:
     return config
 
 
-def collect_configs(modules: Optional[Sequence[str]] = None) -> List[dict]:
-    """``H100_CONFIGS`` of every module of ``gspo_kernels.backends.triton`` (or of ``modules``), in module order."""
-    import gspo_kernels.backends.triton as package
+PACKAGE = "gspo_kernels.backends.triton"
 
+
+def resolve_kernel(name: str):
+    """The ``@triton.jit`` function named ``"module.function"`` inside ``gspo_kernels.backends.triton``."""
+    module, _, function = name.rpartition(".")
+    return getattr(importlib.import_module(f"{PACKAGE}.{module}"), function)
+
+
+def collect_configs(modules: Optional[Sequence[str]] = None) -> List[dict]:
+    """``configs.H100_CONFIGS`` (only the kernels of ``modules`` when given), each with its resolved ``"fn"``
+    and its ``"module"``; a kernel module that fails to import gives one row with ``import_error``."""
     configs = []
-    for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda m: m.name):
-        if modules is not None and info.name not in modules:
+    try:
+        table = importlib.import_module(f"{PACKAGE}.configs").H100_CONFIGS
+    except Exception as exc:  # reported as a failed row
+        return [{"name": "configs (import)", "module": "configs", "import_error": f"{type(exc).__name__}: {exc}"}]
+    failed = set()
+    for config in table:
+        module = config["kernel"].rpartition(".")[0]
+        if (modules is not None and module not in modules) or module in failed:
             continue
         try:
-            module = importlib.import_module(f"{package.__name__}.{info.name}")
+            fn = resolve_kernel(config["kernel"])
         except Exception as exc:  # reported as a failed row
-            configs.append({"name": f"{info.name} (import)", "module": info.name, "import_error": f"{type(exc).__name__}: {exc}"})
+            failed.add(module)
+            configs.append({"name": f"{module} (import)", "module": module,
+                            "import_error": f"{type(exc).__name__}: {exc}"})
             continue
-        for config in getattr(module, "H100_CONFIGS", []):
-            configs.append(dict(config, module=info.name))
+        configs.append(dict(config, fn=fn, module=module))
     return configs
 
 
@@ -304,8 +321,7 @@ def static_report(
     """Compile the kernels for sm_90a in a fresh subprocess (interpreter off) and return the report rows.
 
     The API for tests: works whether or not this process runs the Triton interpreter. ``modules`` limits the
-    report to those modules of ``gspo_kernels.backends.triton`` (e.g. ``["linear_forward",
-    "linear_backward"]``), ``only`` to the kernels whose name contains that text. Each row holds ``name``,
+    report to those modules of ``gspo_kernels.backends.triton`` (e.g. ``["linear"]``), ``only`` to the kernels whose name contains that text. Each row holds ``name``,
     ``registers``, ``shared_bytes``, ``local_bytes``, ``stack_bytes``, ``stl_count``, ``hgmma``, ``loads_128``
     and ``error``; :func:`problems` says why a row fails. Raises ``RuntimeError`` when the subprocess wrote
     no report.

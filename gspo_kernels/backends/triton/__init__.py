@@ -1,9 +1,14 @@
 """``backend="triton"``: fused Triton kernels for the logits path, the hidden-state path and the sequence stage.
 
-One module per kernel direction (``logits_forward``, ``logits_backward``, ``linear_forward``,
-``linear_backward``, ``sequence``: the ``@triton.jit`` kernel, then its launcher) and one module of
-autograd Functions (``autograd``) that composes them. Every kernel module exposes ``H100_CONFIGS``
-for ``gspo-kernels h100-report``.
+One module per operation, each holding its ``@triton.jit`` kernels, their launchers and the autograd
+Function side by side:
+
+* ``logits.py``: ``logits -> (logp, entropy)`` and its gradient (``logits_logprobs``);
+* ``linear.py``: ``hidden @ weight.T (+ bias) -> (logp, entropy)`` without the logits (``linear_logprobs``);
+* ``sequence.py``: ``(logp, entropy) -> loss`` with the metrics (the backend's ``fused_objective``);
+
+plus ``launch.py`` (device guard, interpreter detection, row offsets shared by the kernels) and
+``configs.py`` (every tile size and tuning table, and ``H100_CONFIGS`` for ``gspo-kernels h100-report``).
 
 Runs on CUDA tensors, and on CPU tensors when the Triton interpreter is active (``TRITON_INTERPRET=1`` set
 before ``triton`` was imported), which is how the kernels are tested on machines without a GPU.
@@ -13,27 +18,7 @@ still be set first.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
-
-
-def interpreter_active() -> bool:
-    """True when the Triton kernels of this library run in the Triton interpreter (CPU tensors)."""
-    from gspo_kernels.backends.triton.addressing import interpreter_active as active
-
-    return active()
-
-
-def device_guard(tensor: torch.Tensor):
-    """Context in which a kernel launch targets ``tensor``'s CUDA device (not the current one).
-
-    Triton launches on the *current* CUDA device; tensors on ``cuda:1`` while ``cuda:0`` is current would
-    otherwise be handed to a kernel running on ``cuda:0``. A no-op for CPU tensors (the interpreter).
-    """
-    if tensor.device.type == "cuda":
-        return torch.cuda.device(tensor.device)
-    return contextlib.nullcontext()
 
 
 def supports(device: torch.device) -> bool:
@@ -42,6 +27,8 @@ def supports(device: torch.device) -> bool:
     if device.type == "cuda":
         return True
     if device.type == "cpu":
+        from gspo_kernels.backends.triton.launch import interpreter_active
+
         return interpreter_active()
     return False
 
@@ -49,6 +36,8 @@ def supports(device: torch.device) -> bool:
 def make_backend():
     """The Triton backend; raises (reported by ``backends.load``) when triton cannot be imported."""
     from gspo_kernels.backends import Backend
-    from gspo_kernels.backends.triton.autograd import gspo_objective, linear_logprobs, logits_logprobs
+    from gspo_kernels.backends.triton.linear import linear_logprobs
+    from gspo_kernels.backends.triton.logits import logits_logprobs
+    from gspo_kernels.backends.triton.sequence import fused_objective
 
-    return Backend("triton", logits_logprobs, linear_logprobs, objective=gspo_objective, supports=supports)
+    return Backend("triton", logits_logprobs, linear_logprobs, objective=fused_objective, supports=supports)

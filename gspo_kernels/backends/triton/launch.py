@@ -1,5 +1,7 @@
-"""Addressing shared by the Triton kernels: row strides and offsets, grouped tile order, interpreter detection.
+"""What every Triton kernel of this backend shares: where it launches, how it addresses rows, how it runs.
 
+* :func:`device_guard` (host): the context in which a launch targets the tensors' CUDA device.
+* :func:`interpreter_active` (host): whether the kernels run in the Triton interpreter (CPU tensors).
 * :func:`row_strides` (host): ``(rows_per_batch, stride_b, stride_t, stride_x)`` for a ``[N, X]`` or
   ``[B, T, X]`` tensor with any strides (logits ``X = V``, hidden states ``X = H``). Row ``r`` of the
   flattened ``N = B * T`` rows starts at element ``(r // rows_per_batch) * stride_b + (r % rows_per_batch) * stride_t``.
@@ -7,20 +9,34 @@
 * :func:`grouped_tile` (device): the grouped (L2-friendly) decode of a 1-D program id into a
   ``(row_tile, column_tile)`` pair: ``GROUP`` row tiles times every column tile are consecutive programs,
   so the rows of the tiles running at the same time stay in L2 while the columns stream through.
-* :func:`interpreter_active` (host): whether the kernels of this library run in the Triton interpreter.
+* :data:`ELEMENT_SIZES`: bytes per element of the dtype names used in the launch configurations.
 """
 
 from __future__ import annotations
 
-from typing import Tuple
+import contextlib
+from typing import Dict, Tuple
 
 import torch
 import triton
 import triton.language as tl
 
+ELEMENT_SIZES: Dict[str, int] = {"bf16": 2, "fp16": 2, "fp32": 4, "fp64": 8}
+
+
+def device_guard(tensor: torch.Tensor):
+    """Context in which a kernel launch targets ``tensor``'s CUDA device (not the current one).
+
+    Triton launches on the *current* CUDA device; tensors on ``cuda:1`` while ``cuda:0`` is current would
+    otherwise be handed to a kernel running on ``cuda:0``. A no-op for CPU tensors (the interpreter).
+    """
+    if tensor.device.type == "cuda":
+        return torch.cuda.device(tensor.device)
+    return contextlib.nullcontext()
+
 
 def row_strides(t: torch.Tensor, name: str = "tensor") -> Tuple[int, int, int, int]:
-    """``(rows_per_batch, stride_b, stride_t, stride_x)`` addressing row ``r`` of ``t [N, X]`` / ``[B, T, X]``.
+    """``(rows_per_batch, stride_b, stride_t, stride_x)`` locating row ``r`` of ``t [N, X]`` / ``[B, T, X]``.
 
     Row ``r`` starts at ``(r // rows_per_batch) * stride_b + (r % rows_per_batch) * stride_t``; its
     ``j``-th element is ``stride_x * j`` further. ``rows_per_batch`` is at least 1 (empty tensors).

@@ -1,0 +1,266 @@
+"""Every launch configuration of ``backend="triton"``: tile sizes, warps, stages, the tables they come from
+and the functions that pick one, plus ``H100_CONFIGS``, what ``gspo-kernels h100-report`` compiles.
+
+The kernel modules (``logits.py``, ``linear.py``, ``sequence.py``) import their launch parameters from here;
+this module imports no kernel module. ``H100_CONFIGS`` therefore names each kernel by ``"module.function"``
+(``h100_report.resolve_kernel`` looks it up), and its signatures are derived from the kernels' argument
+names: only what a name cannot say (non-fp32 pointers, fp32 scalars, 16-divisible sizes) is written here.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import torch
+import triton
+
+from gspo_kernels.backends.triton.launch import ELEMENT_SIZES, interpreter_active
+from gspo_kernels.config import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES
+
+# ---------------------------------------------------------------------------------------------------------
+# Logits path (logits.py): one program per row, the row streamed in BLOCK_V tiles.
+LOGITS_MAX_BLOCK_V = 4096
+# One tile is at most 8 KiB of logits (4096 bf16/fp16, 2048 fp32, 1024 fp64 values): with the prefetched next
+# tile in registers, fp32 rows at 4096 would take 98 registers per thread (2 blocks of 8 warps per SM instead
+# of 3); at 2048 they stay near the bf16 kernel's count.
+LOGITS_MAX_TILE_BYTES = 8192
+LOGITS_NUM_WARPS = 8
+LOGITS_NUM_STAGES = 3
+
+
+def logits_block_v(vocab_size: int, element_size: int = 2) -> int:
+    """Tile width over the vocabulary: the whole row up to ``LOGITS_MAX_TILE_BYTES`` of ``element_size``-byte
+    logits (a power of two, at most ``LOGITS_MAX_BLOCK_V``)."""
+    widest = min(LOGITS_MAX_BLOCK_V, LOGITS_MAX_TILE_BYTES // max(int(element_size), 1))
+    return min(widest, triton.next_power_of_2(max(int(vocab_size), 1)))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Hidden-state path (linear.py). CUDA, half-precision operands: tuned against the static sm_90a report
+# (0 spills, HGMMA in the SASS). fp32 operands: exact products (``input_precision="ieee"``, no tensor cores).
+# SPLIT_COLS: columns per vocabulary split, a constant so that a row's bits do not depend on the batch.
+CUDA_FWD_CONFIG: Dict[str, int] = {
+    "BLOCK_N": 128, "BLOCK_V": 128, "BLOCK_H": 64, "GROUP_N": 8, "SPLIT_COLS": 4096, "num_warps": 8, "num_stages": 3,
+}
+CUDA_FWD_CONFIG_FP32: Dict[str, int] = {
+    "BLOCK_N": 64, "BLOCK_V": 64, "BLOCK_H": 32, "GROUP_N": 8, "SPLIT_COLS": 4096, "num_warps": 4, "num_stages": 2,
+}
+INTERPRETER_FWD_CONFIG: Dict[str, int] = {
+    "BLOCK_N": 16, "BLOCK_V": 32, "BLOCK_H": 16, "GROUP_N": 2, "SPLIT_COLS": 64, "num_warps": 4, "num_stages": 1,
+}
+COMBINE_BLOCK = 128
+COMBINE_NUM_WARPS = 4
+
+# Backward. Keys: dz (the logits-gradient epilogue), dh and dw (the two GEMMs).
+CUDA_BWD_CONFIG: Dict[str, Dict[str, int]] = {
+    "dz": {"BLOCK_N": 128, "BLOCK_V": 128, "BLOCK_H": 64, "GROUP": 8, "num_warps": 8, "num_stages": 3},
+    "dh": {"BLOCK_N": 128, "BLOCK_H": 128, "BLOCK_V": 64, "GROUP": 8, "num_warps": 8, "num_stages": 4},
+    "dw": {"BLOCK_V": 128, "BLOCK_H": 128, "BLOCK_K": 64, "GROUP": 8, "num_warps": 8, "num_stages": 4},
+}
+CUDA_BWD_CONFIG_FP32: Dict[str, Dict[str, int]] = {
+    "dz": {"BLOCK_N": 64, "BLOCK_V": 64, "BLOCK_H": 32, "GROUP": 8, "num_warps": 4, "num_stages": 2},
+    "dh": {"BLOCK_N": 64, "BLOCK_H": 64, "BLOCK_V": 32, "GROUP": 8, "num_warps": 4, "num_stages": 2},
+    "dw": {"BLOCK_V": 64, "BLOCK_H": 64, "BLOCK_K": 32, "GROUP": 8, "num_warps": 4, "num_stages": 2},
+}
+INTERPRETER_BWD_CONFIG: Dict[str, Dict[str, int]] = {
+    "dz": {"BLOCK_N": 16, "BLOCK_V": 32, "BLOCK_H": 16, "GROUP": 2, "num_warps": 4, "num_stages": 1},
+    "dh": {"BLOCK_N": 16, "BLOCK_H": 16, "BLOCK_V": 32, "GROUP": 2, "num_warps": 4, "num_stages": 1},
+    "dw": {"BLOCK_V": 32, "BLOCK_H": 16, "BLOCK_K": 16, "GROUP": 2, "num_warps": 4, "num_stages": 1},
+}
+# Bytes of the backward's chunk buffers when the caller gives no memory_budget (the public functions
+# validate the value; the backend only uses it).
+DEFAULT_MEMORY_BUDGET = 1 << 30
+
+
+def linear_fwd_config(dtype: torch.dtype, config: Optional[Dict[str, int]] = None) -> Dict[str, int]:
+    """The forward's launch configuration: ``config`` if given, else the interpreter's or the CUDA one for ``dtype``."""
+    if config is not None:
+        return dict(config)
+    if interpreter_active():
+        return dict(INTERPRETER_FWD_CONFIG)
+    return dict(CUDA_FWD_CONFIG_FP32 if dtype == torch.float32 else CUDA_FWD_CONFIG)
+
+
+def linear_bwd_config(
+    dtype: torch.dtype, config: Optional[Dict[str, Dict[str, int]]] = None
+) -> Dict[str, Dict[str, int]]:
+    """The backward's three launch configurations (``dz``, ``dh``, ``dw``): ``config`` if given, else the
+    interpreter's or CUDA's for ``dtype``."""
+    if config is not None:
+        return {k: dict(v) for k, v in config.items()}
+    if interpreter_active():
+        base = INTERPRETER_BWD_CONFIG
+    else:
+        base = CUDA_BWD_CONFIG_FP32 if dtype == torch.float32 else CUDA_BWD_CONFIG
+    return {k: dict(v) for k, v in base.items()}
+
+
+def chunk_rows(n_rows: int, V: int, operand: torch.dtype, block_n: int, memory_budget: Optional[int]) -> int:
+    """Rows per backward chunk: the most whole row tiles whose buffers fit ``memory_budget`` bytes (at least
+    one tile; None: ``DEFAULT_MEMORY_BUDGET``).
+
+    Per row: ``V`` operand-dtype elements of ``dZ`` plus ``4 V / block_n`` bytes of bias partial sums.
+    """
+    budget = DEFAULT_MEMORY_BUDGET if memory_budget is None else int(memory_budget)
+    per_tile = block_n * V * torch.empty((), dtype=operand).element_size() + 4 * V
+    tiles = max(1, budget // max(per_tile, 1))
+    return int(min(tiles, triton.cdiv(max(n_rows, 1), block_n)) * block_n)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Sequence stage (sequence.py): one program per response, BLOCK_T tokens at a time; one reduction program.
+SEQUENCE_BLOCK_T = 1024
+SEQUENCE_BLOCK_S = 1024
+SEQUENCE_NUM_WARPS = 4
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Launch configurations for the static H100 report (gspo_kernels/tools/h100_report.py documents the format;
+# "kernel" is "module.function" inside this package).
+
+
+def _logits_fwd_h100(dtype: str, has_active: bool, has_entropy: bool) -> dict:
+    return {
+        "name": f"logprobs_fwd[{dtype},{'active' if has_active else 'all'},{'H' if has_entropy else 'noH'}]",
+        "kernel": "logits.logprobs_fwd_kernel",
+        "pointers": {"logits_ptr": dtype, "labels_ptr": "i64", "active_ptr": "i1"},
+        "floats": ["inv_temperature"],
+        # A contiguous [N, V] or [B, T, V] tensor: the runtime specializes stride_v == 1 to a constant.
+        "constexprs": {"stride_v": 1, "BLOCK_V": logits_block_v(1 << 20, ELEMENT_SIZES[dtype]),
+                       "HAS_ACTIVE": has_active, "HAS_ENTROPY": has_entropy},
+        # What the runtime sees for a fresh allocation with V % 16 == 0 (Qwen, Llama-3, Gemma-3 vocabularies):
+        # 16-divisible pointers, row strides and vocabulary size, which is what lets the loads use 128 bits.
+        "aligned_ints": ["stride_b", "stride_t", "vocab_size"],
+        "vector_loads": True,
+        "num_warps": LOGITS_NUM_WARPS,
+        "num_stages": LOGITS_NUM_STAGES,
+    }
+
+
+def _logits_bwd_h100(dtype: str, has_grad_entropy: bool) -> dict:
+    return {
+        "name": f"logprobs_bwd[{dtype},{'dlogp+dH' if has_grad_entropy else 'dlogp'}]",
+        "kernel": "logits.logprobs_bwd_kernel",
+        "pointers": {"logits_ptr": dtype, "dlogits_ptr": dtype, "labels_ptr": "i64", "active_ptr": "i1"},
+        "floats": ["inv_temperature"],
+        # Contiguous logits and gradient: the runtime specializes the unit vocabulary strides to constants.
+        "constexprs": {"stride_v": 1, "dstride_v": 1, "BLOCK_V": logits_block_v(1 << 20, ELEMENT_SIZES[dtype]),
+                       "HAS_ACTIVE": True, "HAS_GRAD_LOGP": True, "HAS_GRAD_ENTROPY": has_grad_entropy},
+        # A fresh allocation with V % 16 == 0: 16-divisible pointers, row strides and vocabulary size.
+        "aligned_ints": ["stride_b", "stride_t", "dstride_b", "dstride_t", "vocab_size"],
+        "vector_loads": True,
+        "num_warps": LOGITS_NUM_WARPS,
+        "num_stages": LOGITS_NUM_STAGES,
+    }
+
+
+def _linear_h100() -> List[dict]:
+    """bf16 operands (the production case) must use HGMMA. fp32 operands are multiplied exactly
+    (``input_precision="ieee"``: FMA, no tensor cores, by design), so their rows only check spills."""
+    out = []
+    index = {"order_ptr": "i64", "count_ptr": "i64", "labels_ptr": "i64"}
+    for dtype, cfg, variants in (("bf16", CUDA_FWD_CONFIG, (False, True)), ("fp32", CUDA_FWD_CONFIG_FP32, (True,))):
+        for has_bias in variants:
+            out.append({
+                "name": f"linear_logprobs_fwd{'_bias' if has_bias else ''}[{dtype}]",
+                "kernel": "linear.linear_logprobs_fwd_kernel",
+                "pointers": {"hidden_ptr": dtype, "weight_ptr": dtype, **index},
+                "floats": ["inv_temperature"],
+                "constexprs": {
+                    "stride_hh": 1, "stride_wh": 1, "HAS_BIAS": has_bias, "HAS_ORDER": True, "EVEN_H": True,
+                    "UPCAST": False, "BLOCK_N": cfg["BLOCK_N"], "BLOCK_V": cfg["BLOCK_V"], "BLOCK_H": cfg["BLOCK_H"],
+                    "GROUP_N": cfg["GROUP_N"],
+                },
+                "num_warps": cfg["num_warps"],
+                "num_stages": cfg["num_stages"],
+                "uses_dot": dtype != "fp32",
+                # the sizes/strides that are multiples of 16 for real models (H, H * T, H)
+                "aligned_ints": ["H", "stride_hb", "stride_ht", "stride_wv"],
+            })
+    out.append({"name": "linear_logprobs_combine", "kernel": "linear.linear_logprobs_combine_kernel",
+                "pointers": index, "constexprs": {"HAS_ORDER": True, "BLOCK": COMBINE_BLOCK},
+                "num_warps": COMBINE_NUM_WARPS, "num_stages": 1})
+    for dtype, cfgs in (("bf16", CUDA_BWD_CONFIG), ("fp32", CUDA_BWD_CONFIG_FP32)):
+        dz, dh, dw = cfgs["dz"], cfgs["dh"], cfgs["dw"]
+        common = {"floats": ["inv_temperature"], "uses_dot": dtype != "fp32"}
+        for name, with_bias_entropy in (("linear_dz_bias_entropy", True), ("linear_dz", False)):
+            out.append(dict(common, **{
+                "name": f"{name}[{dtype}]", "kernel": "linear.linear_dz_kernel",
+                "pointers": {"hidden_ptr": dtype, "weight_ptr": dtype, "dz_ptr": dtype, **index},
+                "constexprs": {
+                    "stride_hh": 1, "stride_wh": 1, "HAS_BIAS": with_bias_entropy, "HAS_LOGP_GRAD": True,
+                    "HAS_ENTROPY_GRAD": with_bias_entropy, "COMPUTE_DB": with_bias_entropy, "EVEN_H": True,
+                    "UPCAST": False, "BLOCK_N": dz["BLOCK_N"], "BLOCK_V": dz["BLOCK_V"], "BLOCK_H": dz["BLOCK_H"],
+                    "GROUP": dz["GROUP"]},
+                "num_warps": dz["num_warps"], "num_stages": dz["num_stages"],
+                "aligned_ints": ["H", "V", "stride_hb", "stride_ht", "stride_wv"],
+            }))
+        out.append(dict(common, **{
+            "name": f"linear_dh[{dtype}]", "kernel": "linear.linear_dh_kernel",
+            "pointers": {"dz_ptr": dtype, "weight_ptr": dtype, "dh_ptr": dtype, "order_ptr": "i64",
+                         "count_ptr": "i64"},
+            "constexprs": {"stride_wh": 1, "UPCAST": False, "BLOCK_N": dh["BLOCK_N"], "BLOCK_H": dh["BLOCK_H"],
+                           "BLOCK_V": dh["BLOCK_V"], "GROUP": dh["GROUP"]},
+            "num_warps": dh["num_warps"], "num_stages": dh["num_stages"],
+            "aligned_ints": ["H", "V", "stride_wv"],
+        }))
+        out.append(dict(common, **{
+            "name": f"linear_dw_db[{dtype}]", "kernel": "linear.linear_dw_kernel",
+            "pointers": {"dz_ptr": dtype, "hidden_ptr": dtype, "order_ptr": "i64", "count_ptr": "i64"},
+            "constexprs": {"stride_hh": 1, "COMPUTE_DW": True, "COMPUTE_DB": True, "UPCAST": False,
+                           "BLOCK_V": dw["BLOCK_V"], "BLOCK_H": dw["BLOCK_H"], "BLOCK_K": dw["BLOCK_K"],
+                           "GROUP": dw["GROUP"], "DZ_BLOCK_N": dz["BLOCK_N"]},
+            "num_warps": dw["num_warps"], "num_stages": dw["num_stages"],
+            "aligned_ints": ["H", "V", "stride_hb", "stride_ht"],
+        }))
+    return out
+
+
+_SEQUENCE_FLAG_NAMES = {"HAS_KL": "kl", "BIAS_CORRECTION_KL": "kl_bias_corr", "HAS_IS_RATIO": "is_ratio",
+                        "HAS_DELTA": "delta", "ADV_PER_TOKEN": "token_adv", "HAS_CLAMP": "clamp"}
+
+
+def _sequence_h100(level: str, **flags: bool) -> dict:
+    constexprs = {
+        "LEVEL": IMPORTANCE_SAMPLING_LEVELS.index(level), "HAS_OLD": True, "HAS_ENTROPY": True, "HAS_KL": False,
+        "BIAS_CORRECTION_KL": False, "HAS_IS_RATIO": False, "HAS_DELTA": False, "ADV_PER_TOKEN": False,
+        "SEQ_MEAN": True, "BLOCK_T": SEQUENCE_BLOCK_T, "HAS_CLAMP": False,
+    }
+    constexprs.update(flags)
+    on = ",".join(_SEQUENCE_FLAG_NAMES.get(k, k.lower()) for k, v in flags.items() if v)
+    return {
+        "name": f"gspo_sequence[{level}{',' + on if on else ''}]",
+        "kernel": "sequence.gspo_sequence_kernel",
+        # Every pointer is fp32 but cu_seqlens; the five scalars are fp32.
+        "pointers": {"cu_seqlens_ptr": "i32"},
+        "floats": ["eps_low", "eps_high", "delta", "beta", "log_ratio_clamp"],
+        "constexprs": constexprs,
+        "num_warps": SEQUENCE_NUM_WARPS,
+        "num_stages": 3,
+    }
+
+
+H100_CONFIGS: List[dict] = [
+    _logits_fwd_h100("bf16", True, True),
+    _logits_fwd_h100("bf16", False, False),
+    _logits_fwd_h100("fp16", True, True),
+    _logits_fwd_h100("fp32", True, True),
+    _logits_bwd_h100("bf16", False),
+    _logits_bwd_h100("bf16", True),
+    _logits_bwd_h100("fp16", False),
+    _logits_bwd_h100("fp32", True),
+    *_linear_h100(),
+    _sequence_h100("sequence"),
+    _sequence_h100("sequence", HAS_KL=True, BIAS_CORRECTION_KL=True, HAS_IS_RATIO=True, HAS_DELTA=True),
+    _sequence_h100("sequence_token", ADV_PER_TOKEN=True, HAS_IS_RATIO=True),
+    _sequence_h100("token", HAS_KL=True, HAS_DELTA=True),
+    _sequence_h100("sequence_token", ADV_PER_TOKEN=True, HAS_IS_RATIO=True, HAS_CLAMP=True),
+    {
+        "name": "gspo_reduce[dapo]",
+        "kernel": "sequence.gspo_reduce_kernel",
+        "floats": ["grpo_denominator", "dr_grpo_denominator", "entropy_coef"],
+        "constexprs": {"LOSS_TYPE": LOSS_TYPES.index("dapo"), "HAS_NUM_ITEMS": True, "BLOCK_S": SEQUENCE_BLOCK_S},
+        "num_warps": SEQUENCE_NUM_WARPS,
+        "num_stages": 3,
+    },
+]

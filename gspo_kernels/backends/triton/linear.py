@@ -1,0 +1,679 @@
+"""The hidden-state path: ``hidden @ weight.T (+ bias) -> (logp [N], entropy [N])`` and its gradient,
+without the ``[N, V]`` logits and without atomics.
+
+Forward (:func:`linear_logprobs_fwd_kernel` + :func:`linear_logprobs_combine_kernel`, launched by
+:func:`linear_logprobs_forward`). A program owns ``BLOCK_N`` rows and one *split* of the vocabulary
+(``cols_per_split`` consecutive columns); it walks that split ``BLOCK_V`` columns at a time, builds each
+logits tile with ``tl.dot`` (fp32 accumulation over ``H`` in ``BLOCK_H`` steps, :func:`logits_tile`), scales
+it by ``1 / temperature`` and folds it into a running (online) log-sum-exp, the entropy sum and the label's
+logit. Only per-row partial statistics leave the kernel (three fp32 values per (split, row) plus the label
+logit); the combine kernel merges the splits of each row in split order.
+
+Per row, with ``z = (h . W[v] + b[v]) / tau`` and a split's running maximum ``row_max``:
+``s = sum_v exp(z_v - row_max)`` and ``t = sum_v exp(z_v - row_max) (z_v - row_max)``, so that
+``log-sum-exp = row_max + log s`` and ``entropy = log s - t / s`` (no cancellation against the log-sum-exp).
+``row_max`` and ``log_sum = log s`` are returned separately (not summed into one fp32 log-sum-exp), so that
+``log p = (z - row_max) - log_sum`` keeps its precision when the logits are large (``1e4`` offsets):
+``z - row_max`` is exact there, while ``row_max + log_sum`` would be rounded to the spacing of ``row_max``.
+A bias is replaced by :func:`max_subtracted_bias` before the kernels (the softmax does not change; the
+logits stay small).
+
+Backward (:func:`linear_logprobs_backward`). Only the rows whose incoming gradient is non-zero are visited:
+the autograd Function compacts them on the device (``order[:count]``, :func:`compact_rows`; ``count`` stays
+on the device, so nothing synchronises with the host). The rows are processed in fixed-size **chunks** of
+``C`` compacted rows (``C`` from the memory budget, ``configs.chunk_rows``); each chunk runs three kernels:
+
+1. :func:`linear_dz_kernel` (grid: row tiles x vocabulary tiles of the chunk, grouped order): recomputes the
+   logits tile and forms
+
+       q[r, v] = g_logp[r] * (1[v = y_r] - p[r, v]) - g_ent[r] * p[r, v] * (log p[r, v] + entropy[r]),
+       log p = (z - row_max) - log_sum,
+
+   the gradient with respect to ``z`` (the raw logits' gradient is ``q / tau``; ``1 / tau`` is applied in
+   fp32 by the next kernels, so a tiny temperature cannot overflow a half-precision ``q``). ``q`` is written
+   to the chunk buffer ``dZ [C, V]`` in the operand dtype, and, with a bias, the fp32 column sums of each
+   row tile to ``dB_part [C / BLOCK_N, V]``.
+2. :func:`linear_dh_kernel` (grid: row tiles x ``H`` tiles): ``dH[rows] = (dZ @ W) / tau``, fp32
+   accumulation, the reduction over ``V`` in ``BLOCK_V`` steps from 0 upwards for every row.
+3. :func:`linear_dw_kernel` (grid: vocabulary tiles x ``H`` tiles): ``dW += (dZ^T @ H[rows]) / tau`` into an
+   fp32 ``[V, H]`` accumulator that each program owns for its tile (plain load, add, store: no atomics), and
+   ``dbias += sum of the chunk's dB_part rows / tau`` in row-tile order.
+
+Steps 2 and 3 are plain GEMMs on the chunk buffer, each launched by its own function (:func:`_launch_dh`,
+:func:`_launch_dw`), so that another GEMM implementation can replace either without touching the rest.
+
+Batch invariance and determinism: a row's results depend only on that row and on the launch configuration,
+which depends on the dtype alone (``configs.py``): the split width is a constant, the ``tl.dot`` products
+are per output element, the reductions over ``H`` (for ``z``) and ``V`` (for ``dH``) run in the same steps
+whatever the chunk, the row's position or its neighbours, and the splits are combined in a fixed order. So a
+row gives the same bits alone or among any other rows and for any memory budget. ``dW`` and ``dbias`` are
+sums over rows: deterministic (chunk order, then row order). Nothing is summed by atomics.
+
+Rows: all ``N`` rows, or the first ``count`` entries of ``order`` (read by the kernels: no host
+synchronisation). Programs past ``count`` exit at once. Out-of-range labels are never used as addresses;
+such a row's log-prob (and gradient) is NaN. Sizes are runtime arguments: a new ``N`` or sequence length
+never recompiles.
+
+Memory: forward ``(3 * splits + 1) * N`` fp32 of partial statistics (``splits = ceil(V / SPLIT_COLS)``);
+backward the chunk buffers, ``C * V * (operand bytes) + ceil(C / BLOCK_N) * V * 4`` bytes, at most the
+``memory_budget`` (default ``configs.DEFAULT_MEMORY_BUDGET``) but never less than one row tile, plus the fp32
+``dW [V, H]`` and ``dbias [V]`` accumulators. Cost: ``6 C H V`` flops per chunk plus ``3 C V`` operand-dtype
+elements of chunk-buffer traffic (~5% of the flop time at H = 4096 on an H100).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from gspo_kernels.backends.triton import configs
+from gspo_kernels.backends.triton.launch import (
+    device_guard,
+    grouped_tile,
+    interpreter_active,
+    row_offsets,
+    row_strides,
+)
+from gspo_kernels.precision import kernel_operand_dtype
+
+# A finite "minus infinity" for the running max: exp(_NEG_BIG - m) is 0 and (_NEG_BIG - m) * 0 is 0 (no NaN
+# when a whole tile or split is -inf, e.g. a -inf bias over a vocabulary range).
+_NEG_BIG = tl.constexpr(-1.0e30)
+
+
+@triton.jit
+def logits_tile(
+    hidden_ptr, weight_ptr, bias_ptr, h_row_off, offs_v, v_ok, V, H,
+    stride_hh, stride_wv, stride_wh, stride_bv, inv_temperature,
+    HAS_BIAS: tl.constexpr, EVEN_H: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    """``z [BLOCK_N, BLOCK_V]`` fp32 = ``(hidden[rows] @ weight[offs_v].T + bias[offs_v]) * inv_temperature``.
+
+    ``h_row_off`` [BLOCK_N] int64: element offsets of the rows in ``hidden`` (every one a valid row).
+    Columns ``>= V`` hold finite junk values that the caller must mask. The reduction over ``H`` runs in
+    ``BLOCK_H`` steps from 0 upwards for every row: a row's value does not depend on the other rows.
+    """
+    acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+    # Out-of-range rows already point at a valid row and out-of-range columns are clamped to V - 1, so
+    # only a ragged H needs a load mask (EVEN_H drops it: fewer registers on the tensor-core path).
+    w_col_off = tl.minimum(offs_v, V - 1).to(tl.int64) * stride_wv
+    for h0 in range(0, H, BLOCK_H):
+        offs_h = h0 + tl.arange(0, BLOCK_H)
+        a_ptrs = hidden_ptr + h_row_off[:, None] + offs_h[None, :] * stride_hh
+        b_ptrs = weight_ptr + w_col_off[None, :] + offs_h[:, None] * stride_wh
+        if EVEN_H:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            a = tl.load(a_ptrs, mask=(offs_h < H)[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=(offs_h < H)[:, None], other=0.0)
+        if UPCAST:  # the interpreter's bf16 tl.dot is wrong (docs/kernels.md): multiply in fp32 there
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_v.to(tl.int64) * stride_bv, mask=v_ok, other=0.0).to(tl.float32)[None, :]
+    return acc * inv_temperature
+
+
+@triton.jit
+def as_operand(x, like_ptr, UPCAST: tl.constexpr):
+    """``x`` in the element type of ``like_ptr`` (the other ``tl.dot`` operand), or fp32 when upcasting."""
+    if UPCAST:
+        return x.to(tl.float32)
+    else:
+        return x.to(like_ptr.dtype.element_ty)
+
+
+# Row and split counts vary per batch: never specialize on them (no recompile for N == 1 or N % 16 == 0).
+@triton.jit(do_not_specialize=["M", "T", "cols_per_split", "num_splits"])
+def linear_logprobs_fwd_kernel(
+    hidden_ptr,  # [B, T, H] or [N, H], any strides, fp16/bf16/fp32
+    weight_ptr,  # [V, H], same dtype
+    bias_ptr,  # [V] (any stride, any float dtype) or dummy
+    order_ptr,  # [M] int64: the computed rows, compacted (read only when HAS_ORDER)
+    count_ptr,  # [1] int64: how many entries of order are valid (read only when HAS_ORDER)
+    labels_ptr,  # [N] int64 (any values: compared, never used as an address)
+    part_max_ptr, part_sum_ptr, part_ent_ptr,  # [splits, M] fp32 each, indexed by position in order
+    label_logit_ptr,  # [M] fp32 (written by the split that holds the label)
+    M, V, H, T,
+    stride_hb, stride_ht, stride_hh, stride_wv, stride_wh, stride_bv,
+    inv_temperature, cols_per_split, num_splits,
+    HAS_BIAS: tl.constexpr, HAS_ORDER: tl.constexpr, EVEN_H: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, GROUP_N: tl.constexpr,
+):
+    row_tile, split = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_N), num_splits, GROUP_N)
+    if HAS_ORDER:
+        count = tl.load(count_ptr).to(tl.int32)
+    else:
+        count = M
+    if row_tile * BLOCK_N < count:  # tiles past the active rows do nothing
+        offs_n = row_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok = offs_n < count
+        if HAS_ORDER:
+            rows = tl.load(order_ptr + offs_n, mask=row_ok, other=0)
+        else:
+            rows = tl.where(row_ok, offs_n, 0).to(tl.int64)
+        h_row_off = row_offsets(rows, T, stride_hb, stride_ht)
+        label = tl.load(labels_ptr + rows, mask=row_ok, other=-1)
+
+        v_begin = split * cols_per_split
+        v_end = tl.minimum(v_begin + cols_per_split, V)
+        row_max = tl.full((BLOCK_N,), _NEG_BIG, dtype=tl.float32)  # of this split's scaled logits
+        s_i = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        t_i = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        lab = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for v0 in range(v_begin, v_end, BLOCK_V):
+            offs_v = v0 + tl.arange(0, BLOCK_V)
+            v_ok = offs_v < v_end
+            z = logits_tile(
+                hidden_ptr, weight_ptr, bias_ptr, h_row_off, offs_v, v_ok, V, H,
+                stride_hh, stride_wv, stride_wh, stride_bv, inv_temperature,
+                HAS_BIAS, EVEN_H, UPCAST, BLOCK_N, BLOCK_V, BLOCK_H,
+            )
+            lab += tl.sum(tl.where(offs_v[None, :] == label[:, None], z, 0.0), axis=1)
+            z = tl.where(v_ok[None, :], z, float("-inf"))
+            new_max = tl.maximum(row_max, tl.max(z, axis=1))
+            shift = row_max - new_max
+            alpha = tl.exp(shift)
+            zs = z - new_max[:, None]
+            e = tl.exp(zs)
+            # e == 0 where z = -inf (padding, a -inf bias entry): its p log p term is 0, not 0 * -inf = NaN.
+            t_i = alpha * (t_i + shift * s_i) + tl.sum(tl.where(e > 0, e * zs, 0.0), axis=1)
+            s_i = alpha * s_i + tl.sum(e, axis=1)
+            row_max = new_max
+
+        out = split * M + offs_n
+        tl.store(part_max_ptr + out, row_max, mask=row_ok)
+        tl.store(part_sum_ptr + out, s_i, mask=row_ok)
+        tl.store(part_ent_ptr + out, t_i, mask=row_ok)
+        tl.store(label_logit_ptr + offs_n, lab, mask=row_ok & (label >= v_begin) & (label < v_end))
+
+
+@triton.jit(do_not_specialize=["M", "num_splits"])
+def linear_logprobs_combine_kernel(
+    order_ptr, count_ptr, labels_ptr, part_max_ptr, part_sum_ptr, part_ent_ptr, label_logit_ptr,
+    logp_ptr,  # [N] fp32 outputs, indexed by row
+    entropy_ptr,
+    row_max_ptr,  # [N] fp32: the row's largest scaled logit
+    log_sum_ptr,  # [N] fp32: log sum exp(z - row_max)
+    M, V, num_splits,
+    HAS_ORDER: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Combines the splits of each row in split order (0, 1, ...): the same bits for any batch."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    if HAS_ORDER:
+        count = tl.load(count_ptr).to(tl.int32)
+    else:
+        count = M
+    ok = offs < count
+    if HAS_ORDER:
+        rows = tl.load(order_ptr + offs, mask=ok, other=0)
+    else:
+        rows = offs.to(tl.int64)
+    row_max = tl.full((BLOCK,), _NEG_BIG, dtype=tl.float32)
+    for s in range(0, num_splits):
+        row_max = tl.maximum(row_max, tl.load(part_max_ptr + s * M + offs, mask=ok, other=_NEG_BIG))
+    total = tl.zeros((BLOCK,), dtype=tl.float32)
+    t = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in range(0, num_splits):
+        pm = tl.load(part_max_ptr + s * M + offs, mask=ok, other=_NEG_BIG)
+        ps = tl.load(part_sum_ptr + s * M + offs, mask=ok, other=0.0)
+        pt = tl.load(part_ent_ptr + s * M + offs, mask=ok, other=0.0)
+        scale = tl.exp(pm - row_max)
+        total += scale * ps
+        t += scale * (pt + (pm - row_max) * ps)
+    total = tl.where(ok, total, 1.0)  # lanes past the rows: no log(0) on junk
+    log_sum = tl.log(total)
+    label = tl.load(labels_ptr + rows, mask=ok, other=0)
+    label_ok = (label >= 0) & (label < V)
+    logp = (tl.load(label_logit_ptr + offs, mask=ok, other=0.0) - row_max) - log_sum
+    logp = tl.where(label_ok, logp, float("nan"))  # an out-of-range label gives NaN, never an address
+    tl.store(logp_ptr + rows, logp, mask=ok)
+    tl.store(entropy_ptr + rows, log_sum - t / total, mask=ok)
+    tl.store(row_max_ptr + rows, row_max, mask=ok)
+    tl.store(log_sum_ptr + rows, log_sum, mask=ok)
+
+
+@triton.jit(do_not_specialize=["chunk_start", "C", "T"])
+def linear_dz_kernel(
+    hidden_ptr, weight_ptr, bias_ptr,
+    order_ptr,  # [N] int64: compacted rows with a gradient; count_ptr: [1] int64
+    count_ptr,
+    labels_ptr, row_max_ptr, log_sum_ptr, ent_ptr, g_logp_ptr, g_ent_ptr,  # [N], indexed by row
+    dz_ptr,  # [C, V] operand dtype (row stride V): q of the chunk's rows
+    db_part_ptr,  # [ceil(C / BLOCK_N), V] fp32: column sums of q per row tile (COMPUTE_DB)
+    chunk_start, C, V, H, T,
+    stride_hb, stride_ht, stride_hh, stride_wv, stride_wh, stride_bv, inv_temperature,
+    HAS_BIAS: tl.constexpr, HAS_LOGP_GRAD: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr,
+    COMPUTE_DB: tl.constexpr, EVEN_H: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, GROUP: tl.constexpr,
+):
+    row_tile, vocab_tile = grouped_tile(tl.program_id(0), tl.cdiv(C, BLOCK_N), tl.cdiv(V, BLOCK_V), GROUP)
+    n_here = tl.minimum(tl.load(count_ptr).to(tl.int32) - chunk_start, C)
+    if row_tile * BLOCK_N < n_here:
+        offs_n = row_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok = offs_n < n_here
+        rows = tl.load(order_ptr + chunk_start + offs_n, mask=row_ok, other=0)
+        offs_v = vocab_tile * BLOCK_V + tl.arange(0, BLOCK_V)
+        v_ok = offs_v < V
+        z = logits_tile(
+            hidden_ptr, weight_ptr, bias_ptr, row_offsets(rows, T, stride_hb, stride_ht), offs_v, v_ok, V, H,
+            stride_hh, stride_wv, stride_wh, stride_bv, inv_temperature,
+            HAS_BIAS, EVEN_H, UPCAST, BLOCK_N, BLOCK_V, BLOCK_H,
+        )
+        row_max = tl.load(row_max_ptr + rows, mask=row_ok, other=0.0)
+        log_sum = tl.load(log_sum_ptr + rows, mask=row_ok, other=0.0)
+        label = tl.load(labels_ptr + rows, mask=row_ok, other=-1)
+        valid = row_ok[:, None] & v_ok[None, :]
+        logp = (z - row_max[:, None]) - log_sum[:, None]
+        p = tl.where(valid, tl.exp(logp), 0.0)
+        q = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+        if HAS_LOGP_GRAD:
+            g_logp = tl.load(g_logp_ptr + rows, mask=row_ok, other=0.0)
+            q = g_logp[:, None] * (tl.where(offs_v[None, :] == label[:, None], 1.0, 0.0) - p)
+        if HAS_ENTROPY_GRAD:
+            g_ent = tl.load(g_ent_ptr + rows, mask=row_ok, other=0.0)
+            ent = tl.load(ent_ptr + rows, mask=row_ok, other=0.0)
+            # p == 0 where z = -inf (a -inf bias entry): its term is 0, not 0 * -inf = NaN
+            q -= g_ent[:, None] * tl.where(p > 0, p * (logp + ent[:, None]), 0.0)
+        label_ok = (label >= 0) & (label < V)  # an out-of-range label: NaN gradient, like its NaN log-prob
+        q = tl.where(valid, tl.where(label_ok[:, None], q, float("nan")), 0.0)
+        dz_off = offs_n.to(tl.int64)[:, None] * V + offs_v[None, :]
+        tl.store(dz_ptr + dz_off, q.to(dz_ptr.dtype.element_ty), mask=valid)
+        if COMPUTE_DB:
+            tl.store(db_part_ptr + row_tile.to(tl.int64) * V + offs_v, tl.sum(q, axis=0), mask=v_ok)
+
+
+@triton.jit(do_not_specialize=["chunk_start", "C"])
+def linear_dh_kernel(
+    dz_ptr,  # [C, V] operand dtype
+    weight_ptr,  # [V, H]
+    order_ptr, count_ptr,
+    dh_ptr,  # [N, H] contiguous, hidden dtype: rows order[chunk_start:...] are written
+    chunk_start, C, V, H,
+    stride_wv, stride_wh, inv_temperature,
+    UPCAST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_V: tl.constexpr,
+    GROUP: tl.constexpr,
+):
+    row_tile, h_tile = grouped_tile(tl.program_id(0), tl.cdiv(C, BLOCK_N), tl.cdiv(H, BLOCK_H), GROUP)
+    n_here = tl.minimum(tl.load(count_ptr).to(tl.int32) - chunk_start, C)
+    if row_tile * BLOCK_N < n_here:
+        offs_n = row_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok = offs_n < n_here
+        offs_h = h_tile * BLOCK_H + tl.arange(0, BLOCK_H)
+        h_ok = offs_h < H
+        dz_rows = dz_ptr + offs_n.to(tl.int64)[:, None] * V
+        w_cols = weight_ptr + offs_h[None, :] * stride_wh
+        acc = tl.zeros((BLOCK_N, BLOCK_H), dtype=tl.float32)
+        for v0 in range(0, V, BLOCK_V):  # the same steps for every row: batch-invariant
+            offs_v = v0 + tl.arange(0, BLOCK_V)
+            v_ok = offs_v < V
+            a = tl.load(dz_rows + offs_v[None, :], mask=row_ok[:, None] & v_ok[None, :], other=0.0)
+            b = tl.load(w_cols + offs_v.to(tl.int64)[:, None] * stride_wv, mask=v_ok[:, None] & h_ok[None, :], other=0.0)
+            acc = tl.dot(as_operand(a, weight_ptr, UPCAST), as_operand(b, weight_ptr, UPCAST), acc, input_precision="ieee")
+        rows = tl.load(order_ptr + chunk_start + offs_n, mask=row_ok, other=0)
+        out = dh_ptr + rows.to(tl.int64)[:, None] * H + offs_h[None, :]
+        tl.store(out, (acc * inv_temperature).to(dh_ptr.dtype.element_ty), mask=row_ok[:, None] & h_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["chunk_start", "C", "T"])
+def linear_dw_kernel(
+    dz_ptr,  # [C, V] operand dtype
+    hidden_ptr,  # [B, T, H] or [N, H], any strides
+    order_ptr, count_ptr,
+    db_part_ptr,  # [ceil(C / DZ_BLOCK_N), V] fp32
+    dw_ptr,  # [V, H] fp32 accumulator (contiguous)
+    db_ptr,  # [V] fp32 accumulator
+    chunk_start, C, V, H, T,
+    stride_hb, stride_ht, stride_hh, inv_temperature,
+    COMPUTE_DW: tl.constexpr, COMPUTE_DB: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
+    DZ_BLOCK_N: tl.constexpr,
+):
+    vocab_tile, h_tile = grouped_tile(tl.program_id(0), tl.cdiv(V, BLOCK_V), tl.cdiv(H, BLOCK_H), GROUP)
+    n_here = tl.minimum(tl.load(count_ptr).to(tl.int32) - chunk_start, C)
+    if n_here > 0:
+        offs_v = vocab_tile * BLOCK_V + tl.arange(0, BLOCK_V)
+        v_ok = offs_v < V
+        if COMPUTE_DW:
+            offs_h = h_tile * BLOCK_H + tl.arange(0, BLOCK_H)
+            h_ok = offs_h < H
+            acc = tl.zeros((BLOCK_V, BLOCK_H), dtype=tl.float32)
+            for k0 in range(0, n_here, BLOCK_K):
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                k_ok = offs_k < n_here
+                a = tl.load(dz_ptr + offs_k.to(tl.int64)[:, None] * V + offs_v[None, :],
+                            mask=k_ok[:, None] & v_ok[None, :], other=0.0)
+                rows = tl.load(order_ptr + chunk_start + offs_k, mask=k_ok, other=0)
+                h_off = row_offsets(rows, T, stride_hb, stride_ht)
+                b = tl.load(hidden_ptr + h_off[:, None] + offs_h[None, :] * stride_hh,
+                            mask=k_ok[:, None] & h_ok[None, :], other=0.0)
+                acc = tl.dot(tl.trans(as_operand(a, hidden_ptr, UPCAST)), as_operand(b, hidden_ptr, UPCAST), acc,
+                             input_precision="ieee")
+            ptrs = dw_ptr + offs_v.to(tl.int64)[:, None] * H + offs_h[None, :]
+            io_mask = v_ok[:, None] & h_ok[None, :]
+            tl.store(ptrs, tl.load(ptrs, mask=io_mask, other=0.0) + acc * inv_temperature, mask=io_mask)
+        if COMPUTE_DB:
+            if h_tile == 0:
+                db = tl.zeros((BLOCK_V,), dtype=tl.float32)
+                for t in range(0, tl.cdiv(n_here, DZ_BLOCK_N)):  # row-tile order: deterministic
+                    db += tl.load(db_part_ptr + t * V + offs_v, mask=v_ok, other=0.0)
+                old = tl.load(db_ptr + offs_v, mask=v_ok, other=0.0)
+                tl.store(db_ptr + offs_v, old + db * inv_temperature, mask=v_ok)
+
+
+def upcast_dots(*tensors: Tensor) -> bool:
+    """True when the kernels must multiply bf16 operands in fp32 (the interpreter's bf16 ``tl.dot`` is wrong)."""
+    return interpreter_active() and any(t.dtype == torch.bfloat16 for t in tensors)
+
+
+def compact_rows(mask: Tensor) -> Tuple[Tensor, Tensor]:
+    """Device-side stable compaction: ``(order [N] int64, count [1] int64)``, no host synchronisation.
+
+    ``order`` is a permutation of ``0 .. N-1``: the indices of the True entries of ``mask [N]`` in increasing
+    order (the first ``count``), then those of the False entries. Built from an inclusive ``cumsum`` (the
+    number of True entries up to each index) and a scatter without collisions (deterministic in every mode).
+    """
+    mask = mask.reshape(-1).to(torch.bool)
+    n = mask.numel()
+    if n == 0:
+        return torch.zeros(0, device=mask.device, dtype=torch.int64), torch.zeros(1, device=mask.device,
+                                                                                  dtype=torch.int64)
+    seen = torch.cumsum(mask, 0)  # True entries in [0, i]
+    count = seen[-1:]
+    index = torch.arange(n, device=mask.device, dtype=torch.int64)
+    slot = torch.where(mask, seen - 1, count + index - seen)
+    order = torch.empty(n, device=mask.device, dtype=torch.int64).scatter_(0, slot, index)
+    return order, count.clone()
+
+
+def max_subtracted_bias(bias: Optional[Tensor]) -> Optional[Tensor]:
+    """fp32 ``bias - max(finite bias)``: the same softmax, small logits (``1e4`` offsets lose no bits)."""
+    if bias is None:
+        return None
+    b = bias.to(torch.float32)
+    finite = torch.where(torch.isfinite(b), b, torch.full_like(b, float("-inf")))
+    top = finite.max() if b.numel() else torch.zeros((), dtype=b.dtype, device=b.device)
+    return b - torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+
+
+def linear_logprobs_forward(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    labels: Tensor,
+    temperature: float = 1.0,
+    *,
+    order: Optional[Tensor] = None,
+    count: Optional[Tensor] = None,
+    config: Optional[Dict[str, int]] = None,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Log-probs and entropy of every row (or of the rows ``order[:count]``) of ``hidden @ weight.T + bias``.
+
+    Args:
+        hidden: ``[N, H]`` or ``[B, T, H]`` (any strides), fp16/bf16/fp32.
+        weight: ``[V, H]``, same dtype as ``hidden``. bias: ``[V]`` (any stride and float dtype) or None;
+            used as given (callers pass :func:`max_subtracted_bias` for precision).
+        labels: ``[N]`` int64. Out-of-range labels give a NaN log-prob (they are never used as addresses).
+        temperature: logits are divided by it.
+        order, count: a compaction of the rows to compute (see :func:`compact_rows`), or None for all rows.
+        config: block sizes / warps / stages / ``SPLIT_COLS`` (default: ``configs.linear_fwd_config``).
+
+    Returns:
+        ``(logp, entropy, row_max, log_sum)``, each ``[N]`` fp32; rows not computed hold 0. ``row_max`` is the
+        row's largest temperature-scaled logit and ``log_sum = log sum_v exp(z_v - row_max)`` (the
+        log-sum-exp is ``row_max + log_sum``, kept apart for precision).
+    """
+    N = labels.shape[0]
+    V, H = weight.shape
+    device = hidden.device
+    out = torch.zeros((4, N), device=device, dtype=torch.float32)
+    if N == 0:
+        return out[0], out[1], out[2], out[3]
+    cfg = configs.linear_fwd_config(hidden.dtype, config)
+    block_v = cfg["BLOCK_V"]
+    cols_per_split = triton.cdiv(cfg["SPLIT_COLS"], block_v) * block_v
+    num_splits = triton.cdiv(V, cols_per_split)
+    part = torch.empty((3, num_splits, N), device=device, dtype=torch.float32)
+    label_logit = torch.zeros(N, device=device, dtype=torch.float32)
+    T, stride_hb, stride_ht, stride_hh = row_strides(hidden, "hidden")
+    has_order = order is not None
+    index = (order, count) if has_order else (labels, labels)
+    with device_guard(hidden):
+        linear_logprobs_fwd_kernel[(triton.cdiv(N, cfg["BLOCK_N"]) * num_splits,)](
+            hidden, weight, bias if bias is not None else weight, *index, labels,
+            part[0], part[1], part[2], label_logit,
+            N, V, H, T, stride_hb, stride_ht, stride_hh, weight.stride(0), weight.stride(1),
+            bias.stride(0) if bias is not None else 0,
+            1.0 / float(temperature), cols_per_split, num_splits,
+            HAS_BIAS=bias is not None, HAS_ORDER=has_order, EVEN_H=H % cfg["BLOCK_H"] == 0,
+            UPCAST=upcast_dots(hidden, weight),
+            BLOCK_N=cfg["BLOCK_N"], BLOCK_V=block_v, BLOCK_H=cfg["BLOCK_H"], GROUP_N=cfg["GROUP_N"],
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )
+        linear_logprobs_combine_kernel[(triton.cdiv(N, configs.COMBINE_BLOCK),)](
+            *index, labels, part[0], part[1], part[2], label_logit, out[0], out[1], out[2], out[3],
+            N, V, num_splits, HAS_ORDER=has_order, BLOCK=configs.COMBINE_BLOCK, num_warps=configs.COMBINE_NUM_WARPS,
+        )
+    return out[0], out[1], out[2], out[3]
+
+
+def _launch_dh(dz, weight, order, count, dh, chunk_start, rows_here, inv_t, upcast, cfg) -> None:
+    """``dh[order[chunk_start:...]] = (dZ @ W) / tau`` for one chunk (a GEMM)."""
+    V, H = weight.shape
+    linear_dh_kernel[(triton.cdiv(rows_here, cfg["BLOCK_N"]) * triton.cdiv(H, cfg["BLOCK_H"]),)](
+        dz, weight, order, count, dh, chunk_start, rows_here, V, H,
+        weight.stride(0), weight.stride(1), inv_t,
+        UPCAST=upcast, BLOCK_N=cfg["BLOCK_N"], BLOCK_H=cfg["BLOCK_H"], BLOCK_V=cfg["BLOCK_V"],
+        GROUP=cfg["GROUP"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+
+
+def _launch_dw(dz, hidden, order, count, db_part, dw, db, chunk_start, rows_here, V, inv_t, upcast, cfg,
+               dz_block_n, compute_dw, compute_db) -> None:
+    """``dw += (dZ^T @ H[rows]) / tau`` (a GEMM, when ``compute_dw``) and ``db += sum(dB_part) / tau`` (when
+    ``compute_db``) for one chunk; ``dw`` / ``db`` are fp32 accumulators (a dummy tensor when not computed)."""
+    T, stride_hb, stride_ht, stride_hh = row_strides(hidden, "hidden")
+    H = hidden.shape[-1]
+    h_tiles = triton.cdiv(H, cfg["BLOCK_H"]) if compute_dw else 1
+    linear_dw_kernel[(triton.cdiv(V, cfg["BLOCK_V"]) * h_tiles,)](
+        dz, hidden, order, count, db_part, dw, db,
+        chunk_start, rows_here, V, H, T, stride_hb, stride_ht, stride_hh, inv_t,
+        COMPUTE_DW=compute_dw, COMPUTE_DB=compute_db, UPCAST=upcast,
+        BLOCK_V=cfg["BLOCK_V"], BLOCK_H=cfg["BLOCK_H"], BLOCK_K=cfg["BLOCK_K"], GROUP=cfg["GROUP"],
+        DZ_BLOCK_N=dz_block_n, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+
+
+def linear_logprobs_backward(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    labels: Tensor,
+    row_max: Tensor,
+    log_sum: Tensor,
+    entropy: Tensor,
+    grad_logp: Optional[Tensor],
+    grad_entropy: Optional[Tensor],
+    order: Tensor,
+    count: Tensor,
+    temperature: float = 1.0,
+    *,
+    compute_dh: bool = True,
+    compute_dw: bool = True,
+    compute_db: bool = True,
+    memory_budget: Optional[int] = None,
+    config: Optional[Dict[str, Dict[str, int]]] = None,
+) -> Tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+    """Gradients of ``sum(grad_logp * logp + grad_entropy * entropy)`` over the rows ``order[:count]``.
+
+    Args:
+        hidden: ``[N, H]`` or ``[B, T, H]`` (any strides), fp16/bf16/fp32. weight: ``[V, H]``, same dtype.
+        bias: ``[V]`` (any stride, any float dtype) or None, exactly as given to the forward.
+        labels, row_max, log_sum, entropy: ``[N]`` (int64 / fp32), as given to / returned by the forward.
+        grad_logp, grad_entropy: ``[N]`` fp32 or None (None: no gradient through that output).
+        order, count: the device-side compaction of the rows to visit (:func:`compact_rows`).
+        memory_budget: bytes for the chunk buffers (None: ``configs.DEFAULT_MEMORY_BUDGET``).
+        config: the three kernels' launch configurations (default: ``configs.linear_bwd_config``).
+
+    Returns:
+        ``(dh [N, H] in the hidden dtype or None, dw [V, H] fp32 or None, db [V] fp32 or None)``; rows of
+        ``dh`` outside ``order[:count]`` are exactly 0.
+    """
+    N = labels.shape[0]
+    V, H = weight.shape
+    device = hidden.device
+    compute_db = compute_db and bias is not None
+    dh = torch.zeros((N, H), device=device, dtype=hidden.dtype) if compute_dh else None
+    dw = torch.zeros((V, H), device=device, dtype=torch.float32) if compute_dw else None
+    db = torch.zeros(V, device=device, dtype=torch.float32) if compute_db else None
+    has_logp, has_ent = grad_logp is not None, grad_entropy is not None
+    if N == 0 or V == 0 or not (compute_dh or compute_dw or compute_db) or not (has_logp or has_ent):
+        return dh, dw, db
+    cfg = configs.linear_bwd_config(hidden.dtype, config)
+    c_dz = cfg["dz"]
+    C = configs.chunk_rows(N, V, hidden.dtype, c_dz["BLOCK_N"], memory_budget)
+    dz = torch.empty((C, V), device=device, dtype=hidden.dtype)
+    db_part = torch.empty((triton.cdiv(C, c_dz["BLOCK_N"]), V), device=device, dtype=torch.float32) if compute_db else dz
+    T, stride_hb, stride_ht, stride_hh = row_strides(hidden, "hidden")
+    upcast = upcast_dots(hidden, weight)
+    inv_t = 1.0 / float(temperature)
+    dummy = row_max
+    with device_guard(hidden):
+        for chunk_start in range(0, N, C):
+            rows_here = min(C, N - chunk_start)  # an upper bound: the kernels read count themselves
+            linear_dz_kernel[(triton.cdiv(rows_here, c_dz["BLOCK_N"]) * triton.cdiv(V, c_dz["BLOCK_V"]),)](
+                hidden, weight, bias if bias is not None else weight, order, count,
+                labels, row_max, log_sum, entropy,
+                grad_logp if has_logp else dummy, grad_entropy if has_ent else dummy, dz, db_part,
+                chunk_start, rows_here, V, H, T, stride_hb, stride_ht, stride_hh,
+                weight.stride(0), weight.stride(1), bias.stride(0) if bias is not None else 0, inv_t,
+                HAS_BIAS=bias is not None, HAS_LOGP_GRAD=has_logp, HAS_ENTROPY_GRAD=has_ent,
+                COMPUTE_DB=compute_db, EVEN_H=H % c_dz["BLOCK_H"] == 0, UPCAST=upcast,
+                BLOCK_N=c_dz["BLOCK_N"], BLOCK_V=c_dz["BLOCK_V"], BLOCK_H=c_dz["BLOCK_H"], GROUP=c_dz["GROUP"],
+                num_warps=c_dz["num_warps"], num_stages=c_dz["num_stages"],
+            )
+            if compute_dh:
+                _launch_dh(dz, weight, order, count, dh, chunk_start, rows_here, inv_t, upcast, cfg["dh"])
+            if compute_dw or compute_db:
+                _launch_dw(dz, hidden, order, count, db_part, dw if compute_dw else dummy, db if compute_db else dummy,
+                           chunk_start, rows_here, V, inv_t, upcast, cfg["dw"], c_dz["BLOCK_N"], compute_dw, compute_db)
+    return dh, dw, db
+
+
+def _as_operands(hidden: Tensor, weight: Tensor) -> Tuple[Tensor, Tensor]:
+    """``hidden`` and ``weight`` (unit last stride) in ``precision.kernel_operand_dtype`` (fp64 -> fp32)."""
+    dtype = kernel_operand_dtype(hidden.dtype, weight.dtype)
+    h = hidden if hidden.dtype == dtype else hidden.to(dtype)
+    w = weight if weight.dtype == dtype else weight.to(dtype)
+    return h, (w if w.stride(-1) == 1 else w.contiguous())
+
+
+class LinearLogprobsFunction(torch.autograd.Function):
+    """``(hidden, weight, bias, labels, active, temperature, memory_budget) -> (logp, entropy)``.
+
+    Saves the caller's ``hidden``, ``weight``, ``bias`` (no copies: fp64 operands are cast to fp32 again in
+    the backward) and five ``[N]`` tensors. No host synchronisation in either direction (the active rows
+    are compacted on the device), so the Function can be captured in a CUDA graph.
+    """
+
+    @staticmethod
+    def forward(
+        ctx,
+        hidden: Tensor,
+        weight: Tensor,
+        bias: Optional[Tensor],
+        labels: Tensor,
+        active: Optional[Tensor],
+        temperature: float,
+        memory_budget: Optional[int],
+    ) -> Tuple[Tensor, Tensor]:
+        h, w = _as_operands(hidden.detach(), weight.detach())
+        b = max_subtracted_bias(None if bias is None else bias.detach())
+        labels = labels.reshape(-1).to(torch.int64)
+        if active is None:
+            order = count = None
+            computed = torch.ones(labels.shape[0], device=hidden.device, dtype=torch.bool)
+        else:
+            computed = active.reshape(-1).to(torch.bool)
+            order, count = compact_rows(computed)
+        logp, entropy, row_max, log_sum = linear_logprobs_forward(
+            h, w, b, labels, temperature, order=order, count=count
+        )
+        ctx.save_for_backward(hidden, weight, bias, labels, computed, row_max, log_sum, entropy)
+        ctx.temperature = temperature
+        ctx.memory_budget = memory_budget
+        ctx.set_materialize_grads(False)
+        out_dtype = torch.float64 if torch.float64 in (hidden.dtype, weight.dtype) else torch.float32
+        return logp.to(out_dtype), entropy.to(out_dtype)
+
+    @staticmethod
+    def backward(ctx, grad_logp: Optional[Tensor], grad_entropy: Optional[Tensor]):
+        hidden, weight, bias, labels, computed, row_max, log_sum, entropy = ctx.saved_tensors
+        need_dh, need_dw, need_db = ctx.needs_input_grad[:3]
+        if grad_logp is None and grad_entropy is None:
+            return None, None, None, None, None, None, None
+        carries = torch.zeros_like(computed)
+        if grad_logp is not None:
+            grad_logp = grad_logp.reshape(-1).to(torch.float32).contiguous()
+            carries |= grad_logp != 0
+        if grad_entropy is not None:
+            grad_entropy = grad_entropy.reshape(-1).to(torch.float32).contiguous()
+            carries |= grad_entropy != 0
+        order, count = compact_rows(carries & computed)
+        h, w = _as_operands(hidden.detach(), weight.detach())
+        dh, dw, db = linear_logprobs_backward(
+            h, w, max_subtracted_bias(None if bias is None else bias.detach()), labels, row_max, log_sum, entropy,
+            grad_logp, grad_entropy, order, count, ctx.temperature,
+            compute_dh=need_dh, compute_dw=need_dw, compute_db=need_db, memory_budget=ctx.memory_budget,
+        )
+        dh = dh.reshape(hidden.shape).to(hidden.dtype) if dh is not None else None
+        dw = dw.to(weight.dtype) if dw is not None else None
+        db = db.to(bias.dtype) if db is not None else None
+        return dh, dw, db, None, None, None, None
+
+
+def linear_logprobs(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    labels: Tensor,
+    *,
+    active: Optional[Tensor] = None,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+    memory_budget: Optional[int] = None,
+) -> Tuple[Tensor, Optional[Tensor]]:
+    """Per-token log-probs (and entropy) of ``labels`` under ``softmax((hidden @ weight.T + bias) / temperature)``.
+
+    The backend contract's ``linear_logprobs`` (see ``gspo_kernels/backends/__init__.py``).
+
+    Args:
+        hidden: ``[N, H]`` or ``[B, T, H]`` (any strides), fp16/bf16/fp32/fp64.
+        weight: ``[V, H]`` in the dtype of ``hidden`` (the public functions apply ``gspo_kernels.precision``
+            first; a pair that still differs raises ``TypeError``); fp64 operands are computed in fp32.
+            bias: ``[V]`` (any stride) or None.
+        labels: ``[N]`` (or ``[B, T]``) int64. Values outside ``[0, V)`` are never used as addresses:
+            such a row's log-prob (and gradient) is NaN.
+        active: ``[N]`` bool or None; rows where False are not computed (their outputs are 0).
+        temperature: logits are divided by it.
+        return_entropy: also return the entropy of each row's distribution.
+        memory_budget: bytes for the backward's chunk buffers, validated by the public functions (None:
+            ``configs.DEFAULT_MEMORY_BUDGET``; at least one row tile is always used). It changes the speed
+            and the memory, never the bits of any output.
+
+    Returns:
+        ``(logp [N], entropy [N] or None)``: fp32 (fp64, computed in fp32, for fp64 inputs),
+        differentiable w.r.t. hidden, weight and bias. The backward is deterministic (no atomics) and
+        batch-invariant (a row's results do not depend on the other rows); see the module docstring.
+    """
+    logp, entropy = LinearLogprobsFunction.apply(
+        hidden, weight, bias, labels, active, float(temperature), memory_budget
+    )
+    return logp, (entropy if return_entropy else None)
