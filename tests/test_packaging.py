@@ -189,7 +189,7 @@ import os, sys, time
 from pathlib import Path
 from gspo_kernels.backends import cpu_build
 
-def fake_compile(build_directory, verbose):  # a slow "compiler": counts its runs, writes the library last
+def fake_compile(build_directory, log, verbose):  # a slow "compiler": counts its runs, writes the library last
     with open(sys.argv[1], "a") as f:
         f.write(f"{os.getpid()}\\n")
     time.sleep(1.5)
@@ -256,6 +256,23 @@ def test_without_a_compiler_cpu_is_unavailable_with_one_warning_and_auto_runs_to
     assert len(ours) == 1 and issubclass(ours[0].category, RuntimeWarning) and reason in str(ours[0].message)
     expected = logits.log_softmax(-1).gather(-1, labels[:, None])[:, 0]
     assert torch.allclose(logp.double(), expected, rtol=0, atol=1e-5)
+
+
+def test_a_compile_error_makes_cpu_unavailable_with_the_compilers_message(no_compiler, tmp_path):
+    """A source that does not compile: the reason quotes the compiler's error line and points at the log."""
+    broken = tmp_path / "csrc"
+    shutil.copytree(cpu_build.SOURCE_DIR, broken)
+    for source in broken.glob("*.cpp"):  # a fatal error first thing in every file: each compile stops at once
+        source.write_text('#include "gspo_kernels_test_broken_source.h"\n' + source.read_text())
+    no_compiler.setattr(cpu_build, "SOURCE_DIR", broken)
+    no_compiler.delenv("CXX")
+    with pytest.warns(RuntimeWarning, match="gspo_kernels_test_broken_source"):
+        assert "cpu" not in gk.available_backends("cpu")
+    reason = backends.unavailable_reason("cpu")
+    assert re.search(r"compiling the C\+\+ CPU kernels failed: .*error: gspo_kernels_test_broken_source\.h", reason)
+    log = cpu_build.cache_root() / f"{cpu_build.cache_dir().name}.log"
+    assert f"full output: {log}" in reason and "gspo_kernels_test_broken_source" in log.read_text()
+    assert not cpu_build.library_path().exists() and not list(cpu_build.cache_root().glob(".cpu-*"))
 
 
 def test_require_ext_turns_an_unavailable_cpu_backend_into_an_error(no_compiler):

@@ -163,9 +163,10 @@ def _check_tools() -> Dict[str, str]:
     return _with_ninja_on_path()
 
 
-def _compile(build_directory: Path, verbose: bool) -> None:
+def _compile(build_directory: Path, log: Path, verbose: bool) -> None:
     """Compile and link the sources into ``build_directory`` (``torch.utils.cpp_extension.load``; it also
-    loads the result into this process, which registers ``torch.ops.gspo_kernels.*``)."""
+    loads the result into this process, which registers ``torch.ops.gspo_kernels.*``). On failure the
+    compiler's output goes to ``log``."""
     from torch.utils import cpp_extension
 
     env_changes = _check_tools()
@@ -183,15 +184,15 @@ def _compile(build_directory: Path, verbose: bool) -> None:
             verbose=verbose,
         )
     except Exception as exc:  # the compiler's output is in the message; keep it in a log next to the cache
-        log = build_directory.parent / f"{build_directory.name}.log"
+        text = str(exc)
         try:
-            log.write_text(str(exc), encoding="utf-8")
+            log.write_text(text, encoding="utf-8")
+            where = f" (full output: {log})"
         except OSError:
-            log = None
-        first_error = next((ln.strip() for ln in str(exc).splitlines() if "error" in ln.lower()), str(exc)[:300])
-        raise ExtensionUnavailable(
-            f"building the C++ CPU kernels failed: {first_error}" + (f" (full log: {log})" if log else "")
-        ) from exc
+            where = ""
+        lines = [ln.strip() for ln in text.splitlines()]
+        first_error = next((ln for ln in lines if "error:" in ln), None) or (lines[0][:300] if lines else repr(exc))
+        raise ExtensionUnavailable(f"compiling the C++ CPU kernels failed: {first_error}{where}") from exc
     finally:
         for key, value in saved.items():
             if value is None:
@@ -230,7 +231,8 @@ def build(verbose: bool = False) -> Path:
         logger.warning("gspo_kernels: compiling the C++ CPU kernels for this machine into %s (once; about a minute)",
                        final)
         try:
-            _compile(staging, verbose or os.environ.get("GSPO_KERNELS_VERBOSE_BUILD") == "1")
+            _compile(staging, final.parent / f"{final.name}.log",
+                     verbose or os.environ.get("GSPO_KERNELS_VERBOSE_BUILD") == "1")
             os.chmod(staging, 0o755)  # mkdtemp made it private; a cache shared by a team stays readable
             os.rename(staging, final)  # atomic: readers see no directory or a complete one
         except BaseException:
