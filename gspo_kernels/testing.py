@@ -11,6 +11,7 @@ returned in bf16 / fp16 may add one rounding to that dtype per rounding its path
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 
@@ -40,6 +41,8 @@ def setup_triton_interpreter() -> str:
 
     if torch.cuda.is_available():
         return "cuda"
+    if importlib.util.find_spec("triton") is None:  # an install without triton: no Triton backend to check
+        return "cpu"
     if "triton" not in sys.modules and os.environ.get("TRITON_INTERPRET") is None:
         os.environ["TRITON_INTERPRET"] = "1"
     if os.environ.get("TRITON_INTERPRET") == "1":

@@ -32,13 +32,18 @@ Labels outside ``[0, V)`` reach a backend only when the public checks are skippe
     cannot run this input (the pipeline then runs ``linear_logprobs`` and the objective).
 
 ``"auto"`` picks, for the tensors' device, the first available of: CUDA -> triton, torch;
-CPU -> cpu (the C++ extension), torch. It logs the backend it picked once per (device, name).
+CPU -> cpu (the C++ kernels, compiled on first use: :mod:`gspo_kernels.backends.cpu_build`), torch. It logs
+the backend it picked once per (device, name). When the C++ kernels cannot be built (no compiler, ...), the
+``cpu`` backend is unavailable with one ``RuntimeWarning`` and :func:`unavailable_reason` says why; with
+``GSPO_KERNELS_REQUIRE_EXT=1`` in the environment that is a ``RuntimeError`` instead.
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
+import os
+import warnings
 from typing import Callable, Dict, Optional
 
 import torch
@@ -97,7 +102,21 @@ def load(name: str) -> Optional[Backend]:
         except Exception as exc:  # an optional backend that cannot load here is reported, not fatal
             _cache[name] = None
             _errors[name] = f"{type(exc).__name__}: {exc}"
+            if name == "cpu" and not _extension_required():
+                warnings.warn(
+                    f"gspo_kernels: backend 'cpu' (the C++ CPU kernels) is unavailable, so backend='auto' runs "
+                    f"'torch' on CPU tensors: {_errors[name]}",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+    if _cache[name] is None and name == "cpu" and _extension_required():
+        raise RuntimeError(f"GSPO_KERNELS_REQUIRE_EXT=1 but backend 'cpu' is unavailable: {_errors[name]}")
     return _cache[name]
+
+
+def _extension_required() -> bool:
+    """``GSPO_KERNELS_REQUIRE_EXT=1``: an unavailable ``cpu`` backend is an error (CI), not a warning."""
+    return os.environ.get("GSPO_KERNELS_REQUIRE_EXT") == "1"
 
 
 def unavailable_reason(name: str) -> Optional[str]:

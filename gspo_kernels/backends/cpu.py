@@ -1,7 +1,7 @@
-"""``backend="cpu"``: the C++ heavy stage (``csrc/``, built as ``gspo_kernels.backends._C``) for CPU tensors.
+"""``backend="cpu"``: the C++ heavy stage (``gspo_kernels/csrc/``, compiled on first use) for CPU tensors.
 
 The extension registers the operators ``torch.ops.gspo_kernels.{logits_fwd, logits_bwd, logits_bwd_,
-linear_fwd, linear_bwd}`` (schemas in ``csrc/module.cpp``). This module gives them fake (meta)
+linear_fwd, linear_bwd}`` (schemas in ``gspo_kernels/csrc/module.cpp``). This module gives them fake (meta)
 implementations, so ``torch.compile(fullgraph=True)`` traces through them, and autograd formulas
 (``torch.library.register_autograd``), then exposes the two backend functions.
 
@@ -35,14 +35,13 @@ The light sequence stage is the PyTorch one (:func:`gspo_kernels.objective.gspo_
 
 from __future__ import annotations
 
-import importlib
 import logging
 from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from gspo_kernels.backends import DEFAULT_MEMORY_BUDGET, Backend
+from gspo_kernels.backends import DEFAULT_MEMORY_BUDGET, Backend, cpu_build
 from gspo_kernels.backends.tiling import as_rows
 
 logger = logging.getLogger("gspo_kernels")
@@ -59,17 +58,13 @@ _fp64_announced = False
 
 
 def _load_extension() -> None:
-    """Import ``gspo_kernels.backends._C`` and register the fake and autograd implementations once."""
+    """Load the C++ kernels (built on first use, :mod:`gspo_kernels.backends.cpu_build`) and register the fake
+    and autograd implementations once. Raises ``RuntimeError`` (``cpu_build.ExtensionUnavailable``) with the
+    reason when they cannot be built or loaded here."""
     global _registered
     if _registered:
         return
-    try:
-        importlib.import_module("gspo_kernels.backends._C")  # registers torch.ops.gspo_kernels.*
-    except ImportError as exc:
-        raise RuntimeError(
-            "the C++ extension gspo_kernels.backends._C is not built (run `pip install --no-build-isolation -e .` "
-            f"or `python setup.py build_ext --inplace` in the repository): {exc}"
-        ) from exc
+    cpu_build.load()  # registers torch.ops.gspo_kernels.*
     _register_fakes()
     _register_autograd()
     _registered = True

@@ -1,4 +1,4 @@
-"""The ``gspo-kernels`` command: ``verify``, ``bench``, ``h100-report``, ``gpu-check``, ``train``.
+"""The ``gspo-kernels`` command: ``verify``, ``bench``, ``h100-report``, ``gpu-check``, ``train``, ``build-ext``.
 
 Each subcommand lives in its own module exposing ``add_arguments(parser)`` and ``run(args) -> int``;
 they are imported only when their subcommand runs.
@@ -19,12 +19,45 @@ SUBCOMMANDS = {
     "gpu-check": ("gspo_kernels.tools.gpu_check", "the first command on a GPU machine: versions, H100 report, "
                   "GPU tests, memcheck, benchmarks -> results/gpu_check.{json,md}"),
     "train": ("gspo_kernels.train.trainer", "run the toy GSPO/GRPO trainer on a toy task"),
+    "build-ext": ("gspo_kernels.tools.build_ext", "compile the C++ CPU kernels now (otherwise: at first use)"),
 }
+
+
+def version_report() -> str:
+    """Versions of the package, torch and triton, and the C++ CPU kernels' status (never builds them)."""
+    import importlib.metadata as md
+
+    import gspo_kernels
+    from gspo_kernels.backends import cpu_build
+
+    def installed(dist: str) -> str:
+        try:
+            return md.version(dist)
+        except md.PackageNotFoundError:
+            return "not installed"
+
+    return "\n".join([
+        f"gspo-kernels {gspo_kernels.__version__}",
+        f"torch {installed('torch')}",
+        f"triton {installed('triton')}",
+        f"C++ CPU kernels: {cpu_build.status()}",
+    ])
+
+
+class _VersionAction(argparse.Action):
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(version_report())
+        parser.exit()
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="gspo-kernels", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="log which backend runs")
+    parser.add_argument("--version", action=_VersionAction,
+                        help="print the versions of gspo-kernels, torch, triton and the C++ kernels' status")
     sub = parser.add_subparsers(dest="command", required=True)
     argv = list(sys.argv[1:] if argv is None else argv)
     chosen = next((a for a in argv if a in SUBCOMMANDS), None)

@@ -154,6 +154,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--paths", nargs="*", default=["logits", "linear"], choices=["logits", "linear"])
     parser.add_argument("--dtypes", nargs="*", default=["fp32", "bf16"], choices=["fp32", "bf16"])
     parser.add_argument("--seed", type=int, default=None, help="default: a fresh seed, printed")
+    parser.add_argument("--quick", action="store_true",
+                        help="a smoke subset in seconds: per backend, path and dtype, GSPO (sequence level) with "
+                             "one padded (grpo) and one packed (dapo) aggregation; same tolerances")
+
+
+# --quick: the GSPO level, one aggregation of each layout (grpo: padded, with KL; dapo: packed, with KL).
+QUICK_LEVELS = ("sequence",)
+QUICK_LOSS_TYPES = ("grpo", "dapo")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -171,7 +179,9 @@ def run(args: argparse.Namespace) -> int:
             reason = backends.unavailable_reason(name) or f"does not run on {device.type}"
             print(f"  backend {name!r} not checked: {reason}")
     rows: List[Row] = []
-    cases = list(itertools.product(names, args.paths, IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, args.dtypes))
+    quick = getattr(args, "quick", False)
+    levels, loss_types = (QUICK_LEVELS, QUICK_LOSS_TYPES) if quick else (IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES)
+    cases = list(itertools.product(names, args.paths, levels, loss_types, args.dtypes))
     header = f"{'backend':8} {'path':6} {'level':14} {'loss':8} {'dtype':5} {'layout':6} " \
              f"{'loss err':>9} {'tol':>8} {'grad err':>9} {'tol':>8} {'metric':>8} {'s':>6}  result"
     print(header)
