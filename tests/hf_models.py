@@ -12,6 +12,7 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<assistant>{% endif %}"
 )
 FAMILIES = ("llama", "qwen2", "qwen3", "gemma")
+MORE_FAMILIES = ("mistral", "qwen3_moe")
 
 
 def word_tokenizer(*, chat: bool = False):
@@ -47,6 +48,12 @@ def tiny_model(family: str, tok, *, seed: int = 0, hidden: int = 32, layers: int
         model = tf.Qwen3ForCausalLM(tf.Qwen3Config(**common, head_dim=hidden // 4, tie_word_embeddings=False))
     elif family == "gemma":  # tied lm_head, embeddings scaled by sqrt(hidden)
         model = tf.GemmaForCausalLM(tf.GemmaConfig(**common, head_dim=hidden // 4, tie_word_embeddings=True))
+    elif family == "mistral":
+        model = tf.MistralForCausalLM(tf.MistralConfig(**common, head_dim=hidden // 4, tie_word_embeddings=False))
+    elif family == "qwen3_moe":  # 4 experts, 2 routed per token, in every layer
+        model = tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(
+            **common, head_dim=hidden // 4, moe_intermediate_size=hidden // 2, num_experts=4,
+            num_experts_per_tok=2, decoder_sparse_step=1, norm_topk_prob=True, tie_word_embeddings=False))
     else:
         raise ValueError(f"unknown family {family!r}")
     if lm_head_bias:

@@ -19,7 +19,7 @@ import torch
 from gspo_kernels import available_backends, reference
 from gspo_kernels.train import GSPOTrainer, GSPOTrainerConfig, UnsupportedModelError
 from gspo_kernels.train.hf_trainer import Rollout
-from tests.hf_models import FAMILIES, tiny_model, word_tokenizer
+from tests.hf_models import FAMILIES, MORE_FAMILIES, tiny_model, word_tokenizer
 
 BACKENDS = list(available_backends("cpu"))
 QUERIES = ["3 + 4 =", "1 + 1 = ?", "9 ="]
@@ -36,6 +36,8 @@ def _float64_step(snapshot, rollout: Rollout, config, tok, old_logprobs):
     Returns ``(loss, grads by parameter name, logprobs [S, C])``.
     """
     model = copy.deepcopy(snapshot).double().train(False)
+    if getattr(model.config, "num_experts", None):  # grouped_mm has no float64: the per-expert loop
+        model.set_experts_implementation("eager")
     for p in model.parameters():
         p.grad = None
     S, C = rollout.completion_ids.shape
@@ -71,6 +73,15 @@ def _float64_step(snapshot, rollout: Rollout, config, tok, old_logprobs):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_train_step_loss_and_gradients_match_float64_recomputation(family, backend):
+    _check_two_steps_against_float64(family, backend)
+
+
+@pytest.mark.parametrize("family", MORE_FAMILIES)
+def test_train_step_on_mistral_and_qwen3_moe_matches_float64_recomputation(family):
+    _check_two_steps_against_float64(family, "torch")
+
+
+def _check_two_steps_against_float64(family: str, backend: str) -> None:
     tok = word_tokenizer(chat=family in ("qwen2", "gemma"))
     model = tiny_model(family, tok, lm_head_bias=family == "llama")
     config = GSPOTrainerConfig(
@@ -218,7 +229,7 @@ def test_bf16_autocast_step_is_finite_and_close_to_fp32():
                                                              left_clip_range=0.2, right_clip_range=0.2))
         rollout = trainer.rollout(QUERIES, digit_reward)
         rollout.old_logprobs = trainer.score(model, rollout)
-        losses[bf16] = trainer.compute_loss(rollout, torch.arange(len(rollout.prompts))).loss
+        losses[bf16] = trainer.compute_loss(rollout, torch.arange(len(rollout.prompts))).loss.detach()
     assert torch.isfinite(losses[True])
     assert abs(float(losses[True]) - float(losses[False])) < 0.05
 
@@ -268,6 +279,20 @@ def test_models_whose_logits_are_not_the_lm_head_are_refused():
     doubled = Doubled(tf.LlamaConfig(**small))
     with pytest.raises(UnsupportedModelError, match="differs from lm_head"):
         GSPOTrainer(doubled, tok, GSPOTrainerConfig())
+
+
+def test_chat_template_is_applied_when_the_tokenizer_has_one():
+    ids = {}
+    for chat, use in ((True, None), (False, None), (True, False)):
+        tok = word_tokenizer(chat=chat)
+        trainer = GSPOTrainer(tiny_model("qwen3", tok), tok, GSPOTrainerConfig(use_chat_template=use))
+        ids[chat, use] = trainer.encode_prompts(["3 + 4 ="])[0]
+    tok = word_tokenizer()
+    plain = tok("3 + 4 =").input_ids
+    assert ids[True, None] == tok("<user> 3 + 4 = <assistant>").input_ids
+    assert ids[False, None] == plain and ids[True, False] == plain
+    with pytest.raises(ValueError, match="no chat_template"):
+        GSPOTrainer(tiny_model("qwen3", tok), tok, GSPOTrainerConfig(use_chat_template=True))
 
 
 def test_bad_rewards_and_queries_are_refused():
