@@ -77,13 +77,14 @@ def sample_queries(rng: random.Random, n: int) -> List[str]:
 
 
 def train(steps: int = 150, seed: int = 0, *, queries_per_step: int = 16, progress: bool = True,
-          plot: Optional[str] = None) -> List[Dict[str, float]]:
+          plot: Optional[str] = None, layout: str = "packed") -> List[Dict[str, float]]:
     """Run ``steps`` GSPO steps; returns each step's metrics."""
     tokenizer = build_tokenizer()
     model = build_model(tokenizer, seed)
     config = GSPOConfig(
         learning_rate=3e-3, group_size=8, max_new_tokens=3, num_minibatches=2, seed=seed,
         left_clip_range=3e-4, right_clip_range=4e-4,  # the GSPO paper's band
+        layout=layout,
     )
     trainer = GSPOTrainer(model, tokenizer, config)
     rng = random.Random(seed)
@@ -144,16 +145,21 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--queries-per-step", type=int, default=16)
     parser.add_argument("--plot", default="arithmetic_reward.png", help="PNG path ('' for none)")
+    parser.add_argument("--layout", default="packed", choices=["packed", "padded"])
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (1 is fastest for this tiny model on a busy machine)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
-    history = train(args.steps, args.seed, queries_per_step=args.queries_per_step, plot=args.plot or None)
+    history = train(args.steps, args.seed, queries_per_step=args.queries_per_step, plot=args.plot or None,
+                    layout=args.layout)
     rewards = [row["reward_mean"] for row in history]
     k = min(10, len(rewards))
     print(f"mean reward: first {k} steps {sum(rewards[:k]) / k:.3f} -> last {k} steps {sum(rewards[-k:]) / k:.3f} "
           f"({time.perf_counter() - start:.0f} s)")
+    speed = [row[f"tokens_per_s/{args.layout}"] for row in history]
+    print(f"{args.layout}: median {sorted(speed)[len(speed) // 2]:.0f} completion tokens/s in the loss steps, "
+          f"{sum(r['model_tokens'] for r in history) / len(history):.0f} backbone positions per step")
     return 0
 
 
