@@ -22,6 +22,11 @@ from gspo_kernels.train.hf_trainer import Rollout
 from tests.hf_models import FAMILIES, MORE_FAMILIES, tiny_model, word_tokenizer
 
 BACKENDS = list(available_backends("cpu"))
+OBJECTIVES = {  # loss options per family in the float64 parity test (default: GSPO, "grpo" aggregation)
+    "qwen2": dict(importance_sampling_level="sequence_token", loss_type="bnpo"),
+    "gemma": dict(importance_sampling_level="token", loss_type="dapo"),
+    "mistral": dict(importance_sampling_level="token", loss_type="dr_grpo", log_ratio_clamp=0.5),
+}
 QUERIES = ["3 + 4 =", "1 + 1 = ?", "9 ="]
 
 
@@ -88,7 +93,7 @@ def _check_two_steps_against_float64(family: str, backend: str) -> None:
         learning_rate=3e-3, left_clip_range=0.05, right_clip_range=0.05, group_size=4, max_new_tokens=5,
         num_minibatches=1, max_grad_norm=None, old_model_update_interval=2, backend=backend,
         layout="packed" if family in ("llama", "qwen3") else "padded", beta=0.04 if family != "qwen3" else 0.0,
-        importance_sampling_level="sequence" if family != "gemma" else "token",
+        **OBJECTIVES.get(family, {}),
     )
     trainer = GSPOTrainer(model, tok, config)
     first = copy.deepcopy(model)  # the old policy of steps 0 and 1, and the reference model
