@@ -1,1 +1,6 @@
-"""The toy GSPO / GRPO trainer (``gspo-kernels train``) and its toy tasks."""
+"""Training: :class:`GSPOTrainer` for any Hugging Face causal LM (:mod:`gspo_kernels.train.hf_trainer`), and
+the toy trainer ``gspo-kernels train`` on toy tasks (:mod:`gspo_kernels.train.trainer`)."""
+
+from gspo_kernels.train.hf_trainer import GSPOTrainer, GSPOTrainerConfig, UnsupportedModelError
+
+__all__ = ["GSPOTrainer", "GSPOTrainerConfig", "UnsupportedModelError"]
