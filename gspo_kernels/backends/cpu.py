@@ -283,9 +283,11 @@ def linear_logprobs(
     ``memory_budget``: bytes of fp32 logits the forward may keep for the backward (whole vocabulary
     tiles; ``None``: :data:`DEFAULT_MEMORY_BUDGET` = 1 GiB; 0: recompute every tile). Results are
     the same bits whatever the budget.
-    Extra memory: ``O(N)`` plus one ``[ROW_BLOCK, VOCAB_BLOCK]`` fp32 tile and a zero-padded fp32 copy
-    of the active rows of ``hidden``, up to ``memory_budget`` bytes of saved logits between forward
-    and backward, and the fp32 ``dW`` accumulator in the backward.
+    Extra memory: ``O(N)`` plus an fp32 copy of the active rows of ``hidden`` (zero-padded under
+    ``batch_invariant``), one fp32 ``[row_block, vocab_block]`` tile (one per thread in the default mode),
+    up to ``memory_budget`` bytes of saved logits between forward and backward, the fp32 ``dW`` in the
+    backward, and in the default mode one fp32 ``[row_block, H]`` ``dH`` partial per vocabulary tile
+    (at most ``FAST_PARTIALS_BYTES`` unless the row block is at its floor, ``FAST_MIN_ROW_BLOCK``).
     """
     if torch.float64 in (hidden.dtype, weight.dtype):
         if batch_invariant:
