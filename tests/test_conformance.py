@@ -38,7 +38,7 @@ CONFIG_IDS = lambda c: f"{c.importance_sampling_level}-{c.loss_type}"  # noqa: E
 SMALL_TILES = {
     "torch": dict(VOCAB_BLOCK=40, ROW_BLOCK=3, LOGITS_BLOCK_ELEMENTS=3 * 97, LINEAR_VOCAB_BLOCK=32,
                   LINEAR_ROW_BLOCK=5),
-    "cpu": dict(ROW_BLOCK=4, VOCAB_BLOCK=32),
+    "cpu": dict(ROW_BLOCK=4, VOCAB_BLOCK=32, FAST_ROW_BLOCK=4, FAST_MIN_ROW_BLOCK=1, FAST_VOCAB_BLOCK=32),
 }
 
 

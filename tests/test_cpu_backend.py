@@ -98,14 +98,34 @@ def test_logits_op_inplace_backward_writes_every_row():
 SAVE_BUDGETS = {"recompute": 0, "save-half": 23 * 4 * 66, "save-all": 1 << 30}
 
 
+def small_blocks(monkeypatch, mode):
+    """Blocks small enough for a 23 x 101 case: several row blocks (the last one partial), several
+    vocabulary tiles of 33 (the last one partial); in the invariant mode 2-row GEMMs (padding in the
+    last); in the default mode the GEMMs of the actual rows through oneDNN, or ATen's matmul."""
+    if mode == "invariant":
+        monkeypatch.setattr(cpu_backend, "ROW_BLOCK", 5)
+        monkeypatch.setattr(cpu_backend, "VOCAB_BLOCK", 33)
+        monkeypatch.setattr(cpu_backend, "GEMM_ROWS", 2)
+    else:
+        monkeypatch.setattr(cpu_backend, "FAST_ROW_BLOCK", 5)
+        monkeypatch.setattr(cpu_backend, "FAST_MIN_ROW_BLOCK", 1)
+        monkeypatch.setattr(cpu_backend, "FAST_VOCAB_BLOCK", 33)
+        if mode == "default-aten":
+            monkeypatch.setenv("GSPO_KERNELS_CPU_GEMM", "aten")
+    return mode == "invariant"
+
+
+MODES = ["default", "default-aten", "invariant"]
+
+
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("save", list(SAVE_BUDGETS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "nobias"])
-def test_linear_op_matches_float64(dtype, with_bias, save, monkeypatch):
-    monkeypatch.setattr(cpu_backend, "ROW_BLOCK", 5)  # several row blocks, the last one partial
-    monkeypatch.setattr(cpu_backend, "VOCAB_BLOCK", 33)  # several vocabulary tiles, the last one partial
-    monkeypatch.setattr(cpu_backend, "GEMM_ROWS", 2)  # several fixed-shape GEMMs per block, padding in the last
+def test_linear_op_matches_float64(dtype, with_bias, save, mode, monkeypatch):
+    invariant = small_blocks(monkeypatch, mode)
     N, H, V = 23, 20, 101
+    assert cpu_backend.blocks(N, H, V, invariant) == ((5, 2, 33) if invariant else (5, 0, 33))
     assert cpu_backend.saved_columns(N, V, 33, SAVE_BUDGETS[save]) == {"recompute": 0, "save-half": 66,
                                                                         "save-all": V}[save]
     temperature = 1.3
@@ -126,7 +146,7 @@ def test_linear_op_matches_float64(dtype, with_bias, save, monkeypatch):
     leaves = [t.clone().requires_grad_() for t in (hidden, weight) + ((bias,) if with_bias else ())]
     logp, entropy = cpu_backend.linear_logprobs(leaves[0], leaves[1], leaves[2] if with_bias else None, labels,
                                                 active=active, temperature=temperature, return_entropy=True,
-                                                memory_budget=SAVE_BUDGETS[save])
+                                                memory_budget=SAVE_BUDGETS[save], batch_invariant=invariant)
     assert torch.all(logp[~active] == 0) and torch.all(entropy[~active] == 0)
     assert rel_err(logp[active], ref_logp[active]) < RTOL
     assert rel_err(entropy[active], ref_ent[active]) < RTOL
@@ -161,6 +181,43 @@ def test_linear_op_frozen_weight_and_3d_hidden():
     (ref_dh,) = torch.autograd.grad(ref.sum(), h64)
     assert rel_err(logp.reshape(B, T), ref) < RTOL
     assert dh.shape == hidden.shape and rel_err(dh, ref_dh) < RTOL
+
+
+@pytest.mark.parametrize("shape", [(3, 24, 5000), (700, 24, 9000)], ids=["N-below-every-block", "N-not-multiple"])
+@pytest.mark.parametrize("save", ["recompute", "save-all"])
+def test_linear_default_blocks_match_float64(shape, save):
+    """The default mode with the blocks it picks itself: 3 rows (fewer than any row block) over two
+    4096-wide tiles and a partial one; 700 rows (two 512-row blocks, the second partial) over V = 9000."""
+    N, H, V = shape
+    row_block, gemm_rows, vocab_block = cpu_backend.blocks(N, H, V, False)
+    assert gemm_rows == 0 and V % vocab_block != 0 and (N < row_block or N % row_block != 0)
+    gen = torch.Generator().manual_seed(3)
+    hidden = torch.randn(N, H, generator=gen)
+    weight = torch.randn(V, H, generator=gen) * 0.3
+    bias = torch.randn(V, generator=gen)
+    labels = torch.randint(0, V, (N,), generator=gen)
+    g, ge = torch.randn(N, generator=gen), torch.randn(N, generator=gen)
+    leaves64 = [t.double().requires_grad_() for t in (hidden, weight, bias)]
+    total, ref_logp, ref_ent = objective64(leaves64[0] @ leaves64[1].T + leaves64[2], labels, g, ge, 0.9)
+    ref_grads = torch.autograd.grad(total, leaves64)
+    leaves = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
+    logp, entropy = cpu_backend.linear_logprobs(*leaves, labels, temperature=0.9, return_entropy=True,
+                                                memory_budget=SAVE_BUDGETS[save])
+    assert rel_err(logp, ref_logp) < RTOL and rel_err(entropy, ref_ent) < RTOL
+    grads = torch.autograd.grad((g * logp).sum() + (ge * entropy).sum(), leaves)
+    for grad, ref in zip(grads, ref_grads):
+        assert rel_err(grad, ref) < RTOL
+
+
+def test_linear_batch_invariant_fp64_is_refused():
+    hidden, weight = torch.randn(4, 8, dtype=torch.float64), torch.randn(30, 8, dtype=torch.float64)
+    labels = torch.randint(0, 30, (4,))
+    with pytest.raises(ValueError, match="batch_invariant=True .* fp64"):
+        cpu_backend.linear_logprobs(hidden, weight, None, labels, batch_invariant=True)
+    with pytest.raises(ValueError, match="batch_invariant"):
+        gk.linear_logprobs(hidden, weight, labels, backend="cpu", batch_invariant=True)
+    logp, _ = cpu_backend.linear_logprobs(hidden, weight, None, labels)  # the default mode runs fp64
+    assert logp.dtype == torch.float64
 
 
 # ---------------------------------------------------------------------------------------------
@@ -283,15 +340,21 @@ def test_memory_budget_option_through_the_public_api():
     results = []
     for budget in (None, 0, 4 * 10 * 33, 1 << 40):
         h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-        out = gk.fused_linear_gspo_loss(h, w, labels, adv, backend="cpu", memory_budget=budget)
+        out = gk.fused_linear_gspo_loss(h, w, labels, adv, backend="cpu", memory_budget=budget,
+                                        batch_invariant=True)
         out.loss.backward()
         results.append((out.loss.detach(), h.grad, w.grad))
-    module = gk.FusedLinearGSPOLoss(backend="cpu", memory_budget=0)
+    module = gk.FusedLinearGSPOLoss(backend="cpu", memory_budget=0, batch_invariant=True)
     h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     module(h, w, labels, adv).loss.backward()
     results.append((None, h.grad, w.grad))
-    for r in results[1:]:  # the same bits whatever the budget (saved logits = recomputed logits)
+    for r in results[1:]:  # batch_invariant: the same bits whatever the budget (saved logits = recomputed)
         assert all(a is None or torch.equal(a, b) for a, b in zip(r, results[0]))
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    out = gk.fused_linear_gspo_loss(h, w, labels, adv, backend="cpu", memory_budget=0)  # default mode
+    out.loss.backward()
+    for a, b in zip((out.loss.detach(), h.grad, w.grad), results[0]):
+        assert rel_err(a, b) < RTOL
     for bad in (-1, 1.5, True, "1GB"):
         with pytest.raises(ValueError, match="memory_budget"):
             gk.linear_logprobs(hidden, weight, labels, backend="cpu", memory_budget=bad)
@@ -324,7 +387,7 @@ def _rows_alone_and_in_batch(blocks, monkeypatch):
     def run(hidden, labels, active, budget, pos):
         h = hidden.clone().requires_grad_()
         logp, ent = cpu_backend.linear_logprobs(h, weight, bias, labels, active=active, return_entropy=True,
-                                                memory_budget=budget)
+                                                memory_budget=budget, batch_invariant=True)
         gl, gent = torch.zeros_like(logp), torch.zeros_like(ent)
         gl[pos], gent[pos] = g, ge
         gl[:pos] = 1.0  # the other rows carry gradient too (they share the fixed-shape GEMMs)
@@ -343,11 +406,55 @@ def _rows_alone_and_in_batch(blocks, monkeypatch):
 
 
 @pytest.mark.parametrize("blocks", [None, (8, 24, 1024)], ids=["default-blocks", "small-blocks"])
-def test_linear_rows_are_batch_invariant(blocks, monkeypatch):
+def test_linear_rows_are_batch_invariant_when_asked(blocks, monkeypatch):
     results = _rows_alone_and_in_batch(blocks, monkeypatch)
     first = results[0]
     for r in results[1:]:
         assert all(torch.equal(a, b) for a, b in zip(r, first))
+
+
+def test_linear_batch_invariant_row_alone_in_batch_of_40_and_permuted():
+    """batch_invariant=True through the public API: two runs give identical bits; a row alone gives the
+    bits it gets in a batch of 40 and after a permutation of that batch (log-prob, entropy, dH)."""
+    gen = torch.Generator().manual_seed(8)
+    H, V = 96, 5000
+    weight = torch.randn(V, H, generator=gen) * 0.2
+    hidden = torch.randn(40, H, generator=gen)
+    labels = torch.randint(0, V, (40,), generator=gen)
+    g, ge = torch.randn(40, generator=gen), torch.randn(40, generator=gen)
+
+    def run(rows):
+        h = hidden[rows].clone().requires_grad_()
+        logp, ent = gk.linear_logprobs(h, weight, labels[rows], return_entropy=True, backend="cpu",
+                                       batch_invariant=True)
+        (dh,) = torch.autograd.grad((g[rows] * logp).sum() + (ge[rows] * ent).sum(), h)
+        return logp, ent, dh
+
+    batch = run(torch.arange(40))
+    assert all(torch.equal(a, b) for a, b in zip(batch, run(torch.arange(40))))  # two runs
+    perm = torch.randperm(40, generator=gen)
+    permuted = run(perm)
+    for a, b in zip(batch, permuted):
+        assert torch.equal(a[perm], b)
+    for i in (0, 17, 39):
+        alone = run(torch.tensor([i]))
+        for a, b in zip(batch, alone):
+            assert torch.equal(a[i], b[0])
+
+
+def test_linear_default_mode_is_deterministic_and_close_to_invariant_mode():
+    gen = torch.Generator().manual_seed(4)
+    N, H, V = 300, 40, 9000
+    hidden, weight = torch.randn(N, H, generator=gen), torch.randn(V, H, generator=gen) * 0.2
+    labels = torch.randint(0, V, (N,), generator=gen)
+    g = torch.randn(N, generator=gen)
+    runs = []
+    for invariant in (False, False, True):
+        leaves = [t.clone().requires_grad_() for t in (hidden, weight)]
+        logp, _ = cpu_backend.linear_logprobs(*leaves, None, labels, batch_invariant=invariant)
+        runs.append((logp, *torch.autograd.grad((g * logp).sum(), leaves)))
+    assert all(torch.equal(a, b) for a, b in zip(runs[0], runs[1]))
+    assert all(rel_err(a, b) < RTOL for a, b in zip(runs[0], runs[2]))
 
 
 def test_logits_rows_are_batch_invariant():

@@ -8,8 +8,11 @@ implementations, so ``torch.compile(fullgraph=True)`` traces through them, and a
 * logits path: one pass over each row (OpenMP over rows), fp32 math from fp16/bf16/fp32 logits;
   the backward reads the logits once more from the saved row statistics and skips rows without
   gradient.
-* hidden-state path: logits tiles produced by ATen's matmul and folded in one pass; the backward
-  recomputes tiles for the rows with gradient only, dH/dW in fp32. Memory for speed: the forward
+* hidden-state path: logits tiles produced by fp32 GEMMs and folded in one pass; the backward
+  recomputes tiles for the rows with gradient only, dH/dW in fp32. By default the two threads share
+  out the vocabulary tiles, each tile's GEMMs single-threaded through oneDNN (AVX-512 where the CPU
+  has it) and shaped by the actual number of rows (:func:`blocks`); with ``batch_invariant=True``
+  every row-dependent GEMM is ATen's matmul on a fixed, zero-padded shape. Memory for speed: the forward
   keeps up to ``memory_budget`` bytes of fp32 logits tiles (whole vocabulary tiles, from the first
   one on; default :data:`DEFAULT_MEMORY_BUDGET`, 1 GiB) and the backward reads them instead of
   recomputing them, saving one of the four ``N*H*V`` GEMMs for that share of the vocabulary.
@@ -21,12 +24,13 @@ are fp32, computed from the row max and ``log sum exp(x - max)`` kept apart (log
 or temperatures of 1e-6, keep fp32 accuracy). fp64 inputs run the portable ``torch`` backend (fp64
 math: fp64 log-probs and entropies), and that is logged once.
 
-Determinism and batch invariance: every result is the same bits on every run (same thread count),
-and a row's log-prob, entropy and gradient row (logits path; ``dH`` row in the hidden-state path)
-do not depend on the other rows of the batch, on the row's position, or on ``memory_budget``: the
-per-row reductions run in a fixed order, and the row-dependent GEMMs have a fixed shape of
-``GEMM_ROWS`` rows (zero-padded), since BLAS picks its kernels by shape. ``dW`` and ``dbias`` sum
-over rows in a fixed order.
+Determinism and batch invariance: every result is the same bits on every run (same thread count).
+On the logits path a row's log-prob, entropy and gradient row never depend on the other rows. On the
+hidden-state path that holds (for the ``dH`` row) with ``batch_invariant=True``: the per-row
+reductions run in a fixed order, and the row-dependent GEMMs have a fixed shape of ``GEMM_ROWS`` rows
+(zero-padded), since BLAS picks its kernels by shape; the row's bits then do not depend on the batch,
+its position or ``memory_budget``. In the default mode a row's last bits may change with the number
+of rows (within the float64 tolerances). ``dW`` and ``dbias`` sum over rows in a fixed order.
 
 Labels outside ``[0, V)`` (possible only when the public functions skip their value checks, under
 ``torch.compile``) are never read out of bounds: that row's log-prob is NaN.
@@ -46,12 +50,25 @@ from gspo_kernels.backends.tiling import as_rows
 
 logger = logging.getLogger("gspo_kernels")
 
-ROW_BLOCK = 1024  # rows per logits tile of the hidden-state path (the weight is streamed once per block)
-# Rows of every row-dependent GEMM of the hidden-state path, zero-padded (fixed: batch invariance; ROW_BLOCK
-# is rounded up to a multiple of it). Measured on 2 cores at H = 896: 512 runs within ~10% of unpadded
-# 1024-row products, 128 about 1.4x slower; the price is that fewer than 512 active rows cost as much as 512.
+# Hidden-state path, batch_invariant=True: fixed shapes (a row's bits must not depend on the batch).
+ROW_BLOCK = 1024  # rows per logits tile (the weight is streamed once per block)
+# Rows of every row-dependent GEMM, zero-padded (ROW_BLOCK is rounded up to a multiple of it). Fewer than
+# 512 active rows cost as much as 512.
 GEMM_ROWS = 512
 VOCAB_BLOCK = 8192  # vocabulary entries per tile: a [1024, 8192] fp32 tile is 32 MiB
+
+# Hidden-state path, default mode: GEMMs shaped by the actual row count, the threads sharing out the
+# vocabulary tiles (single-threaded oneDNN GEMMs per tile). Measured on the 2-core development machine
+# (docs/cpu_backends.md): 4096-wide tiles were fastest at V = 32768, 8192-wide at V = 151936 (more tiles
+# than threads keeps both cores busy; wider tiles cost fewer calls); rows per block 512.
+FAST_ROW_BLOCK = 512
+FAST_VOCAB_BLOCK = 4096
+FAST_VOCAB_BLOCK_LARGE = 8192  # for V >= LARGE_VOCAB
+LARGE_VOCAB = 131072
+FAST_MIN_ROW_BLOCK = 128
+# The backward keeps one fp32 [rows, H] dH partial per vocabulary tile (summed in tile order: the result
+# does not depend on which thread ran which tile); the row block shrinks to keep them under this size.
+FAST_PARTIALS_BYTES = 64 << 20
 
 _registered = False
 _fp64_announced = False
@@ -225,6 +242,18 @@ def logits_logprobs(
     return logp, (entropy if return_entropy else None)
 
 
+def blocks(rows: int, hidden_size: int, vocab: int, batch_invariant: bool) -> Tuple[int, int, int]:
+    """``(row_block, gemm_rows, vocab_block)`` of the hidden-state operators for ``rows`` x ``hidden_size``
+    hidden states and a ``vocab``-entry head: the fixed shapes under ``batch_invariant``, else blocks
+    chosen for the shape with ``gemm_rows = 0`` (GEMMs of the actual row count, no padding)."""
+    if batch_invariant:
+        return ROW_BLOCK, GEMM_ROWS, VOCAB_BLOCK
+    vocab_block = max(1, min(FAST_VOCAB_BLOCK_LARGE if vocab >= LARGE_VOCAB else FAST_VOCAB_BLOCK, vocab))
+    tiles = -(-vocab // vocab_block)
+    row_block = min(FAST_ROW_BLOCK, FAST_PARTIALS_BYTES // (tiles * max(hidden_size, 1) * 4))
+    return max(FAST_MIN_ROW_BLOCK, row_block, 1), 0, vocab_block
+
+
 def linear_logprobs(
     hidden: Tensor,
     weight: Tensor,
@@ -239,18 +268,27 @@ def linear_logprobs(
 ) -> Tuple[Tensor, Optional[Tensor]]:
     """Per-token ``(logp [N], entropy [N] | None)`` of ``hidden @ weight.T + bias``.
 
-    ``batch_invariant``: this backend's results are batch invariant either way (see the module docstring).
+    ``batch_invariant``: ``True`` gives a row the same bits whatever the batch, its position and
+    ``memory_budget`` (fixed-shape, zero-padded GEMMs; slower, most of all below 512 active rows);
+    ``False`` (default) shapes the GEMMs by the actual row count (deterministic run to run, within the
+    stated tolerances of float64, not bitwise batch invariant). Refused for fp64 inputs.
     ``hidden``: ``[N, H]`` or ``[B, T, H]``; ``weight``: ``[V, H]``; ``bias``: ``[V]`` or None.
     fp16/bf16/fp32 inputs: exact fp32 products, fp32 accumulation, fp32 outputs; fp64 inputs: the
     ``torch`` backend's fp64 math and fp64 outputs.
     ``memory_budget``: bytes of fp32 logits the forward may keep for the backward (whole vocabulary
     tiles; ``None``: :data:`DEFAULT_MEMORY_BUDGET` = 1 GiB; 0: recompute every tile). Results are
     the same bits whatever the budget.
-    Extra memory: ``O(N)`` plus one ``[ROW_BLOCK, VOCAB_BLOCK]`` fp32 tile and a zero-padded fp32 copy
-    of the active rows of ``hidden``, up to ``memory_budget`` bytes of saved logits between forward
-    and backward, and the fp32 ``dW`` accumulator in the backward.
+    Extra memory: ``O(N)`` plus an fp32 copy of the active rows of ``hidden`` (zero-padded under
+    ``batch_invariant``), one fp32 ``[row_block, vocab_block]`` tile (one per thread in the default mode),
+    up to ``memory_budget`` bytes of saved logits between forward and backward, the fp32 ``dW`` in the
+    backward, and in the default mode one fp32 ``[row_block, H]`` ``dH`` partial per vocabulary tile
+    (at most ``FAST_PARTIALS_BYTES`` unless the row block is at its floor, ``FAST_MIN_ROW_BLOCK``).
     """
     if torch.float64 in (hidden.dtype, weight.dtype):
+        if batch_invariant:
+            raise ValueError("batch_invariant=True is not available for fp64 hidden states or weight on backend "
+                             "'cpu': fp64 runs through the 'torch' backend, whose matmuls round a row depending on "
+                             "the batch's shape; pass fp32/bf16/fp16 tensors or batch_invariant=False")
         return _fp64_fallback("hidden states").linear_logprobs(
             hidden, weight, bias, labels, active=active, temperature=temperature, return_entropy=return_entropy,
             memory_budget=memory_budget,
@@ -259,10 +297,11 @@ def linear_logprobs(
     labels, active = _flags(labels, active)
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (rows, weight, bias))
     budget = DEFAULT_MEMORY_BUDGET if memory_budget is None else memory_budget  # validated by the public API
-    save_cols = saved_columns(rows.shape[0], weight.shape[0], VOCAB_BLOCK, budget if needs_grad else 0)
+    row_block, gemm_rows, vocab_block = blocks(rows.shape[0], weight.shape[1], weight.shape[0], batch_invariant)
+    save_cols = saved_columns(rows.shape[0], weight.shape[0], vocab_block, budget if needs_grad else 0)
     logp, entropy, _stats, _saved = torch.ops.gspo_kernels.linear_fwd(
-        rows, weight, bias, labels, active, float(temperature), bool(return_entropy), ROW_BLOCK, GEMM_ROWS,
-        VOCAB_BLOCK, save_cols,
+        rows, weight, bias, labels, active, float(temperature), bool(return_entropy), row_block, gemm_rows,
+        vocab_block, save_cols,
     )
     return logp, (entropy if return_entropy else None)
 

@@ -32,6 +32,10 @@
 
 namespace gspo {
 
+// Scalar helpers called inside `#pragma omp simd` loops must be inlined there, or the loop calls them
+// one element at a time (GCC left exp_nonpos out of line in linear_logprobs.cpp, through the PLT).
+#define GSPO_INLINE inline __attribute__((always_inline))
+
 // Elements of one row processed per chunk: the chunk is converted to fp32 (when needed) into a
 // stack buffer that stays in L1 while the max pass and the exp pass read it.
 constexpr int64_t kChunk = 2048;
@@ -40,13 +44,13 @@ constexpr int kLanes = 16;
 // Elements per sub-chunk of RowStats::fold (a multiple of kLanes; two stack buffers of it).
 constexpr int64_t kSub = 512;
 
-inline float bits_to_float(uint32_t u) {
+GSPO_INLINE float bits_to_float(uint32_t u) {
   float f;
   std::memcpy(&f, &u, sizeof(f));
   return f;
 }
 
-inline uint32_t float_to_bits(float f) {
+GSPO_INLINE uint32_t float_to_bits(float f) {
   uint32_t u;
   std::memcpy(&u, &f, sizeof(u));
   return u;
@@ -55,7 +59,7 @@ inline uint32_t float_to_bits(float f) {
 // exp(x) for x <= ~0 (arguments are always "value - running max"), relative error ~2e-7.
 // x = k ln2 + r with |r| <= ln2/2; exp(r) by a degree-7 Taylor polynomial; 2^k from the exponent
 // bits. Arguments below -87.3 (where exp(x) < 2^-126) give exactly 0, -inf included; NaN gives NaN.
-inline float exp_nonpos(float x) {
+GSPO_INLINE float exp_nonpos(float x) {
   const bool underflow = x < -87.3f;
   const float xc = underflow ? -87.3f : x;
   const float k = std::floor(std::fma(xc, 1.44269504088896341f, 0.5f));
@@ -75,7 +79,7 @@ inline float exp_nonpos(float x) {
 
 // The one way a logit is scaled (see the header comment).
 template <bool kBias>
-inline float scaled(const float* z, const float* bias, int64_t i, float inv_t) {
+GSPO_INLINE float scaled(const float* z, const float* bias, int64_t i, float inv_t) {
   return (kBias ? z[i] + bias[i] : z[i]) * inv_t;
 }
 
@@ -96,19 +100,19 @@ inline void advise_huge_pages(void* ptr, size_t bytes) {
 }
 
 // fp32 <-> storage dtype conversions, vectorizable. fp16/bf16 -> fp32 is exact.
-inline float to_float(float v) { return v; }
-inline float to_float(double v) { return static_cast<float>(v); }
-inline float to_float(c10::BFloat16 v) { return bits_to_float(static_cast<uint32_t>(v.x) << 16); }
-inline float to_float(c10::Half v) { return static_cast<float>(v); }
+GSPO_INLINE float to_float(float v) { return v; }
+GSPO_INLINE float to_float(double v) { return static_cast<float>(v); }
+GSPO_INLINE float to_float(c10::BFloat16 v) { return bits_to_float(static_cast<uint32_t>(v.x) << 16); }
+GSPO_INLINE float to_float(c10::Half v) { return static_cast<float>(v); }
 
 template <typename T>
-inline T from_float(float v);
+GSPO_INLINE T from_float(float v);
 template <>
-inline float from_float<float>(float v) { return v; }
+GSPO_INLINE float from_float<float>(float v) { return v; }
 template <>
-inline double from_float<double>(float v) { return v; }
+GSPO_INLINE double from_float<double>(float v) { return v; }
 template <>
-inline c10::BFloat16 from_float<c10::BFloat16>(float v) {
+GSPO_INLINE c10::BFloat16 from_float<c10::BFloat16>(float v) {
   uint32_t u = float_to_bits(v);
   u += 0x7FFFu + ((u >> 16) & 1u);  // round to nearest even
   c10::BFloat16 out;
@@ -116,7 +120,7 @@ inline c10::BFloat16 from_float<c10::BFloat16>(float v) {
   return out;
 }
 template <>
-inline c10::Half from_float<c10::Half>(float v) { return c10::Half(v); }
+GSPO_INLINE c10::Half from_float<c10::Half>(float v) { return c10::Half(v); }
 
 // A chunk of `n` elements of a row as fp32: the row itself for fp32 storage, else `buf` filled.
 template <typename T>
@@ -197,6 +201,21 @@ struct RowStats {
     }
     s += lane_sum(cs);
     if (kEntropy) a += lane_sum(ca);
+  }
+
+  // Fold another row segment's statistics (computed from the same scaled logits) into these.
+  inline void merge(const RowStats& o) {
+    if (!(o.s > 0.0f)) return;  // an empty or all -inf segment
+    if (!(s > 0.0f)) {
+      *this = o;
+      return;
+    }
+    const float top = std::max(m, o.m);
+    const float sh = m - top, osh = o.m - top;
+    const float c = std::exp(sh), oc = std::exp(osh);
+    a = c * (a + sh * s) + oc * (o.a + osh * o.s);
+    s = c * s + oc * o.s;
+    m = top;
   }
 
   float log_s() const { return std::log(s); }

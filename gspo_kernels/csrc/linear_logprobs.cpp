@@ -11,23 +11,42 @@
 // Precision: fp16/bf16 hidden states and weights are converted to fp32 exactly, so every product
 // h_k * w_k is exact in fp32 (at most 22 significant bits) and the GEMMs accumulate in fp32.
 //
-// Batch invariance and determinism: BLAS libraries pick kernels (and summation orders) by the shape
-// of the product, so a row's logits computed among 1000 rows may differ in the last bit from the
-// same row computed alone. Every row-dependent product (the logits tile z = h W^T, and dH = dZ W)
-// is therefore issued as a GEMM of exactly `gemm_rows` rows, zero-padded, with the vocabulary tile
-// width fixed: a row's log-prob, entropy and dH row are the same bits whatever the other rows are,
-// where the row sits, and whether its logits were saved or recomputed. The per-row folds run in a
-// fixed order (gspo_cpu.h). dW and dbias sum over rows in a fixed order (fixed chunks and shapes):
-// the same bits on every run with the same thread count.
+// Two modes, chosen by `gemm_rows`:
+// * gemm_rows = 0 (the default, speed): every product is one GEMM shaped by the block's actual row
+//   count (no zero padding), in blocks of `row_block` rows and `vocab_block` vocabulary columns chosen
+//   by the caller for the shape. Deterministic run to run (same shapes, same thread count: the same
+//   BLAS kernels and summation orders), but a row's last bits may depend on how many rows share its
+//   GEMM, and the backward's recomputed tiles (over the rows with gradient) may round differently from
+//   the forward's.
+// * gemm_rows > 0 (batch invariance): BLAS libraries pick kernels (and summation orders) by the shape
+//   of the product, so a row's logits computed among 1000 rows may differ in the last bit from the
+//   same row computed alone. Every row-dependent product (the logits tile z = h W^T, and dH = dZ W)
+//   is then issued as a GEMM of exactly `gemm_rows` rows, zero-padded, with the vocabulary tile width
+//   fixed: a row's log-prob, entropy and dH row are the same bits whatever the other rows are, where
+//   the row sits, and whether its logits were saved or recomputed. The price: fewer active rows than
+//   gemm_rows cost as much as gemm_rows.
+// In both modes the per-row folds run in a fixed order (gspo_cpu.h), and dW and dbias sum over rows in
+// a fixed order (fixed chunks and shapes): the same bits on every run with the same thread count.
 //
 // Memory for speed: the forward may keep the first `save_cols` vocabulary columns of the logits
 // (a budget chosen by the caller); the backward then reads those tiles instead of recomputing them,
-// which saves one of the four N x H x V GEMMs for that share of the vocabulary.
+// which saves one of the four N x H x V GEMMs for that share of the vocabulary. The saved buffer holds
+// N * save_cols floats; vocabulary tile v0 starts at offset v0 * N and holds the active rows in order
+// (the i-th active row at row i of the [rows, width] tile), so in the unpadded mode the forward's GEMM
+// writes a tile straight into it.
 // Labels are not range-checked here (the Python layer does it, except under torch.compile): a row
 // whose label is outside [0, V) reads nothing out of bounds and gets a NaN log-prob.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
+#include <dlfcn.h>
+#include <omp.h>
 #include <torch/library.h>
+
+#include <cstdlib>
+
+#include <exception>
+#include <mutex>
 
 #include <algorithm>
 #include <cmath>
@@ -95,12 +114,212 @@ at::Tensor padded_rows(const at::Tensor& hidden, const at::Tensor& idx, int64_t 
   return h;
 }
 
+// Row blocking of one call: `gemm_rows` > 0 pads every block to a multiple of it and issues GEMMs of
+// exactly that many rows (batch invariance); 0 issues one GEMM per block of its actual row count.
+struct RowBlocks {
+  int64_t G;  // rows per GEMM, 0: the block's own count
+  int64_t R;  // rows per block
+  RowBlocks(int64_t row_block, int64_t gemm_rows)
+      : G(std::max<int64_t>(gemm_rows, 0)),
+        R(gemm_rows > 0 ? round_up(std::max<int64_t>(row_block, 1), gemm_rows) : std::max<int64_t>(row_block, 1)) {}
+  int64_t padded(int64_t n) const { return G > 0 ? round_up(n, G) : n; }  // rows of a block of n, padded
+  int64_t gemm(int64_t np) const { return G > 0 ? G : np; }               // rows of each GEMM of that block
+};
+
 // z[0:np] = h[r0:r0+np] @ w.T, as np / G products of exactly G rows.
 void logits_tile(at::Tensor& z, const at::Tensor& h, int64_t r0, int64_t np, const at::Tensor& w, int64_t G) {
   const at::Tensor wt = w.t();
   for (int64_t s = 0; s < np; s += G) {
     at::Tensor out = z.narrow(0, s, G);
     at::mm_out(out, h.narrow(0, r0 + s, G), wt);
+  }
+}
+
+
+// fp32 out = a @ b (accumulate: out += a @ b) for the default mode. Through oneDNN's matmul when
+// this torch build has it: oneDNN picks AVX-512 kernels on any x86 CPU that has them, while MKL's
+// sgemm (what at::mm calls for fp32) takes its AVX2 path on AMD CPUs; on the 2-core AMD EPYC (Zen 5)
+// of the development machine, single-threaded, 140-235 GFLOP/s against 58-83 for the tile shapes
+// used here. The entry point (at::native::mkldnn_matmul, exported by libtorch_cpu but not in the
+// installed headers) is looked up at run time, so a torch build without it falls back to at::mm.
+// GSPO_KERNELS_CPU_GEMM=aten forces at::mm (read on every call: tests compare both).
+using DnnlMatmul = void (*)(const at::Tensor&, const at::Tensor&, const at::Tensor&, float, float);
+
+DnnlMatmul dnnl_matmul() {
+  static const DnnlMatmul fn = []() -> DnnlMatmul {
+    if (!at::hasMKLDNN()) return nullptr;
+    void* lib = dlopen("libtorch_cpu.so", RTLD_LAZY | RTLD_NOLOAD);
+    if (lib == nullptr) return nullptr;
+    return reinterpret_cast<DnnlMatmul>(dlsym(lib, "_ZN2at6native13mkldnn_matmulERKNS_6TensorES3_S3_ff"));
+  }();
+  const char* choice = std::getenv("GSPO_KERNELS_CPU_GEMM");
+  return (choice != nullptr && std::strcmp(choice, "aten") == 0) ? nullptr : fn;
+}
+
+void gemm_out(at::Tensor& out, const at::Tensor& a, const at::Tensor& b, bool accumulate, DnnlMatmul dnnl) {
+  if (dnnl != nullptr) {
+    dnnl(a, b, out, accumulate ? 1.0f : 0.0f, 1.0f);
+  } else if (accumulate) {
+    out.addmm_(a, b);
+  } else {
+    at::mm_out(out, a, b);
+  }
+}
+
+// Default (unpadded) mode: the threads share out the vocabulary tiles of a row block, one tile at a
+// time (dynamic schedule), and each tile's GEMMs run single-threaded inside the parallel region: no
+// BLAS-internal barriers, and a thread slowed down by a busy machine simply takes fewer tiles. Every
+// tile writes only its own outputs (partial row statistics, dW rows, a dH partial), combined
+// afterwards in tile order, so the results do not depend on which thread ran which tile.
+int tile_threads(int64_t ntiles) {
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), ntiles)));
+}
+
+template <typename F>
+void for_each_tile(int64_t ntiles, int nthreads, const F& f) {
+  const at::ThreadLocalState tls;  // the dispatcher state of the calling thread (autograd off, ...)
+  std::exception_ptr error;
+  std::mutex error_mutex;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
+  for (int64_t t = 0; t < ntiles; ++t) {
+    try {
+      at::ThreadLocalStateGuard guard(tls);
+      f(t, omp_get_thread_num());
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(error_mutex);
+      if (!error) error = std::current_exception();
+    }
+  }
+  if (error) std::rethrow_exception(error);
+}
+
+// Forward of the default mode over the rows h [Na, H] (fp32, contiguous): per-row statistics `st` and
+// scaled label logits `label_x`; tiles v0 < save_cols are written straight into `saved`
+// (tile v0 at offset v0 * N, row i at i * width).
+void fast_forward(const at::Tensor& h, const at::Tensor& weight, const float* bp, const int64_t* yp, int64_t N,
+                  int64_t R, int64_t VB, int64_t save_cols, at::Tensor& saved, bool return_entropy, float inv_t,
+                  std::vector<RowStats>& st, std::vector<float>& label_x) {
+  const int64_t Na = h.size(0), H = h.size(1), V = weight.size(0);
+  const int64_t ntiles = (V + VB - 1) / VB;
+  const int nthreads = tile_threads(ntiles);
+  const DnnlMatmul dnnl = dnnl_matmul();
+  const int64_t rmax = std::min(R, Na);
+  std::vector<at::Tensor> zbuf(nthreads), wbuf(nthreads);
+  for (int th = 0; th < nthreads; ++th) {
+    if (save_cols < V) zbuf[th] = at::empty({rmax * VB}, h.options());
+    if (weight.scalar_type() != at::kFloat) wbuf[th] = at::empty({VB, H}, h.options());
+  }
+  std::vector<RowStats> part(ntiles * rmax);
+  for (int64_t r0 = 0; r0 < Na; r0 += R) {
+    const int64_t nr = std::min(R, Na - r0);
+    const at::Tensor hb = h.narrow(0, r0, nr);
+    for_each_tile(ntiles, nthreads, [&](int64_t t, int th) {
+      const int64_t v0 = t * VB, nv = std::min(VB, V - v0);
+      const at::Tensor w = weight_tile(weight, v0, nv, wbuf[th]);
+      at::Tensor z = v0 < save_cols ? saved.narrow(0, v0 * N + r0 * nv, nr * nv).view({nr, nv})
+                                    : tile_view(zbuf[th], nr, nv);
+      gemm_out(z, hb, w.t(), false, dnnl);
+      const float* zp = z.data_ptr<float>();
+      const float* btile = bp != nullptr ? bp + v0 : nullptr;
+      for (int64_t i = 0; i < nr; ++i) {
+        const float* zrow = zp + i * nv;
+        RowStats rs;
+        if (return_entropy) {
+          btile ? rs.fold<true, true>(zrow, btile, nv, inv_t) : rs.fold<true, false>(zrow, nullptr, nv, inv_t);
+        } else {
+          btile ? rs.fold<false, true>(zrow, btile, nv, inv_t) : rs.fold<false, false>(zrow, nullptr, nv, inv_t);
+        }
+        part[t * nr + i] = rs;
+        const int64_t label = yp[r0 + i];
+        if (label >= v0 && label < v0 + nv) {
+          label_x[r0 + i] = btile ? scaled<true>(zrow, btile, label - v0, inv_t)
+                                  : scaled<false>(zrow, nullptr, label - v0, inv_t);
+        }
+      }
+    });
+    at::parallel_for(0, nr, 64, [&](int64_t a, int64_t e) {
+      for (int64_t i = a; i < e; ++i) {
+        RowStats acc = part[i];
+        for (int64_t t = 1; t < ntiles; ++t) acc.merge(part[t * nr + i]);
+        st[r0 + i] = acc;
+      }
+    });
+  }
+}
+
+// Backward of the default mode over the rows with gradient h [Ng, H] (fp32, contiguous). Row k of
+// the saved tiles is srow[k]. Writes dh [Ng, H], dW (when defined) and adds into dB (when not null).
+struct GradRows {
+  const int64_t* y;
+  const int64_t* srow;
+  const float *g, *ge, *m, *ls, *ent;
+};
+
+void fast_backward(const at::Tensor& h, const at::Tensor& weight, const float* bp, const GradRows& rows, int64_t N,
+                   int64_t R, int64_t VB, int64_t save_cols, const float* saved_p, float inv_t, at::Tensor& dh,
+                   at::Tensor& dW, float* dB) {
+  const int64_t Ng = h.size(0), H = h.size(1), V = weight.size(0);
+  const int64_t ntiles = (V + VB - 1) / VB;
+  const int nthreads = tile_threads(ntiles);
+  const DnnlMatmul dnnl = dnnl_matmul();
+  const int64_t rmax = std::min(R, Ng);
+  std::vector<at::Tensor> zbuf(nthreads), wbuf(nthreads);
+  for (int th = 0; th < nthreads; ++th) {
+    zbuf[th] = at::empty({rmax * VB}, h.options());
+    if (weight.scalar_type() != at::kFloat) wbuf[th] = at::empty({VB, H}, h.options());
+  }
+  at::Tensor dpart = at::empty({ntiles, rmax, H}, h.options());  // dH of each tile, summed in tile order
+  const bool has_ge = rows.ge != nullptr;
+  for (int64_t r0 = 0; r0 < Ng; r0 += R) {
+    const int64_t nr = std::min(R, Ng - r0);
+    const at::Tensor hb = h.narrow(0, r0, nr);
+    for_each_tile(ntiles, nthreads, [&](int64_t t, int th) {
+      const int64_t v0 = t * VB, nv = std::min(VB, V - v0);
+      const at::Tensor w = weight_tile(weight, v0, nv, wbuf[th]);
+      at::Tensor z = tile_view(zbuf[th], nr, nv);
+      const bool from_saved = v0 < save_cols;
+      if (!from_saved) gemm_out(z, hb, w.t(), false, dnnl);
+      float* zp = z.data_ptr<float>();
+      const float* btile = bp != nullptr ? bp + v0 : nullptr;
+      for (int64_t i = 0; i < nr; ++i) {
+        const int64_t k = r0 + i;
+        float* zrow = zp + i * nv;
+        const float* src = from_saved ? saved_p + v0 * N + rows.srow[k] * nv : zrow;
+        const float gk = rows.g[k], gek = has_ge ? rows.ge[k] : 0.0f;
+        const float mk = rows.m[k], lsk = rows.ls[k];
+        if (has_ge) {
+          btile ? softmax_grad<true, true>(src, btile, zrow, nv, inv_t, mk, lsk, gk, gek, rows.ent[k])
+                : softmax_grad<true, false>(src, nullptr, zrow, nv, inv_t, mk, lsk, gk, gek, rows.ent[k]);
+        } else {
+          btile ? softmax_grad<false, true>(src, btile, zrow, nv, inv_t, mk, lsk, gk, 0.0f, 0.0f)
+                : softmax_grad<false, false>(src, nullptr, zrow, nv, inv_t, mk, lsk, gk, 0.0f, 0.0f);
+        }
+        const int64_t label = rows.y[k];
+        if (label >= v0 && label < v0 + nv) zrow[label - v0] += inv_t * gk;
+        if (dB != nullptr) {
+          float* db = dB + v0;
+#pragma omp simd
+          for (int64_t j = 0; j < nv; ++j) db[j] += zrow[j];
+        }
+      }
+      if (dW.defined()) {
+        at::Tensor dw = dW.narrow(0, v0, nv);
+        gemm_out(dw, z.t(), hb, r0 > 0, dnnl);
+      }
+      at::Tensor dp = dpart.select(0, t).narrow(0, 0, nr);
+      gemm_out(dp, z, w, false, dnnl);
+    });
+    const float* pp = dpart.data_ptr<float>();
+    float* out = dh.data_ptr<float>() + r0 * H;
+    const int64_t stride = rmax * H, count = nr * H;
+    at::parallel_for(0, count, 4096, [&](int64_t a, int64_t e) {
+#pragma omp simd
+      for (int64_t j = a; j < e; ++j) {
+        float acc = pp[j];
+        for (int64_t t = 1; t < ntiles; ++t) acc += pp[t * stride + j];
+        out[j] = acc;
+      }
+    });
   }
 }
 
@@ -126,27 +345,32 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_fwd(const at::
   const at::Tensor idx = all_rows ? at::Tensor() : at::nonzero(*active).flatten();
   const int64_t Na = all_rows ? N : idx.size(0);
   if (Na == 0) return {logp, ent, stats, saved};
-  const int64_t G = std::max<int64_t>(gemm_rows, 1);
-  const int64_t R = round_up(std::max<int64_t>(row_block, 1), G);
+  const RowBlocks rb(row_block, gemm_rows);
+  const int64_t R = rb.R;
   const int64_t* idx_p = all_rows ? nullptr : idx.data_ptr<int64_t>();
-  const at::Tensor h = padded_rows(hidden, idx, Na, round_up(Na, G));
+  const at::Tensor h = padded_rows(hidden, idx, Na, rb.padded(Na));
   const at::Tensor y = (all_rows ? labels : labels.index_select(0, idx)).contiguous();
   const at::Tensor b = bias.has_value() ? shifted_bias(*bias) : at::Tensor();
   const int64_t* yp = y.data_ptr<int64_t>();
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
 
-  at::Tensor zbuf = at::empty({std::min(R, round_up(Na, G)) * VB}, f32);
-  at::Tensor wbuf = weight.scalar_type() == at::kFloat ? at::Tensor() : at::empty({VB, H}, f32);
+  const bool direct = rb.G == 0;
+  at::Tensor zbuf = at::empty({direct ? 0 : std::min(R, rb.padded(Na)) * VB}, f32);
+  at::Tensor wbuf = weight.scalar_type() == at::kFloat || direct ? at::Tensor() : at::empty({VB, H}, f32);
   std::vector<RowStats> st(Na);
   std::vector<float> label_x(Na, std::numeric_limits<float>::quiet_NaN());  // stays NaN: label not in [0, V)
 
-  for (int64_t r0 = 0; r0 < Na; r0 += R) {
+  if (direct) {
+    fast_forward(h, weight, bp, yp, N, R, VB, save_cols, saved, return_entropy, inv_t, st, label_x);
+  }
+  for (int64_t r0 = 0; r0 < Na && !direct; r0 += R) {
     const int64_t nr = std::min(R, Na - r0);
-    const int64_t np = round_up(nr, G);
+    const int64_t np = rb.padded(nr);
     for (int64_t v0 = 0; v0 < V; v0 += VB) {
       const int64_t nv = std::min(VB, V - v0);
+      const bool save = v0 < save_cols;
       at::Tensor z = tile_view(zbuf, np, nv);
-      logits_tile(z, h, r0, np, weight_tile(weight, v0, nv, wbuf), G);
+      logits_tile(z, h, r0, np, weight_tile(weight, v0, nv, wbuf), rb.gemm(np));
       const float* zp = z.data_ptr<float>();
       const float* btile = bp != nullptr ? bp + v0 : nullptr;
       at::parallel_for(0, nr, 4, [&](int64_t a, int64_t e) {
@@ -163,9 +387,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_fwd(const at::
             label_x[r0 + i] = btile ? scaled<true>(zrow, btile, label - v0, inv_t)
                                     : scaled<false>(zrow, nullptr, label - v0, inv_t);
           }
-          if (v0 < save_cols) {  // keep the tile row (still in cache) at the row's own position
-            const int64_t row = idx_p ? idx_p[r0 + i] : r0 + i;
-            std::memcpy(saved_p + v0 * N + row * nv, zrow, sizeof(float) * nv);
+          if (save) {  // keep the tile row (still in cache)
+            std::memcpy(saved_p + v0 * N + (r0 + i) * nv, zrow, sizeof(float) * nv);
           }
         }
       });
@@ -216,9 +439,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_bwd(
   at::Tensor dB = at::zeros({bias.has_value() ? V : 0}, f32);
   at::Tensor grad_hidden = at::zeros({N, H}, hidden.options());
   if (Ng > 0) {
-    const int64_t G = std::max<int64_t>(gemm_rows, 1);
-    const int64_t R = round_up(std::max<int64_t>(row_block, 1), G);
-    const int64_t Np = round_up(Ng, G);
+    const RowBlocks rb(row_block, gemm_rows);
+    const int64_t R = rb.R;
+    const int64_t Np = rb.padded(Ng);
     const at::Tensor h = padded_rows(hidden, idx, Ng, Np);
     const at::Tensor y = labels.index_select(0, idx).contiguous();
     const at::Tensor g = g_all.index_select(0, idx).contiguous();
@@ -229,7 +452,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_bwd(
     const at::Tensor ent = entropy.reshape({N}).to(at::kFloat).index_select(0, idx).contiguous();
     const at::Tensor b = bias.has_value() ? shifted_bias(*bias) : at::Tensor();
     const int64_t* yp = y.data_ptr<int64_t>();
-    const int64_t* idx_p = idx.data_ptr<int64_t>();
+    // Row of each gradient row in the saved tiles: its rank among the active rows.
+    const at::Tensor srow = (save_cols > 0 && active.has_value())
+                                ? (at::cumsum(active->to(at::kLong), 0) - 1).index_select(0, idx).contiguous()
+                                : idx;
+    const int64_t* srow_p = srow.data_ptr<int64_t>();
     TORCH_CHECK(saved.numel() == N * save_cols && saved.scalar_type() == at::kFloat && saved.is_contiguous(),
                 "saved must be the [N * save_cols] fp32 tensor returned by linear_fwd");
     const float* saved_p = save_cols > 0 ? saved.data_ptr<float>() : nullptr;
@@ -241,27 +468,33 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_bwd(
     const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
 
     const int64_t VB = std::min(std::max<int64_t>(vocab_block, 1), V);
-    at::Tensor zbuf = at::empty({std::min(R, Np) * VB}, f32);
-    at::Tensor wbuf = weight.scalar_type() == at::kFloat ? at::Tensor() : at::empty({VB, H}, f32);
-    at::Tensor dh = at::zeros({Np, H}, f32);
-
-    for (int64_t v0 = 0; v0 < V; v0 += VB) {
+    const bool direct = rb.G == 0;
+    at::Tensor zbuf = at::empty({direct ? 0 : std::min(R, Np) * VB}, f32);
+    at::Tensor wbuf = weight.scalar_type() == at::kFloat || direct ? at::Tensor() : at::empty({VB, H}, f32);
+    at::Tensor dh = direct ? at::empty({Np, H}, f32) : at::zeros({Np, H}, f32);
+    if (direct) {
+      const GradRows rows{yp, srow_p, gp, gep, mp, lsp, entp};
+      at::Tensor dw_all = weight_grad ? dW : at::Tensor();
+      fast_backward(h, weight, bp, rows, N, R, VB, save_cols, saved_p, inv_t, dh, dw_all,
+                    bias.has_value() ? dB.data_ptr<float>() : nullptr);
+    }
+    for (int64_t v0 = 0; v0 < V && !direct; v0 += VB) {
       const int64_t nv = std::min(VB, V - v0);
       const at::Tensor w = weight_tile(weight, v0, nv, wbuf);
       at::Tensor dw = weight_grad ? dW.narrow(0, v0, nv) : at::Tensor();
       const float* btile = bp != nullptr ? bp + v0 : nullptr;
       for (int64_t r0 = 0; r0 < Ng; r0 += R) {
         const int64_t nr = std::min(R, Ng - r0);
-        const int64_t np = round_up(nr, G);
+        const int64_t np = rb.padded(nr);
         at::Tensor z = tile_view(zbuf, np, nv);
         const bool from_saved = v0 < save_cols;
-        if (!from_saved) logits_tile(z, h, r0, np, w, G);
+        if (!from_saved) logits_tile(z, h, r0, np, w, rb.gemm(np));
         float* zp = z.data_ptr<float>();
         at::parallel_for(0, nr, 4, [&](int64_t a, int64_t e) {
           for (int64_t i = a; i < e; ++i) {
             const int64_t k = r0 + i;
             float* zrow = zp + i * nv;
-            const float* src = from_saved ? saved_p + v0 * N + idx_p[k] * nv : zrow;
+            const float* src = from_saved ? saved_p + v0 * N + srow_p[k] * nv : zrow;
             const float gk = gp[k], gek = has_ge ? gep[k] : 0.0f;
             if (has_ge) {
               btile ? softmax_grad<true, true>(src, btile, zrow, nv, inv_t, mp[k], lsp[k], gk, gek, entp[k])
@@ -275,6 +508,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_bwd(
           }
         });
         if (np > nr) z.narrow(0, nr, np - nr).zero_();  // padding rows carry no gradient
+        const int64_t G = rb.gemm(np);
         for (int64_t s = 0; s < np; s += G) dh.narrow(0, r0 + s, G).addmm_(z.narrow(0, s, G), w);
         if (weight_grad) {
           const at::Tensor hb = h.narrow(0, r0, np);

@@ -22,11 +22,12 @@ TORCH_LIBRARY(gspo_kernels, m) {
       "Tensor stats, Tensor entropy, float temperature) -> ()");
   // hidden [N, H], weight [V, H], bias [V]; logits = hidden @ weight.T + bias, never materialized in
   // full. The 4th output keeps the first save_cols vocabulary columns of the logits (without bias)
-  // of the active rows for the backward: [N * save_cols] fp32, vocabulary tile v0 stored as a
-  // contiguous [N, width] block at offset v0 * N (save_cols = 0: recompute everything).
-  // Row-dependent products run as GEMMs of exactly gemm_rows rows (zero-padded), in chunks of
-  // row_block rows (a multiple of gemm_rows after rounding up): a row's results do not depend on
-  // the batch.
+  // of the active rows for the backward: [N * save_cols] fp32, vocabulary tile v0 stored at offset
+  // v0 * N as a contiguous [active rows, width] block, active rows in order (save_cols = 0: recompute
+  // everything). gemm_rows > 0: row-dependent products run as GEMMs of exactly gemm_rows rows
+  // (zero-padded), in chunks of row_block rows (rounded up to a multiple of gemm_rows): a row's
+  // results do not depend on the batch. gemm_rows = 0: one GEMM per chunk of row_block rows, shaped by
+  // its actual row count (faster, deterministic, not batch invariant).
   m.def(
       "linear_fwd(Tensor hidden, Tensor weight, Tensor? bias, Tensor labels, Tensor? active, float temperature, "
       "bool return_entropy, int row_block, int gemm_rows, int vocab_block, int save_cols) -> (Tensor, Tensor, Tensor, Tensor)");
