@@ -61,7 +61,7 @@ class LossInputs:
     ref_logprobs: Optional[Tensor]
     is_ratio: Optional[Tensor]  # [N], per-sequence ratios already broadcast to tokens
     num_items_in_batch: Optional[Tensor]  # 0-dim float32, finite and > 0
-
+    rollout_logprobs: Optional[Tensor] = None  # [N], the inference engine's log-probs of the sampled tokens
 
 
 # ---------------------------------------------------------------------------------------------
@@ -186,6 +186,8 @@ def prepare_loss_inputs(
     is_ratio: Optional[Tensor] = None,
     num_items_in_batch: Union[None, int, float, Tensor] = None,
     beta: float = 0.0,
+    rollout_logprobs: Optional[Tensor] = None,
+    rollout_correction: Optional[str] = None,
     check_finite: bool = False,
     checks: Optional[ValueChecks] = None,
 ) -> LossInputs:
@@ -194,13 +196,17 @@ def prepare_loss_inputs(
     ``labels``: the sampled token ids (``[B, T]`` / ``[N]``, in ``[0, vocab_size)`` where unmasked); with
     ``vocab_size=None`` it is instead the caller's per-token log-probs (:func:`gspo_kernels.policy_loss`),
     which carry the layout only, and ``LossInputs.labels`` is None.
-    ``beta`` (the KL weight of the config) says whether ``ref_logprobs`` is required.
+    ``beta`` (the KL weight of the config) says whether ``ref_logprobs`` is required; ``rollout_correction``
+    (the config's) whether ``rollout_logprobs`` is (and that ``is_ratio`` is refused).
+    ``rollout_logprobs`` is never checked for finiteness: a NaN there means "not scored by the engine" (no
+    correction for that token, as in TRL; docs/policies.md).
     ``check_finite``: also require the float inputs to be finite at unmasked positions. The value checks
     run before returning, with those already in ``checks`` (one host sync for all of them).
     """
     name = "labels" if vocab_size is not None else "logprobs"
     check_same_device(**{name: labels}, advantages=advantages, old_logprobs=old_logprobs, mask=mask,
-                      cu_seqlens=cu_seqlens, ref_logprobs=ref_logprobs, is_ratio=is_ratio)
+                      cu_seqlens=cu_seqlens, ref_logprobs=ref_logprobs, is_ratio=is_ratio,
+                      rollout_logprobs=rollout_logprobs)
     checks = ValueChecks() if checks is None else checks
     batch = flatten_token_layout(labels, mask=mask, cu_seqlens=cu_seqlens, checks=checks, name=name)
     device = labels.device
@@ -224,6 +230,14 @@ def prepare_loss_inputs(
     ref = _per_token("ref_logprobs", ref_logprobs, batch)
     if beta > 0 and ref is None:
         raise ValueError("ref_logprobs is required when beta > 0 (the KL term needs the reference log-probs)")
+
+    rollout = _per_token("rollout_logprobs", rollout_logprobs, batch)
+    if rollout_correction is not None and rollout is None:
+        raise ValueError(f"rollout_logprobs is required when config.rollout_correction = {rollout_correction!r} "
+                         "(the correction weights are computed from the inference engine's log-probs)")
+    if rollout_correction is not None and is_ratio is not None:
+        raise ValueError("is_ratio and config.rollout_correction are exclusive: pass rollout_logprobs and let the "
+                         "library compute the correction, or pass a ready-made is_ratio without rollout_correction")
 
     ratio = None
     if is_ratio is not None:
@@ -250,4 +264,4 @@ def prepare_loss_inputs(
             if value is not None:
                 check_finite_values(name, value, checks, counted)
     checks.run()
-    return LossInputs(flat_labels, batch, adv, per_token, old, ref, ratio, items)
+    return LossInputs(flat_labels, batch, adv, per_token, old, ref, ratio, items, rollout)

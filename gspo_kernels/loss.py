@@ -125,6 +125,7 @@ def gspo_loss(
     ref_logprobs: Optional[Tensor] = None,
     is_ratio: Optional[Tensor] = None,
     num_items_in_batch: Scalar = None,
+    rollout_logprobs: Optional[Tensor] = None,
     config: Optional[GSPOConfig] = None,
     backend: str = "auto",
     inplace_backward: bool = False,
@@ -145,6 +146,8 @@ def gspo_loss(
         is_ratio: inference-engine importance correction, per token or per response.
         num_items_in_batch: global token count for ``loss_type="dapo"``: a finite number > 0 (int, float or
             one-element tensor), used as given.
+        rollout_logprobs: the inference engine's log-probs of the sampled tokens (labels' shape): the library
+            computes ``config.rollout_correction`` from them, and the ``rollout/*`` mismatch metrics.
         inplace_backward: write the logits gradient into ``logits``' storage (the logits are consumed).
         vocab_parallel: ``logits [..., end - start]`` is this rank's vocabulary shard (see :func:`token_logprobs`);
             the loss and metrics are the same on every rank.
@@ -157,6 +160,7 @@ def gspo_loss(
     head = _LogitsHead(logits, check_vocab_parallel(vocab_parallel), inplace_backward=inplace_backward)
     return _run(head, labels, advantages, old_logprobs, mask=mask, cu_seqlens=cu_seqlens, ref_logprobs=ref_logprobs,
                 is_ratio=is_ratio, num_items_in_batch=num_items_in_batch, config=config, backend=backend,
+                rollout_logprobs=rollout_logprobs,
                 check_finite=check_finite)
 
 
@@ -173,6 +177,7 @@ def fused_linear_gspo_loss(
     ref_logprobs: Optional[Tensor] = None,
     is_ratio: Optional[Tensor] = None,
     num_items_in_batch: Scalar = None,
+    rollout_logprobs: Optional[Tensor] = None,
     config: Optional[GSPOConfig] = None,
     backend: str = "auto",
     inplace_backward: bool = False,
@@ -199,6 +204,7 @@ def fused_linear_gspo_loss(
                        memory_budget=memory_budget, batch_invariant=batch_invariant)
     return _run(head, labels, advantages, old_logprobs, mask=mask, cu_seqlens=cu_seqlens, ref_logprobs=ref_logprobs,
                 is_ratio=is_ratio, num_items_in_batch=num_items_in_batch, config=config, backend=backend,
+                rollout_logprobs=rollout_logprobs,
                 check_finite=check_finite)
 
 
@@ -213,6 +219,7 @@ def policy_loss(
     is_ratio: Optional[Tensor] = None,
     entropy: Optional[Tensor] = None,
     num_items_in_batch: Scalar = None,
+    rollout_logprobs: Optional[Tensor] = None,
     config: Optional[GSPOConfig] = None,
     backend: str = "auto",
     check_finite: bool = False,
@@ -239,6 +246,7 @@ def policy_loss(
     head = _GivenLogprobs(logprobs, entropy, packed=cu_seqlens is not None)
     return _run(head, logprobs, advantages, old_logprobs, mask=mask, cu_seqlens=cu_seqlens, ref_logprobs=ref_logprobs,
                 is_ratio=is_ratio, num_items_in_batch=num_items_in_batch, config=config, backend=backend,
+                rollout_logprobs=rollout_logprobs,
                 check_finite=check_finite)
 
 
@@ -343,7 +351,8 @@ class _GivenLogprobs(_Head):
 
 
 def _run(head, tokens: Tensor, advantages: Tensor, old_logprobs: Optional[Tensor], *, mask, cu_seqlens, ref_logprobs,
-         is_ratio, num_items_in_batch, config: Optional[GSPOConfig], backend: str, check_finite: bool) -> LossOutput:
+         is_ratio, num_items_in_batch, config: Optional[GSPOConfig], backend: str, check_finite: bool,
+         rollout_logprobs: Optional[Tensor] = None) -> LossOutput:
     """Validate, lay out, dispatch, apply the objective: the one order every loss follows.
 
     ``head`` computes the per-token log-probs and entropies (from logits, from hidden states, or given);
@@ -354,6 +363,7 @@ def _run(head, tokens: Tensor, advantages: Tensor, old_logprobs: Optional[Tensor
     inputs = prepare_loss_inputs(
         tokens, advantages, head.vocab_size, old_logprobs=old_logprobs, mask=mask, cu_seqlens=cu_seqlens,
         ref_logprobs=ref_logprobs, is_ratio=is_ratio, num_items_in_batch=num_items_in_batch, beta=config.beta,
+        rollout_logprobs=rollout_logprobs, rollout_correction=config.rollout_correction,
         check_finite=check_finite,
     )
     counted = inputs.batch.mask > 0
