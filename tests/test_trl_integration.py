@@ -271,9 +271,17 @@ def test_on_policy_inputs_without_old_logps(policy_dir, tmp_path):
         torch.testing.assert_close(grads_o[name], g_t, rtol=1e-4, atol=1e-6)
 
 
-def test_unsupported_loss_type_raises(policy_dir, tmp_path):
-    with pytest.raises(ValueError, match="loss_type='cispo'.*supported: grpo, bnpo, dr_grpo, dapo"):
-        _trainer(GRPOTrainer, policy_dir, tmp_path, loss_type="cispo", epsilon_high=5.0)
+def test_unsupported_options_raise_naming_them(policy_dir, tmp_path):
+    """What the drop-in cannot run is refused when the trainer is built, naming the option: a loss type TRL 1.16
+    does not have, and TRL's CISPO cap below 1 (its default epsilon_high=epsilon=0.2 caps every weight below the
+    on-policy 1; the library asks for the cap explicitly)."""
+    ours = _trainer(GRPOTrainer, policy_dir, tmp_path, loss_type="sapo")
+    ours.loss_type = "gmpo"
+    with pytest.raises(ValueError, match="loss_type='gmpo'.*supported: grpo, dapo, dr_grpo, bnpo, cispo, sapo"):
+        ours._check_supported()
+    with pytest.raises(ValueError, match="epsilon_high is CISPO's absolute cap"):
+        _trainer(GRPOTrainer, policy_dir, tmp_path, loss_type="cispo")
+    _trainer(GRPOTrainer, policy_dir, tmp_path, loss_type="cispo", epsilon_high=5.0)  # TRL's recommended cap
 
 
 def test_two_step_train_end_to_end(policy_dir, tmp_path):

@@ -22,25 +22,32 @@ that is its own FSDP1 unit (its weight still flat or empty in the enclosing forw
 DeepSpeed ZeRO-3 (the backward recomputes the logits from a weight ZeRO-3 has re-partitioned by then;
 the gradient-free old / reference passes run, gathered with TRL's ``maybe_gather_lm_head_ctx``).
 
-Honoured from ``GRPOConfig``: ``importance_sampling_level`` (``token``, ``sequence``, and
-``sequence_token``, GSPO-token, which TRL's own trainer rejects), ``loss_type`` (``grpo``, ``bnpo``,
-``dr_grpo``, ``dapo``), ``epsilon`` / ``epsilon_high``, ``delta``, ``beta`` with the reference model,
-``use_bias_correction_kl``, ``temperature``, the vLLM ``importance_sampling_ratio``,
-``num_items_in_batch`` and gradient accumulation (scaled as TRL scales them), a static ``entropy_coef``,
-``top_entropy_quantile`` (entropy masking), ``off_policy_mask_threshold``, the MoE router auxiliary
-loss, ``cast_lm_head_to_fp32`` and a tool mask. Options it does not implement raise a ``ValueError``
-naming them when the trainer is built.
+Honoured from ``GRPOConfig``: ``loss_type`` (all eight of TRL 1.16: ``grpo``, ``dapo``, ``dr_grpo``, ``bnpo``,
+``cispo``, ``sapo``, ``luspo``, ``vespo``, each with the objective and the aggregation TRL gives it),
+``importance_sampling_level`` (``token``, ``sequence``, and ``sequence_token``, GSPO-token, which TRL's own trainer
+rejects), ``epsilon`` / ``epsilon_high`` (CISPO: ``epsilon_high`` is the cap), ``delta``,
+``sapo_temperature_pos|neg``, ``vespo_k_pos|neg`` / ``vespo_lambda_pos|neg``, ``beta`` with the reference model,
+``use_bias_correction_kl``, ``temperature``, vLLM importance sampling (``vllm_importance_sampling_correction``
+/ ``_mode`` / ``_clip_min`` / ``_clip_max``: the library computes the weights from the engine's log-probs,
+:func:`gspo_kernels.policy_loss`'s ``rollout_logprobs``), ``num_items_in_batch`` and gradient accumulation
+(scaled as TRL scales them), ``entropy_coef`` and adaptive entropy control (``use_adaptive_entropy``,
+``entropy_coef_min|max|delta``, ``entropy_target``), ``top_entropy_quantile`` (entropy masking),
+``off_policy_mask_threshold``, the MoE router auxiliary loss, ``cast_lm_head_to_fp32``, models with
+``final_logit_softcapping`` (Gemma 2 / 3; the cap runs inside the fused head) and a tool mask. Options it
+does not implement raise a ``ValueError`` naming them when the trainer is built.
 
 Logged under TRL's names and with TRL's weighting across processes (token- or response-weighted
 means from summed totals, min / max over the gathered per-response values): ``entropy``, ``kl``
 (``beta > 0``), ``clip_ratio/low_mean``, ``clip_ratio/high_mean``, ``clip_ratio/region_mean``,
-``clip_ratio/low_min``, ``clip_ratio/high_max`` (and ``policy_loss``, ``entropy_coef``, ``aux_loss``
-where TRL logs them), plus ``importance_weight/mean|min|max``.
+``clip_ratio/low_min``, ``clip_ratio/high_max`` (the clipped objectives), ``cispo_clip_ratio``,
+``vespo/phi_seq_mean`` (and ``policy_loss``, ``entropy_coef``, ``aux_loss`` where TRL logs them), plus
+``importance_weight/mean|min|max``.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import types
 from typing import Any, Dict, Optional
 
@@ -50,9 +57,9 @@ from trl.trainer.utils import FusedCausalLMOutput, maybe_gather_lm_head_ctx, nan
 
 from gspo_kernels import backends
 from gspo_kernels.checks import check_memory_budget
-from gspo_kernels.config import LOSS_TYPES, GSPOConfig
+from gspo_kernels.config import GSPOConfig
 from gspo_kernels.loss import linear_logprobs, policy_loss
-from gspo_kernels.objective import clip_flags, k3_kl
+from gspo_kernels.objective import clip_flags
 
 # The head's memory_budget on CPU tensors when the caller gives none (bytes; see GRPOTrainer): the logits the cpu
 # backend keeps between forward and backward. Smaller than the library's 1 GiB: a trainer's loss step holds the
@@ -68,6 +75,11 @@ _FSDP1_OWN_UNIT = (
     "GRPOTrainer; keep lm_head in the root FSDP unit (use_orig_params=True), or use FSDP2 (fully_shard) or DDP"
 )
 SUPPORTED_IMPORTANCE_LEVELS = ("token", "sequence", "sequence_token")
+# TRL 1.16's loss types (its GRPOConfig.loss_type); each maps onto the library's loss_type of the same name
+TRL_LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo", "luspo", "vespo")
+CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # the clipped surrogate: TRL logs clip_ratio/*
+# TRL's vllm_importance_sampling_mode values, the library's rollout_correction modes of the same names
+VLLM_IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 _MULTIMODAL_KEYS = (
     "pixel_values", "image_grid_thw", "pixel_attention_mask", "spatial_shapes", "image_sizes",
     "token_type_ids", "mm_token_type_ids", "image_position_ids", "num_images",
@@ -107,28 +119,67 @@ class GRPOTrainer(trl.GRPOTrainer):
     def _check_supported(self) -> None:
         args = self.args
         problems = []
-        if self.loss_type not in LOSS_TYPES:
-            problems.append(f"loss_type={self.loss_type!r} (supported: {', '.join(LOSS_TYPES)})")
+        if self.loss_type not in TRL_LOSS_TYPES:
+            problems.append(f"loss_type={self.loss_type!r} (supported: {', '.join(TRL_LOSS_TYPES)})")
         if self.importance_sampling_level not in SUPPORTED_IMPORTANCE_LEVELS:
             problems.append(
                 f"importance_sampling_level={self.importance_sampling_level!r} "
                 f"(supported: {', '.join(SUPPORTED_IMPORTANCE_LEVELS)})"
             )
-        if getattr(self, "use_adaptive_entropy", False):
-            problems.append("adaptive entropy control (only a static entropy_coef)")
-        text_config = self.model.config.get_text_config()
-        if getattr(text_config, "final_logit_softcapping", None) is not None:
-            problems.append("models with final_logit_softcapping")
         if self.loss_type == "dr_grpo" and not self.max_completion_length:
             problems.append("loss_type='dr_grpo' without max_completion_length")
+        if self.use_vllm and self.vllm_importance_sampling_correction:
+            problems.extend(self._vllm_is_problems())
         if problems:
             raise ValueError(
                 "gspo_kernels.integrations.trl.GRPOTrainer does not support: " + "; ".join(problems)
                 + ". Use trl.GRPOTrainer for these options."
             )
+        text_config = self.model.config.get_text_config()
         _logit_scale(text_config)
+        _softcap(text_config)
         if args.delta is not None and args.delta <= 1:
             raise ValueError(f"delta must be > 1, got {args.delta}")
+        try:  # the library's own checks of the options, now rather than at the first batch
+            self._loss_config(rollout_correction=self.use_vllm and self.vllm_importance_sampling_correction)
+        except ValueError as exc:
+            raise ValueError(f"gspo_kernels' GRPOTrainer cannot run this GRPOConfig: {exc}") from None
+
+    def _vllm_is_problems(self) -> list:
+        mode = self.vllm_importance_sampling_mode
+        if mode not in VLLM_IS_MODES:
+            return [f"vllm_importance_sampling_mode={mode!r} (supported: {', '.join(VLLM_IS_MODES)})"]
+        if self.vllm_importance_sampling_clip_min is None and self.vllm_importance_sampling_clip_max is None:
+            return [f"vllm_importance_sampling_mode={mode!r} without vllm_importance_sampling_clip_min or _clip_max"]
+        return []
+
+    def _loss_config(self, *, rollout_correction: bool) -> GSPOConfig:
+        """The library's options for TRL's: the same loss_type (objective and aggregation), TRL's option names."""
+        args = self.args
+        options: Dict[str, Any] = dict(
+            importance_sampling_level=self.importance_sampling_level,
+            loss_type=self.loss_type,
+            epsilon_low=self.epsilon_low,
+            epsilon_high=self.epsilon_high,  # CISPO: the absolute cap on the weight, as in TRL
+            beta=self.beta,
+            use_bias_correction_kl=bool(args.use_bias_correction_kl),
+            max_completion_length=self.max_completion_length,
+            off_policy_mask_threshold=self.off_policy_mask_threshold,
+            rollout_correction_max=None,
+        )
+        if self.loss_type in CLIPPED_LOSS_TYPES:
+            options["delta"] = args.delta  # TRL applies delta to the clipped surrogate only
+        elif self.loss_type == "sapo":
+            options.update(sapo_temperature_pos=args.sapo_temperature_pos,
+                           sapo_temperature_neg=args.sapo_temperature_neg)
+        elif self.loss_type == "vespo":
+            options.update(vespo_k_pos=args.vespo_k_pos, vespo_lambda_pos=args.vespo_lambda_pos,
+                           vespo_k_neg=args.vespo_k_neg, vespo_lambda_neg=args.vespo_lambda_neg)
+        if rollout_correction:  # TRL's vLLM importance sampling: mode, C_max and C_min map one-to-one
+            options.update(rollout_correction=self.vllm_importance_sampling_mode,
+                           rollout_correction_max=self.vllm_importance_sampling_clip_max,
+                           rollout_correction_min=self.vllm_importance_sampling_clip_min)
+        return GSPOConfig(**options)
 
     def _compute_loss(self, model, inputs: Dict[str, Any]) -> torch.Tensor:
         extra = [key for key in _MULTIMODAL_KEYS if inputs.get(key) is not None]
@@ -152,70 +203,110 @@ class GRPOTrainer(trl.GRPOTrainer):
         advantages = inputs["advantages"]
         adv2d = advantages if advantages.dim() == 2 else advantages.unsqueeze(1)
         old = inputs.get("old_per_token_logps")
-        policy_mask = None  # tokens whose policy term counts (entropy / off-policy masking); 0/1
+        entropy_mask = None  # TRL's top-entropy token mask (0/1) on the policy term
         if self.top_entropy_quantile < 1.0:
-            policy_mask = self.get_high_entropy_mask(entropies, mask, 1 - self.top_entropy_quantile).to(logp.dtype)
-        if self.off_policy_mask_threshold is not None:
-            sampling = inputs.get("sampling_per_token_logps", logp.detach() if old is None else old)
-            keep = self.get_off_policy_mask(advantages=adv2d, per_token_logps=logp, sampling_per_token_logps=sampling,
-                                            mask=mask, off_policy_threshold=self.off_policy_mask_threshold)
-            keep = keep.to(logp.dtype).expand_as(logp)
-            policy_mask = keep if policy_mask is None else policy_mask * keep
+            entropy_mask = self.get_high_entropy_mask(entropies, mask, 1 - self.top_entropy_quantile).to(logp.dtype)
         loss_advantages = advantages
-        if policy_mask is not None:
-            # -min(c1 * A * m, c2 * A * m) = m * -min(c1 * A, c2 * A) for m in {0, 1}: a masked token's policy term
-            # is dropped while its log-ratio still counts in the sequence weight and the normalizers, as in TRL
-            loss_advantages = adv2d.to(logp.dtype) * policy_mask
+        if entropy_mask is not None:
+            # each objective's policy term is linear in A at a fixed sign of A, so (A * m) drops a masked token's
+            # policy term for m in {0, 1}, while its log-ratio still counts in the sequence weight and the
+            # normalizers, as in TRL
+            loss_advantages = adv2d.to(logp.dtype) * entropy_mask
+
+        # vLLM: the engine's log-probs. The library computes TRL's importance-sampling weights from them (the
+        # mode and caps of vllm_importance_sampling_*; VESPO folds them into its sequence weight, as TRL does),
+        # and the off-policy mask compares against them, as TRL's does.
+        sampling = inputs.get("sampling_per_token_logps")
+        vllm_is = bool(self.use_vllm and self.vllm_importance_sampling_correction)
+        is_ratio = None
+        if vllm_is and sampling is None:  # a caller that gives only the ready-made ratio
+            is_ratio = inputs["importance_sampling_ratio"]
+        config = self._gspo_config = self._loss_config(rollout_correction=vllm_is and sampling is not None)
 
         num_items = None
-        if self.loss_type == "dapo":
+        if config.effective_aggregation == "dapo":
             # TRL's normalizer: num_items_in_batch spans the generation batch; rescale to one accumulation window
             num_items = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
             if mode == "train":
                 num_items = num_items * self.current_gradient_accumulation_steps / self.args.steps_per_generation
-        config = self._gspo_config = GSPOConfig(
-            importance_sampling_level=self.importance_sampling_level,
-            loss_type=self.loss_type,
-            epsilon_low=self.epsilon_low,
-            epsilon_high=self.epsilon_high,
-            delta=self.args.delta,
-            beta=self.beta,
-            use_bias_correction_kl=bool(self.args.use_bias_correction_kl),
-            max_completion_length=self.max_completion_length,
-        )
-        is_ratio = None
-        if self.use_vllm and self.vllm_importance_sampling_correction:
-            is_ratio = inputs["importance_sampling_ratio"]
         ref = inputs.get("ref_per_token_logps") if self.beta != 0.0 else None
         out = policy_loss(logp, loss_advantages, old, mask=mask, ref_logprobs=ref, is_ratio=is_ratio,
-                          num_items_in_batch=num_items, config=config, backend=self.gspo_backend)
+                          entropy=entropies, rollout_logprobs=sampling, num_items_in_batch=num_items, config=config,
+                          backend=self.gspo_backend)
         detached_loss = out.loss.detach()
-        loss = out.loss if self.loss_type == "dapo" else out.loss / accumulation
+        loss = out.loss if config.effective_aggregation == "dapo" else out.loss / accumulation
         metrics = self._metrics[mode]
 
         if self._entropy_bonus_enabled:
-            effective = mask if policy_mask is None else mask * policy_mask
-            bonus = (entropies * effective).sum() / effective.sum().clamp(min=1.0) / accumulation
-            loss = loss - self.entropy_coef * bonus
+            # TRL's bonus: the mean entropy over the tokens the policy term acts on, scaled for accumulation only
+            effective = mask if entropy_mask is None else mask * entropy_mask
+            bonus = (entropies * effective).sum() / effective.sum().clamp(min=1.0)
+            coef = self.entropy_coef
+            if self.use_adaptive_entropy:  # the coefficient and gate of the previous optimizer step
+                coef = coef if self._last_world_entropy <= self.args.entropy_target else 0.0
+            loss = loss - coef * bonus / accumulation
             metrics["policy_loss"].append(self.accelerator.gather(detached_loss).nanmean().item())
+            if self.use_adaptive_entropy and mode == "train":
+                # the window's entropy: the library's entropy metric (token mean over the loss's tokens), or the
+                # bonus's own mean when entropy masking narrows the tokens
+                mean = out.metrics["entropy"] if entropy_mask is None else bonus.detach()
+                count = effective.detach().sum().to(torch.float32)
+                self._adapt_entropy_coef(torch.stack([mean.to(torch.float32) * count, count]))
             if mode == "train" and self.accelerator.sync_gradients:
                 metrics["entropy_coef"].append(self.entropy_coef)
         if self.aux_loss_enabled:
             loss = loss + self.router_aux_loss_coef * aux_loss / accumulation
             metrics["aux_loss"].append(self.accelerator.gather_for_metrics(aux_loss).mean().item())
 
-        self._log_loss_metrics(metrics, logp.detach(), entropies.detach(), old, ref, adv2d, mask)
+        self._log_loss_metrics(metrics, out.metrics, logp.detach(), old, adv2d, mask)
         return loss
 
+    def _adapt_entropy_coef(self, stats: torch.Tensor) -> None:
+        """TRL's adaptive entropy control (Skywork-OR1): sum ``[entropy total, token count]`` over the
+        micro-batches of the accumulation window; at the optimizer step, reduce over processes, move
+        ``entropy_coef`` by ``entropy_coef_delta`` towards more bonus when the window's mean entropy is at or below
+        ``entropy_target`` (less otherwise, within ``[entropy_coef_min, entropy_coef_max]``), and remember the
+        entropy for the next window's gate."""
+        args = self.args
+        window = self._entropy_window_stats
+        self._entropy_window_stats = stats if window is None else window + stats
+        if not self.accelerator.sync_gradients:
+            return
+        totals = self.accelerator.reduce(self._entropy_window_stats, reduction="sum")
+        world_entropy = (totals[0] / totals[1].clamp(min=1.0)).item()
+        if world_entropy <= args.entropy_target:
+            self.entropy_coef = min(self.entropy_coef + args.entropy_coef_delta, args.entropy_coef_max)
+        else:
+            self.entropy_coef = max(self.entropy_coef - args.entropy_coef_delta, args.entropy_coef_min)
+        self._last_world_entropy = world_entropy
+        self._entropy_window_stats = None
+
     @torch.no_grad()
-    def _log_loss_metrics(self, metrics, logp, entropies, old, ref, adv2d, mask) -> None:
+    def _log_loss_metrics(self, metrics, library, logp, old, adv2d, mask) -> None:
         """TRL's loss metrics, weighted across processes as TRL weights them (summed totals / gathered values).
 
-        The formulas are the library's (:func:`gspo_kernels.objective.clip_flags`, :func:`~gspo_kernels.objective.k3_kl`);
-        what is TRL's own is the weighting: every response counts (empty ones too), the totals are summed over
-        processes, the advantages are the unmasked ones (entropy / off-policy masking changes the loss, not
-        the metrics), and ``clip_ratio/low_min`` / ``high_max`` are taken over per-response shares."""
+        The formulas are the library's: ``entropy`` and ``kl`` are its metrics (token means over ``mask``,
+        reduced here as token-weighted totals), the clip shares come from
+        :func:`gspo_kernels.objective.clip_flags`. What is TRL's own is the weighting: every response counts
+        (empty ones too), the totals are summed over processes, the advantages are the unmasked ones (entropy
+        masking changes the loss, not the metrics), and ``clip_ratio/low_min`` / ``high_max`` are taken over
+        per-response shares. ``cispo_clip_ratio`` and ``vespo/phi_seq_mean`` are the library's per-process
+        values, averaged over processes."""
         mask = mask.to(logp.dtype)
+        tokens = mask.sum()
+
+        def token_weighted(value: torch.Tensor) -> float:
+            totals = torch.stack([value.to(logp.dtype) * tokens, tokens])
+            totals = self.accelerator.reduce(totals, reduction="sum")
+            return (totals[0] / totals[1].clamp(min=1.0)).item()
+
+        if "kl" in library:
+            metrics["kl"].append(token_weighted(library["kl"]))
+        metrics["entropy"].append(token_weighted(library["entropy"]))
+        for name in ("cispo_clip_ratio", "vespo/phi_seq_mean"):
+            if name in library:
+                metrics[name].append(self.accelerator.gather(library[name].reshape(1)).nanmean().item())
+
         log_ratio = (logp - (logp if old is None else old.to(logp.dtype))) * mask
         per_sequence = self.importance_sampling_level != "token"
         if per_sequence:  # one weight per response ([B, 1]); every response counts, as in TRL
@@ -236,20 +327,15 @@ class GRPOTrainer(trl.GRPOTrainer):
         def per_response(x: torch.Tensor) -> torch.Tensor:
             return x.squeeze(1) if per_sequence else (x * mask).sum(-1) / mask.sum(-1)
 
-        if self.beta != 0.0:
-            kl = k3_kl(ref.to(logp.dtype), logp)
-            if self.args.use_bias_correction_kl:
-                kl = kl * weight
-            metrics["kl"].append(weighted_mean(kl, False))
-        metrics["entropy"].append(weighted_mean(entropies, False))
-        low, high = clip_flags(weight, adv2d, self._gspo_config)
-        low, high = low.to(logp.dtype), high.to(logp.dtype)
-        region = ((low + high) > 0).to(logp.dtype)
-        metrics["clip_ratio/low_mean"].append(weighted_mean(low, per_sequence))
-        metrics["clip_ratio/high_mean"].append(weighted_mean(high, per_sequence))
-        metrics["clip_ratio/region_mean"].append(weighted_mean(region, per_sequence))
-        metrics["clip_ratio/low_min"].append(nanmin(self.accelerator.gather(per_response(low))).item())
-        metrics["clip_ratio/high_max"].append(nanmax(self.accelerator.gather(per_response(high))).item())
+        if self.loss_type in CLIPPED_LOSS_TYPES:
+            low, high = clip_flags(weight, adv2d, self._gspo_config)
+            low, high = low.to(logp.dtype), high.to(logp.dtype)
+            region = ((low + high) > 0).to(logp.dtype)
+            metrics["clip_ratio/low_mean"].append(weighted_mean(low, per_sequence))
+            metrics["clip_ratio/high_mean"].append(weighted_mean(high, per_sequence))
+            metrics["clip_ratio/region_mean"].append(weighted_mean(region, per_sequence))
+            metrics["clip_ratio/low_min"].append(nanmin(self.accelerator.gather(per_response(low))).item())
+            metrics["clip_ratio/high_max"].append(nanmax(self.accelerator.gather(per_response(high))).item())
         metrics["importance_weight/mean"].append(weighted_mean(weight, per_sequence))
         w = weight.expand_as(mask) if per_sequence else weight
         keep = valid.expand_as(mask) if per_sequence else valid
@@ -273,6 +359,11 @@ def install_head(model, *, temperature: float, fp32_head: bool, backend: str,
     previous = model.forward
     text_config = model.config.get_text_config()
     scale = _logit_scale(text_config)
+    # TRL's head: logits s * (h W^T + b), then the Gemma soft cap c tanh(z / c), then / temperature. With z' the
+    # unscaled logits, c tanh(s z' / c) / T = (c / s) tanh(z' / (c / s)) / (T / s): the library's head with the
+    # cap c / s and the temperature T / s.
+    softcap = _softcap(text_config)
+    cap = {} if softcap is None else {"final_logit_softcapping": softcap / scale}
 
     @functools.wraps(type(model).forward)
     def forward(self, *args, fused_lm_head=False, labels=None, shift_labels=None, num_items_in_batch=None, **kwargs):
@@ -302,6 +393,7 @@ def install_head(model, *, temperature: float, fp32_head: bool, backend: str,
             logp, entropy = linear_logprobs(
                 hidden[mask], weight, labels[mask], bias=bias, temperature=temperature / scale, return_entropy=True,
                 backend=backend, fp32_head=fp32_head, memory_budget=head_memory_budget(memory_budget, hidden.device),
+                **cap,
             )
         # masked_scatter keeps the outputs connected to the graph even when no label is valid
         log_probs = logp.new_zeros(mask.shape).masked_scatter(mask, logp)
@@ -375,3 +467,14 @@ def _logit_scale(text_config) -> float:
     return scale
 
 
+
+
+def _softcap(text_config) -> Optional[float]:
+    """The model's ``final_logit_softcapping`` (Gemma 2 / 3: logits ``c tanh(z / c)``), None when it has none."""
+    cap = getattr(text_config, "final_logit_softcapping", None)
+    if cap is None:
+        return None
+    if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not math.isfinite(cap) or cap <= 0:
+        raise ValueError(f"gspo_kernels' GRPOTrainer needs final_logit_softcapping to be None or a finite number > 0, "
+                         f"got {cap!r}")
+    return float(cap)
