@@ -424,10 +424,12 @@ def _objective(
             wd = w.detach()
             if config.cispo_clip == "upper":
                 w_hat = torch.clamp(wd, max=eps_high)
-                extra["cispo"].append((wd > eps_high) & (A > 0))
+                flags = (wd > eps_high) & (A > 0)
             else:
                 w_hat = torch.clamp(wd, 1 - eps_low, 1 + eps_high)
-                extra["cispo"].append((wd < 1 - eps_low) | (wd > 1 + eps_high))
+                flags = (wd < 1 - eps_low) | (wd > 1 + eps_high)
+            # counted per response when the response has one weight and one advantage, else per token
+            extra["cispo"].append(flags[:1] if level == "sequence" and not adv_per_token else flags)
             loss_t = -w_hat * A * logp
         elif loss_type == "vespo":  # gamma-weighted REINFORCE on the sequence weight
             log_seq = torch.clamp(r.detach(), -20.0, 20.0).sum()
