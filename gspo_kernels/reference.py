@@ -101,6 +101,7 @@ def gspo_loss(
     is_ratio: Optional[Tensor] = None,
     num_items_in_batch: Scalar = None,
     config: Optional[GSPOConfig] = None,
+    rollout_logprobs: Optional[Tensor] = None,
 ) -> LossOutput:
     """The GSPO / GRPO loss from logits ``[B, T, V]`` (padded) or ``[N, V]`` (packed), in float64.
 
@@ -117,7 +118,8 @@ def gspo_loss(
         raise ValueError("logits must have a vocabulary dimension V >= 1")
     rows = logits.reshape(-1, logits.shape[-1])
     return _loss_from_rows(lambda idx: rows[idx], layout, labels, advantages, old_logprobs, ref_logprobs,
-                           is_ratio, num_items_in_batch, config, vocab_size=logits.shape[-1])
+                           is_ratio, num_items_in_batch, config, vocab_size=logits.shape[-1],
+                           rollout_logprobs=rollout_logprobs)
 
 
 def fused_linear_gspo_loss(
@@ -134,6 +136,7 @@ def fused_linear_gspo_loss(
     is_ratio: Optional[Tensor] = None,
     num_items_in_batch: Scalar = None,
     config: Optional[GSPOConfig] = None,
+    rollout_logprobs: Optional[Tensor] = None,
 ) -> LossOutput:
     """:func:`gspo_loss` of ``hidden @ weight.T + bias``; each response's logits are formed in float64.
 
@@ -145,7 +148,8 @@ def fused_linear_gspo_loss(
     layout = _Layout.of(labels, mask, cu_seqlens)
     rows = hidden.reshape(-1, hidden.shape[-1])
     return _loss_from_rows(lambda idx: _logits(rows[idx], weight, bias), layout, labels, advantages, old_logprobs,
-                           ref_logprobs, is_ratio, num_items_in_batch, config, vocab_size=weight.shape[0])
+                           ref_logprobs, is_ratio, num_items_in_batch, config, vocab_size=weight.shape[0],
+                           rollout_logprobs=rollout_logprobs)
 
 
 def policy_loss(
@@ -160,6 +164,7 @@ def policy_loss(
     entropy: Optional[Tensor] = None,
     num_items_in_batch: Scalar = None,
     config: Optional[GSPOConfig] = None,
+    rollout_logprobs: Optional[Tensor] = None,
 ) -> LossOutput:
     """The loss from per-token log-probs ``[B, T]`` (padded) or ``[N]`` (packed with ``cu_seqlens``).
 
@@ -184,7 +189,7 @@ def policy_loss(
         lp = flat_logp[idx].double()
         per_response.append((lp, None if flat_entropy is None else flat_entropy[idx].double()))
     return _objective(per_response, layout, advantages, old_logprobs, ref_logprobs, is_ratio, num_items_in_batch,
-                      config, with_entropy=flat_entropy is not None)
+                      config, with_entropy=flat_entropy is not None, rollout_logprobs=rollout_logprobs)
 
 
 def sequence_loss(logp: Tensor, entropy: Optional[Tensor], inputs: Any, config: GSPOConfig) -> LossOutput:
@@ -192,13 +197,14 @@ def sequence_loss(logp: Tensor, entropy: Optional[Tensor], inputs: Any, config: 
 
     ``inputs`` is read by attribute only (``batch.mask``, ``batch.cu_seqlens``, ``advantages``,
     ``advantages_per_token``, ``old_logprobs``, ``ref_logprobs``, ``is_ratio`` (``[N]``),
-    ``num_items_in_batch``), as in the library's own flattened inputs; it is treated as a packed batch.
+    ``num_items_in_batch``, ``rollout_logprobs``), as in the library's own flattened inputs; it is treated as a packed batch.
     """
     batch = inputs.batch
     return policy_loss(
         logp, inputs.advantages, inputs.old_logprobs, mask=batch.mask, cu_seqlens=batch.cu_seqlens,
         ref_logprobs=inputs.ref_logprobs, is_ratio=inputs.is_ratio, entropy=entropy,
         num_items_in_batch=inputs.num_items_in_batch, config=config,
+        rollout_logprobs=getattr(inputs, "rollout_logprobs", None),
     )
 
 
@@ -307,7 +313,8 @@ def _mask_values(mask: Optional[Tensor], token_shape: Tuple[int, ...], device: t
 
 
 def _loss_from_rows(rows_of, layout: _Layout, labels: Tensor, advantages, old_logprobs, ref_logprobs, is_ratio,
-                    num_items_in_batch, config: GSPOConfig, *, vocab_size: int) -> LossOutput:
+                    num_items_in_batch, config: GSPOConfig, *, vocab_size: int,
+                    rollout_logprobs: Optional[Tensor] = None) -> LossOutput:
     """Log-probs and entropies of each response's counted tokens (``rows_of(idx)``: their logits)."""
     flat_labels = labels.reshape(-1)
     per_response = []
@@ -316,7 +323,7 @@ def _loss_from_rows(rows_of, layout: _Layout, labels: Tensor, advantages, old_lo
         _check_label_range(y, vocab_size, "labels (at unmasked positions)")
         per_response.append(_rows_logprobs(rows_of(idx), y, config.temperature))
     return _objective(per_response, layout, advantages, old_logprobs, ref_logprobs, is_ratio, num_items_in_batch,
-                      config, with_entropy=True)
+                      config, with_entropy=True, rollout_logprobs=rollout_logprobs)
 
 
 def _objective(
@@ -330,19 +337,30 @@ def _objective(
     config: GSPOConfig,
     *,
     with_entropy: bool,
+    rollout_logprobs: Optional[Tensor] = None,
 ) -> LossOutput:
     """``per_response[i] = (logp, entropy or None)`` over response i's counted tokens (float64)."""
     S = layout.num_seqs
     adv, adv_per_token = _advantages(advantages, layout)
     old = _per_token("old_logprobs", old_logprobs, layout)
     ref = _per_token("ref_logprobs", ref_logprobs, layout)
+    rollout = _per_token("rollout_logprobs", rollout_logprobs, layout)
     if config.beta > 0 and ref is None:
         raise ValueError("ref_logprobs is required when beta > 0 (the KL term needs the reference log-probs)")
+    mode = config.rollout_correction
+    if mode is not None and rollout is None:
+        raise ValueError("rollout_logprobs is required when config.rollout_correction is set")
+    if mode is not None and is_ratio is not None:
+        raise ValueError("is_ratio and config.rollout_correction are exclusive")
     ratio = _is_ratio(is_ratio, layout)
     items = _num_items(num_items_in_batch)
     eps_low, eps_high, delta = config.epsilon_low, config.epsilon_high, config.delta
     clamp = getattr(config, "log_ratio_clamp", None)
     level = config.importance_sampling_level
+    loss_type = config.loss_type
+    aggregation = config.aggregation or {"cispo": "dapo", "sapo": "grpo", "luspo": "seq_sum", "vespo": "dapo",
+                                         "gmpo": "grpo"}.get(loss_type, loss_type)
+    clipped_surrogate = loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
     device = advantages.device
     f64 = dict(dtype=torch.float64, device=device)
 
@@ -351,6 +369,8 @@ def _objective(
     total = sum((logp[:0].sum() for logp, _ in per_response), torch.zeros((), **f64))
     num_tokens = 0  # sum over responses of |y_i|
     weights, advs, kls, entropies = [], [], [], []
+    extra = {"cispo": [], "phi": [], "gmpo_low": [], "gmpo_high": []}
+    mismatch = {"diff": [], "weights": [], "zeros": 0}
     for i, ((logp, entropy), idx) in enumerate(zip(per_response, layout.responses)):
         n = idx.numel()  # |y_i|
         if entropy is not None:
@@ -370,9 +390,72 @@ def _objective(
             log_w = torch.clamp(log_w, max=clamp)
         w = _exp(log_w)
         A = adv[idx] if adv_per_token else adv[i].expand(n)
-        loss_t = _clipped_surrogate(w, A, eps_low, eps_high, delta)  # -min(c1 A, c2 A)
-        if ratio is not None:
-            loss_t = loss_t * ratio[idx]
+
+        # the per-token correction c_t: the caller's is_ratio, or the rollout correction computed here
+        c = None if ratio is None else ratio[idx]
+        if rollout is not None:
+            rho = _rollout_weight(old_i.detach(), rollout[idx], config)
+            d = old_i.detach() - rollout[idx]
+            mismatch["diff"].append(torch.where(torch.isnan(d), 0.0, d))
+            if mode in ("sequence_truncate", "sequence_mask"):
+                mismatch["weights"].append(rho[:1])
+            else:
+                mismatch["weights"].append(rho)
+            mismatch["zeros"] += int((rho == 0).sum()) if mode is not None else 0
+            if mode is not None:
+                c = rho
+        if config.off_policy_mask_threshold is not None:  # DeepSeek-V3.2: drop A < 0 responses far off-policy
+            sampling = old_i if rollout is None else rollout[idx]
+            gap = sampling - logp.detach()
+            seq_kl = torch.where(torch.isnan(gap), 0.0, gap).mean()
+            keep = ((A >= 0) | (seq_kl <= config.off_policy_mask_threshold)).double()
+        else:
+            keep = None
+
+        if clipped_surrogate:
+            loss_t = _clipped_surrogate(w, A, eps_low, eps_high, delta)  # -min(c1 A, c2 A)
+            if config.clip_ratio_c is not None:  # dual clip: at most clip_ratio_c |A| when A < 0
+                loss_t = torch.where(A < 0, torch.minimum(loss_t, config.clip_ratio_c * A.abs()), loss_t)
+        elif loss_type == "sapo":  # soft gate (4 / tau) sigmoid(tau (w - 1)), tau by the sign of A
+            tau = torch.where(A > 0, A.new_tensor(config.sapo_temperature_pos), A.new_tensor(config.sapo_temperature_neg))
+            loss_t = -(4.0 / tau) * torch.sigmoid(tau * (w - 1.0)) * A
+            loss_t = torch.where(A == 0, 0.0, loss_t)
+        elif loss_type == "cispo":  # REINFORCE with a clipped, detached weight
+            wd = w.detach()
+            if config.cispo_clip == "upper":
+                w_hat = torch.clamp(wd, max=eps_high)
+                flags = (wd > eps_high) & (A > 0)
+            else:
+                w_hat = torch.clamp(wd, 1 - eps_low, 1 + eps_high)
+                flags = (wd < 1 - eps_low) | (wd > 1 + eps_high)
+            # counted per response when the response has one weight and one advantage, else per token
+            extra["cispo"].append(flags[:1] if level == "sequence" and not adv_per_token else flags)
+            loss_t = -w_hat * A * logp
+        elif loss_type == "vespo":  # gamma-weighted REINFORCE on the sequence weight
+            log_seq = torch.clamp(r.detach(), -20.0, 20.0).sum()
+            if c is not None:  # TRL folds the correction into the weight, in log space
+                log_seq = log_seq + torch.clamp(torch.log(c), math.log(1e-8), 20.0).sum()
+            log_seq = torch.clamp(log_seq, math.log(1e-8), 20.0)
+            k = torch.where(A >= 0, A.new_tensor(config.vespo_k_pos), A.new_tensor(config.vespo_k_neg))
+            lam = torch.where(A >= 0, A.new_tensor(config.vespo_lambda_pos), A.new_tensor(config.vespo_lambda_neg))
+            phi = torch.exp(lam + k * log_seq - lam * torch.exp(log_seq))
+            phi = torch.where(torch.isfinite(phi), phi, 0.0).detach()
+            loss_t = -phi * A * logp
+            extra["phi"].append(phi if adv_per_token else phi[:1])
+            c = None  # folded: not a factor of the loss
+        else:  # gmpo: geometric mean of the sign-aware clipped token ratios
+            r_clip = torch.clamp(r, -eps_low, eps_high)
+            s = torch.sign(A)
+            m = s * torch.minimum(s * r, s * r_clip)
+            rho_i = torch.exp(m.mean())
+            loss_t = (-A.mean() * rho_i).expand(n)
+            moved = r.detach() != r_clip.detach()
+            extra["gmpo_low"].append(moved & (A < 0))
+            extra["gmpo_high"].append(moved & (A > 0))
+        if keep is not None:
+            loss_t = loss_t * keep
+        if c is not None:
+            loss_t = torch.where(c == 0, 0.0, loss_t * c)
         if config.beta > 0:
             d = ref[idx] - logp
             kl = torch.exp(d) - d - 1  # k3 estimator of KL(pi || pi_ref)
@@ -380,24 +463,54 @@ def _objective(
                 kl = kl * w
             loss_t = loss_t + config.beta * kl
             kls.append(kl.detach())
-        total = total + (loss_t.mean() if config.loss_type == "grpo" else loss_t.sum())
-        if level == "sequence" and not adv_per_token:  # metrics count responses
+        total = total + (loss_t.mean() if aggregation == "grpo" else loss_t.sum())
+        if loss_type == "vespo":
+            weights.append(torch.exp(log_seq).reshape(1))
+            advs.append(A[:1])
+        elif loss_type == "gmpo":
+            weights.append(rho_i.detach().reshape(1))
+            advs.append(A[:1])
+        elif level == "sequence" and not adv_per_token:  # metrics count responses
             weights.append(w.detach()[:1])
             advs.append(A[:1])
         else:  # metrics count tokens
             weights.append(w.detach())
             advs.append(A)
 
-    if config.loss_type == "grpo":
+    if aggregation in ("grpo", "seq_sum"):
         loss = total / max(S, 1)
-    elif config.loss_type == "bnpo":
+    elif aggregation == "bnpo":
         loss = total / max(num_tokens, 1)
-    elif config.loss_type == "dr_grpo":
+    elif aggregation == "dr_grpo":
         loss = total / (max(S, 1) * config.max_completion_length)
     else:  # dapo: the caller's global token count, else this batch's
         loss = total / (max(num_tokens, 1) if items is None else items)
 
     metrics: Dict[str, Tensor] = _weight_metrics(weights, advs, eps_low, eps_high, f64)
+    if not clipped_surrogate:
+        for name in ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"):
+            del metrics[name]
+    if loss_type == "cispo":
+        flags = torch.cat(extra["cispo"]) if extra["cispo"] else torch.zeros(0, dtype=torch.bool)
+        metrics["cispo_clip_ratio"] = flags.sum().double() / max(flags.numel(), 1)
+    if loss_type == "vespo":
+        phis = torch.cat(extra["phi"]) if extra["phi"] else torch.zeros(0, **f64)
+        metrics["vespo/phi_seq_mean"] = phis.sum() / max(phis.numel(), 1)
+    if loss_type == "gmpo":
+        low = torch.cat(extra["gmpo_low"]) if extra["gmpo_low"] else torch.zeros(0, dtype=torch.bool)
+        high = torch.cat(extra["gmpo_high"]) if extra["gmpo_high"] else torch.zeros(0, dtype=torch.bool)
+        metrics["clip_ratio/low_mean"] = low.sum().double() / max(num_tokens, 1)
+        metrics["clip_ratio/high_mean"] = high.sum().double() / max(num_tokens, 1)
+        metrics["clip_ratio/region_mean"] = (low | high).sum().double() / max(num_tokens, 1)
+    if rollout is not None:
+        diff = torch.cat(mismatch["diff"]) if mismatch["diff"] else torch.zeros(0, **f64)
+        rw = torch.cat(mismatch["weights"]) if mismatch["weights"] else torch.zeros(0, **f64)
+        zero = torch.zeros((), **f64)
+        metrics["rollout/kl"] = -diff.sum() / max(num_tokens, 1)  # mean of rollout - trainer log-probs
+        metrics["rollout/masked_fraction"] = torch.tensor(mismatch["zeros"] / max(num_tokens, 1), **f64)
+        metrics["rollout/weight_min"] = rw.min() if rw.numel() else zero
+        metrics["rollout/weight_mean"] = rw.sum() / max(rw.numel(), 1)
+        metrics["rollout/weight_max"] = rw.max() if rw.numel() else zero
     if with_entropy:  # masked token-mean of H_t
         ent = torch.cat(entropies) if entropies else torch.zeros(0, **f64)
         entropy_mean = ent.sum() / max(ent.numel(), 1)
@@ -408,6 +521,39 @@ def _objective(
         kl_all = torch.cat(kls) if kls else torch.zeros(0, **f64)
         metrics["kl"] = kl_all.sum() / max(kl_all.numel(), 1)
     return LossOutput(loss, metrics)
+
+
+def _rollout_weight(trainer: Tensor, rollout: Tensor, config: GSPOConfig) -> Tensor:
+    """The rollout correction of one response's tokens, from the trainer's and the engine's log-probs.
+
+    ``d_t = trainer_t - rollout_t`` (0 where the engine gave NaN). Token modes: ``rho_t = e^{d_t}``; sequence
+    modes: ``rho = e^{sum_t d_t}`` for every token (TRL's sequence ratio: a product, not a geometric mean);
+    ``sequence_masked_tis``: ``min(e^{d_t}, C_max)`` when the geometric mean ``e^{mean_t d_t}`` lies in
+    ``[C_min, C_max]``, else 0. Truncation clamps into ``[C_min, C_max]``; masking (icepop included) zeroes
+    the weights outside it. No mode: the raw token ratios (for the metrics only).
+    """
+    mode = config.rollout_correction
+    d = trainer - rollout
+    d = torch.where(torch.isnan(d), 0.0, d)
+    c_max = config.rollout_correction_max
+    c_min = config.rollout_correction_min
+    if c_min is None and c_max is not None and mode in ("icepop", "sequence_masked_tis"):
+        c_min = 1.0 / c_max
+    lower = -math.inf if c_min is None else c_min
+    upper = math.inf if c_max is None else c_max
+    if mode in ("sequence_truncate", "sequence_mask"):
+        rho = torch.exp(d.sum()).expand(d.numel())
+    else:
+        rho = torch.exp(d)
+    if mode in ("token_truncate", "sequence_truncate"):
+        return torch.clamp(rho, lower, upper)
+    if mode in ("token_mask", "sequence_mask", "icepop"):
+        return torch.where((rho >= lower) & (rho <= upper), rho, 0.0)
+    if mode == "sequence_masked_tis":
+        geometric_mean = torch.exp(d.mean())
+        kept = lower <= geometric_mean <= upper
+        return torch.clamp(rho, max=upper) if kept else torch.zeros_like(rho)
+    return rho
 
 
 def _exp(log_w: Tensor) -> Tensor:

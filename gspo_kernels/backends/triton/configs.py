@@ -129,7 +129,7 @@ def chunk_rows(n_rows: int, V: int, operand: torch.dtype, block_n: int, memory_b
 # ---------------------------------------------------------------------------------------------------------
 # Sequence stage (sequence.py): one program per response, BLOCK_T tokens at a time; one reduction program.
 SEQUENCE_BLOCK_T = 1024
-SEQUENCE_BLOCK_S = 1024
+SEQUENCE_BLOCK_S = 128  # the reduction holds a [BLOCK_S, 32] tile of partials
 SEQUENCE_NUM_WARPS = 4
 
 
@@ -244,6 +244,8 @@ def _sequence_h100(level: str, **flags: bool) -> dict:
         "LEVEL": IMPORTANCE_SAMPLING_LEVELS.index(level), "HAS_OLD": True, "HAS_ENTROPY": True, "HAS_KL": False,
         "BIAS_CORRECTION_KL": False, "HAS_IS_RATIO": False, "HAS_DELTA": False, "ADV_PER_TOKEN": False,
         "SEQ_MEAN": True, "BLOCK_T": SEQUENCE_BLOCK_T, "HAS_CLAMP": False,
+        "OBJECTIVE": 0, "CISPO_BAND": False, "HAS_DUAL": False, "HAS_ROLLOUT": False, "ROLLOUT": 0,
+        "HAS_OPSM": False, "SEQ_UNITS": level == "sequence" and not flags.get("ADV_PER_TOKEN", False),
     }
     constexprs.update(flags)
     on = ",".join(_SEQUENCE_FLAG_NAMES.get(k, k.lower()) for k, v in flags.items() if v)
@@ -252,7 +254,8 @@ def _sequence_h100(level: str, **flags: bool) -> dict:
         "kernel": "sequence.gspo_sequence_kernel",
         # Every pointer is fp32 but cu_seqlens; the five scalars are fp32.
         "pointers": {"cu_seqlens_ptr": "i32"},
-        "floats": ["eps_low", "eps_high", "delta", "beta", "log_ratio_clamp"],
+        "floats": ["eps_low", "eps_high", "delta", "beta", "log_ratio_clamp", "clip_ratio_c", "tau_pos", "tau_neg",
+                   "k_pos", "lam_pos", "k_neg", "lam_neg", "rc_lo", "rc_hi", "opsm_threshold"],
         "constexprs": constexprs,
         "num_warps": SEQUENCE_NUM_WARPS,
         "num_stages": 3,

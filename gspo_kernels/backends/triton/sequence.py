@@ -1,17 +1,20 @@
-"""The fused sequence stage: ``(logp [N], entropy [N]) -> loss`` with importance weights, clipping, IS
-correction, KL, aggregation, metrics and gradients; and the backend's objective, :func:`fused_objective`.
+"""The fused sequence stage: ``(logp [N], entropy [N]) -> loss`` with importance weights, the objective of the
+config (clipped surrogate with optional dual clip, SAPO, CISPO, VESPO, GMPO), the off-policy mask, the rollout
+correction, IS correction, KL, aggregation, metrics and gradients; and the backend's objective,
+:func:`fused_objective`.
 
 Two launches (:func:`sequence_stage`), both deterministic (fixed reduction order, no floating-point atomics):
 
 1. :func:`gspo_sequence_kernel`, one program per response ``i`` (a 1-D grid over ``cu_seqlens``; the padded
-   layout arrives as regular ``cu_seqlens``). Pass 1 sums ``mask`` and ``mask * (logp - old)`` over the
-   response; pass 2 computes, per token, the weight ``w``, the clipped surrogate ``l_t`` (times
-   ``is_ratio``, plus ``beta * kl_t``), the response's partial sums (loss, tokens, entropy, KL, clip
-   counts, weight stats; the columns ``P_*``) and the gradient coefficient ``c_t = dL/dlogp_t`` up to the
-   global divisor; pass 3 (``"sequence"`` level only) adds the term that flows through the response's mean
-   log-ratio, ``w_i / |y_i| * sum_t' mask_t' dl_t'/dw``.
-2. :func:`gspo_reduce_kernel`, a single program: sums the ``[S, PARTIALS_STRIDE]`` partials in a fixed
-   order and writes the loss, the metrics and the two global gradient scales (the slots ``O_*``).
+   layout arrives as regular ``cu_seqlens``). Pass 1 (:func:`_response_sums`) forms the response's sums:
+   ``|y_i|``, ``sum_t (logp - old)``, the rollout log-ratio sum, the off-policy gap, VESPO's log weight, GMPO's
+   clipped log-ratio and advantage sums. Pass 2 computes, per token, the weight ``w``, the objective's loss
+   ``l_t`` (times the correction factor, plus ``beta * kl_t``), the response's partial sums (the columns
+   ``P_*``) and the gradient coefficient ``c_t = dL/dlogp_t`` up to the global divisor; pass 3 adds the terms
+   that flow through a per-response quantity: the mean log-ratio at the ``"sequence"`` level
+   (``w_i / |y_i| * sum_t' dl_t'/dw``), and GMPO's geometric mean.
+2. :func:`gspo_reduce_kernel`, a single program: sums (or takes the min / max of) the ``[S, PARTIALS_STRIDE]``
+   partials in a fixed order and writes the loss, the metrics and the two global gradient scales (``O_*``).
 
 :class:`TritonSequenceObjective` turns the coefficients into gradients with
 ``dL/dlogp = c * (grad_out * out[O_SCALE_LOGP])`` and ``dL/dH = mask * (grad_out * out[O_SCALE_ENTROPY])``:
@@ -26,9 +29,9 @@ reference still has a finite ``e^100``. Every product with a weight is taken as 
 ``a == 0`` (a clipped token's ``dl/dw``, a zero advantage, a zero KL term) gives exactly 0, never
 ``0 * inf = NaN``; a clipped or ``delta``-capped response therefore has finite loss and gradients.
 
-The level and loss-type codes are the positions of the names in ``config.IMPORTANCE_SAMPLING_LEVELS`` and
-``config.LOSS_TYPES``; the kernels compare them with the named constants below. The per-token steps of the
-sequence kernel are ``@triton.jit`` helpers (inlined by the compiler: the same code as one function).
+The level, objective, aggregation and rollout-mode codes are the positions of the names in the config's
+tuples; the kernels compare them with the named constants below. The per-token steps of the sequence kernel
+are ``@triton.jit`` helpers (inlined by the compiler: the same code as one function).
 """
 
 from __future__ import annotations
@@ -42,24 +45,42 @@ from torch import Tensor
 
 from gspo_kernels.backends.triton.configs import SEQUENCE_BLOCK_S, SEQUENCE_BLOCK_T, SEQUENCE_NUM_WARPS
 from gspo_kernels.backends.triton.launch import device_guard
-from gspo_kernels.config import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, GSPOConfig
+from gspo_kernels.config import (
+    AGGREGATIONS,
+    IMPORTANCE_SAMPLING_LEVELS,
+    LOSS_TYPES,
+    OBJECTIVES,
+    ROLLOUT_CORRECTIONS,
+    GSPOConfig,
+)
 from gspo_kernels.layout import LossInputs
-from gspo_kernels.objective import LossOutput
+from gspo_kernels.objective import VESPO_LOG_MAX, VESPO_LOG_MIN, LossOutput
 
 # Columns of the per-response partial sums (row i of a [S, PARTIALS_STRIDE] fp32 buffer), written by the
-# sequence kernel and summed by the reduction kernel. Kernel constants: the host reads their ``.value``.
-PARTIALS_STRIDE = tl.constexpr(16)
+# sequence kernel and reduced by the reduction kernel. Kernel constants: the host reads their ``.value``.
+PARTIALS_STRIDE = tl.constexpr(32)
 P_LOSS = tl.constexpr(0)  # the aggregated loss sum
 P_TOKENS = tl.constexpr(1)  # |y_i|
 P_ENTROPY = tl.constexpr(2)  # sum of masked entropy
 P_KL = tl.constexpr(3)  # sum of masked KL
-P_LOW = tl.constexpr(4)  # low / high / region clip counts
+P_LOW = tl.constexpr(4)  # low / high clip counts (CISPO: its clip count in P_HIGH)
 P_HIGH = tl.constexpr(5)
-P_REGION = tl.constexpr(6)
+P_CLIP_UNITS = tl.constexpr(6)  # the items the clip counts count (tokens, or responses)
 P_W_SUM = tl.constexpr(7)  # weight sum, min, max
 P_W_MIN = tl.constexpr(8)
 P_W_MAX = tl.constexpr(9)
 P_UNITS = tl.constexpr(10)  # the number of counted items (tokens, or responses for sequence-level metrics)
+P_PHI = tl.constexpr(11)  # VESPO: sum of phi over its items, and their number
+P_PHI_UNITS = tl.constexpr(12)
+P_R_DIFF = tl.constexpr(13)  # rollout mismatch: sum of (rollout - trainer) log-probs
+P_R_ZERO = tl.constexpr(14)  # tokens whose rollout correction weight is 0
+P_RW_SUM = tl.constexpr(15)  # rollout weight sum, min, max, items
+P_RW_MIN = tl.constexpr(16)
+P_RW_MAX = tl.constexpr(17)
+P_RW_UNITS = tl.constexpr(18)
+# Columns the reduction takes the minimum / maximum of (the others are summed).
+MIN_COLUMNS = (P_W_MIN.value, P_RW_MIN.value)
+MAX_COLUMNS = (P_W_MAX.value, P_RW_MAX.value)
 
 # Slots of the reduction kernel's output ``out [NUM_OUTPUTS]`` (on the host: ``out[O_LOSS.value]``).
 O_LOSS = tl.constexpr(0)
@@ -73,27 +94,42 @@ O_W_MIN = tl.constexpr(7)
 O_W_MAX = tl.constexpr(8)
 O_ENTROPY = tl.constexpr(9)
 O_KL = tl.constexpr(10)
-NUM_OUTPUTS = 11
+O_PHI_MEAN = tl.constexpr(11)
+O_ROLLOUT_KL = tl.constexpr(12)
+O_ROLLOUT_MASKED = tl.constexpr(13)
+O_RW_MIN = tl.constexpr(14)
+O_RW_MEAN = tl.constexpr(15)
+O_RW_MAX = tl.constexpr(16)
+NUM_OUTPUTS = 17
 
 LEVEL_CODES = {name: code for code, name in enumerate(IMPORTANCE_SAMPLING_LEVELS)}
 LOSS_TYPE_CODES = {name: code for code, name in enumerate(LOSS_TYPES)}
+AGGREGATION_CODES = {name: code for code, name in enumerate(AGGREGATIONS)}  # LOSS_TYPE_CODES, then seq_sum
+OBJECTIVE_CODES = {name: code for code, name in enumerate(OBJECTIVES)}
+ROLLOUT_CODES = {None: 0, **{name: code + 1 for code, name in enumerate(ROLLOUT_CORRECTIONS)}}  # 0: metrics only
 # The codes as kernel constants (the kernels branch on these names, never on literal numbers).
 LEVEL_SEQUENCE = tl.constexpr(LEVEL_CODES["sequence"])
 LEVEL_SEQUENCE_TOKEN = tl.constexpr(LEVEL_CODES["sequence_token"])
 LEVEL_TOKEN = tl.constexpr(LEVEL_CODES["token"])
-LOSS_GRPO = tl.constexpr(LOSS_TYPE_CODES["grpo"])
-LOSS_BNPO = tl.constexpr(LOSS_TYPE_CODES["bnpo"])
-LOSS_DR_GRPO = tl.constexpr(LOSS_TYPE_CODES["dr_grpo"])
-LOSS_DAPO = tl.constexpr(LOSS_TYPE_CODES["dapo"])
-
-METRIC_NAMES = (
-    ("clip_ratio/low_mean", O_LOW.value),
-    ("clip_ratio/high_mean", O_HIGH.value),
-    ("clip_ratio/region_mean", O_REGION.value),
-    ("importance_weight/mean", O_W_MEAN.value),
-    ("importance_weight/min", O_W_MIN.value),
-    ("importance_weight/max", O_W_MAX.value),
-)
+LOSS_GRPO = tl.constexpr(AGGREGATION_CODES["grpo"])
+LOSS_BNPO = tl.constexpr(AGGREGATION_CODES["bnpo"])
+LOSS_DR_GRPO = tl.constexpr(AGGREGATION_CODES["dr_grpo"])
+LOSS_DAPO = tl.constexpr(AGGREGATION_CODES["dapo"])
+LOSS_SEQ_SUM = tl.constexpr(AGGREGATION_CODES["seq_sum"])
+OBJ_CLIP = tl.constexpr(OBJECTIVE_CODES["clip"])
+OBJ_CISPO = tl.constexpr(OBJECTIVE_CODES["cispo"])
+OBJ_SAPO = tl.constexpr(OBJECTIVE_CODES["sapo"])
+OBJ_VESPO = tl.constexpr(OBJECTIVE_CODES["vespo"])
+OBJ_GMPO = tl.constexpr(OBJECTIVE_CODES["gmpo"])
+RC_NONE = tl.constexpr(ROLLOUT_CODES[None])
+RC_TOKEN_TRUNCATE = tl.constexpr(ROLLOUT_CODES["token_truncate"])
+RC_TOKEN_MASK = tl.constexpr(ROLLOUT_CODES["token_mask"])
+RC_SEQUENCE_TRUNCATE = tl.constexpr(ROLLOUT_CODES["sequence_truncate"])
+RC_SEQUENCE_MASK = tl.constexpr(ROLLOUT_CODES["sequence_mask"])
+RC_ICEPOP = tl.constexpr(ROLLOUT_CODES["icepop"])
+RC_SEQUENCE_MASKED_TIS = tl.constexpr(ROLLOUT_CODES["sequence_masked_tis"])
+_VESPO_LOG_MIN = tl.constexpr(VESPO_LOG_MIN)
+_VESPO_LOG_MAX = tl.constexpr(VESPO_LOG_MAX)
 
 
 @triton.jit
@@ -103,23 +139,104 @@ def _times(a, w):
 
 
 @triton.jit
-def _response_tokens_and_log_ratio(logp_ptr, old_ptr, mask_ptr, start, end,
-                                   LEVEL: tl.constexpr, HAS_OLD: tl.constexpr, BLOCK_T: tl.constexpr):
-    """Pass 1: ``(|y_i|, sum_t mask_t * (logp_t - old_t))`` of the response ``[start, end)``."""
+def _rollout_weight(d, seq_value, lo, hi, ROLLOUT: tl.constexpr):
+    """The rollout correction weight of tokens with trainer - rollout log-ratio ``d`` (``seq_value``: the
+    response's sum of ``d`` for the sequence modes, its mean for ``sequence_masked_tis``); ``RC_NONE``: the raw
+    ratio (metrics only)."""
+    if ROLLOUT == RC_SEQUENCE_TRUNCATE:
+        rho = tl.minimum(tl.maximum(tl.exp(seq_value + 0.0 * d), lo), hi)
+    elif ROLLOUT == RC_SEQUENCE_MASK:
+        e = tl.exp(seq_value + 0.0 * d)
+        rho = tl.where((e >= lo) & (e <= hi), e, 0.0)
+    elif ROLLOUT == RC_SEQUENCE_MASKED_TIS:
+        g = tl.exp(seq_value)
+        rho = tl.where((g >= lo) & (g <= hi), tl.minimum(tl.exp(d), hi), 0.0)
+    elif ROLLOUT == RC_TOKEN_TRUNCATE:
+        rho = tl.minimum(tl.maximum(tl.exp(d), lo), hi)
+    elif (ROLLOUT == RC_TOKEN_MASK) | (ROLLOUT == RC_ICEPOP):
+        e = tl.exp(d)
+        rho = tl.where((e >= lo) & (e <= hi), e, 0.0)
+    else:
+        rho = tl.exp(d)
+    return rho
+
+
+@triton.jit
+def _rollout_log_ratio(lp, old, roll_ptr, idx, inside, on):
+    """``d = old - rollout`` of the tile, 0 at masked tokens and where the engine's log-prob is NaN."""
+    d = old - tl.load(roll_ptr + idx, mask=inside, other=0.0)
+    return tl.where(on & (d == d), d, 0.0)
+
+
+@triton.jit
+def _gmpo_clipped(r, adv, eps_low, eps_high):
+    """GMPO's sign-aware clip of the token log-ratio ``r`` and whether the gradient passes (``(m, pass)``)."""
+    rc = tl.minimum(tl.maximum(r, -eps_low), eps_high)
+    s = tl.where(adv > 0, 1.0, tl.where(adv < 0, -1.0, 0.0))
+    m = s * tl.minimum(s * r, s * rc)
+    in_band = (r >= -eps_low) & (r <= eps_high)
+    passes = (s != 0) & (in_band | (s * r < s * rc))
+    return m, passes.to(tl.float32)
+
+
+@triton.jit
+def _response_sums(logp_ptr, old_ptr, mask_ptr, roll_ptr, isr_ptr, adv_ptr, start, end, adv_seq, lo, hi,
+                   eps_low, eps_high, LEVEL: tl.constexpr, HAS_OLD: tl.constexpr, OBJECTIVE: tl.constexpr,
+                   HAS_ROLLOUT: tl.constexpr, ROLLOUT: tl.constexpr, HAS_IS_RATIO: tl.constexpr,
+                   HAS_OPSM: tl.constexpr, ADV_PER_TOKEN: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Pass 1 over the response ``[start, end)``: ``|y_i|``, ``sum (logp - old)``, ``sum (old - rollout)``,
+    the off-policy gap ``sum (sampling - logp)``, VESPO's log weight sum, GMPO's ``sum m_t`` and ``sum A_t``
+    (each only when the constexprs need it; the others stay 0)."""
     offs = tl.arange(0, BLOCK_T)
     tok_acc = tl.zeros([BLOCK_T], tl.float32)
     r_acc = tl.zeros([BLOCK_T], tl.float32)
+    d_acc = tl.zeros([BLOCK_T], tl.float32)
+    gap_acc = tl.zeros([BLOCK_T], tl.float32)
+    v_acc = tl.zeros([BLOCK_T], tl.float32)
+    m_acc = tl.zeros([BLOCK_T], tl.float32)
+    a_acc = tl.zeros([BLOCK_T], tl.float32)
     for t0 in range(start, end, BLOCK_T):
         idx = t0 + offs
         inside = idx < end
         token_mask = tl.load(mask_ptr + idx, mask=inside, other=0.0)
+        on = token_mask > 0
         tok_acc += token_mask
+        lp = tl.where(on, tl.load(logp_ptr + idx, mask=inside, other=0.0), 0.0)
+        if HAS_OLD:
+            old = tl.where(on, tl.load(old_ptr + idx, mask=inside, other=0.0), 0.0)
+        else:
+            old = lp
+        r = lp - old
         if LEVEL != LEVEL_TOKEN:
-            if HAS_OLD:
-                lp = tl.load(logp_ptr + idx, mask=inside, other=0.0)
-                old = tl.load(old_ptr + idx, mask=inside, other=0.0)
-                r_acc += tl.where(token_mask > 0, lp - old, 0.0)
-    return tl.sum(tok_acc, axis=0), tl.sum(r_acc, axis=0)
+            r_acc += r
+        if HAS_ROLLOUT:
+            d = _rollout_log_ratio(lp, old, roll_ptr, idx, inside, on)
+            d_acc += d
+            if HAS_OPSM:
+                g = tl.load(roll_ptr + idx, mask=inside, other=0.0) - lp
+                gap_acc += tl.where(on & (g == g), g, 0.0)
+        elif HAS_OPSM:
+            gap_acc += old - lp
+        if ADV_PER_TOKEN:
+            adv = tl.load(adv_ptr + idx, mask=inside, other=0.0)
+        else:
+            adv = tl.full([BLOCK_T], 1.0, tl.float32) * adv_seq
+        if OBJECTIVE == OBJ_VESPO:
+            v = tl.minimum(tl.maximum(r, -_VESPO_LOG_MAX), _VESPO_LOG_MAX)
+            if HAS_IS_RATIO:
+                c = tl.load(isr_ptr + idx, mask=inside, other=1.0)
+                v += tl.minimum(tl.maximum(tl.log(c), _VESPO_LOG_MIN), _VESPO_LOG_MAX)
+            if HAS_ROLLOUT:
+                if ROLLOUT != RC_NONE:  # token modes only (the config refuses the others for VESPO)
+                    c = _rollout_weight(d, 0.0, lo, hi, ROLLOUT)
+                    v += tl.minimum(tl.maximum(tl.log(c), _VESPO_LOG_MIN), _VESPO_LOG_MAX)
+            v_acc += tl.where(on, v, 0.0)
+        if OBJECTIVE == OBJ_GMPO:
+            m, _ = _gmpo_clipped(r, adv, eps_low, eps_high)
+            m_acc += tl.where(on, m, 0.0)
+            a_acc += tl.where(on, adv, 0.0)
+    return (tl.sum(tok_acc, axis=0), tl.sum(r_acc, axis=0), tl.sum(d_acc, axis=0), tl.sum(gap_acc, axis=0),
+            tl.sum(v_acc, axis=0), tl.sum(m_acc, axis=0), tl.sum(a_acc, axis=0))
 
 
 @triton.jit
@@ -150,8 +267,10 @@ def _token_weight(lp, old_ptr, idx, inside, on, w_seq, seq_pass, log_ratio_clamp
 
 
 @triton.jit
-def _clipped_surrogate(w, adv, low_edge, high_edge, delta, HAS_DELTA: tl.constexpr, BLOCK_T: tl.constexpr):
-    """``(l, dl/dw)`` of ``l = -min(min(w, delta) A, clamp(w, low_edge, high_edge) A)`` (PyTorch's subgradients)."""
+def _clipped_surrogate(w, adv, low_edge, high_edge, delta, clip_ratio_c, HAS_DELTA: tl.constexpr,
+                       HAS_DUAL: tl.constexpr, BLOCK_T: tl.constexpr):
+    """``(l, dl/dw)`` of ``l = -min(min(w, delta) A, clamp(w, low_edge, high_edge) A)`` (PyTorch's subgradients),
+    then for ``A < 0`` the dual clip ``min(l, clip_ratio_c |A|)``."""
     c2 = tl.minimum(tl.maximum(w, low_edge), high_edge)
     dc2 = ((w >= low_edge) & (w <= high_edge)).to(tl.float32)
     if HAS_DELTA:
@@ -164,7 +283,33 @@ def _clipped_surrogate(w, adv, low_edge, high_edge, delta, HAS_DELTA: tl.constex
     u2 = c2 * adv
     loss = -tl.minimum(u1, u2)
     dmin = tl.where(u1 < u2, dc1, tl.where(u1 > u2, dc2, 0.5 * (dc1 + dc2)))
-    return loss, -adv * dmin
+    dl_dw = -adv * dmin
+    if HAS_DUAL:
+        cap = -clip_ratio_c * adv
+        neg = adv < 0
+        dl_dw = tl.where(neg & (loss > cap), 0.0, tl.where(neg & (loss == cap), 0.5 * dl_dw, dl_dw))
+        loss = tl.where(neg, tl.minimum(loss, cap), loss)
+    return loss, dl_dw
+
+
+@triton.jit
+def _sapo_surrogate(w, adv, tau_pos, tau_neg):
+    """``(l, dl/dw)`` of SAPO's soft gate ``l = -(4 / tau) sigmoid(tau (w - 1)) A``, ``tau`` by ``A > 0``:
+    ``dl/dw = -4 s (1 - s) A`` (0 where the gate saturates, also for ``w = inf``)."""
+    tau = tl.where(adv > 0, tau_pos, tau_neg)
+    sig = tl.sigmoid(tau * (w - 1.0))
+    loss = -(4.0 / tau) * sig * adv
+    return tl.where(adv == 0, 0.0, loss), -4.0 * sig * (1.0 - sig) * adv
+
+
+@triton.jit
+def _vespo_phi(log_w, adv, k_pos, lam_pos, k_neg, lam_neg):
+    """VESPO's gamma weight ``exp(lambda + k log w - lambda w)`` (``(k, lambda)`` by ``A >= 0``); 0 if not finite."""
+    pos = adv >= 0
+    k = tl.where(pos, k_pos, k_neg)
+    lam = tl.where(pos, lam_pos, lam_neg)
+    phi = tl.exp(lam + k * log_w - lam * tl.exp(log_w))
+    return tl.where((phi == phi) & (phi < float("inf")), phi, 0.0)
 
 
 @triton.jit
@@ -181,20 +326,6 @@ def _kl_penalty(ref_ptr, idx, inside, on, lp, w, beta, BIAS_CORRECTION_KL: tl.co
 
 
 @triton.jit
-def _accumulate_weight_metrics(low_acc, high_acc, region_acc, w_acc, w_min, w_max, on, w, adv, low_edge, high_edge):
-    """The per-lane clip counts and weight statistics of the unmasked tokens ``on``, updated by one tile."""
-    low = on & (w < low_edge) & (adv < 0)
-    high = on & (w > high_edge) & (adv > 0)
-    low_acc += low.to(tl.float32)
-    high_acc += high.to(tl.float32)
-    region_acc += (low | high).to(tl.float32)
-    w_acc += tl.where(on, w, 0.0)
-    w_min = tl.minimum(w_min, tl.where(on, w, float("inf")))
-    w_max = tl.maximum(w_max, tl.where(on, w, float("-inf")))
-    return low_acc, high_acc, region_acc, w_acc, w_min, w_max
-
-
-@triton.jit
 def _add_sequence_cross_term(coef_ptr, mask_ptr, start, end, cross, BLOCK_T: tl.constexpr):
     """Pass 3 (``"sequence"`` level): ``coef_t += cross`` on every unmasked token of the response, the
     gradient through the mean log-ratio."""
@@ -208,19 +339,51 @@ def _add_sequence_cross_term(coef_ptr, mask_ptr, start, end, cross, BLOCK_T: tl.
 
 
 @triton.jit
-def _store_weight_metrics(out, low, high, region, w_sum, w_min, w_max, units):
-    """The clip counts and weight statistics of one response into its partials row ``out``."""
-    tl.store(out + P_LOW, low)
-    tl.store(out + P_HIGH, high)
-    tl.store(out + P_REGION, region)
+def _add_gmpo_term(coef_ptr, logp_ptr, old_ptr, mask_ptr, adv_ptr, start, end, adv_seq, scale, eps_low, eps_high,
+                   HAS_OLD: tl.constexpr, ADV_PER_TOKEN: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Pass 3 (GMPO): ``coef_t += scale`` on the tokens whose clipped log-ratio passes the gradient
+    (``scale = lam * sum_t' f_t' * (-A_mean) * rho_i / |y_i|``, the gradient through the geometric mean)."""
+    offs = tl.arange(0, BLOCK_T)
+    for t0 in range(start, end, BLOCK_T):
+        idx = t0 + offs
+        inside = idx < end
+        on = tl.load(mask_ptr + idx, mask=inside, other=0.0) > 0
+        lp = tl.where(on, tl.load(logp_ptr + idx, mask=inside, other=0.0), 0.0)
+        old = lp
+        if HAS_OLD:
+            old = tl.where(on, tl.load(old_ptr + idx, mask=inside, other=0.0), 0.0)
+        if ADV_PER_TOKEN:
+            adv = tl.load(adv_ptr + idx, mask=inside, other=0.0)
+        else:
+            adv = tl.full([BLOCK_T], 1.0, tl.float32) * adv_seq
+        _, passes = _gmpo_clipped(lp - old, adv, eps_low, eps_high)
+        coef = tl.load(coef_ptr + idx, mask=inside, other=0.0)
+        tl.store(coef_ptr + idx, coef + tl.where(on, _times(passes, scale), 0.0), mask=inside)
+
+
+@triton.jit
+def _store_weight_metrics(out, w_sum, w_min, w_max, units):
+    """The weight statistics of one response into its partials row ``out``."""
     tl.store(out + P_W_SUM, w_sum)
     tl.store(out + P_W_MIN, w_min)
     tl.store(out + P_W_MAX, w_max)
     tl.store(out + P_UNITS, units)
 
 
-# The kernel is longer than a screen (about 90 lines of body) because pass 2's loop carries ten accumulators:
-# moving the loop into a helper would mean returning all ten; its per-token steps are the helpers above.
+@triton.jit
+def _store_rollout_metrics(out, diff, zeros, w_sum, w_min, w_max, units):
+    """The rollout mismatch sums of one response into its partials row ``out``."""
+    tl.store(out + P_R_DIFF, diff)
+    tl.store(out + P_R_ZERO, zeros)
+    tl.store(out + P_RW_SUM, w_sum)
+    tl.store(out + P_RW_MIN, w_min)
+    tl.store(out + P_RW_MAX, w_max)
+    tl.store(out + P_RW_UNITS, units)
+
+
+# The kernel is longer than a screen (about 190 lines of body): pass 2's loop carries fourteen accumulators and
+# branches on the objective; moving the loop into a helper would mean returning all of them. Its per-token
+# steps are the helpers above; constexpr branches compile away, so each launch is the code of its options only.
 @triton.jit
 def gspo_sequence_kernel(
     logp_ptr, entropy_ptr, old_ptr, ref_ptr, adv_ptr, is_ratio_ptr, mask_ptr, cu_seqlens_ptr,
@@ -230,6 +393,11 @@ def gspo_sequence_kernel(
     BIAS_CORRECTION_KL: tl.constexpr, HAS_IS_RATIO: tl.constexpr, HAS_DELTA: tl.constexpr,
     ADV_PER_TOKEN: tl.constexpr, SEQ_MEAN: tl.constexpr, BLOCK_T: tl.constexpr,
     HAS_CLAMP: tl.constexpr = False,
+    rollout_ptr=None, clip_ratio_c=0.0, tau_pos=1.0, tau_neg=1.0, k_pos=0.0, lam_pos=1.0, k_neg=0.0, lam_neg=1.0,
+    rc_lo=0.0, rc_hi=0.0, opsm_threshold=0.0,
+    OBJECTIVE: tl.constexpr = 0, CISPO_BAND: tl.constexpr = False, HAS_DUAL: tl.constexpr = False,
+    HAS_ROLLOUT: tl.constexpr = False, ROLLOUT: tl.constexpr = 0, HAS_OPSM: tl.constexpr = False,
+    SEQ_UNITS: tl.constexpr = False,
 ):
     seq = tl.program_id(0)
     start = tl.load(cu_seqlens_ptr + seq).to(tl.int64)
@@ -237,8 +405,15 @@ def gspo_sequence_kernel(
     offs = tl.arange(0, BLOCK_T)
     low_edge = 1.0 - eps_low
     high_edge = 1.0 + eps_high
+    if not ADV_PER_TOKEN:
+        adv_seq = tl.load(adv_ptr + seq)
+    else:
+        adv_seq = 0.0
 
-    n_tok, sum_r = _response_tokens_and_log_ratio(logp_ptr, old_ptr, mask_ptr, start, end, LEVEL, HAS_OLD, BLOCK_T)
+    n_tok, sum_r, sum_d, sum_gap, sum_v, sum_m, sum_a = _response_sums(
+        logp_ptr, old_ptr, mask_ptr, rollout_ptr, is_ratio_ptr, adv_ptr, start, end, adv_seq, rc_lo, rc_hi,
+        eps_low, eps_high, LEVEL, HAS_OLD, OBJECTIVE, HAS_ROLLOUT, ROLLOUT, HAS_IS_RATIO, HAS_OPSM, ADV_PER_TOKEN,
+        BLOCK_T)
     denom = tl.maximum(n_tok, 1.0)
     mean_r = sum_r / denom
     if HAS_CLAMP:  # w = exp(min(log w, c)) (verl's guard); no gradient through a clamped weight
@@ -251,20 +426,35 @@ def gspo_sequence_kernel(
         lam = 1.0 / denom
     else:
         lam = 1.0
+    if ROLLOUT == RC_SEQUENCE_MASKED_TIS:
+        rc_seq = sum_d / denom  # the geometric mean's log
+    else:
+        rc_seq = sum_d
+    seq_gap = sum_gap / denom
+    log_wv = tl.minimum(tl.maximum(sum_v, _VESPO_LOG_MIN), _VESPO_LOG_MAX)  # VESPO's log sequence weight
+    rho_g = tl.exp(sum_m / denom)  # GMPO's geometric-mean weight
+    if ADV_PER_TOKEN:
+        adv_mean = sum_a / denom
+    else:
+        adv_mean = adv_seq
+    loss_g = _times(-adv_mean, rho_g)  # GMPO's per-response loss
 
-    # Pass 2: per-token surrogate, partial sums and (local) gradient coefficients.
+    # Pass 2: per-token objective, partial sums and (local) gradient coefficients.
     loss_acc = tl.zeros([BLOCK_T], tl.float32)
     ent_acc = tl.zeros([BLOCK_T], tl.float32)
     kl_acc = tl.zeros([BLOCK_T], tl.float32)
     q_acc = tl.zeros([BLOCK_T], tl.float32)
+    f_acc = tl.zeros([BLOCK_T], tl.float32)
     low_acc = tl.zeros([BLOCK_T], tl.float32)
     high_acc = tl.zeros([BLOCK_T], tl.float32)
-    region_acc = tl.zeros([BLOCK_T], tl.float32)
     w_acc = tl.zeros([BLOCK_T], tl.float32)
     w_min = tl.full([BLOCK_T], float("inf"), tl.float32)
     w_max = tl.full([BLOCK_T], float("-inf"), tl.float32)
-    if not ADV_PER_TOKEN:
-        adv_seq = tl.load(adv_ptr + seq)
+    phi_acc = tl.zeros([BLOCK_T], tl.float32)
+    rz_acc = tl.zeros([BLOCK_T], tl.float32)
+    rw_acc = tl.zeros([BLOCK_T], tl.float32)
+    rw_min = tl.full([BLOCK_T], float("inf"), tl.float32)
+    rw_max = tl.full([BLOCK_T], float("-inf"), tl.float32)
     for t0 in range(start, end, BLOCK_T):
         idx = t0 + offs
         inside = idx < end
@@ -276,19 +466,71 @@ def gspo_sequence_kernel(
             adv = tl.load(adv_ptr + idx, mask=inside, other=0.0)
         else:
             adv = tl.full([BLOCK_T], 1.0, tl.float32) * adv_seq
-        loss, dl_dw = _clipped_surrogate(w, adv, low_edge, high_edge, delta, HAS_DELTA, BLOCK_T)
+        # the correction factor f_t: is_ratio or the rollout weight (VESPO folds them instead), the off-policy mask
+        f = tl.full([BLOCK_T], 1.0, tl.float32)
         if HAS_IS_RATIO:
-            isr = tl.load(is_ratio_ptr + idx, mask=inside, other=0.0)
-            loss = _times(isr, loss)  # a token dropped by is_ratio = 0 adds 0 even when its weight overflowed
-            dl_dw = _times(isr, dl_dw)
+            if OBJECTIVE != OBJ_VESPO:
+                f = tl.load(is_ratio_ptr + idx, mask=inside, other=0.0)
+        if HAS_ROLLOUT:
+            old = lp
+            if HAS_OLD:
+                old = tl.where(on, tl.load(old_ptr + idx, mask=inside, other=0.0), 0.0)
+            rho = tl.where(on, _rollout_weight(_rollout_log_ratio(lp, old, rollout_ptr, idx, inside, on), rc_seq,
+                                               rc_lo, rc_hi, ROLLOUT), 0.0)
+            if ROLLOUT != RC_NONE:
+                rz_acc += (on & (rho == 0)).to(tl.float32)
+                if OBJECTIVE != OBJ_VESPO:
+                    f = rho
+            rw_acc += rho
+            rw_min = tl.minimum(rw_min, tl.where(on, rho, float("inf")))
+            rw_max = tl.maximum(rw_max, tl.where(on, rho, float("-inf")))
+        if HAS_OPSM:
+            f = f * tl.where(adv >= 0, 1.0, tl.where(seq_gap <= opsm_threshold, 1.0, 0.0))
         direct = tl.zeros([BLOCK_T], tl.float32)  # d l_t / d logp_t not through w
+        if OBJECTIVE == OBJ_CLIP:
+            loss, dl_dw = _clipped_surrogate(w, adv, low_edge, high_edge, delta, clip_ratio_c, HAS_DELTA, HAS_DUAL,
+                                             BLOCK_T)
+            low_acc += (on & (w < low_edge) & (adv < 0)).to(tl.float32)
+            high_acc += (on & (w > high_edge) & (adv > 0)).to(tl.float32)
+        elif OBJECTIVE == OBJ_SAPO:
+            loss, dl_dw = _sapo_surrogate(w, adv, tau_pos, tau_neg)
+        elif OBJECTIVE == OBJ_CISPO:
+            if CISPO_BAND:
+                w_hat = tl.minimum(tl.maximum(w, low_edge), high_edge)
+                high_acc += (on & ((w < low_edge) | (w > high_edge))).to(tl.float32)
+            else:
+                w_hat = tl.minimum(w, eps_high)
+                high_acc += (on & (w > eps_high) & (adv > 0)).to(tl.float32)
+            loss = -w_hat * adv * lp
+            dl_dw = tl.zeros([BLOCK_T], tl.float32)
+            direct = -w_hat * adv
+        elif OBJECTIVE == OBJ_VESPO:
+            phi = _vespo_phi(log_wv, adv, k_pos, lam_pos, k_neg, lam_neg)
+            phi_acc += tl.where(on, phi, 0.0)
+            loss = -phi * adv * lp
+            dl_dw = tl.zeros([BLOCK_T], tl.float32)
+            direct = -phi * adv
+        else:  # GMPO: the response's loss on every token; its gradient is added in pass 3
+            old_g = lp
+            if HAS_OLD:
+                old_g = tl.where(on, tl.load(old_ptr + idx, mask=inside, other=0.0), 0.0)
+            r = lp - old_g
+            moved = on & ((r < -eps_low) | (r > eps_high))
+            low_acc += (moved & (adv < 0)).to(tl.float32)
+            high_acc += (moved & (adv > 0)).to(tl.float32)
+            loss = tl.full([BLOCK_T], 1.0, tl.float32) * loss_g
+            dl_dw = tl.zeros([BLOCK_T], tl.float32)
+        loss = _times(f, loss)  # a token dropped by its factor adds 0 even when its weight overflowed
+        dl_dw = _times(f, dl_dw)
+        direct = direct * f
+        f_acc += tl.where(on, f, 0.0)
         if HAS_KL:
-            kl, kl_weighted, direct = _kl_penalty(ref_ptr, idx, inside, on, lp, w, beta, BIAS_CORRECTION_KL)
+            kl, kl_weighted, kl_direct = _kl_penalty(ref_ptr, idx, inside, on, lp, w, beta, BIAS_CORRECTION_KL)
+            direct += kl_direct
             if BIAS_CORRECTION_KL:
                 dl_dw += beta * kl
-            kl = kl_weighted
-            loss += beta * kl
-            kl_acc += tl.where(on, kl, 0.0)
+            loss += beta * kl_weighted
+            kl_acc += tl.where(on, kl_weighted, 0.0)
         loss_acc += tl.where(on, loss, 0.0)
         if HAS_ENTROPY:
             ent_acc += tl.where(on, tl.load(entropy_ptr + idx, mask=inside, other=0.0), 0.0)
@@ -298,29 +540,80 @@ def gspo_sequence_kernel(
         else:
             coef = tl.where(on, lam * (_times(dl_dw, dw) + direct), 0.0)
         tl.store(coef_ptr + idx, coef, mask=inside)
-        if (LEVEL != LEVEL_SEQUENCE) | ADV_PER_TOKEN:  # metrics over unmasked tokens
-            low_acc, high_acc, region_acc, w_acc, w_min, w_max = _accumulate_weight_metrics(
-                low_acc, high_acc, region_acc, w_acc, w_min, w_max, on, w, adv, low_edge, high_edge)
+        if not SEQ_UNITS:  # weight statistics over unmasked tokens
+            w_acc += tl.where(on, w, 0.0)
+            w_min = tl.minimum(w_min, tl.where(on, w, float("inf")))
+            w_max = tl.maximum(w_max, tl.where(on, w, float("-inf")))
 
     if LEVEL == LEVEL_SEQUENCE:
-        cross = _times(lam * tl.sum(q_acc, axis=0) * seq_pass / denom, w_seq)
-        _add_sequence_cross_term(coef_ptr, mask_ptr, start, end, cross, BLOCK_T)
+        if (OBJECTIVE == OBJ_CLIP) | (OBJECTIVE == OBJ_SAPO):
+            cross = _times(lam * tl.sum(q_acc, axis=0) * seq_pass / denom, w_seq)
+            _add_sequence_cross_term(coef_ptr, mask_ptr, start, end, cross, BLOCK_T)
+    if OBJECTIVE == OBJ_GMPO:
+        scale = _times(lam * tl.sum(f_acc, axis=0) * -adv_mean / denom, rho_g)
+        _add_gmpo_term(coef_ptr, logp_ptr, old_ptr, mask_ptr, adv_ptr, start, end, adv_seq, scale, eps_low, eps_high,
+                       HAS_OLD, ADV_PER_TOKEN, BLOCK_T)
 
     out = partials_ptr + seq.to(tl.int64) * PARTIALS_STRIDE
+    counted = n_tok > 0
     tl.store(out + P_LOSS, lam * tl.sum(loss_acc, axis=0))
     tl.store(out + P_TOKENS, n_tok)
     tl.store(out + P_ENTROPY, tl.sum(ent_acc, axis=0))
     tl.store(out + P_KL, tl.sum(kl_acc, axis=0))
-    if (LEVEL != LEVEL_SEQUENCE) | ADV_PER_TOKEN:
-        _store_weight_metrics(out, tl.sum(low_acc, axis=0), tl.sum(high_acc, axis=0), tl.sum(region_acc, axis=0),
-                              tl.sum(w_acc, axis=0), tl.min(w_min, axis=0), tl.max(w_max, axis=0), n_tok)
-    else:  # GSPO with one advantage per response: metrics over responses with at least one token
-        counted = n_tok > 0
-        low = counted & (w_seq < low_edge) & (adv_seq < 0)
-        high = counted & (w_seq > high_edge) & (adv_seq > 0)
-        _store_weight_metrics(out, low.to(tl.float32), high.to(tl.float32), (low | high).to(tl.float32),
-                              tl.where(counted, w_seq, 0.0), tl.where(counted, w_seq, float("inf")),
-                              tl.where(counted, w_seq, float("-inf")), counted.to(tl.float32))
+    if OBJECTIVE == OBJ_VESPO:
+        w_one = tl.exp(log_wv)
+    elif OBJECTIVE == OBJ_GMPO:
+        w_one = rho_g
+    else:
+        w_one = w_seq
+    if (OBJECTIVE == OBJ_GMPO) | (SEQ_UNITS == 0):  # clip counts over unmasked tokens
+        tl.store(out + P_LOW, tl.sum(low_acc, axis=0))
+        tl.store(out + P_HIGH, tl.sum(high_acc, axis=0))
+        tl.store(out + P_CLIP_UNITS, n_tok)
+    else:  # one weight and one advantage per response: counted once
+        if OBJECTIVE == OBJ_CISPO:
+            if CISPO_BAND:
+                high = counted & ((w_seq < low_edge) | (w_seq > high_edge))
+            else:
+                high = counted & (w_seq > eps_high) & (adv_seq > 0)
+            low = counted & (w_seq < 0.0)
+        else:
+            low = counted & (w_seq < low_edge) & (adv_seq < 0)
+            high = counted & (w_seq > high_edge) & (adv_seq > 0)
+        tl.store(out + P_LOW, low.to(tl.float32))
+        tl.store(out + P_HIGH, high.to(tl.float32))
+        tl.store(out + P_CLIP_UNITS, counted.to(tl.float32))
+    if SEQ_UNITS:
+        _store_weight_metrics(out, tl.where(counted, w_one, 0.0), tl.where(counted, w_one, float("inf")),
+                              tl.where(counted, w_one, float("-inf")), counted.to(tl.float32))
+    else:
+        _store_weight_metrics(out, tl.sum(w_acc, axis=0), tl.min(w_min, axis=0), tl.max(w_max, axis=0), n_tok)
+    if ADV_PER_TOKEN:
+        tl.store(out + P_PHI, tl.sum(phi_acc, axis=0))
+        tl.store(out + P_PHI_UNITS, n_tok)
+    else:  # one phi per response
+        tl.store(out + P_PHI, tl.where(counted, _vespo_phi(log_wv, adv_seq, k_pos, lam_pos, k_neg, lam_neg), 0.0))
+        tl.store(out + P_PHI_UNITS, counted.to(tl.float32))
+    if (ROLLOUT == RC_SEQUENCE_TRUNCATE) | (ROLLOUT == RC_SEQUENCE_MASK):  # one weight per response
+        rho_one = _rollout_weight(0.0, rc_seq, rc_lo, rc_hi, ROLLOUT)
+        _store_rollout_metrics(out, -sum_d, tl.sum(rz_acc, axis=0), tl.where(counted, rho_one, 0.0),
+                               tl.where(counted, rho_one, float("inf")), tl.where(counted, rho_one, float("-inf")),
+                               counted.to(tl.float32))
+    else:
+        _store_rollout_metrics(out, -sum_d, tl.sum(rz_acc, axis=0), tl.sum(rw_acc, axis=0), tl.min(rw_min, axis=0),
+                               tl.max(rw_max, axis=0), n_tok)
+
+
+@triton.jit
+def _column(values, cols, c):
+    """Entry ``c`` of the ``[PARTIALS_STRIDE]`` vector ``values``."""
+    return tl.sum(tl.where(cols == c, values, 0.0), axis=0)
+
+
+@triton.jit
+def _ratio(values, cols, c, units):
+    """Column ``c`` over column ``units`` (at least 1)."""
+    return _column(values, cols, c) / tl.maximum(_column(values, cols, units), 1.0)
 
 
 @triton.jit
@@ -328,60 +621,60 @@ def gspo_reduce_kernel(
     partials_ptr, num_items_ptr, out_ptr, num_seqs, grpo_denominator, dr_grpo_denominator, entropy_coef,
     LOSS_TYPE: tl.constexpr, HAS_NUM_ITEMS: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
-    offs = tl.arange(0, BLOCK_S)
-    loss = tl.zeros([BLOCK_S], tl.float32)
-    tokens = tl.zeros([BLOCK_S], tl.float32)
-    ent = tl.zeros([BLOCK_S], tl.float32)
-    kl = tl.zeros([BLOCK_S], tl.float32)
-    low = tl.zeros([BLOCK_S], tl.float32)
-    high = tl.zeros([BLOCK_S], tl.float32)
-    region = tl.zeros([BLOCK_S], tl.float32)
-    w_sum = tl.zeros([BLOCK_S], tl.float32)
-    w_min = tl.full([BLOCK_S], float("inf"), tl.float32)
-    w_max = tl.full([BLOCK_S], float("-inf"), tl.float32)
-    units = tl.zeros([BLOCK_S], tl.float32)
+    """Reduce the ``[S, PARTIALS_STRIDE]`` partials (sum; min / max for the ``*_MIN`` / ``*_MAX`` columns) in a
+    fixed order, then write the ``O_*`` slots. ``LOSS_TYPE``: the aggregation's code (``AGGREGATION_CODES``)."""
+    rows_in = tl.arange(0, BLOCK_S)
+    cols = tl.arange(0, PARTIALS_STRIDE)
+    is_min = (cols == P_W_MIN) | (cols == P_RW_MIN)
+    is_max = (cols == P_W_MAX) | (cols == P_RW_MAX)
+    pad = tl.where(is_min, float("inf"), tl.where(is_max, float("-inf"), 0.0))
+    acc = tl.zeros([BLOCK_S, PARTIALS_STRIDE], tl.float32) + pad[None, :]
     for s0 in range(0, num_seqs, BLOCK_S):
-        rows = s0 + offs
-        inside = rows < num_seqs
-        p = partials_ptr + rows.to(tl.int64) * PARTIALS_STRIDE
-        loss += tl.load(p + P_LOSS, mask=inside, other=0.0)
-        tokens += tl.load(p + P_TOKENS, mask=inside, other=0.0)
-        ent += tl.load(p + P_ENTROPY, mask=inside, other=0.0)
-        kl += tl.load(p + P_KL, mask=inside, other=0.0)
-        low += tl.load(p + P_LOW, mask=inside, other=0.0)
-        high += tl.load(p + P_HIGH, mask=inside, other=0.0)
-        region += tl.load(p + P_REGION, mask=inside, other=0.0)
-        w_sum += tl.load(p + P_W_SUM, mask=inside, other=0.0)
-        w_min = tl.minimum(w_min, tl.load(p + P_W_MIN, mask=inside, other=float("inf")))
-        w_max = tl.maximum(w_max, tl.load(p + P_W_MAX, mask=inside, other=float("-inf")))
-        units += tl.load(p + P_UNITS, mask=inside, other=0.0)
-    token_mean = tl.maximum(tl.sum(tokens, axis=0), 1.0)
-    n_units = tl.sum(units, axis=0)
-    unit_mean = tl.maximum(n_units, 1.0)
-    if LOSS_TYPE == LOSS_GRPO:  # grpo: mean over responses of the per-response token means
-        denominator = grpo_denominator
-    elif LOSS_TYPE == LOSS_BNPO:  # bnpo: token mean
+        rows = s0 + rows_in
+        inside = (rows < num_seqs)[:, None] & (cols < PARTIALS_STRIDE)[None, :]
+        tile = tl.load(partials_ptr + rows.to(tl.int64)[:, None] * PARTIALS_STRIDE + cols[None, :], mask=inside,
+                       other=0.0)
+        tile = tl.where(inside, tile, pad[None, :])
+        acc = tl.where(is_min[None, :], tl.minimum(acc, tile), tl.where(is_max[None, :], tl.maximum(acc, tile),
+                                                                        acc + tile))
+    sums = tl.sum(acc, axis=0)
+    mins = tl.min(acc, axis=0)
+    maxs = tl.max(acc, axis=0)
+    values = tl.where(is_min, mins, tl.where(is_max, maxs, sums))
+    token_mean = tl.maximum(_column(values, cols, P_TOKENS), 1.0)
+    if LOSS_TYPE == LOSS_BNPO:  # bnpo: token mean
         denominator = token_mean
     elif LOSS_TYPE == LOSS_DR_GRPO:  # dr_grpo: S * max_completion_length
         denominator = dr_grpo_denominator
-    else:  # dapo: the caller's global token count, else this batch's
+    elif LOSS_TYPE == LOSS_DAPO:  # dapo: the caller's global token count, else this batch's
         if HAS_NUM_ITEMS:  # validated finite and > 0, used as given (docs/policies.md)
             denominator = tl.load(num_items_ptr).to(tl.float32)
         else:
             denominator = token_mean
-    entropy_mean = tl.sum(ent, axis=0) / token_mean
-    tl.store(out_ptr + O_LOSS, tl.sum(loss, axis=0) / denominator - entropy_coef * entropy_mean)
+    else:  # grpo (mean over responses of the per-response token means) and seq_sum: S
+        denominator = grpo_denominator
+    entropy_mean = _column(values, cols, P_ENTROPY) / token_mean
+    low = _ratio(values, cols, P_LOW, P_CLIP_UNITS)
+    high = _ratio(values, cols, P_HIGH, P_CLIP_UNITS)
+    some = _column(values, cols, P_UNITS) > 0
+    rollout_some = _column(values, cols, P_RW_UNITS) > 0
+    tl.store(out_ptr + O_LOSS, _column(values, cols, P_LOSS) / denominator - entropy_coef * entropy_mean)
     tl.store(out_ptr + O_SCALE_LOGP, 1.0 / denominator)
     tl.store(out_ptr + O_SCALE_ENTROPY, -entropy_coef / token_mean)
-    tl.store(out_ptr + O_LOW, tl.sum(low, axis=0) / unit_mean)
-    tl.store(out_ptr + O_HIGH, tl.sum(high, axis=0) / unit_mean)
-    tl.store(out_ptr + O_REGION, tl.sum(region, axis=0) / unit_mean)
-    tl.store(out_ptr + O_W_MEAN, tl.sum(w_sum, axis=0) / unit_mean)
-    some = n_units > 0
-    tl.store(out_ptr + O_W_MIN, tl.where(some, tl.min(w_min, axis=0), 0.0))
-    tl.store(out_ptr + O_W_MAX, tl.where(some, tl.max(w_max, axis=0), 0.0))
+    tl.store(out_ptr + O_LOW, low)
+    tl.store(out_ptr + O_HIGH, high)
+    tl.store(out_ptr + O_REGION, low + high)  # low and high never hold for the same item
+    tl.store(out_ptr + O_W_MEAN, _ratio(values, cols, P_W_SUM, P_UNITS))
+    tl.store(out_ptr + O_W_MIN, tl.where(some, _column(values, cols, P_W_MIN), 0.0))
+    tl.store(out_ptr + O_W_MAX, tl.where(some, _column(values, cols, P_W_MAX), 0.0))
     tl.store(out_ptr + O_ENTROPY, entropy_mean)
-    tl.store(out_ptr + O_KL, tl.sum(kl, axis=0) / token_mean)
+    tl.store(out_ptr + O_KL, _column(values, cols, P_KL) / token_mean)
+    tl.store(out_ptr + O_PHI_MEAN, _ratio(values, cols, P_PHI, P_PHI_UNITS))
+    tl.store(out_ptr + O_ROLLOUT_KL, _column(values, cols, P_R_DIFF) / token_mean)
+    tl.store(out_ptr + O_ROLLOUT_MASKED, _column(values, cols, P_R_ZERO) / token_mean)
+    tl.store(out_ptr + O_RW_MIN, tl.where(rollout_some, _column(values, cols, P_RW_MIN), 0.0))
+    tl.store(out_ptr + O_RW_MEAN, _ratio(values, cols, P_RW_SUM, P_RW_UNITS))
+    tl.store(out_ptr + O_RW_MAX, tl.where(rollout_some, _column(values, cols, P_RW_MAX), 0.0))
 
 
 def _f32(x: Optional[Tensor]) -> Optional[Tensor]:
@@ -398,8 +691,9 @@ def sequence_stage(
     Args:
         logp, entropy: ``[N]`` (converted to contiguous fp32); ``entropy`` None when it is not needed.
         inputs: the validated per-token inputs (mask, ``cu_seqlens``, advantages ``[S]`` or ``[N]``, optional
-            old / reference log-probs, ``is_ratio``, ``num_items_in_batch``).
-        config: the loss options (``beta > 0`` needs ``inputs.ref_logprobs``).
+            old / reference / rollout log-probs, ``is_ratio``, ``num_items_in_batch``).
+        config: the loss options (``beta > 0`` needs ``inputs.ref_logprobs``, ``rollout_correction`` needs
+            ``inputs.rollout_logprobs``).
 
     Returns:
         ``coef [N]`` fp32, ``dL/dlogp_t = coef_t * out[O_SCALE_LOGP]``, and ``out [NUM_OUTPUTS]`` fp32
@@ -412,15 +706,22 @@ def sequence_stage(
     has_kl = config.beta > 0
     if has_kl and inputs.ref_logprobs is None:
         raise ValueError("ref_logprobs is required when beta > 0")
+    rollout = getattr(inputs, "rollout_logprobs", None)
+    if config.rollout_correction is not None and rollout is None:
+        raise ValueError("rollout_logprobs is required when config.rollout_correction is set")
     coef = torch.empty(n_tokens, device=device, dtype=torch.float32)
     partials = torch.empty((max(num_seqs, 1), PARTIALS_STRIDE.value), device=device, dtype=torch.float32)
     out = torch.empty(NUM_OUTPUTS, device=device, dtype=torch.float32)
     logp32 = _f32(logp)
     entropy32 = _f32(entropy)
     old32, ref32, ratio32 = _f32(inputs.old_logprobs), _f32(inputs.ref_logprobs), _f32(inputs.is_ratio)
+    rollout32 = _f32(rollout)
     adv32 = _f32(inputs.advantages)
     mask32 = _f32(batch.mask)
     cu = batch.cu_seqlens.contiguous()
+    objective = config.objective
+    per_token_adv = bool(inputs.advantages_per_token)
+    lo, hi = config.rollout_bounds
     with device_guard(logp):
         if num_seqs > 0:
             gspo_sequence_kernel[(num_seqs,)](
@@ -446,10 +747,29 @@ def sequence_stage(
                 BIAS_CORRECTION_KL=bool(config.use_bias_correction_kl),
                 HAS_IS_RATIO=ratio32 is not None,
                 HAS_DELTA=config.delta is not None,
-                ADV_PER_TOKEN=bool(inputs.advantages_per_token),
-                SEQ_MEAN=config.loss_type == "grpo",
+                ADV_PER_TOKEN=per_token_adv,
+                SEQ_MEAN=config.effective_aggregation == "grpo",
                 BLOCK_T=SEQUENCE_BLOCK_T,
                 HAS_CLAMP=config.log_ratio_clamp is not None,
+                rollout_ptr=rollout32 if rollout32 is not None else logp32,
+                clip_ratio_c=float(config.clip_ratio_c or 0.0),
+                tau_pos=float(config.sapo_temperature_pos),
+                tau_neg=float(config.sapo_temperature_neg),
+                k_pos=float(config.vespo_k_pos),
+                lam_pos=float(config.vespo_lambda_pos),
+                k_neg=float(config.vespo_k_neg),
+                lam_neg=float(config.vespo_lambda_neg),
+                rc_lo=float("-inf") if lo is None else float(lo),
+                rc_hi=float("inf") if hi is None else float(hi),
+                opsm_threshold=float(config.off_policy_mask_threshold or 0.0),
+                OBJECTIVE=OBJECTIVE_CODES[objective],
+                CISPO_BAND=config.cispo_clip == "band",
+                HAS_DUAL=config.clip_ratio_c is not None,
+                HAS_ROLLOUT=rollout32 is not None,
+                ROLLOUT=ROLLOUT_CODES[config.rollout_correction],
+                HAS_OPSM=config.off_policy_mask_threshold is not None,
+                SEQ_UNITS=objective in ("vespo", "gmpo")
+                or (config.importance_sampling_level == "sequence" and not per_token_adv),
                 num_warps=SEQUENCE_NUM_WARPS,
             )
         grpo_denominator = float(max(num_seqs, 1))
@@ -464,12 +784,32 @@ def sequence_stage(
             grpo_denominator,
             dr_grpo_denominator,
             float(config.entropy_coef),
-            LOSS_TYPE=LOSS_TYPE_CODES[config.loss_type],
+            LOSS_TYPE=AGGREGATION_CODES[config.effective_aggregation],
             HAS_NUM_ITEMS=items is not None,
             BLOCK_S=SEQUENCE_BLOCK_S,
             num_warps=SEQUENCE_NUM_WARPS,
         )
     return coef, out
+
+
+def metric_slots(config: GSPOConfig, has_rollout: bool):
+    """``(name, O_* slot)`` of the metrics the objective of ``config`` reports (those of
+    :func:`gspo_kernels.objective.gspo_objective`)."""
+    names = []
+    if config.objective in ("clip", "gmpo"):
+        names += [("clip_ratio/low_mean", O_LOW.value), ("clip_ratio/high_mean", O_HIGH.value),
+                  ("clip_ratio/region_mean", O_REGION.value)]
+    elif config.objective == "cispo":
+        names.append(("cispo_clip_ratio", O_HIGH.value))
+    elif config.objective == "vespo":
+        names.append(("vespo/phi_seq_mean", O_PHI_MEAN.value))
+    names += [("importance_weight/mean", O_W_MEAN.value), ("importance_weight/min", O_W_MIN.value),
+              ("importance_weight/max", O_W_MAX.value)]
+    if has_rollout:
+        names += [("rollout/kl", O_ROLLOUT_KL.value), ("rollout/masked_fraction", O_ROLLOUT_MASKED.value),
+                  ("rollout/weight_min", O_RW_MIN.value), ("rollout/weight_mean", O_RW_MEAN.value),
+                  ("rollout/weight_max", O_RW_MAX.value)]
+    return names
 
 
 class TritonSequenceObjective(torch.autograd.Function):
@@ -511,7 +851,8 @@ def fused_objective(logp: Tensor, entropy: Optional[Tensor], inputs: LossInputs,
     if entropy is None and config.entropy_coef != 0:
         raise ValueError("entropy is required when config.entropy_coef != 0")
     loss, out = TritonSequenceObjective.apply(logp, entropy, inputs, config)
-    metrics = {name: out[index] for name, index in METRIC_NAMES}
+    has_rollout = getattr(inputs, "rollout_logprobs", None) is not None
+    metrics = {name: out[index] for name, index in metric_slots(config, has_rollout)}
     if entropy is not None:
         metrics["entropy"] = out[O_ENTROPY.value]
     if config.beta > 0:
