@@ -54,28 +54,55 @@ LEVEL_LOSS_NAMES = {
     "gspo_kernels_sequence": "sequence",
     "gspo_kernels_token": "token",
 }
+# verl's sapo / cispo / geo_mean as the library's objectives
+OBJECTIVE_LOSS_NAMES = {
+    "gspo_kernels_sapo": "sapo",
+    "gspo_kernels_cispo": "cispo",
+    "gspo_kernels_geo_mean": "gmpo",
+}
 AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 GSPO_LOG_RATIO_CLAMP = 10.0  # verl's compute_policy_loss_gspo: clamp(max=10) before exp
-PPO_LOG_RATIO_CLAMP = 20.0  # verl's compute_policy_loss_vanilla: clamp(-20, 20) before exp
+PPO_LOG_RATIO_CLAMP = 20.0  # verl's vanilla / sapo / cispo: clamp(-20, 20) before exp
 
 
-def register_policy_loss(importance_sampling_level: str = "sequence_token", *, backend: str = "auto") -> str:
-    """Register ``"gspo_kernels"`` (at ``importance_sampling_level``) and the three per-level names.
+def register_policy_loss(importance_sampling_level: str = "sequence_token", *, backend: str = "auto",
+                         dual_clip: bool = False) -> str:
+    """Register ``"gspo_kernels"`` (at ``importance_sampling_level``), the three per-level names and the three
+    objectives (``gspo_kernels_sapo``, ``gspo_kernels_cispo``, ``gspo_kernels_geo_mean``).
 
-    Returns ``"gspo_kernels"``; set ``actor_rollout_ref.actor.policy_loss.loss_mode`` to it (or to one of
-    ``gspo_kernels_sequence_token``, ``gspo_kernels_sequence``, ``gspo_kernels_token``).
+    ``dual_clip``: the GSPO levels (``gspo_kernels``, ``gspo_kernels_sequence_token``,
+    ``gspo_kernels_sequence``) also apply verl's dual clip at ``clip_ratio_c`` for negative advantages (the token
+    level always does, as verl's ``vanilla``; verl's ``gspo`` does not).
+
+    Returns ``"gspo_kernels"``; set ``actor_rollout_ref.actor.policy_loss.loss_mode`` to it (or to another of the
+    registered names).
     """
     if importance_sampling_level not in LEVEL_LOSS_NAMES.values():
         raise ValueError(f"importance_sampling_level must be one of {tuple(LEVEL_LOSS_NAMES.values())}, "
                          f"got {importance_sampling_level!r}")
-    core_algos.register_policy_loss(POLICY_LOSS_NAME)(make_policy_loss(importance_sampling_level, backend=backend))
+    if not isinstance(dual_clip, bool):
+        raise ValueError(f"dual_clip must be a bool, got {dual_clip!r}")
+    core_algos.register_policy_loss(POLICY_LOSS_NAME)(
+        make_policy_loss(importance_sampling_level, backend=backend, dual_clip=dual_clip))
     for name, level in LEVEL_LOSS_NAMES.items():
-        core_algos.register_policy_loss(name)(make_policy_loss(level, backend=backend))
+        core_algos.register_policy_loss(name)(make_policy_loss(level, backend=backend, dual_clip=dual_clip))
+    for name, loss_type in OBJECTIVE_LOSS_NAMES.items():
+        core_algos.register_policy_loss(name)(make_policy_loss("token", loss_type=loss_type, backend=backend))
     return POLICY_LOSS_NAME
 
 
-def make_policy_loss(importance_sampling_level: str, *, backend: str = "auto") -> Callable:
-    """A function with verl's policy-loss signature computing the loss with :func:`gspo_kernels.policy_loss`."""
+def make_policy_loss(importance_sampling_level: str, *, loss_type: str = "clip", backend: str = "auto",
+                     dual_clip: bool = False) -> Callable:
+    """A function with verl's policy-loss signature computing the loss with :func:`gspo_kernels.policy_loss`.
+
+    ``loss_type``: ``"clip"`` (verl's ``vanilla`` / ``gspo`` at ``importance_sampling_level``), or ``"sapo"``,
+    ``"cispo"``, ``"gmpo"`` (verl's ``sapo``, ``cispo``, ``geo_mean``; token-level ratios, the level is not used).
+    """
+    if loss_type not in ("clip",) + tuple(OBJECTIVE_LOSS_NAMES.values()):
+        raise ValueError(f"loss_type must be 'clip' or one of {tuple(OBJECTIVE_LOSS_NAMES.values())}, "
+                         f"got {loss_type!r}")
+    if loss_type != "clip":
+        importance_sampling_level = "token"
 
     def gspo_kernels_policy_loss(
         old_log_prob: Tensor,
@@ -88,59 +115,103 @@ def make_policy_loss(importance_sampling_level: str, *, backend: str = "auto") -
     ) -> Tuple[Tensor, Dict[str, float]]:
         if config is None:
             raise ValueError("config (verl's actor config) is required by the gspo_kernels policy loss")
-        cfg, clip_c = _gspo_config(config, importance_sampling_level)
+        _check_agg_mode(loss_agg_mode)
         mask = response_mask.to(torch.bool)
-        per_seq_mean = loss_agg_mode == "seq-mean-token-mean"
-        out = policy_loss(
-            log_prob, advantages, old_log_prob, mask=mask, is_ratio=rollout_is_weights,
-            num_items_in_batch=None if per_seq_mean else 1.0,
-            config=GSPOConfig(**{**cfg, "loss_type": "grpo" if per_seq_mean else "dapo"}), backend=backend,
-        )
-        loss = out.loss * _agg_scale(loss_agg_mode, mask, getattr(config, "global_batch_info", None) or {})
-
-        with torch.no_grad():
-            log_ratio = (log_prob.detach() - old_log_prob.detach()).float()
-            if importance_sampling_level == "token":
-                log_ratio = torch.clamp(log_ratio, min=-PPO_LOG_RATIO_CLAMP, max=PPO_LOG_RATIO_CLAMP)
-            denom = mask.sum() + 1e-8
-            ppo_kl = torch.where(mask, -log_ratio, 0.0).sum() / denom
-            if importance_sampling_level == "token":  # verl's dual-clip share, computed as verl computes it
-                adv = advantages.detach().float()
-                ratio = torch.exp(log_ratio)
-                clipped = torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 1 - cfg["epsilon_low"],
-                                                                         1 + cfg["epsilon_high"]))
-                lower = (clipped > -adv * clip_c) & (adv < 0)
-                clipfrac_lower = torch.where(mask, lower.float(), 0.0).sum() / denom
-            else:
-                clipfrac_lower = torch.zeros(())
-        metrics = {
-            "actor/pg_clipfrac": out.metrics["clip_ratio/region_mean"].item(),
-            "actor/ppo_kl": ppo_kl.item(),
-            "actor/pg_clipfrac_lower": clipfrac_lower.item(),
-        }
+        info = getattr(config, "global_batch_info", None) or {}
+        cfg, clip_c = _gspo_config(config, importance_sampling_level, loss_type, dual_clip)
+        if loss_type == "sapo":  # verl's SAPO always aggregates seq-mean-token-mean, whatever loss_agg_mode says
+            loss_agg_mode = "seq-mean-token-mean"
+        is_weights = rollout_is_weights
+        if loss_type == "gmpo":
+            # verl's geo_mean: one loss per response, mean over every row of the micro-batch (neither loss_agg_mode
+            # nor global_batch_info), the rollout weights folded per response as their geometric mean
+            cfg["aggregation"], scale, num_items = "grpo", 1.0, None
+            if rollout_is_weights is not None:
+                is_weights = _geometric_mean_weights(rollout_is_weights, mask)
+        else:
+            per_seq_mean = loss_agg_mode == "seq-mean-token-mean"
+            cfg["aggregation"] = "grpo" if per_seq_mean else "dapo"
+            num_items = None if per_seq_mean else 1.0
+            scale = _agg_scale(loss_agg_mode, mask, info)
+        out = policy_loss(log_prob, advantages, old_log_prob, mask=mask, is_ratio=is_weights,
+                          num_items_in_batch=num_items, config=GSPOConfig(**cfg), backend=backend)
+        loss = out.loss * scale
+        metrics = _verl_metrics(out.metrics, log_prob, old_log_prob, advantages, mask, cfg, clip_c, loss_type)
         return loss, metrics
 
-    gspo_kernels_policy_loss.__qualname__ = f"gspo_kernels_policy_loss[{importance_sampling_level}]"
+    name = importance_sampling_level if loss_type == "clip" else loss_type
+    gspo_kernels_policy_loss.__qualname__ = f"gspo_kernels_policy_loss[{name}]"
     return gspo_kernels_policy_loss
 
 
-def _gspo_config(config: Any, level: str) -> Tuple[Dict[str, Any], float]:
+@torch.no_grad()
+def _verl_metrics(library: Dict[str, Tensor], log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor,
+                  mask: Tensor, cfg: Dict[str, Any], clip_c: Optional[float], loss_type: str) -> Dict[str, float]:
+    """verl's three metrics: ``actor/pg_clipfrac`` and ``actor/pg_clipfrac_lower`` from the library's clip shares
+    where they are verl's (the clipped surrogate, CISPO's band, GMPO's log-space clip), verl's masked mean of
+    ``-log ratio`` as ``actor/ppo_kl`` (clamped at +-20 where verl clamps)."""
+    log_ratio = (log_prob.detach() - old_log_prob.detach()).float()
+    if loss_type != "gmpo" and cfg["importance_sampling_level"] == "token":
+        log_ratio = torch.clamp(log_ratio, min=-PPO_LOG_RATIO_CLAMP, max=PPO_LOG_RATIO_CLAMP)
+    denom = mask.sum() + 1e-8
+    ppo_kl = torch.where(mask, -log_ratio, 0.0).sum() / denom
+    zero = 0.0
+    if loss_type == "sapo":
+        clipfrac, lower = zero, zero
+    elif loss_type == "cispo":  # verl: the share of tokens whose weight left the band
+        clipfrac, lower = library["cispo_clip_ratio"].item(), zero
+    elif loss_type == "gmpo":  # verl: tokens whose log-ratio was clipped, A > 0 / A < 0
+        clipfrac, lower = library["clip_ratio/high_mean"].item(), library["clip_ratio/low_mean"].item()
+    else:
+        clipfrac, lower = library["clip_ratio/region_mean"].item(), zero
+        if clip_c is not None:  # verl's dual-clip share: -A w' above -A c for A < 0, with w' the clipped weight
+            adv = advantages.detach().float()
+            if cfg["importance_sampling_level"] != "token":  # the sequence weight, clamped as verl's gspo
+                lengths = mask.sum(-1, keepdim=True).clamp(min=1)
+                seq = torch.where(mask, log_ratio, 0.0).sum(-1, keepdim=True) / lengths
+                log_ratio = torch.clamp(seq, max=GSPO_LOG_RATIO_CLAMP).expand_as(log_ratio)
+            ratio = torch.exp(log_ratio)
+            clipped = torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 1 - cfg["epsilon_low"],
+                                                                     1 + cfg["epsilon_high"]))
+            share = (clipped > -adv * clip_c) & (adv < 0)
+            lower = (torch.where(mask, share.float(), 0.0).sum() / denom).item()
+    return {"actor/pg_clipfrac": clipfrac, "actor/ppo_kl": ppo_kl.item(), "actor/pg_clipfrac_lower": lower}
+
+
+def _geometric_mean_weights(weights: Tensor, mask: Tensor) -> Tensor:
+    """verl's geo_mean folding of per-token rollout weights into one per response:
+    ``exp(sum_t log(w_t + 1e-10) / (|y| + 1e-8))`` over the response's tokens."""
+    log_w = torch.where(mask, torch.log(weights.detach().float() + 1e-10), 0.0)
+    return torch.exp(log_w.sum(-1) / (mask.sum(-1) + 1e-8))
+
+
+def _gspo_config(config: Any, level: str, loss_type: str, dual_clip: bool) -> Tuple[Dict[str, Any], Optional[float]]:
+    """The library's options from verl's actor config, read as verl reads them; and the dual clip's ``c`` (None
+    where it does not apply)."""
     clip = _get(config, "clip_ratio", 0.2)
     low = _get(config, "clip_ratio_low", None)
     high = _get(config, "clip_ratio_high", None)
     low = clip if low is None else low
     high = clip if high is None else high
     cfg: Dict[str, Any] = dict(importance_sampling_level=level, epsilon_low=float(low), epsilon_high=float(high))
-    clip_c = float(_get(config, "clip_ratio_c", 3.0))
-    if level == "token":
-        # verl's dual clip caps -A * ratio at -A * clip_ratio_c for A < 0: the library's two-sided clip
-        # (delta) gives the same loss and gradient whenever clip_ratio_c > 1 + clip_ratio_high.
-        if not clip_c > 1.0 + high:
-            raise ValueError(f"clip_ratio_c must be > 1 + clip_ratio_high = {1.0 + high} for the gspo_kernels "
-                             f"token-level loss (verl's dual clip), got {clip_c}")
-        cfg.update(delta=clip_c, log_ratio_clamp=PPO_LOG_RATIO_CLAMP)
-    else:
-        cfg.update(log_ratio_clamp=GSPO_LOG_RATIO_CLAMP)
+    if loss_type == "sapo":
+        cfg.update(loss_type="sapo", sapo_temperature_pos=float(_get(config, "tau_pos", 1.0)),
+                   sapo_temperature_neg=float(_get(config, "tau_neg", 1.05)), log_ratio_clamp=PPO_LOG_RATIO_CLAMP)
+        return cfg, None
+    if loss_type == "cispo":  # verl's CISPO clips the weight to the band [1 - clip_ratio_low, 1 + clip_ratio_high]
+        cfg.update(loss_type="cispo", cispo_clip="band", log_ratio_clamp=PPO_LOG_RATIO_CLAMP)
+        return cfg, None
+    if loss_type == "gmpo":  # no clamp: verl's geo_mean leaves it commented out
+        cfg.update(loss_type="gmpo")
+        return cfg, None
+    cfg["loss_type"] = "grpo"  # the clipped surrogate (the aggregation is set per call)
+    clip_c = None
+    if level == "token" or dual_clip:
+        clip_c = float(_get(config, "clip_ratio_c", 3.0))
+        if not clip_c > 1.0:  # verl asserts the same
+            raise ValueError(f"clip_ratio_c (verl's dual clip) must be > 1.0, got {clip_c}")
+        cfg["clip_ratio_c"] = clip_c
+    cfg["log_ratio_clamp"] = PPO_LOG_RATIO_CLAMP if level == "token" else GSPO_LOG_RATIO_CLAMP
     return cfg, clip_c
 
 
@@ -149,10 +220,13 @@ def _get(config: Any, key: str, default: Any) -> Any:
     return getter(key, default) if callable(getter) else getattr(config, key, default)
 
 
-def _agg_scale(mode: str, mask: Tensor, info: Dict[str, Any]) -> Any:
-    """The factor turning the library's sum (or grpo mean over all rows) into verl's ``agg_loss``."""
+def _check_agg_mode(mode: str) -> None:
     if mode not in AGG_MODES:
         raise ValueError(f"loss_agg_mode must be one of {AGG_MODES}, got {mode!r}")
+
+
+def _agg_scale(mode: str, mask: Tensor, info: Dict[str, Any]) -> Any:
+    """The factor turning the library's sum (or grpo mean over all rows) into verl's ``agg_loss``."""
     dp_size = info.get("dp_size", 1) or 1
     if mode == "token-sum":
         return dp_size
