@@ -16,14 +16,18 @@ signature ``(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, c
   conventions: clamp at 10, no dual clip);
 * ``gspo_kernels_token`` - GRPO / PPO, the same loss as verl's ``vanilla``: dual clip at ``clip_ratio_c``
   for negative advantages, log-ratio clamped at 20 above (verl also clamps it at -20 below, which changes
-  a weight by at most ``e^-20``; the library does not).
+  a weight by at most ``e^-20``; the library does not);
+* ``gspo_kernels_sapo``, ``gspo_kernels_cispo``, ``gspo_kernels_geo_mean`` - the library's SAPO, CISPO (the band
+  clip) and GMPO, the same losses as verl's ``sapo``, ``cispo`` and ``geo_mean``.
 
-``clip_ratio`` / ``clip_ratio_low`` / ``clip_ratio_high`` / ``clip_ratio_c``, ``loss_agg_mode``
-(``token-mean``, ``token-sum``, ``seq-mean-token-mean``, ``seq-mean-token-sum``,
-``seq-mean-token-sum-norm``) and ``config.global_batch_info`` (``dp_size``, ``batch_num_tokens``,
-``global_batch_size``, ``loss_scale_factor``) are read from verl's actor config exactly as verl's
-``agg_loss`` reads them; ``rollout_is_weights`` multiplies the per-token loss. Metrics:
-``actor/pg_clipfrac``, ``actor/ppo_kl`` and ``actor/pg_clipfrac_lower`` (0 for the GSPO levels, like verl).
+``register_policy_loss(dual_clip=True)`` adds the dual clip at ``clip_ratio_c`` to the GSPO levels.
+``clip_ratio`` / ``clip_ratio_low`` / ``clip_ratio_high`` / ``clip_ratio_c`` / ``tau_pos`` / ``tau_neg``,
+``loss_agg_mode`` (``token-mean``, ``token-sum``, ``seq-mean-token-mean``, ``seq-mean-token-sum``,
+``seq-mean-token-sum-norm``; verl's sapo always uses ``seq-mean-token-mean``, its geo_mean the mean over
+responses) and ``config.global_batch_info`` (``dp_size``, ``batch_num_tokens``, ``global_batch_size``,
+``loss_scale_factor``) are read from verl's actor config exactly as verl reads them; ``rollout_is_weights``
+multiplies the per-token loss (geo_mean: their geometric mean per response, as verl). Metrics:
+``actor/pg_clipfrac``, ``actor/ppo_kl`` and ``actor/pg_clipfrac_lower``, as verl defines them for each mode.
 The entropy bonus and the KL loss stay in verl (it adds them after the policy loss).
 
 :func:`route_fused_kernels` replaces the two hidden-state heads verl patches into a model's forward
