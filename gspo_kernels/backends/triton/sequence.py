@@ -78,6 +78,7 @@ P_RW_SUM = tl.constexpr(15)  # rollout weight sum, min, max, items
 P_RW_MIN = tl.constexpr(16)
 P_RW_MAX = tl.constexpr(17)
 P_RW_UNITS = tl.constexpr(18)
+P_COUNT = tl.constexpr(19)  # the columns written; the rest of the row is never read
 # Columns the reduction takes the minimum / maximum of (the others are summed).
 MIN_COLUMNS = (P_W_MIN.value, P_RW_MIN.value)
 MAX_COLUMNS = (P_W_MAX.value, P_RW_MAX.value)
@@ -594,7 +595,9 @@ def gspo_sequence_kernel(
     else:  # one phi per response
         tl.store(out + P_PHI, tl.where(counted, _vespo_phi(log_wv, adv_seq, k_pos, lam_pos, k_neg, lam_neg), 0.0))
         tl.store(out + P_PHI_UNITS, counted.to(tl.float32))
-    if (ROLLOUT == RC_SEQUENCE_TRUNCATE) | (ROLLOUT == RC_SEQUENCE_MASK):  # one weight per response
+    if not HAS_ROLLOUT:
+        _store_rollout_metrics(out, 0.0, 0.0, 0.0, float("inf"), float("-inf"), 0.0)
+    elif (ROLLOUT == RC_SEQUENCE_TRUNCATE) | (ROLLOUT == RC_SEQUENCE_MASK):  # one weight per response
         rho_one = _rollout_weight(0.0, rc_seq, rc_lo, rc_hi, ROLLOUT)
         _store_rollout_metrics(out, -sum_d, tl.sum(rz_acc, axis=0), tl.where(counted, rho_one, 0.0),
                                tl.where(counted, rho_one, float("inf")), tl.where(counted, rho_one, float("-inf")),
@@ -631,7 +634,7 @@ def gspo_reduce_kernel(
     acc = tl.zeros([BLOCK_S, PARTIALS_STRIDE], tl.float32) + pad[None, :]
     for s0 in range(0, num_seqs, BLOCK_S):
         rows = s0 + rows_in
-        inside = (rows < num_seqs)[:, None] & (cols < PARTIALS_STRIDE)[None, :]
+        inside = (rows < num_seqs)[:, None] & (cols < P_COUNT)[None, :]
         tile = tl.load(partials_ptr + rows.to(tl.int64)[:, None] * PARTIALS_STRIDE + cols[None, :], mask=inside,
                        other=0.0)
         tile = tl.where(inside, tile, pad[None, :])
