@@ -226,11 +226,11 @@ def _response_sums(logp_ptr, old_ptr, mask_ptr, roll_ptr, isr_ptr, adv_ptr, star
             v = tl.minimum(tl.maximum(r, -_VESPO_LOG_MAX), _VESPO_LOG_MAX)
             if HAS_IS_RATIO:
                 c = tl.load(isr_ptr + idx, mask=inside, other=1.0)
-                v += tl.minimum(tl.maximum(tl.log(c), _VESPO_LOG_MIN), _VESPO_LOG_MAX)
+                v += tl.minimum(tl.maximum(tl.log(tl.maximum(c, 1e-30)), _VESPO_LOG_MIN), _VESPO_LOG_MAX)
             if HAS_ROLLOUT:
                 if ROLLOUT != RC_NONE:  # token modes only (the config refuses the others for VESPO)
                     c = _rollout_weight(d, 0.0, lo, hi, ROLLOUT)
-                    v += tl.minimum(tl.maximum(tl.log(c), _VESPO_LOG_MIN), _VESPO_LOG_MAX)
+                    v += tl.minimum(tl.maximum(tl.log(tl.maximum(c, 1e-30)), _VESPO_LOG_MIN), _VESPO_LOG_MAX)
             v_acc += tl.where(on, v, 0.0)
         if OBJECTIVE == OBJ_GMPO:
             m, _ = _gmpo_clipped(r, adv, eps_low, eps_high)
