@@ -16,7 +16,8 @@ from gspo_kernels.config import LOSS_TYPES
 from gspo_kernels.testing import FP32_RTOL as RTOL
 from gspo_kernels.testing import rel_err
 
-__all__ = ["LEVELS", "LOSS_TYPES", "RTOL", "rel_err", "Case", "make_case", "configs", "check_against_reference",
+__all__ = ["LEVELS", "LOSS_TYPES", "RTOL", "rel_err", "Case", "make_case", "configs", "objective_configs",
+           "objective_id", "check_against_reference",
            "logits_loss_vs_reference", "linear_loss_vs_reference", "assert_zero_rows_get_zero_dh",
            "assert_bf16_within_fp32_math_plus_rounding", "assert_bf16_no_worse_than_plain_bf16", "skip_gpu_items_without_cuda"]
 
@@ -31,11 +32,18 @@ class Case:
     mask: Optional[torch.Tensor]
     cu_seqlens: Optional[torch.Tensor]
     vocab: int
+    rollout_logprobs: Optional[torch.Tensor] = None
 
-    def kwargs(self, with_ref: bool = True) -> dict:
+    def kwargs(self, with_ref: bool = True, config=None) -> dict:
+        """The keyword arguments of the loss; with a ``config`` that asks for the rollout correction, the
+        rollout log-probs replace ``is_ratio``."""
         kw = dict(mask=self.mask, cu_seqlens=self.cu_seqlens, is_ratio=self.is_ratio)
         if with_ref:
             kw["ref_logprobs"] = self.ref_logprobs
+        if config is not None and (config.rollout_correction is not None or config.off_policy_mask_threshold):
+            kw["rollout_logprobs"] = self.rollout_logprobs
+            if config.rollout_correction is not None:
+                kw["is_ratio"] = None
         return kw
 
 
@@ -73,7 +81,9 @@ def make_case(logp_of, vocab: int, *, packed: bool, lengths=(5, 1, 0, 7), pad_to
     ref = (current + torch.randn(token_shape) * 0.3).float()
     # per response in the padded layout (each backend broadcasts it to the tokens), per token when packed
     is_ratio = (1 + 0.1 * torch.rand((S,) if not packed else token_shape)).float()
-    return Case(labels, adv, old, ref, is_ratio, mask, cu, vocab)
+    # the engine's log-probs: 0.4 from the trainer's, so a 1.5 cap truncates or masks about a third of the tokens
+    rollout = (old - torch.randn(token_shape) * 0.4).float()
+    return Case(labels, adv, old, ref, is_ratio, mask, cu, vocab, rollout)
 
 
 def configs(levels=LEVELS, loss_types=LOSS_TYPES):
@@ -93,13 +103,60 @@ def configs(levels=LEVELS, loss_types=LOSS_TYPES):
     return out
 
 
+def objective_configs():
+    """The objectives beyond the clipped surrogate, the dual clip, off-policy masking and every rollout
+    correction mode, each once, on different levels and aggregations (weights sit within ~3e-4 of 1 in
+    :func:`make_case`, so the clip edges below are reached; rollout log-probs 0.4 away, so a cap of 1.5 bites)."""
+    C = GSPOConfig
+    rc = dict(rollout_correction_max=1.5)
+    return [
+        C(loss_type="sapo", importance_sampling_level="token", beta=0.04, entropy_coef=0.01),
+        C(loss_type="sapo", importance_sampling_level="sequence", rollout_correction="token_truncate", **rc),
+        C(loss_type="cispo", importance_sampling_level="token", epsilon_high=1.0001, rollout_correction="icepop",
+          **rc),
+        C(loss_type="cispo", cispo_clip="band", importance_sampling_level="sequence_token", epsilon_low=1e-4,
+          epsilon_high=1e-4, aggregation="bnpo", temperature=0.7),
+        C(loss_type="luspo", importance_sampling_level="sequence", clip_ratio_c=1.0001,
+          rollout_correction="sequence_mask", **rc),
+        C(loss_type="vespo", importance_sampling_level="token", beta=0.04, use_bias_correction_kl=True,
+          rollout_correction="token_mask", **rc),
+        C(loss_type="vespo", importance_sampling_level="sequence", vespo_k_pos=1.5, vespo_lambda_neg=0.5),
+        C(loss_type="gmpo", importance_sampling_level="sequence", epsilon_low=1e-4, epsilon_high=2e-4,
+          rollout_correction="sequence_truncate", **rc),
+        C(loss_type="grpo", importance_sampling_level="token", clip_ratio_c=1.0001, aggregation="dapo",
+          off_policy_mask_threshold=0.05),
+        C(loss_type="dr_grpo", importance_sampling_level="token", max_completion_length=9,
+          rollout_correction="sequence_masked_tis", **rc),
+        C(loss_type="bnpo", importance_sampling_level="sequence", aggregation="seq_sum", delta=1.0002,
+          rollout_correction="token_mask", rollout_correction_min=0.8, rollout_correction_max=None),
+    ]
+
+
+def objective_id(config) -> str:
+    parts = [config.loss_type, config.importance_sampling_level]
+    if config.aggregation:
+        parts.append(config.aggregation)
+    if config.cispo_clip != "upper" and config.loss_type == "cispo":
+        parts.append(config.cispo_clip)
+    if config.clip_ratio_c:
+        parts.append("dual")
+    if config.off_policy_mask_threshold is not None:
+        parts.append("opsm")
+    if config.rollout_correction:
+        parts.append(config.rollout_correction)
+    return "-".join(parts)
+
+
 LENGTHS = (5, 1, 0, 7)  # includes a length-1 and an empty response
 
 
-def check_against_reference(out, expected, grads, ref_grads, rtol: float = RTOL) -> None:
-    """Loss (relative to max(|loss|, 1): it sums terms of either sign), metrics and gradients."""
+def check_against_reference(out, expected, grads, ref_grads, rtol: float = RTOL, loss_scale: float = 1.0) -> None:
+    """Loss (relative to max(|loss|, loss_scale): it sums terms of either sign), metrics and gradients.
+
+    ``loss_scale``: the size of one token's term where it is not ~|A| (CISPO / VESPO sum ``w A log pi``, terms
+    of size ``|log pi| ~ log V`` that cancel between advantages of either sign)."""
     assert torch.isfinite(out.loss)
-    loss_err = abs(out.loss.item() - expected.loss.item()) / max(abs(expected.loss.item()), 1.0)
+    loss_err = abs(out.loss.item() - expected.loss.item()) / max(abs(expected.loss.item()), loss_scale)
     assert loss_err < rtol, (out.loss.item(), expected.loss.item())
     extra = set(out.metrics) - set(expected.metrics)  # implementation diagnostics, never a math metric
     assert set(expected.metrics) <= set(out.metrics) and all(name.startswith("fused_linear/") for name in extra)
@@ -129,13 +186,14 @@ def logits_loss_vs_reference(backend: str, config, packed: bool, V: int = 97, de
                      packed=packed, lengths=LENGTHS,
                      per_token_adv=packed)
     x = base.clone().to(device).requires_grad_()
-    kw = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in case.kwargs(config.beta > 0).items()}
+    kw = {k: (v.to(device) if isinstance(v, torch.Tensor) else v)
+          for k, v in case.kwargs(config.beta > 0, config).items()}
     out = gk.gspo_loss(take(x), case.labels.to(device), case.advantages.to(device), case.old_logprobs.to(device),
                        config=config, backend=backend, **kw)
     grads = torch.autograd.grad(out.loss, (x,))
     x64 = base.double().requires_grad_()
     expected = reference.gspo_loss(take(x64), case.labels, case.advantages, case.old_logprobs, config=config,
-                                   **case.kwargs(config.beta > 0))
+                                   **case.kwargs(config.beta > 0, config))
     return out, expected, [g.cpu() for g in grads], torch.autograd.grad(expected.loss, (x64,))
 
 
@@ -160,7 +218,8 @@ def linear_loss_vs_reference(backend: str, config, packed: bool, V: int = 75, H:
         packed=packed, lengths=LENGTHS, per_token_adv=packed,
     )
     leaves = [t.clone().to(device).requires_grad_() for t in (base, weight, bias)]
-    kw = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in case.kwargs(config.beta > 0).items()}
+    kw = {k: (v.to(device) if isinstance(v, torch.Tensor) else v)
+          for k, v in case.kwargs(config.beta > 0, config).items()}
     out = gk.fused_linear_gspo_loss(take(leaves[0]), leaves[1], case.labels.to(device), case.advantages.to(device),
                                     case.old_logprobs.to(device), bias=leaves[2], config=config, backend=backend,
                                     **kw)
@@ -168,7 +227,7 @@ def linear_loss_vs_reference(backend: str, config, packed: bool, V: int = 75, H:
     leaves64 = [t.double().requires_grad_() for t in (base, weight, bias)]
     expected = reference.fused_linear_gspo_loss(take(leaves64[0]), leaves64[1], case.labels, case.advantages,
                                                 case.old_logprobs, bias=leaves64[2], config=config,
-                                                **case.kwargs(config.beta > 0))
+                                                **case.kwargs(config.beta > 0, config))
     return out, expected, [g.cpu() for g in grads], torch.autograd.grad(expected.loss, leaves64)
 
 

@@ -78,6 +78,7 @@ P_RW_SUM = tl.constexpr(15)  # rollout weight sum, min, max, items
 P_RW_MIN = tl.constexpr(16)
 P_RW_MAX = tl.constexpr(17)
 P_RW_UNITS = tl.constexpr(18)
+P_COUNT = tl.constexpr(19)  # the columns written; the rest of the row is never read
 # Columns the reduction takes the minimum / maximum of (the others are summed).
 MIN_COLUMNS = (P_W_MIN.value, P_RW_MIN.value)
 MAX_COLUMNS = (P_W_MAX.value, P_RW_MAX.value)
@@ -225,11 +226,11 @@ def _response_sums(logp_ptr, old_ptr, mask_ptr, roll_ptr, isr_ptr, adv_ptr, star
             v = tl.minimum(tl.maximum(r, -_VESPO_LOG_MAX), _VESPO_LOG_MAX)
             if HAS_IS_RATIO:
                 c = tl.load(isr_ptr + idx, mask=inside, other=1.0)
-                v += tl.minimum(tl.maximum(tl.log(c), _VESPO_LOG_MIN), _VESPO_LOG_MAX)
+                v += tl.minimum(tl.maximum(tl.log(tl.maximum(c, 1e-30)), _VESPO_LOG_MIN), _VESPO_LOG_MAX)
             if HAS_ROLLOUT:
                 if ROLLOUT != RC_NONE:  # token modes only (the config refuses the others for VESPO)
                     c = _rollout_weight(d, 0.0, lo, hi, ROLLOUT)
-                    v += tl.minimum(tl.maximum(tl.log(c), _VESPO_LOG_MIN), _VESPO_LOG_MAX)
+                    v += tl.minimum(tl.maximum(tl.log(tl.maximum(c, 1e-30)), _VESPO_LOG_MIN), _VESPO_LOG_MAX)
             v_acc += tl.where(on, v, 0.0)
         if OBJECTIVE == OBJ_GMPO:
             m, _ = _gmpo_clipped(r, adv, eps_low, eps_high)
@@ -594,7 +595,9 @@ def gspo_sequence_kernel(
     else:  # one phi per response
         tl.store(out + P_PHI, tl.where(counted, _vespo_phi(log_wv, adv_seq, k_pos, lam_pos, k_neg, lam_neg), 0.0))
         tl.store(out + P_PHI_UNITS, counted.to(tl.float32))
-    if (ROLLOUT == RC_SEQUENCE_TRUNCATE) | (ROLLOUT == RC_SEQUENCE_MASK):  # one weight per response
+    if not HAS_ROLLOUT:
+        _store_rollout_metrics(out, 0.0, 0.0, 0.0, float("inf"), float("-inf"), 0.0)
+    elif (ROLLOUT == RC_SEQUENCE_TRUNCATE) | (ROLLOUT == RC_SEQUENCE_MASK):  # one weight per response
         rho_one = _rollout_weight(0.0, rc_seq, rc_lo, rc_hi, ROLLOUT)
         _store_rollout_metrics(out, -sum_d, tl.sum(rz_acc, axis=0), tl.where(counted, rho_one, 0.0),
                                tl.where(counted, rho_one, float("inf")), tl.where(counted, rho_one, float("-inf")),
@@ -631,7 +634,7 @@ def gspo_reduce_kernel(
     acc = tl.zeros([BLOCK_S, PARTIALS_STRIDE], tl.float32) + pad[None, :]
     for s0 in range(0, num_seqs, BLOCK_S):
         rows = s0 + rows_in
-        inside = (rows < num_seqs)[:, None] & (cols < PARTIALS_STRIDE)[None, :]
+        inside = (rows < num_seqs)[:, None] & (cols < P_COUNT)[None, :]
         tile = tl.load(partials_ptr + rows.to(tl.int64)[:, None] * PARTIALS_STRIDE + cols[None, :], mask=inside,
                        other=0.0)
         tile = tl.where(inside, tile, pad[None, :])

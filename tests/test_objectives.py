@@ -1,0 +1,333 @@
+"""The objectives beyond the clipped surrogate (SAPO, CISPO, LUSPO, VESPO, GMPO), the dual clip, off-policy
+sequence masking and the rollout correction: every backend against the float64 reference (logits and hidden
+states, padded and packed, and ``policy_loss``), the gradients the peers define (stop-gradients included),
+the peers' own functions (TRL 1.16, verl 0.9.1) on the same inputs, and the config's refusals.
+
+Tolerances: fp32 results within 1e-5 relative of float64 (``tests/support.py``); the torch backend in float64
+within 1e-10 of the peers' float64 results.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import gspo_kernels as gk
+from gspo_kernels import reference
+from tests.support import (
+    RTOL,
+    check_against_reference,
+    linear_loss_vs_reference,
+    logits_loss_vs_reference,
+    make_case,
+    objective_configs,
+    objective_id,
+    rel_err,
+)
+from tests.test_conformance import _device, backend  # noqa: F401  (the backend fixture, small tiles included)
+
+CONFIGS = objective_configs()
+
+
+def _loss_scale(config, vocab: int) -> float:
+    """CISPO and VESPO sum ``w A log pi``: one term is ``|log pi| ~ log V`` (the helpers' V), not ``|A|``."""
+    return math.log(vocab) if config.loss_type in ("cispo", "vespo") else 1.0
+
+
+# ---------------------------------------------------------------------------------------------
+# Every backend against the float64 reference.
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+@pytest.mark.parametrize("config", CONFIGS, ids=objective_id)
+def test_logits_loss_matches_reference(backend, config, packed):  # noqa: F811
+    check_against_reference(*logits_loss_vs_reference(backend, config, packed, device=_device(backend)),
+                            loss_scale=_loss_scale(config, 97))
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+@pytest.mark.parametrize("config", CONFIGS, ids=objective_id)
+def test_linear_loss_matches_reference(backend, config, packed):  # noqa: F811
+    check_against_reference(*linear_loss_vs_reference(backend, config, packed, device=_device(backend)),
+                            loss_scale=_loss_scale(config, 75))
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=objective_id)
+def test_policy_loss_matches_reference(backend, config):  # noqa: F811
+    """The sequence stage alone (packed, per-token advantages, with entropies)."""
+    dev = _device(backend)
+    case = make_case(lambda y: torch.randn(y.shape, dtype=torch.float64) * 0.5 - 2.0, 11, packed=True,
+                     per_token_adv=True)
+    logp = (case.old_logprobs.double() + 2e-4 * torch.randn(case.old_logprobs.shape)).float()
+    entropy = torch.rand(logp.shape) + 0.5
+    kw = case.kwargs(config.beta > 0, config)
+    x, h = logp.clone().to(dev).requires_grad_(), entropy.clone().to(dev).requires_grad_()
+    out = gk.policy_loss(x, case.advantages.to(dev), case.old_logprobs.to(dev), entropy=h, config=config,
+                         backend=backend, **{k: (v.to(dev) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()})
+    grads = [g.cpu() for g in torch.autograd.grad(out.loss, (x, h), allow_unused=True, materialize_grads=True)]
+    x64, h64 = logp.double().requires_grad_(), entropy.double().requires_grad_()
+    expected = reference.policy_loss(x64, case.advantages, case.old_logprobs, entropy=h64, config=config, **kw)
+    ref_grads = torch.autograd.grad(expected.loss, (x64, h64), allow_unused=True, materialize_grads=True)
+    check_against_reference(out, expected, grads, ref_grads, loss_scale=_loss_scale(config, 11))
+
+
+# ---------------------------------------------------------------------------------------------
+# The gradients the peers define, from the formulas (not from the code).
+# ---------------------------------------------------------------------------------------------
+
+
+def _token_problem(S=3, T=5, seed=0, spread=0.3):
+    g = torch.Generator().manual_seed(seed)
+    logp = torch.randn(S, T, generator=g, dtype=torch.float64) * 0.5 - 1.5
+    old = logp - torch.randn(S, T, generator=g, dtype=torch.float64) * spread
+    adv = torch.randn(S, generator=g, dtype=torch.float64)
+    adv[1] = -abs(adv[1]) - 0.2
+    adv[0] = abs(adv[0]) + 0.2
+    return logp, old, adv
+
+
+@pytest.mark.parametrize("name", ["torch", "triton"])
+def test_cispo_gradient_is_the_detached_capped_weight_times_the_advantage(name):
+    """CISPO's loss ``-sg(min(r, cap)) A log pi``: ``dL/dlogp_t = -min(r_t, cap) A / N`` (dapo over N tokens);
+    the gradient never flows through the weight, so it differs from ``d/dlogp`` of the value."""
+    logp, old, adv = _token_problem()
+    cap = 1.1
+    cfg = gk.GSPOConfig(loss_type="cispo", importance_sampling_level="token", epsilon_high=cap)
+    x = logp.float().clone().requires_grad_()
+    out = gk.policy_loss(x, adv.float(), old.float(), config=cfg, backend=name)
+    (grad,) = torch.autograd.grad(out.loss, x)
+    r = torch.exp(logp - old)
+    expected = -torch.clamp(r, max=cap) * adv[:, None] / logp.numel()
+    assert rel_err(grad, expected) < RTOL
+    assert (r > cap).any() and (r < cap).any()  # both sides of the cap
+    expected_value = (-torch.clamp(r, max=cap) * adv[:, None] * logp).sum() / logp.numel()
+    assert abs(out.loss.item() - expected_value.item()) < RTOL * max(1.0, abs(expected_value.item()))
+    # the band variant (verl): clamp(r, 1 - eps_low, 1 + eps_high)
+    cfg = gk.GSPOConfig(loss_type="cispo", cispo_clip="band", importance_sampling_level="token", epsilon_low=0.1,
+                        epsilon_high=0.15, aggregation="bnpo")
+    x = logp.float().clone().requires_grad_()
+    (grad,) = torch.autograd.grad(gk.policy_loss(x, adv.float(), old.float(), config=cfg, backend=name).loss, x)
+    assert rel_err(grad, -torch.clamp(r, 0.9, 1.15) * adv[:, None] / logp.numel()) < RTOL
+
+
+@pytest.mark.parametrize("name", ["torch", "triton"])
+def test_sapo_gradient_is_the_soft_gate_derivative(name):
+    """SAPO: ``l = -(4 / tau) sigmoid(tau (r - 1)) A``, ``tau = 1.0`` for ``A > 0`` and ``1.05`` otherwise;
+    ``dl/dlogp = -4 s (1 - s) r A`` (grpo aggregation: divided by ``|y_i| S``)."""
+    logp, old, adv = _token_problem(spread=0.8)
+    S, T = logp.shape
+    cfg = gk.GSPOConfig(loss_type="sapo", importance_sampling_level="token")
+    x = logp.float().clone().requires_grad_()
+    out = gk.policy_loss(x, adv.float(), old.float(), config=cfg, backend=name)
+    (grad,) = torch.autograd.grad(out.loss, x)
+    r = torch.exp(logp - old)
+    tau = torch.where(adv > 0, 1.0, 1.05).double()[:, None]
+    s = torch.sigmoid(tau * (r - 1))
+    assert rel_err(grad, -4 * s * (1 - s) * r * adv[:, None] / (T * S)) < RTOL
+    value = (-(4 / tau) * s * adv[:, None]).mean(1).mean()
+    assert abs(out.loss.item() - value.item()) < RTOL * max(1.0, abs(value.item()))
+
+
+@pytest.mark.parametrize("name", ["torch", "triton"])
+def test_vespo_gradient_is_the_detached_gamma_weight(name):
+    """VESPO: ``log w_i = clamp(sum_t log r_t, log 1e-8, 20)``, ``phi = e^lambda w^k e^(-lambda w)``
+    ((2, 3) for ``A >= 0``, (3, 2) otherwise), ``dL/dlogp_t = -phi_i A_i / N``."""
+    logp, old, adv = _token_problem(spread=0.1)
+    cfg = gk.GSPOConfig(loss_type="vespo", importance_sampling_level="token")
+    x = logp.float().clone().requires_grad_()
+    out = gk.policy_loss(x, adv.float(), old.float(), config=cfg, backend=name)
+    (grad,) = torch.autograd.grad(out.loss, x)
+    w = torch.exp((logp - old).sum(1))
+    k = torch.where(adv >= 0, 2.0, 3.0).double()
+    lam = torch.where(adv >= 0, 3.0, 2.0).double()
+    phi = math.e ** lam * w**k * torch.exp(-lam * w)
+    assert rel_err(grad, (-phi * adv)[:, None].expand_as(logp) / logp.numel()) < RTOL
+    assert abs(float(out.metrics["vespo/phi_seq_mean"]) - phi.mean().item()) < RTOL
+
+
+def test_gmpo_gradient_by_finite_differences():
+    """GMPO has no stop-gradient: the float64 torch objective passes gradcheck, clipped tokens included."""
+    logp, old, adv = _token_problem(spread=0.3)
+    cfg = gk.GSPOConfig(loss_type="gmpo", epsilon_low=0.2, epsilon_high=0.25)
+    r = logp - old
+    assert ((r > 0.25) | (r < -0.2)).any() and ((r.abs() < 0.2)).any()
+    x = logp.clone().requires_grad_()
+    assert torch.autograd.gradcheck(lambda lp: gk.policy_loss(lp, adv, old, config=cfg, backend="torch").loss, (x,),
+                                    eps=1e-7, atol=1e-9, rtol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["torch", "triton"])
+def test_dual_clip_bounds_the_negative_advantage_loss(name):
+    """verl's dual clip: for ``A < 0`` and ``r > c`` the token's loss is ``c |A|`` and its gradient 0."""
+    c = 1.5
+    logp = torch.tensor([[-1.0, -1.0, -1.0]])
+    old = logp - torch.tensor([[0.0, math.log(2.0), math.log(1.2)]])  # r = 1, 2, 1.2
+    adv = torch.tensor([-1.0])
+    cfg = gk.GSPOConfig(importance_sampling_level="token", epsilon_low=0.2, epsilon_high=0.2, clip_ratio_c=c,
+                        loss_type="bnpo")
+    x = logp.clone().requires_grad_()
+    out = gk.policy_loss(x, adv, old, config=cfg, backend=name)
+    (grad,) = torch.autograd.grad(out.loss, x)
+    # -min(rA, clip(r)A) = 1, 2, 1.2; the dual clip caps the middle one at 1.5
+    assert abs(out.loss.item() - (1 + 1.5 + 1.2) / 3) < 1e-6
+    torch.testing.assert_close(grad, torch.tensor([[1.0, 0.0, 1.2]]) / 3, rtol=1e-6, atol=1e-7)
+
+
+# ---------------------------------------------------------------------------------------------
+# The peers' own functions on the same inputs (float64).
+# ---------------------------------------------------------------------------------------------
+
+
+def _verl_config(**kw):
+    from verl.workers.config import ActorConfig
+
+    return ActorConfig(strategy="fsdp", ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=2, rollout_n=4,
+                       clip_ratio_low=0.2, clip_ratio_high=0.28, **kw)
+
+
+@pytest.mark.parametrize("mode", ["sapo", "cispo", "geo_mean", "vanilla"])
+def test_matches_verl_policy_losses(mode):
+    """verl 0.9.1's ``sapo``, ``cispo`` (band clip), ``geo_mean`` and ``vanilla`` (dual clip at 3) against the
+    torch objective in float64: loss and gradient (no empty response: verl's seq-mean skips them)."""
+    from verl.trainer.ppo import core_algos
+
+    logp, old, adv = _token_problem(S=4, T=6, spread=0.6)
+    logp[3] -= 0.0
+    old[3] = logp[3] - 1.3  # r = e^1.3 > 3: the dual clip for a negative advantage
+    adv[3] = -0.7
+    mask = torch.ones_like(logp)
+    mask[2, 4:] = 0
+    adv_t = adv[:, None].expand_as(logp).clone()
+    verl_fn = core_algos.get_policy_loss_fn(mode)
+    agg = {"sapo": "seq-mean-token-mean", "cispo": "token-mean", "geo_mean": "token-mean",
+           "vanilla": "token-mean"}[mode]
+    lp = logp.clone().requires_grad_()
+    loss, _ = verl_fn(old_log_prob=old, log_prob=lp, advantages=adv_t, response_mask=mask, loss_agg_mode=agg,
+                      config=_verl_config(clip_ratio_c=3.0))
+    (verl_grad,) = torch.autograd.grad(loss, lp)
+    ours_cfg = {
+        "sapo": dict(loss_type="sapo", importance_sampling_level="token"),
+        "cispo": dict(loss_type="cispo", cispo_clip="band", importance_sampling_level="token", aggregation="bnpo"),
+        "geo_mean": dict(loss_type="gmpo"),
+        "vanilla": dict(loss_type="bnpo", importance_sampling_level="token", clip_ratio_c=3.0),
+    }[mode]
+    cfg = gk.GSPOConfig(epsilon_low=0.2, epsilon_high=0.28, **ours_cfg)
+    x = logp.clone().requires_grad_()
+    out = gk.policy_loss(x, adv, old, mask=mask, config=cfg, backend="torch")
+    (grad,) = torch.autograd.grad(out.loss, x)
+    # verl divides by (|y| + 1e-8) in geo_mean: 1e-9 relative at these lengths
+    assert abs(out.loss.item() - loss.item()) < 1e-8 * max(1.0, abs(loss.item()))
+    assert rel_err(grad * mask, verl_grad * mask) < 1e-8
+
+
+def test_matches_trl_gamma_weights_and_off_policy_mask():
+    """TRL 1.16's ``get_gamma_weights`` (VESPO, with a token-level IS ratio folded in) and
+    ``get_off_policy_mask`` against the library's pieces, from the same float64 inputs."""
+    from trl.trainer.grpo_trainer import GRPOTrainer
+
+    from gspo_kernels.objective import off_policy_keep, vespo_log_weight, vespo_phi
+
+    logp, old, adv = _token_problem(S=4, T=6, spread=0.2)
+    mask = torch.ones_like(logp)
+    mask[2, 3:] = 0
+    is_ratio = torch.where(mask > 0, torch.rand(logp.shape, dtype=torch.float64) + 0.5, 1.0)
+    is_ratio[0, 1] = 0.0  # a masked-out token: log 0 -> log 1e-8
+    phi_trl = GRPOTrainer.get_gamma_weights(adv[:, None], logp - old, mask, is_ratio)
+    S, T = logp.shape
+    valid, seq = (mask > 0).reshape(-1), torch.arange(S).repeat_interleave(T)
+    log_w = vespo_log_weight((logp - old).reshape(-1), is_ratio.reshape(-1), valid, seq, S)
+    cfg = gk.GSPOConfig(loss_type="vespo")
+    torch.testing.assert_close(vespo_phi(log_w, adv, cfg), phi_trl[:, 0], rtol=1e-12, atol=1e-300)
+
+    sampling = logp - torch.randn(logp.shape, dtype=torch.float64) * 0.3
+    sampling[1, 2] = float("nan")  # not scored by the engine: no evidence
+    keep_trl = GRPOTrainer.get_off_policy_mask(adv[:, None], logp, sampling, mask, 0.05)
+    keep = off_policy_keep(logp.reshape(-1), sampling.reshape(-1), adv[seq], valid, seq, S, 0.05)
+    torch.testing.assert_close(keep.reshape(S, T)[:, 0], keep_trl[:, 0])
+    assert 0 < keep_trl.sum() < S  # both outcomes
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])
+def test_rollout_correction_matches_trl_vllm_importance_sampling(mode):
+    """TRL's vLLM importance sampling (``exp`` of the masked log-prob difference, summed over the response for
+    the sequence modes; truncated or masked at C_min / C_max) written out here from its definition, against the
+    library's correction: the loss equals the clipped loss times those weights, in float64."""
+    logp, old, adv = _token_problem(S=4, T=6, spread=0.05)
+    mask = torch.ones_like(logp)
+    mask[1, 4:] = 0
+    rollout = old - torch.randn(logp.shape, dtype=torch.float64) * 0.15
+    c_min, c_max = 0.8, 1.3
+    diff = (old - rollout) * mask
+    ratio = torch.exp(diff.sum(-1, keepdim=True) if mode.startswith("sequence") else diff)
+    if mode.endswith("truncate"):
+        weights = ratio.clamp(c_min, c_max)
+    else:
+        weights = ratio.masked_fill((ratio < c_min) | (ratio > c_max), 0.0)
+    weights = weights.expand_as(logp)
+    assert (weights != ratio.expand_as(logp)).any() and (weights == ratio.expand_as(logp)).any()
+    base = gk.GSPOConfig(importance_sampling_level="token", epsilon_low=0.2, epsilon_high=0.2, loss_type="bnpo")
+    corrected = gk.GSPOConfig(importance_sampling_level="token", epsilon_low=0.2, epsilon_high=0.2,
+                              loss_type="bnpo", rollout_correction=mode, rollout_correction_min=c_min,
+                              rollout_correction_max=c_max)
+    x, y = logp.clone().requires_grad_(), logp.clone().requires_grad_()
+    want = gk.policy_loss(x, adv, old, mask=mask, is_ratio=weights, config=base, backend="torch")
+    got = gk.policy_loss(y, adv, old, mask=mask, rollout_logprobs=rollout, config=corrected, backend="torch")
+    assert abs(got.loss.item() - want.loss.item()) < 1e-12
+    torch.testing.assert_close(torch.autograd.grad(got.loss, y)[0], torch.autograd.grad(want.loss, x)[0])
+    # the mismatch metrics: verl's direct KL estimator, TRL's weight statistics (over responses for sequence modes)
+    assert abs(float(got.metrics["rollout/kl"]) - ((rollout - old) * mask).sum().item() / mask.sum().item()) < 1e-6
+    flat = weights[:, 0] if mode.startswith("sequence") else weights[mask > 0]
+    assert abs(float(got.metrics["rollout/weight_max"]) - flat.max().item()) < 1e-6
+    assert abs(float(got.metrics["rollout/weight_mean"]) - flat.mean().item()) < 1e-6
+    zero_fraction = ((weights == 0) & (mask > 0)).sum().item() / mask.sum().item()
+    assert abs(float(got.metrics["rollout/masked_fraction"]) - zero_fraction) < 1e-6
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs and options refused with a clear error.
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(loss_type="ppo"), "loss_type must be one of"),
+    (dict(aggregation="token-mean"), "aggregation must be None or one of"),
+    (dict(aggregation="dr_grpo"), "max_completion_length is required"),
+    (dict(loss_type="sapo", sapo_temperature_neg=0.0), "sapo_temperature_neg must be a finite number > 0"),
+    (dict(loss_type="sapo", sapo_temperature_pos=float("inf")), "sapo_temperature_pos"),
+    (dict(loss_type="cispo"), "epsilon_high is CISPO's absolute cap"),
+    (dict(loss_type="cispo", epsilon_high=5.0, cispo_clip="lower"), "cispo_clip must be one of"),
+    (dict(loss_type="vespo", vespo_lambda_pos=0.0), "vespo_lambda_pos must be a finite number >= 1e-4"),
+    (dict(loss_type="vespo", vespo_k_neg=-1.0), "vespo_k_neg must be a finite number >= 0"),
+    (dict(clip_ratio_c=1.0), "clip_ratio_c must be None or a finite number > 1"),
+    (dict(loss_type="sapo", clip_ratio_c=3.0), "clip_ratio_c .* applies to the clipped surrogate only"),
+    (dict(loss_type="gmpo", delta=2.0), "delta .* applies to the clipped surrogate only"),
+    (dict(off_policy_mask_threshold=-0.1), "off_policy_mask_threshold must be None or a finite number >= 0"),
+    (dict(rollout_correction="tis"), "rollout_correction must be None or one of"),
+    (dict(rollout_correction="token_truncate", rollout_correction_max=0.0), "rollout_correction_max must be"),
+    (dict(rollout_correction_min=2.0, rollout_correction_max=1.5), r"rollout_correction_min \(2.0\) must be <="),
+    (dict(rollout_correction="token_mask", rollout_correction_max=None), "needs rollout_correction_max or"),
+    (dict(rollout_correction="icepop", rollout_correction_max=None), r"needs rollout_correction_max \(C_max\)"),
+    (dict(loss_type="vespo", rollout_correction="sequence_mask"), "loss_type='vespo' folds the rollout correction"),
+])
+def test_config_refuses(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        gk.GSPOConfig(**kwargs)
+
+
+def test_rollout_arguments_refused():
+    logp, old, adv = _token_problem()
+    cfg = gk.GSPOConfig(rollout_correction="token_truncate")
+    with pytest.raises(ValueError, match="rollout_logprobs is required"):
+        gk.policy_loss(logp, adv, old, config=cfg)
+    with pytest.raises(ValueError, match="is_ratio and config.rollout_correction are exclusive"):
+        gk.policy_loss(logp, adv, old, rollout_logprobs=old, is_ratio=torch.ones_like(logp), config=cfg)
+    with pytest.raises(ValueError, match="rollout_logprobs must have the token shape"):
+        gk.policy_loss(logp, adv, old, rollout_logprobs=old[:, :2], config=cfg)
+    # rollout_logprobs without a correction: the metrics only, the loss unchanged
+    plain = gk.policy_loss(logp, adv, old)
+    out = gk.policy_loss(logp, adv, old, rollout_logprobs=old - 0.1)
+    assert out.loss.item() == plain.loss.item()
+    assert abs(float(out.metrics["rollout/kl"]) + 0.1) < 1e-6 and float(out.metrics["rollout/masked_fraction"]) == 0
