@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from gspo_kernels.checks import check_temperature
+from gspo_kernels.checks import check_softcap, check_temperature
 
 IMPORTANCE_SAMPLING_LEVELS = ("sequence", "sequence_token", "token")
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
@@ -31,6 +31,8 @@ class GSPOConfig:
         log_ratio_clamp: optional upper bound ``c`` on the log importance weight before ``exp`` (verl's
             numerical guard: 10 in its GSPO loss, 20 in its PPO loss): ``w = exp(min(log w, c))``, and no
             gradient flows through a clamped weight. None (the default) clamps nothing.
+        final_logit_softcapping: optional logit soft cap ``c`` (Gemma 2/3, the model config's name): the
+            logits become ``c * tanh(z / c)`` before the division by ``temperature``. None: no cap.
     """
 
     importance_sampling_level: str = "sequence"
@@ -44,6 +46,7 @@ class GSPOConfig:
     max_completion_length: Optional[int] = None
     entropy_coef: float = 0.0
     log_ratio_clamp: Optional[float] = None
+    final_logit_softcapping: Optional[float] = None
 
     def __post_init__(self) -> None:
         if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
@@ -80,6 +83,7 @@ class GSPOConfig:
             raise ValueError(f"log_ratio_clamp must be None or a finite number > 0, got {self.log_ratio_clamp!r}")
         if not isinstance(self.use_bias_correction_kl, bool):
             raise ValueError(f"use_bias_correction_kl must be a bool, got {self.use_bias_correction_kl!r}")
+        check_softcap(self.final_logit_softcapping)
 
 
 def _finite(value: object) -> bool:
