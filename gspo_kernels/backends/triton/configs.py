@@ -202,16 +202,16 @@ def _linear_h100() -> List[dict]:
     out = []
     index = {"order_ptr": "i64", "count_ptr": "i64", "labels_ptr": "i64"}
     for dtype, cfg, variants in (("bf16", CUDA_FWD_CONFIG, (False, True)), ("fp32", CUDA_FWD_CONFIG_FP32, (True,))):
-        for has_bias in variants:
+        for has_bias, softcap in [(b, False) for b in variants] + ([(True, True)] if dtype == "bf16" else []):
             out.append({
-                "name": f"linear_logprobs_fwd{'_bias' if has_bias else ''}[{dtype}]",
+                "name": f"linear_logprobs_fwd{'_bias' if has_bias else ''}[{dtype}{',softcap' if softcap else ''}]",
                 "kernel": "linear_invariant.linear_logprobs_fwd_kernel",
                 "pointers": {"hidden_ptr": dtype, "weight_ptr": dtype, **index},
-                "floats": ["inv_temperature"],
+                "floats": ["inv_temperature", "softcap"],
                 "constexprs": {
                     "stride_hh": 1, "stride_wh": 1, "HAS_BIAS": has_bias, "HAS_ORDER": True, "EVEN_H": True,
                     "UPCAST": False, "BLOCK_N": cfg["BLOCK_N"], "BLOCK_V": cfg["BLOCK_V"], "BLOCK_H": cfg["BLOCK_H"],
-                    "GROUP_N": cfg["GROUP_N"],
+                    "GROUP_N": cfg["GROUP_N"], "HAS_SOFTCAP": softcap, "FAST_MATH": True,
                 },
                 "num_warps": cfg["num_warps"],
                 "num_stages": cfg["num_stages"],
@@ -225,15 +225,19 @@ def _linear_h100() -> List[dict]:
     for dtype, cfgs in (("bf16", CUDA_BWD_CONFIG), ("fp32", CUDA_BWD_CONFIG_FP32)):
         dz, dh, dw = cfgs["dz"], cfgs["dh"], cfgs["dw"]
         common = {"floats": ["inv_temperature"], "uses_dot": dtype != "fp32"}
-        for name, with_bias_entropy in (("linear_dz_bias_entropy", True), ("linear_dz", False)):
+        dz_variants = (("linear_dz_bias_entropy", True, False), ("linear_dz", False, False))
+        if dtype == "bf16":
+            dz_variants += (("linear_dz_bias_entropy_softcap", True, True),)
+        for name, with_bias_entropy, softcap in dz_variants:
             out.append(dict(common, **{
                 "name": f"{name}[{dtype}]", "kernel": "linear_invariant.linear_dz_kernel",
                 "pointers": {"hidden_ptr": dtype, "weight_ptr": dtype, "dz_ptr": dtype, **index},
+                "floats": ["inv_temperature", "softcap"],
                 "constexprs": {
                     "stride_hh": 1, "stride_wh": 1, "HAS_BIAS": with_bias_entropy, "HAS_LOGP_GRAD": True,
                     "HAS_ENTROPY_GRAD": with_bias_entropy, "COMPUTE_DB": with_bias_entropy, "EVEN_H": True,
                     "UPCAST": False, "BLOCK_N": dz["BLOCK_N"], "BLOCK_V": dz["BLOCK_V"], "BLOCK_H": dz["BLOCK_H"],
-                    "GROUP": dz["GROUP"]},
+                    "GROUP": dz["GROUP"], "HAS_SOFTCAP": softcap, "FAST_MATH": True},
                 "num_warps": dz["num_warps"], "num_stages": dz["num_stages"],
                 "aligned_ints": ["H", "V", "stride_hb", "stride_ht", "stride_wv"],
             }))
