@@ -289,8 +289,8 @@ def loops(instrs: List[tuple]) -> List[dict]:
     found = []
     for latch, targets in enumerate(succ):
         for header in targets:
-            if header > latch or instrs[latch][2].split(".")[0] != "BRA":
-                continue
+            if header >= latch or instrs[latch][2].split(".")[0] != "BRA":
+                continue  # (a branch to itself: the trap ptxas puts after the last EXIT)
             body, stack = {header, latch}, [latch]
             while stack:
                 node = stack.pop()
