@@ -140,6 +140,18 @@ def check_temperature(temperature: object, name: str = "temperature") -> float:
     return float(temperature)
 
 
+def check_softcap(value: object, name: str = "final_logit_softcapping") -> Optional[float]:
+    """The logit soft cap ``c`` (logits ``z -> c * tanh(z / c)`` before the temperature): None (no cap) or a
+    finite number > 0. A bool or a non-number is a ``TypeError``, any other bad value a ``ValueError``."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be None or a finite number > 0, got {type(value).__name__} {value!r}")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be None or a finite number > 0, got {value!r}")
+    return float(value)
+
+
 def check_logits(logits: Tensor, labels: Tensor, cu_seqlens: Optional[Tensor]) -> Tensor:
     """``logits`` must be ``[B, T, V]`` (padded) or ``[N, V]`` (packed), matching ``labels``."""
     logits = check_float("logits", logits)

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from gspo_kernels.checks import check_temperature
+from gspo_kernels.checks import check_softcap, check_temperature
 
 IMPORTANCE_SAMPLING_LEVELS = ("sequence", "sequence_token", "token")
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")  # the aggregations (TRL's names)
@@ -65,6 +65,8 @@ class GSPOConfig:
         rollout_correction: the train/rollout mismatch correction computed from ``rollout_logprobs`` (one of
             :data:`ROLLOUT_CORRECTIONS`), with the bounds ``rollout_correction_max`` (C_max) and
             ``rollout_correction_min`` (C_min; icepop and sequence_masked_tis default it to 1 / C_max).
+        final_logit_softcapping: optional logit soft cap ``c`` (Gemma 2/3, the model config's name): the
+            logits become ``c * tanh(z / c)`` before the division by ``temperature``. None: no cap.
     """
 
     importance_sampling_level: str = "sequence"
@@ -91,6 +93,7 @@ class GSPOConfig:
     rollout_correction: Optional[str] = None
     rollout_correction_max: Optional[float] = 3.0
     rollout_correction_min: Optional[float] = None
+    final_logit_softcapping: Optional[float] = None
 
     @property
     def objective(self) -> str:
@@ -150,6 +153,7 @@ class GSPOConfig:
             raise ValueError(f"use_bias_correction_kl must be a bool, got {self.use_bias_correction_kl!r}")
         self._check_objective_options()
         self._check_rollout_correction()
+        check_softcap(self.final_logit_softcapping)
 
     def _check_objective_options(self) -> None:
         objective = self.objective

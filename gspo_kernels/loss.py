@@ -29,6 +29,7 @@ from gspo_kernels.checks import (
     check_logits,
     check_memory_budget,
     check_same_device,
+    check_softcap,
     check_temperature,
 )
 from gspo_kernels.config import GSPOConfig, check_config
@@ -49,6 +50,7 @@ def token_logprobs(
     backend: str = "auto",
     vocab_parallel: Optional[VocabParallel] = None,
     check_finite: bool = False,
+    final_logit_softcapping: Optional[float] = None,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Differentiable per-token log-probs ``log softmax(logits / temperature)[labels]`` in fp32.
 
@@ -59,6 +61,8 @@ def token_logprobs(
             process group (``logits [..., end - start]``, global labels; see ``docs/tensor_parallel.md``).
         check_finite: raise ``ValueError`` naming ``logits`` when a row holds NaN or +inf or a non-finite
             logit at its label (default: NaN in, NaN out; see ``docs/policies.md``).
+        final_logit_softcapping: the soft cap ``c`` of Gemma 2/3: ``log softmax(c tanh(logits / c) / temperature)``
+            (the cap before the temperature), in the forward and the backward. None: no cap.
     Returns:
         ``logp`` shaped like ``labels`` (fp32; fp64 for fp64 logits), and the entropy ``H`` of each
         row's distribution when ``return_entropy``. First-order differentiable only.
@@ -66,7 +70,7 @@ def token_logprobs(
     check_logits(logits, labels, None)
     head = _LogitsHead(logits, check_vocab_parallel(vocab_parallel), inplace_backward=False)
     return _run_logprobs(head, labels, temperature=temperature, return_entropy=return_entropy, backend=backend,
-                         check_finite=check_finite)
+                         check_finite=check_finite, softcap=final_logit_softcapping)
 
 
 def linear_logprobs(
@@ -83,6 +87,7 @@ def linear_logprobs(
     check_finite: bool = False,
     memory_budget: Optional[int] = None,
     batch_invariant: bool = False,
+    final_logit_softcapping: Optional[float] = None,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Per-token log-probs (and entropy) of ``hidden @ weight.T + bias``; the logits never exist.
 
@@ -103,6 +108,8 @@ def linear_logprobs(
         batch_invariant: a row's log-prob, entropy and ``dH`` row are the same bits whatever the other rows
             of the batch, the row's position and ``memory_budget`` (``backend="triton"`` and ``"cpu"``; the
             price in speed is in ``docs/gpu.md`` and ``docs/cpu_backends.md``). ``backend="torch"`` refuses it.
+        final_logit_softcapping: the soft cap ``c``, applied to ``hidden @ weight.T + bias`` before the
+            temperature, as in :func:`token_logprobs`.
     Returns:
         fp32 tensors shaped like ``labels`` (fp64 for fp64 inputs); first-order differentiable for hidden,
         weight and bias.
@@ -111,7 +118,7 @@ def linear_logprobs(
     head = _LinearHead(hidden, weight, bias, check_vocab_parallel(vocab_parallel), fp32_head=fp32_head,
                        memory_budget=memory_budget, batch_invariant=batch_invariant)
     return _run_logprobs(head, labels, temperature=temperature, return_entropy=return_entropy, backend=backend,
-                         check_finite=check_finite)
+                         check_finite=check_finite, softcap=final_logit_softcapping)
 
 
 def gspo_loss(
@@ -235,7 +242,8 @@ def policy_loss(
             :func:`gspo_loss` (token-shaped tensors have ``logprobs``' shape).
         entropy: per-token entropies (``logprobs``' shape), differentiable; required when
             ``config.entropy_coef != 0``, optional otherwise (it then only feeds the ``entropy`` metric).
-        config: ``config.temperature`` has no effect here (the log-probs are given).
+        config: ``config.temperature`` and ``config.final_logit_softcapping`` have no effect here (the
+            log-probs are given: apply both where they are computed).
         backend: ``"triton"`` runs the fused Triton sequence stage; the others run the PyTorch one.
         check_finite: raise ``ValueError`` naming the argument when ``logprobs``, ``entropy`` or another
             float input holds NaN / inf at an unmasked position. Default: NaN in, NaN out.
@@ -275,12 +283,12 @@ class _LogitsHead(_Head):
         check_finite_logits(self.logits, labels if self.vp is None else None, checks, counted)
 
     def logprobs(self, impl: Backend, labels: Tensor, active: Optional[Tensor], temperature: float,
-                 return_entropy: bool) -> Tuple[Tensor, Optional[Tensor]]:
+                 return_entropy: bool, softcap: Optional[float] = None) -> Tuple[Tensor, Optional[Tensor]]:
         logits = self.logits
         rows = logits if logits.dim() in (2, 3) else logits.reshape(-1, logits.shape[-1])
         stage = impl.logits_logprobs if self.vp is None else functools.partial(parallel.logits_logprobs, impl, self.vp)
         return stage(rows, labels, active=active, temperature=temperature, return_entropy=return_entropy,
-                     inplace_backward=self.inplace_backward)
+                     inplace_backward=self.inplace_backward, **_softcap_kwargs(softcap))
 
 
 class _LinearHead(_Head):
@@ -308,15 +316,16 @@ class _LinearHead(_Head):
             return None
         hidden = self.hidden.reshape(-1, self.hidden.shape[-1])
         return impl.fused_linear_loss(objective, hidden, self.weight, self.bias, inputs, config,
-                                      memory_budget=self.options["memory_budget"])
+                                      memory_budget=self.options["memory_budget"],
+                                      **_softcap_kwargs(config.final_logit_softcapping))
 
     def logprobs(self, impl: Backend, labels: Tensor, active: Optional[Tensor], temperature: float,
-                 return_entropy: bool) -> Tuple[Tensor, Optional[Tensor]]:
+                 return_entropy: bool, softcap: Optional[float] = None) -> Tuple[Tensor, Optional[Tensor]]:
         hidden = self.hidden
         rows = hidden if hidden.dim() in (2, 3) else hidden.reshape(-1, hidden.shape[-1])
         stage = impl.linear_logprobs if self.vp is None else functools.partial(parallel.linear_logprobs, impl, self.vp)
         return stage(rows, self.weight, self.bias, labels, active=active, temperature=temperature,
-                     return_entropy=return_entropy, **self.options)
+                     return_entropy=return_entropy, **self.options, **_softcap_kwargs(softcap))
 
 
 class _GivenLogprobs(_Head):
@@ -346,8 +355,8 @@ class _GivenLogprobs(_Head):
             check_finite_values("entropy", self.entropy, checks, counted)
 
     def logprobs(self, impl: Backend, labels: Optional[Tensor], active: Optional[Tensor], temperature: float,
-                 return_entropy: bool) -> Tuple[Tensor, Optional[Tensor]]:
-        return self.logp, self.entropy
+                 return_entropy: bool, softcap: Optional[float] = None) -> Tuple[Tensor, Optional[Tensor]]:
+        return self.logp, self.entropy  # given: the temperature and the soft cap were applied by the caller
 
 
 def _run(head, tokens: Tensor, advantages: Tensor, old_logprobs: Optional[Tensor], *, mask, cu_seqlens, ref_logprobs,
@@ -376,16 +385,18 @@ def _run(head, tokens: Tensor, advantages: Tensor, old_logprobs: Optional[Tensor
     with backend_context(head.device):
         output = head.fused_loss(impl, objective, inputs, config)
         if output is None:
-            logp, entropy = head.logprobs(impl, inputs.labels, counted, config.temperature, True)
+            logp, entropy = head.logprobs(impl, inputs.labels, counted, config.temperature, True,
+                                          config.final_logit_softcapping)
             output = objective(logp, entropy, inputs, config)
     (loss,) = first_order_only(output.loss)
     return LossOutput(loss, output.metrics)
 
 
 def _run_logprobs(head, labels: Tensor, *, temperature: float, return_entropy: bool, backend: str,
-                  check_finite: bool) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+                  check_finite: bool, softcap: Optional[float] = None) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """The per-token functions: the same checks and dispatch as :func:`_run`, without the objective."""
     check_temperature(temperature)
+    softcap = check_softcap(softcap)
     check_bool("return_entropy", return_entropy)
     check_bool("check_finite", check_finite)
     checks = ValueChecks()
@@ -396,10 +407,16 @@ def _run_logprobs(head, labels: Tensor, *, temperature: float, return_entropy: b
         checks.run()
     impl = backends.resolve(backend, head.device)
     with backend_context(head.device):
-        logp, entropy = head.logprobs(impl, flat, None, temperature, return_entropy)
+        logp, entropy = head.logprobs(impl, flat, None, temperature, return_entropy, softcap)
     logp, entropy = first_order_only(logp, entropy)
     logp = logp.reshape(labels.shape)
     return (logp, entropy.reshape(labels.shape)) if return_entropy else logp
+
+
+def _softcap_kwargs(softcap: Optional[float]) -> dict:
+    """The backend contract's ``softcap`` keyword, passed only when a cap is set (an uncapped call is the
+    same call as before the keyword existed)."""
+    return {} if softcap is None else {"softcap": float(softcap)}
 
 
 def _upcast_half(x: Tensor) -> Tensor:

@@ -20,6 +20,11 @@ rank, so each rank's gradient of the reduced value is already the gradient of it
 backend's own backward; ``dH`` (the hidden states' gradient) is partial on each rank and is summed over
 the group by an identity-forward / all-reduce-backward on ``hidden`` (copy-to-region) unless
 ``reduce_hidden_grad=False`` (for a caller whose column-parallel layer reduces it itself).
+
+A soft cap ``c`` (``softcap=``) is elementwise: each rank's backend caps its own shard, and the stand-in
+label's logit is capped the same way (``z_k = c tanh(z / c) / tau``, its gradient times ``sech^2(z / c)``), so
+the formulas above hold for the capped logits unchanged. Under the cap a ``-inf`` logit becomes ``-c / tau``
+(a real column), so no stand-in needs repairing.
 """
 
 from __future__ import annotations
@@ -189,23 +194,35 @@ def _combine(vp: VocabParallel, lp_loc: Tensor, ent_loc: Optional[Tensor], z_loc
     return logp, entropy
 
 
+def _capped(z: Tensor, softcap: Optional[float]) -> Tuple[Tensor, Optional[Tensor]]:
+    """The stand-in logits under the soft cap, ``c tanh(z / c)``, and their slope ``sech^2(z / c)`` (computed in
+    fp32, fp64 for fp64 input); ``(z, None)`` unchanged without a cap."""
+    if softcap is None:
+        return z, None
+    u = z.to(torch.float64 if z.dtype == torch.float64 else torch.float32) / softcap
+    return softcap * torch.tanh(u), torch.cosh(u).pow(-2)
+
+
 class _LogitsShard(torch.autograd.Function):
-    """The backend on a logits shard plus the stand-in label's logit ``z`` (``[N]``, already / temperature).
+    """The backend on a logits shard plus the stand-in label's logit ``z`` (``[N]``, already / temperature,
+    soft-capped first when ``softcap`` is set).
 
     The gradient reaching ``z`` is added in place into the backend's ``dlogits`` (no second ``[N, V]`` buffer).
     """
 
     @staticmethod
-    def forward(ctx, logits: Tensor, local: Tensor, temperature: float, run: Callable):
+    def forward(ctx, logits: Tensor, local: Tensor, temperature: float, run: Callable, softcap: Optional[float] = None):
         ctx.set_materialize_grads(False)
         with torch.enable_grad():
             leaf = logits.detach().requires_grad_(logits.requires_grad)
             lp, ent = run(leaf, local)
         index = _row_index(logits, local)
-        z = leaf.detach()[index] / temperature
+        z, slope = _capped(leaf.detach()[index], softcap)
+        z = z / temperature
         ctx.graph = (leaf, lp, ent)
         ctx.index = index
         ctx.temperature = temperature
+        ctx.slope = slope
         return lp.detach(), (lp.new_zeros(0) if ent is None else ent.detach()), z
 
     @staticmethod
@@ -215,8 +232,9 @@ class _LogitsShard(torch.autograd.Function):
         if g_z is not None and leaf.requires_grad:
             if grad is None:
                 grad = torch.zeros_like(leaf)
-            grad.index_put_(ctx.index, (g_z / ctx.temperature).to(grad.dtype), accumulate=True)
-        return grad, None, None, None
+            g = g_z / ctx.temperature if ctx.slope is None else g_z * ctx.slope / ctx.temperature
+            grad.index_put_(ctx.index, g.to(grad.dtype), accumulate=True)
+        return grad, None, None, None, None
 
 
 class _LinearShard(torch.autograd.Function):
@@ -224,7 +242,7 @@ class _LinearShard(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], local: Tensor, temperature: float,
-                run: Callable):
+                run: Callable, softcap: Optional[float] = None):
         ctx.set_materialize_grads(False)
         with torch.enable_grad():
             leaves = [None if t is None else t.detach().requires_grad_(t.requires_grad) for t in (hidden, weight, bias)]
@@ -234,6 +252,7 @@ class _LinearShard(torch.autograd.Function):
         z = (h.to(acc) * weight.detach().index_select(0, local).to(acc)).sum(-1)
         if bias is not None:
             z = z + bias.detach().index_select(0, local).to(acc)
+        z, ctx.slope = _capped(z, softcap)
         ctx.graph = (leaves, lp, ent)
         ctx.local = local
         ctx.temperature = temperature
@@ -244,7 +263,7 @@ class _LinearShard(torch.autograd.Function):
         leaves, lp, ent = ctx.graph
         grads = _backend_grads((lp, ent), (g_lp, g_ent), leaves)
         if g_z is not None:
-            g = g_z / ctx.temperature
+            g = g_z / ctx.temperature if ctx.slope is None else g_z * ctx.slope / ctx.temperature
             local = ctx.local
             h_leaf, w_leaf, b_leaf = leaves
             h = h_leaf.detach().reshape(-1, h_leaf.shape[-1])
@@ -260,7 +279,7 @@ class _LinearShard(torch.autograd.Function):
                 grads[1].index_add_(0, local, (g[:, None] * h.to(g.dtype)).to(grads[1].dtype))
             if b_leaf is not None and b_leaf.requires_grad:
                 grads[2].index_add_(0, local, g.to(grads[2].dtype))
-        return grads[0], grads[1], grads[2], None, None, None
+        return grads[0], grads[1], grads[2], None, None, None, None
 
 
 def _row_index(logits: Tensor, local: Tensor) -> tuple:
@@ -310,21 +329,24 @@ def _repair_stand_ins(logits: Tensor, owned: Tensor, active: Optional[Tensor], t
 
 
 def logits_logprobs(impl, vp: VocabParallel, logits: Tensor, labels: Tensor, *, active: Optional[Tensor],
-                    temperature: float, return_entropy: bool, inplace_backward: bool = False, **kwargs
-                    ) -> Tuple[Tensor, Optional[Tensor]]:
+                    temperature: float, return_entropy: bool, inplace_backward: bool = False,
+                    softcap: Optional[float] = None, **kwargs) -> Tuple[Tensor, Optional[Tensor]]:
     """The backend contract's ``logits_logprobs`` for a vocabulary shard ``logits [..., end - start]``.
 
     ``labels``: ``[N]`` int64 global ids in ``[0, V)``. Returns the global ``(logp [N], entropy [N] | None)``
     (fp32; fp64 for fp64 logits), identical on every rank; the logits' gradient is this shard's.
+    ``softcap``: the soft cap of the backend contract, applied by the backend on the shard.
     """
     vp.check_local("logits", logits.shape[-1])
     owned, local = _local_labels(labels, vp)
+    if softcap is not None:
+        kwargs["softcap"] = softcap
 
     def run(x, lab, inplace=inplace_backward, act=active):
         return impl.logits_logprobs(x, lab, active=act, temperature=temperature, return_entropy=return_entropy,
                                     inplace_backward=inplace, **kwargs)
 
-    lp_loc, ent_loc, z = _LogitsShard.apply(logits, local, float(temperature), run)
+    lp_loc, ent_loc, z = _LogitsShard.apply(logits, local, float(temperature), run, softcap)
     ent_loc = ent_loc if return_entropy else None
     lp_loc, ent_loc, z = _repair_stand_ins(logits, owned, active, temperature, lp_loc, ent_loc, z,
                                            lambda x, lab: run(x, lab, False, None))
@@ -332,8 +354,8 @@ def logits_logprobs(impl, vp: VocabParallel, logits: Tensor, labels: Tensor, *, 
 
 
 def linear_logprobs(impl, vp: VocabParallel, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor,
-                    *, active: Optional[Tensor], temperature: float, return_entropy: bool, **kwargs
-                    ) -> Tuple[Tensor, Optional[Tensor]]:
+                    *, active: Optional[Tensor], temperature: float, return_entropy: bool,
+                    softcap: Optional[float] = None, **kwargs) -> Tuple[Tensor, Optional[Tensor]]:
     """The backend contract's ``linear_logprobs`` for an lm_head shard ``weight [end - start, H]``.
 
     ``hidden``: ``[N, H]`` or ``[B, T, H]``, the full hidden states (replicated over the group);
@@ -346,10 +368,12 @@ def linear_logprobs(impl, vp: VocabParallel, hidden: Tensor, weight: Tensor, bia
     # A stand-in column with a finite logit: the largest bias entry (hidden @ weight.T is finite).
     fill = 0 if bias is None else int(bias.detach().argmax())
     owned, local = _local_labels(labels, vp, fill)
+    if softcap is not None:
+        kwargs["softcap"] = softcap
 
     def run(h, w, b, lab):
         return impl.linear_logprobs(h, w, b, lab, active=active, temperature=temperature,
                                     return_entropy=return_entropy, **kwargs)
 
-    lp_loc, ent_loc, z = _LinearShard.apply(hidden, weight, bias, local, float(temperature), run)
+    lp_loc, ent_loc, z = _LinearShard.apply(hidden, weight, bias, local, float(temperature), run, softcap)
     return _combine(vp, lp_loc, ent_loc if return_entropy else None, z, owned, active, return_entropy)

@@ -32,13 +32,15 @@ _LOG_FLOAT64_MAX = math.log(torch.finfo(torch.float64).max)
 
 
 def token_logprobs(
-    logits: Tensor, labels: Tensor, *, temperature: float = 1.0, return_entropy: bool = False
+    logits: Tensor, labels: Tensor, *, temperature: float = 1.0, return_entropy: bool = False,
+    final_logit_softcapping: Optional[float] = None,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """``logp_t = z[y_t]/tau - logsumexp(z/tau)`` and ``H_t = -sum_v p_v log p_v``, in float64.
 
     Args:
         logits: ``[..., V]``, any float dtype; ``-inf`` entries (masked vocabulary) are allowed.
         labels: ``[...]`` integer, every entry in ``[0, V)``.
+        final_logit_softcapping: a soft cap ``c``: ``z`` is replaced by ``c * tanh(z / c)`` first (None: no cap).
     Returns:
         float64 ``logp`` shaped like ``labels`` (and ``H`` when ``return_entropy``); differentiable.
     """
@@ -48,9 +50,10 @@ def token_logprobs(
         raise ValueError(f"logits must have shape {tuple(labels.shape) + ('V',)} to match labels "
                          f"{tuple(labels.shape)}, got {tuple(logits.shape)}")
     _check_temperature(temperature)
+    _check_softcap(final_logit_softcapping)
     V = logits.shape[-1]
     _check_label_range(labels.reshape(-1), V, "labels")
-    logp, entropy = _rows_logprobs(logits.reshape(-1, V), labels.reshape(-1), temperature)
+    logp, entropy = _rows_logprobs(logits.reshape(-1, V), labels.reshape(-1), temperature, final_logit_softcapping)
     logp, entropy = logp.reshape(labels.shape), entropy.reshape(labels.shape)
     return (logp, entropy) if return_entropy else logp
 
@@ -63,6 +66,7 @@ def linear_logprobs(
     bias: Optional[Tensor] = None,
     temperature: float = 1.0,
     return_entropy: bool = False,
+    final_logit_softcapping: Optional[float] = None,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """:func:`token_logprobs` of ``logits = hidden @ weight.T + bias``, the product taken in float64.
 
@@ -70,12 +74,17 @@ def linear_logprobs(
     """
     _check_linear(hidden, weight, bias, labels)
     return token_logprobs(_logits(hidden, weight, bias), labels, temperature=temperature,
-                          return_entropy=return_entropy)
+                          return_entropy=return_entropy, final_logit_softcapping=final_logit_softcapping)
 
 
-def _rows_logprobs(rows: Tensor, labels: Tensor, temperature: float) -> Tuple[Tensor, Tensor]:
-    """``rows [n, V]`` logits, ``labels [n]`` -> float64 ``logp [n]`` and entropy ``H [n]``."""
-    logp_all = torch.log_softmax(rows.double() / temperature, dim=-1)
+def _rows_logprobs(rows: Tensor, labels: Tensor, temperature: float,
+                   softcap: Optional[float] = None) -> Tuple[Tensor, Tensor]:
+    """``rows [n, V]`` logits, ``labels [n]`` -> float64 ``logp [n]`` and entropy ``H [n]`` (logits soft-capped
+    to ``c * tanh(z / c)`` first when ``softcap = c`` is given; autograd supplies the ``1 - tanh^2`` factor)."""
+    rows = rows.double()
+    if softcap is not None:
+        rows = softcap * torch.tanh(rows / softcap)
+    logp_all = torch.log_softmax(rows / temperature, dim=-1)
     logp = logp_all.gather(-1, labels.long().unsqueeze(-1)).squeeze(-1)
     p = logp_all.exp()
     # p log p -> 0 as p -> 0: a -inf logit (p = 0, log p = -inf) adds 0, not 0 * -inf = NaN, and
@@ -321,7 +330,8 @@ def _loss_from_rows(rows_of, layout: _Layout, labels: Tensor, advantages, old_lo
     for idx in layout.responses:
         y = flat_labels[idx]
         _check_label_range(y, vocab_size, "labels (at unmasked positions)")
-        per_response.append(_rows_logprobs(rows_of(idx), y, config.temperature))
+        per_response.append(_rows_logprobs(rows_of(idx), y, config.temperature,
+                                           getattr(config, "final_logit_softcapping", None)))
     return _objective(per_response, layout, advantages, old_logprobs, ref_logprobs, is_ratio, num_items_in_batch,
                       config, with_entropy=True, rollout_logprobs=rollout_logprobs)
 
@@ -683,6 +693,12 @@ def _check_temperature(temperature: float) -> None:
         math.isfinite(temperature) and temperature > 0
     ):
         raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+
+
+def _check_softcap(softcap: Optional[float]) -> None:
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float))
+                                or not (math.isfinite(softcap) and softcap > 0)):
+        raise ValueError(f"final_logit_softcapping must be None or a finite number > 0, got {softcap!r}")
 
 
 def _check_label_range(labels: Tensor, vocab_size: int, name: str) -> None:

@@ -29,6 +29,7 @@ from gspo_kernels.backends.triton.logits import (  # noqa: E402
 )
 from gspo_kernels.config import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, GSPOConfig  # noqa: E402
 from gspo_kernels.layout import LossInputs, TokenBatch  # noqa: E402
+from gspo_kernels.testing import gradient_tolerance, rel_err  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu" and not interpreter_active():
@@ -672,3 +673,155 @@ def test_bf16_casts_round_to_nearest_even_as_on_the_gpu():
     for got in (explicit, implicit):
         assert torch.equal(got.view(torch.int16)[~x.isnan()], want[~x.isnan()])
         assert got[x.isnan()].isnan().all()
+
+
+# ---------------------------------------------------------------------------------------------
+# Rows at any alignment (the aligned, unmasked body and its masked edge) and the final-logit soft cap.
+# ---------------------------------------------------------------------------------------------
+
+
+def _capped_stats64(x64, labels, temperature, cap):
+    """Float64 log-prob and entropy of ``log_softmax(cap * tanh(z / cap) / T)`` (``cap`` None: no cap)."""
+    z = x64 if cap is None else cap * torch.tanh(x64 / cap)
+    return _softmax_stats64(z, labels, temperature)
+
+
+@pytest.mark.parametrize("dtype,V", [(torch.bfloat16, 8195), (torch.float32, 4103), (torch.bfloat16, 3),
+                                     (torch.float32, 1)])
+def test_rows_at_every_alignment_match_float64(dtype, V):
+    """``V % 16 != 0`` in a ``[B, T + 1, V][:, :-1]`` view: consecutive rows start at every offset modulo 16
+    bytes, so each has its own unaligned head before the aligned body (2 full tiles at these V), then a masked
+    tail. Forward, the backward out of place (into the ``T + 1`` base, and into a buffer whose rows are aligned
+    differently from the logits') and in place: all against float64."""
+    B, T = 3, 3
+    base = (torch.randn(B, T + 1, V) * 3).to(dtype).to(DEVICE)
+    if V > 1:
+        base[0, 1, min(V - 1, 5)] = float("-inf")  # a -inf logit in the body or the head
+    x = base[:, :-1]
+    labels = torch.randint(0, V, (B * T,), device=DEVICE)
+    g, h = torch.randn(B * T, device=DEVICE), torch.randn(B * T, device=DEVICE)
+    g[4] = h[4] = 0.0  # a row without gradient: zeros, its logits not read
+    logp, entropy, row_stats = logprobs_forward(x, labels, temperature=0.8, return_entropy=True)
+    x64 = x.cpu().double().requires_grad_(True)
+    ref_logp, ref_entropy = _softmax_stats64(x64, labels, 0.8)
+    _close(logp, ref_logp, rtol=1e-5, atol=2e-6)
+    _close(entropy, ref_entropy, rtol=1e-5, atol=2e-6)
+    (ref_logp * g.cpu().double() + ref_entropy * h.cpu().double()).sum().backward()
+    expected = x64.grad
+    tol = gradient_tolerance("bf16" if dtype == torch.bfloat16 else "fp32", "logits")
+    scale = float(expected.abs().max())
+
+    def check(got):
+        assert torch.isfinite(got).all()
+        assert float((got.cpu().double() - expected).abs().max()) <= tol * scale + 1e-12
+        assert torch.equal(got.reshape(-1, V)[4].cpu(), torch.zeros(V, dtype=dtype))
+
+    full = torch.full((B, T + 1, V), float("nan"), device=DEVICE, dtype=dtype)
+    grad = logprobs_backward(x, labels, row_stats, entropy, g, h, temperature=0.8, out=full)
+    check(grad[:, :-1])
+    assert torch.equal(grad[:, -1].cpu(), torch.zeros(B, V, dtype=dtype))
+    shifted = torch.full((B, T, V + 1), float("nan"), device=DEVICE, dtype=dtype)[..., 1:]  # other alignment
+    check(logprobs_backward(x, labels, row_stats, entropy, g, h, temperature=0.8, out=shifted))
+    consumed = base.clone()
+    check(logprobs_backward(consumed[:, :-1], labels, row_stats, entropy, g, h, temperature=0.8, inplace=True))
+
+
+@pytest.mark.parametrize("dtype,V", [(torch.float32, 2051), (torch.bfloat16, 4160), (torch.float64, 70)])
+def test_softcap_logits_path_matches_float64(dtype, V):
+    """``softcap = c``: ``log_softmax(c tanh(z / c) / T)`` against float64 (torch's ``tanh``), logits well past the
+    cap (tanh saturates) and near 0 (its series), a ``-inf`` logit (capped to ``-c``: finite gradient 0). Forward,
+    ``row_stats[0]`` (the max capped logit) and the gradient through the backend's autograd, with the
+    ``[B, T + 1, V][:, :-1]`` view."""
+    from gspo_kernels.backends.triton.logits import logits_logprobs
+
+    cap, T, B, S = 5.0, 0.7, 2, 3
+    raw = torch.randn(B, S + 1, V, dtype=torch.float64) * 6
+    raw[0, 0, :40] = torch.linspace(-1.0, 1.0, 40)  # |u| below and above the series' threshold
+    raw[1, 2, 3] = float("-inf")
+    base = raw.to(dtype).to(DEVICE).requires_grad_(True)
+    labels = torch.randint(0, V, (B * S,), device=DEVICE)
+    labels[-1] = 3  # the -inf logit is a label: its log-prob is finite under the cap
+    logp, entropy = logits_logprobs(base[:, :-1], labels, temperature=T, return_entropy=True, softcap=cap)
+    g, h = torch.randn(B * S, dtype=logp.dtype, device=DEVICE), torch.randn(B * S, dtype=logp.dtype, device=DEVICE)
+    (grad,) = torch.autograd.grad((logp * g + entropy * h).sum(), base)
+    x64 = base.detach().cpu().double().requires_grad_(True)
+    ref_logp, ref_entropy = _capped_stats64(x64[:, :-1], labels, T, cap)
+    (ref_logp * g.cpu().double() + ref_entropy * h.cpu().double()).sum().backward()
+    rtol, atol = (1e-7, 1e-7) if dtype == torch.float64 else (1e-5, 2e-6)
+    _close(logp, ref_logp, rtol=rtol, atol=atol)
+    _close(entropy, ref_entropy, rtol=rtol, atol=atol)
+    tol = gradient_tolerance("bf16" if dtype == torch.bfloat16 else "fp32", "logits")
+    scale = float(x64.grad.abs().max())
+    assert float((grad.cpu().double() - x64.grad).abs().max()) <= tol * scale
+    assert torch.equal(grad[:, -1].cpu(), torch.zeros(B, V, dtype=dtype)) and float(grad[1, 2, 3]) == 0.0
+    _, _, row_stats = logprobs_forward(base.detach()[:, :-1], labels, temperature=T, softcap=cap)
+    _close(row_stats[0], (cap * torch.tanh(x64.detach()[:, :-1] / cap)).reshape(-1, V).max(-1).values,
+           rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_softcap_hidden_state_paths_match_float64(batch_invariant):
+    """Both modes of the triton ``linear_logprobs`` with ``softcap``: ``c tanh((h W^T + b) / c) / T``. The bias sits
+    far from 0 (a max-subtracted bias would change the capped logits); V = 37 is not a multiple of 16. Log-probs,
+    entropy and the hidden, weight and bias gradients against float64."""
+    from gspo_kernels.backends.triton import linear
+
+    N, H, V, cap, T = 12, 16, 37, 4.0, 0.8
+    hidden, weight, bias = torch.randn(N, H), torch.randn(V, H) * 0.7, torch.randn(V) + 3.0
+    labels = torch.randint(0, V, (N,))
+    g, gh = torch.randn(N), torch.randn(N)
+    leaves = [t.clone().to(DEVICE).requires_grad_(True) for t in (hidden, weight, bias)]
+    logp, entropy = linear.linear_logprobs(*leaves, labels.to(DEVICE), temperature=T, return_entropy=True,
+                                           softcap=cap, batch_invariant=batch_invariant)
+    grads = torch.autograd.grad((logp * g.to(DEVICE) + entropy * gh.to(DEVICE)).sum(), leaves)
+    ref_leaves = [t.double().requires_grad_(True) for t in (hidden, weight, bias)]
+    z64 = ref_leaves[0] @ ref_leaves[1].T + ref_leaves[2]
+    ref_logp, ref_entropy = _capped_stats64(z64, labels, T, cap)
+    ref_grads = torch.autograd.grad((ref_logp * g.double() + ref_entropy * gh.double()).sum(), ref_leaves)
+    _close(logp, ref_logp)
+    _close(entropy, ref_entropy)
+    for got, want in zip(grads, ref_grads):
+        assert rel_err(got, want) <= 1e-5, rel_err(got, want)
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_softcap_one_pass_fused_linear_loss_matches_float64(layout, monkeypatch):
+    """The one-pass ``fused_linear_loss`` (gradient formed during the forward) with ``softcap``, reached through
+    ``fused_linear_gspo_loss`` with the backend's two entry points bound to the cap: loss and gradients equal
+    float64's GSPO loss over ``c tanh(z / c)`` logits (the reference divides them by the temperature)."""
+    import functools
+
+    from gspo_kernels import backends as registry
+
+    cap = 3.0
+    impl = registry.load("triton")
+    monkeypatch.setattr(impl, "fused_linear_loss", functools.partial(impl.fused_linear_loss, softcap=cap))
+    monkeypatch.setattr(impl, "linear_logprobs", functools.partial(impl.linear_logprobs, softcap=cap))
+    S, T, H, V = 3, 5, 16, 29
+    config = GSPOConfig(temperature=0.9, entropy_coef=0.01, importance_sampling_level="sequence")
+    hidden, weight, bias = torch.randn(S, T, H), torch.randn(V, H), torch.randn(V)
+    labels = torch.randint(0, V, (S, T))
+    adv = torch.tensor([1.0, -0.7, 0.4])
+    mask = torch.ones(S, T)
+    mask[1, 3:] = 0
+    kwargs = {"mask": mask}
+    if layout == "packed":
+        keep = mask.reshape(-1) > 0
+        hidden, labels = hidden.reshape(-1, H)[keep], labels.reshape(-1)[keep]
+        kwargs = {"cu_seqlens": torch.tensor([0, 5, 8, 13], dtype=torch.int32)}
+    with torch.no_grad():
+        z64 = cap * torch.tanh((hidden.double() @ weight.double().T + bias.double()) / cap)
+        old = (reference.token_logprobs(z64 / config.temperature, labels) - 1e-3).float()
+    leaves = [t.clone().to(DEVICE).requires_grad_(True) for t in (hidden, weight, bias)]
+    out = gk.fused_linear_gspo_loss(leaves[0], leaves[1], labels.to(DEVICE), adv.to(DEVICE), old.to(DEVICE),
+                                    bias=leaves[2], config=config, backend="triton",
+                                    **{k: v.to(DEVICE) for k, v in kwargs.items()})
+    assert "fused_linear/two_pass_tokens" in out.metrics  # the one-pass form ran
+    grads = torch.autograd.grad(out.loss, leaves)
+    ref_leaves = [t.double().requires_grad_(True) for t in (hidden, weight, bias)]
+    logits64 = cap * torch.tanh((ref_leaves[0] @ ref_leaves[1].T + ref_leaves[2]) / cap)
+    ref = reference.gspo_loss(logits64, labels, adv.double(), old.double(), config=config, **kwargs)
+    ref_grads = torch.autograd.grad(ref.loss, ref_leaves)
+    assert abs(out.loss.item() - ref.loss.item()) <= 1e-5 * max(1.0, abs(ref.loss.item()))
+    for got, want in zip(grads, ref_grads):
+        assert rel_err(got, want) <= 1e-5, rel_err(got, want)

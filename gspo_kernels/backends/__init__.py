@@ -2,7 +2,7 @@
 
 A backend provides, as differentiable functions (autograd Functions inside the backend):
 
-``logits_logprobs(logits, labels, *, active, temperature, return_entropy, inplace_backward)``
+``logits_logprobs(logits, labels, *, active, temperature, return_entropy, inplace_backward, softcap=None)``
     ``logits``: ``[N, V]`` or ``[B, T, V]`` (any strides, fp16/bf16/fp32/fp64), ``labels``: ``[N]`` int64
     already in ``[0, V)``; ``active``: ``[N]`` bool or None, rows that may be skipped in the forward
     (their outputs are 0) when False. Returns ``(logp [N] fp32, entropy [N] fp32 or None)``. The backward
@@ -10,8 +10,15 @@ A backend provides, as differentiable functions (autograd Functions inside the b
     where both are zero; their logits gradient is exactly 0. With ``inplace_backward`` the gradient is
     written into the logits' own storage.
 
+``softcap`` (every backend's three functions accept it): ``None``, no cap, or a float ``c > 0`` (checked by
+the public functions): every logit ``z`` (``hidden @ weight.T + bias`` on the hidden-state path, the bias
+added first) becomes ``c * tanh(z / c)`` *before* the division by the temperature, so the backward
+multiplies each logit's gradient by ``1 - tanh^2(z / c)``. The cap is not shift-invariant: a backend must
+not shift the bias (or the logits) by a constant when it is set. The public functions pass the keyword
+only when a cap is set, so an uncapped call is the call a backend received before the keyword existed.
+
 ``linear_logprobs(hidden, weight, bias, labels, *, active, temperature, return_entropy, memory_budget=None,
-batch_invariant=False)``
+batch_invariant=False, softcap=None)``
     ``hidden``: ``[N, H]`` or ``[B, T, H]``, ``weight``: ``[V, H]``, ``bias``: ``[V]`` or None; same
     outputs and the same skipping rule, gradients for hidden, weight and bias. ``memory_budget``:
     bytes the backend may use for logits saved between forward and backward and for its chunk
@@ -26,7 +33,8 @@ Labels outside ``[0, V)`` reach a backend only when the public checks are skippe
 ``objective`` (optional)
     a replacement for :func:`gspo_kernels.objective.gspo_objective` with the same signature.
 
-``fused_linear_loss(objective, hidden, weight, bias, inputs, config, *, memory_budget=None)`` (optional)
+``fused_linear_loss(objective, hidden, weight, bias, inputs, config, *, memory_budget=None, softcap=None)``
+(optional)
     the whole loss of the hidden-state path in one call, its gradient formed during the forward (the
     one-pass form of :func:`gspo_kernels.fused_linear_gspo_loss`); returns a ``LossOutput``, or None when it
     cannot run this input (the pipeline then runs ``linear_logprobs`` and the objective).

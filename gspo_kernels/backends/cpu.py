@@ -96,22 +96,22 @@ def _register_fakes() -> None:
     lib = "gspo_kernels::"
 
     @torch.library.register_fake(lib + "logits_fwd")
-    def _(logits, labels, active, temperature, return_entropy, inplace_backward):
+    def _(logits, labels, active, temperature, return_entropy, inplace_backward, softcap=0.0):
         n = labels.shape[0]
         f32 = dict(dtype=torch.float32)
         return logits.new_empty((n,), **f32), logits.new_empty((n,), **f32), logits.new_empty((2, n), **f32)
 
     @torch.library.register_fake(lib + "logits_bwd")
-    def _(grad_logp, grad_entropy, logits, labels, active, stats, entropy, temperature):
+    def _(grad_logp, grad_entropy, logits, labels, active, stats, entropy, temperature, softcap=0.0):
         return logits.new_empty(logits.shape)
 
     @torch.library.register_fake(lib + "logits_bwd_")
-    def _(logits, grad_logp, grad_entropy, labels, active, stats, entropy, temperature):
+    def _(logits, grad_logp, grad_entropy, labels, active, stats, entropy, temperature, softcap=0.0):
         return None
 
     @torch.library.register_fake(lib + "linear_fwd")
     def _(hidden, weight, bias, labels, active, temperature, return_entropy, row_block, gemm_rows, vocab_block,
-          save_cols):
+          save_cols, softcap=0.0):
         n = hidden.shape[0]
         f32 = dict(dtype=torch.float32)
         return (hidden.new_empty((n,), **f32), hidden.new_empty((n,), **f32), hidden.new_empty((2, n), **f32),
@@ -119,7 +119,7 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake(lib + "linear_bwd")
     def _(grad_logp, grad_entropy, hidden, weight, bias, labels, active, stats, entropy, saved, temperature,
-          row_block, gemm_rows, vocab_block, save_cols, weight_grad):
+          row_block, gemm_rows, vocab_block, save_cols, weight_grad, softcap=0.0):
         grad_hidden = hidden.new_empty(hidden.shape)
         grad_weight = weight.new_empty(weight.shape if weight_grad else (0, weight.shape[1]))
         grad_bias = bias.new_empty(bias.shape) if bias is not None else hidden.new_empty((0,), dtype=torch.float32)
@@ -135,11 +135,12 @@ def _register_autograd() -> None:
     ops = torch.ops.gspo_kernels
 
     def logits_setup(ctx, inputs, output):
-        logits, labels, active, temperature, _return_entropy, inplace_backward = inputs
+        logits, labels, active, temperature, _return_entropy, inplace_backward, *softcap = inputs
         _logp, entropy, stats = output
         ctx.set_materialize_grads(False)  # no zero-filled gradients for unused outputs
         ctx.save_for_backward(logits, labels, active, stats, entropy)
         ctx.temperature = temperature
+        ctx.softcap = softcap[0] if softcap and softcap[0] > 0 else None
         ctx.inplace = inplace_backward
 
     def logits_backward(ctx, grad_logp, grad_entropy, _grad_stats):
@@ -148,11 +149,13 @@ def _register_autograd() -> None:
             grad_logp = torch.zeros_like(entropy)
         if ctx.inplace and not torch.compiler.is_compiling():
             target = logits.detach()
-            ops.logits_bwd_(target, grad_logp, grad_entropy, labels, active, stats, entropy, ctx.temperature)
+            ops.logits_bwd_(target, grad_logp, grad_entropy, labels, active, stats, entropy, ctx.temperature,
+                            *_cap_arg(ctx.softcap))
             grad = target
         else:
-            grad = ops.logits_bwd(grad_logp, grad_entropy, logits, labels, active, stats, entropy, ctx.temperature)
-        return grad, None, None, None, None, None
+            grad = ops.logits_bwd(grad_logp, grad_entropy, logits, labels, active, stats, entropy, ctx.temperature,
+                                  *_cap_arg(ctx.softcap))
+        return grad, None, None, None, None, None, None
 
     torch.library.register_autograd(
         "gspo_kernels::logits_fwd", logits_backward, setup_context=logits_setup
@@ -160,11 +163,12 @@ def _register_autograd() -> None:
 
     def linear_setup(ctx, inputs, output):
         (hidden, weight, bias, labels, active, temperature, _return_entropy, row_block, gemm_rows, vocab_block,
-         save_cols) = inputs
+         save_cols, *softcap) = inputs
         _logp, entropy, stats, saved = output
         ctx.set_materialize_grads(False)  # else the unused `saved` output gets an [N, save_cols] zero gradient
         ctx.save_for_backward(hidden, weight, bias, labels, active, stats, entropy, saved)
         ctx.temperature = temperature
+        ctx.softcap = softcap[0] if softcap and softcap[0] > 0 else None
         ctx.blocks = (row_block, gemm_rows, vocab_block, save_cols)
 
     def linear_backward(ctx, grad_logp, grad_entropy, _grad_stats, _grad_saved):
@@ -174,13 +178,13 @@ def _register_autograd() -> None:
         weight_grad = bool(ctx.needs_input_grad[1])
         grad_hidden, grad_weight, grad_bias = ops.linear_bwd(
             grad_logp, grad_entropy, hidden, weight, bias, labels, active, stats, entropy, saved, ctx.temperature,
-            *ctx.blocks, weight_grad,
+            *ctx.blocks, weight_grad, *_cap_arg(ctx.softcap),
         )
         return (
             grad_hidden if ctx.needs_input_grad[0] else None,
             grad_weight if weight_grad else None,
             grad_bias if bias is not None and ctx.needs_input_grad[2] else None,
-            None, None, None, None, None, None, None, None,
+            None, None, None, None, None, None, None, None, None,
         )
 
     torch.library.register_autograd(
@@ -218,18 +222,19 @@ def logits_logprobs(
     temperature: float = 1.0,
     return_entropy: bool = False,
     inplace_backward: bool = False,
+    softcap: Optional[float] = None,
 ) -> Tuple[Tensor, Optional[Tensor]]:
     """Per-token ``(logp [N], entropy [N] | None)`` from ``logits [N, V]`` / ``[B, T, V]``.
 
     fp16/bf16/fp32 logits give fp32 outputs (fp32 math); fp64 logits give fp64 outputs (the
     ``torch`` backend's fp64 math). Any strides with a unit last stride are read in place (e.g.
     ``logits[:, :-1]``); other layouts are copied once. With ``inplace_backward`` the gradient is
-    written into the logits' storage.
+    written into the logits' storage. ``softcap``: see the backend contract (the cap is computed in fp32).
     """
     if logits.dtype == torch.float64:
         return _fp64_fallback("logits").logits_logprobs(
             logits, labels, active=active, temperature=temperature, return_entropy=return_entropy,
-            inplace_backward=inplace_backward,
+            inplace_backward=inplace_backward, softcap=softcap,
         )
     if logits.dim() not in (2, 3):
         logits = logits.reshape(-1, logits.shape[-1])
@@ -237,7 +242,7 @@ def logits_logprobs(
         logits = logits.contiguous()
     labels, active = _flags(labels, active)
     logp, entropy, _lse = torch.ops.gspo_kernels.logits_fwd(
-        logits, labels, active, float(temperature), bool(return_entropy), bool(inplace_backward)
+        logits, labels, active, float(temperature), bool(return_entropy), bool(inplace_backward), *_cap_arg(softcap)
     )
     return logp, (entropy if return_entropy else None)
 
@@ -265,8 +270,11 @@ def linear_logprobs(
     return_entropy: bool = False,
     memory_budget: Optional[int] = None,
     batch_invariant: bool = False,
+    softcap: Optional[float] = None,
 ) -> Tuple[Tensor, Optional[Tensor]]:
     """Per-token ``(logp [N], entropy [N] | None)`` of ``hidden @ weight.T + bias``.
+
+    ``softcap``: see the backend contract (fp32 math; with a cap the bias is not shifted by its max).
 
     ``batch_invariant``: ``True`` gives a row the same bits whatever the batch, its position and
     ``memory_budget`` (fixed-shape, zero-padded GEMMs; slower, most of all below 512 active rows);
@@ -291,7 +299,7 @@ def linear_logprobs(
                              "the batch's shape; pass fp32/bf16/fp16 tensors or batch_invariant=False")
         return _fp64_fallback("hidden states").linear_logprobs(
             hidden, weight, bias, labels, active=active, temperature=temperature, return_entropy=return_entropy,
-            memory_budget=memory_budget,
+            memory_budget=memory_budget, softcap=softcap,
         )
     rows = as_rows(hidden)
     labels, active = _flags(labels, active)
@@ -301,9 +309,14 @@ def linear_logprobs(
     save_cols = saved_columns(rows.shape[0], weight.shape[0], vocab_block, budget if needs_grad else 0)
     logp, entropy, _stats, _saved = torch.ops.gspo_kernels.linear_fwd(
         rows, weight, bias, labels, active, float(temperature), bool(return_entropy), row_block, gemm_rows,
-        vocab_block, save_cols,
+        vocab_block, save_cols, *_cap_arg(softcap),
     )
     return logp, (entropy if return_entropy else None)
+
+
+def _cap_arg(softcap: Optional[float]) -> Tuple[float, ...]:
+    """The ops' trailing ``softcap`` argument: omitted without a cap (the ops' default 0 = none)."""
+    return () if softcap is None else (float(softcap),)
 
 
 def saved_columns(rows: int, vocab: int, vocab_block: int, budget_bytes: int) -> int:

@@ -14,6 +14,9 @@ accumulates in fp32, and visits only the rows whose incoming gradient (of log-pr
 non-zero; the others get exactly zero gradient. ``-inf`` logits on non-label columns give ``p = 0`` and a zero gradient (never NaN).
 Labels outside ``[0, V)`` are never read (possible only when the public checks are skipped, under
 ``torch.compile``): that row's log-prob is NaN.
+Soft cap ``c`` (``softcap=``): the scaled logits are ``x = c tanh(z / c) / tau`` (a scratch tile), the bias is
+not shifted, and each tile's gradient is multiplied by ``sech^2(z / c)`` (from ``cosh``, accurate where
+``tanh`` saturates and ``1 - tanh^2`` would cancel); the uncapped path runs exactly the code it ran before.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ class _Workspace:
         self.a = torch.empty(self.size, dtype=dtype, device=device)
         self.b = torch.empty(self.size, dtype=dtype, device=device)
         self.x: Optional[Tensor] = None
+        self.s: Optional[Tensor] = None  # the soft cap's sech^2 tile (allocated when first needed)
 
     def tiles(self, r: int, c: int) -> Tuple[Tensor, Tensor]:
         return self.a[: r * c].view(r, c), self.b[: r * c].view(r, c)
@@ -54,6 +58,11 @@ class _Workspace:
         if self.x is None:
             self.x = torch.empty(self.size, dtype=self.dtype, device=self.device)
         return self.x[: r * c].view(r, c)
+
+    def slope_tile(self, r: int, c: int) -> Tensor:
+        if self.s is None:
+            self.s = torch.empty(self.size, dtype=self.dtype, device=self.device)
+        return self.s[: r * c].view(r, c)
 
 
 def _scaled(tile: Tensor, tau: float, cdt: torch.dtype, ws: _Workspace) -> Tensor:
@@ -143,12 +152,24 @@ def _logits_block_rows(V: int) -> int:
     return max(1, LOGITS_BLOCK_ELEMENTS // max(V, 1))
 
 
-def _scaled_rows(rows: Tensor, tau: float, cdt: torch.dtype, ws: _Workspace) -> Tensor:
+def _scaled_rows(rows: Tensor, tau: float, cdt: torch.dtype, ws: _Workspace, cap: Optional[float] = None) -> Tensor:
     """``rows / tau`` for the fused ops: the rows themselves when they are already ``cdt`` at tau = 1
-    (fp16/bf16 rows at tau = 1 too: the softmax ops convert them to fp32 exactly themselves)."""
+    (fp16/bf16 rows at tau = 1 too: the softmax ops convert them to fp32 exactly themselves).
+    With the soft cap ``c``: ``c tanh(rows / c) / tau`` in a scratch tile."""
+    if cap is not None:
+        out = ws.input_tile(*rows.shape)
+        out.copy_(rows)  # converted first: the cap is computed in cdt, never in the rows' half dtype
+        return out.div_(cap).tanh_().mul_(cap / tau)
     if tau == 1.0:
         return rows
     return _scaled(rows, tau, cdt, ws)
+
+
+def _cap_slope(z: Tensor, cap: float, out: Tensor) -> Tensor:
+    """``d(c tanh(z / c))/dz = sech^2(z / c) = cosh(z / c)^-2`` into ``out`` (0 where cosh overflows, and at
+    ``z = +-inf``; NaN stays NaN)."""
+    out.copy_(z)
+    return torch.cosh(out.div_(cap), out=out).pow_(-2)
 
 
 class _LogitsLogprobs(torch.autograd.Function):
@@ -158,7 +179,7 @@ class _LogitsLogprobs(torch.autograd.Function):
     ``[N, V]`` intermediate."""
 
     @staticmethod
-    def forward(ctx, logits, labels, active, temperature, return_entropy, inplace_backward):
+    def forward(ctx, logits, labels, active, temperature, return_entropy, inplace_backward, softcap):
         V = logits.shape[-1]
         n = labels.shape[0]
         cdt = compute_dtype(logits.dtype)
@@ -175,7 +196,7 @@ class _LogitsLogprobs(torch.autograd.Function):
                     continue
                 if index.numel() < r1 - r0:
                     rows = rows[index - r0]
-            x = _scaled_rows(rows, temperature, cdt, ws)
+            x = _scaled_rows(rows, temperature, cdt, ws, softcap)
             lp, p = ws.tiles(*x.shape)
             torch.log_softmax(x, 1, dtype=cdt, out=lp)
             y = labels[index]
@@ -188,6 +209,7 @@ class _LogitsLogprobs(torch.autograd.Function):
                 entropy[index] = -p.mul_(lp).sum(dim=1)
         ctx.save_for_backward(logits, labels, entropy)
         ctx.temperature = temperature
+        ctx.softcap = softcap
         ctx.inplace = inplace_backward
         ctx.set_materialize_grads(False)  # an unused entropy gets grad None, not a zero-filled tensor
         return logp, entropy
@@ -195,7 +217,7 @@ class _LogitsLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
         logits, labels, entropy = ctx.saved_tensors
-        tau = ctx.temperature
+        tau, cap = ctx.temperature, ctx.softcap
         V = logits.shape[-1]
         n = labels.shape[0]
         cdt = entropy.dtype
@@ -215,7 +237,9 @@ class _LogitsLogprobs(torch.autograd.Function):
             if not full:
                 target.zero_()
             g = g_all[index]
-            x = _scaled_rows(sub, tau, cdt, ws)
+            # (both read sub before anything is written: with inplace_backward it is the target's storage)
+            slope = None if cap is None else _cap_slope(sub, cap, ws.slope_tile(*sub.shape))
+            x = _scaled_rows(sub, tau, cdt, ws, cap)
             lp, p = ws.tiles(*x.shape)
             out = target if full else torch.empty(x.shape, dtype=grad.dtype, device=grad.device)
             # Half-precision gradients are formed in the compute dtype (the scratch tile p) and rounded once
@@ -235,11 +259,13 @@ class _LogitsLogprobs(torch.autograd.Function):
             y = labels[index]
             hit = torch.nonzero((y >= 0) & (y < V))[:, 0]
             acc.index_put_((hit, y[hit]), g[hit] / tau, accumulate=True)
+            if slope is not None:
+                acc.mul_(slope)
             if acc is not out:
                 out.copy_(acc)
             if not full:
                 target[index - r0] = out
-        return grad, None, None, None, None, None
+        return grad, None, None, None, None, None, None
 
 
 def _row_view(x: Tensor, r0: int, r1: int) -> Tensor:
@@ -255,7 +281,7 @@ def _row_view(x: Tensor, r0: int, r1: int) -> Tensor:
 
 class _LinearLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, active, temperature, return_entropy):
+    def forward(ctx, hidden, weight, bias, labels, active, temperature, return_entropy, softcap):
         rows_all = as_rows(hidden)
         n = labels.shape[0]
         V = weight.shape[0]
@@ -264,7 +290,7 @@ class _LinearLogprobs(torch.autograd.Function):
         logp = torch.zeros(n, dtype=cdt, device=device)
         entropy = torch.zeros(n, dtype=cdt, device=device)
         stats = torch.zeros(2, n, dtype=cdt, device=device)
-        shifted = _shifted_bias(bias, cdt)
+        shifted = _shifted_bias(bias, cdt, softcap)
         ws = _Workspace(LINEAR_ROW_BLOCK, min(LINEAR_VOCAB_BLOCK, V), cdt, device)
         index_all = torch.arange(n, device=device) if active is None else torch.nonzero(active)[:, 0]
         for b0 in range(0, index_all.numel(), LINEAR_ROW_BLOCK):
@@ -272,11 +298,13 @@ class _LinearLogprobs(torch.autograd.Function):
             h = rows_all[index].to(cdt)
             state = _OnlineSoftmax(index.numel(), labels[index], cdt, device)
             for v0 in range(0, V, LINEAR_VOCAB_BLOCK):
-                state.fold(_linear_tile(h, weight, shifted, v0, cdt, temperature), v0, ws, return_entropy)
+                x, _ = _linear_tile(h, weight, shifted, v0, cdt, temperature, softcap)
+                state.fold(x, v0, ws, return_entropy)
             logp[index], entropy[index], stats[:, index] = state.finish()
         ctx.save_for_backward(hidden, weight, bias if bias is not None else torch.empty(0), labels, stats, entropy)
         ctx.has_bias = bias is not None
         ctx.temperature = temperature
+        ctx.softcap = softcap
         ctx.set_materialize_grads(False)  # an unused entropy gets grad None, not a zero-filled tensor
         return logp, entropy
 
@@ -284,13 +312,13 @@ class _LinearLogprobs(torch.autograd.Function):
     def backward(ctx, grad_logp, grad_entropy):
         hidden, weight, bias, labels, stats, entropy = ctx.saved_tensors
         bias = bias if ctx.has_bias else None
-        tau = ctx.temperature
+        tau, cap = ctx.temperature, ctx.softcap
         n = labels.shape[0]
         V, H = weight.shape
         cdt = stats.dtype
         device = hidden.device
         rows_all = as_rows(hidden)
-        shifted = _shifted_bias(bias, cdt)
+        shifted = _shifted_bias(bias, cdt, cap)
         ws = _Workspace(LINEAR_ROW_BLOCK, min(LINEAR_VOCAB_BLOCK, V), cdt, device)
         index_all = torch.nonzero(_carries_gradient(grad_logp, grad_entropy, n, device))[:, 0]
         g_all = grad_logp if grad_logp is not None else torch.zeros_like(entropy)
@@ -305,8 +333,10 @@ class _LinearLogprobs(torch.autograd.Function):
             m, log_s, ent = stats[0, index], stats[1, index], entropy[index]
             dh = torch.zeros_like(h)
             for v0 in range(0, V, LINEAR_VOCAB_BLOCK):
-                z = _linear_tile(h, weight, shifted, v0, cdt, tau)
+                z, slope = _linear_tile(h, weight, shifted, v0, cdt, tau, cap, slope=True)
                 _grad_tile(z, m, log_s, ent, g, ge, labels[index] - v0, tau, ws, out=z)  # dz, in place
+                if slope is not None:
+                    z.mul_(slope)
                 w_tile = weight[v0 : v0 + LINEAR_VOCAB_BLOCK].to(cdt)
                 dh.addmm_(z, w_tile)
                 d_weight[v0 : v0 + LINEAR_VOCAB_BLOCK].addmm_(z.T, h)
@@ -316,27 +346,34 @@ class _LinearLogprobs(torch.autograd.Function):
         grad_hidden = d_hidden.to(hidden.dtype).reshape(hidden.shape) if ctx.needs_input_grad[0] else None
         grad_weight = d_weight.to(weight.dtype) if ctx.needs_input_grad[1] else None
         grad_bias = d_bias.to(bias.dtype) if d_bias is not None and ctx.needs_input_grad[2] else None
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
 
 
-def _shifted_bias(bias: Optional[Tensor], cdt: torch.dtype) -> Optional[Tensor]:
+def _shifted_bias(bias: Optional[Tensor], cdt: torch.dtype, cap: Optional[float] = None) -> Optional[Tensor]:
     """``bias - max(bias)`` in ``cdt`` (softmax is shift-invariant): a bias of 1e4 + noise then adds
-    no rounding of 1e4-sized numbers to the logits. Unchanged when its max is not finite."""
-    if bias is None or bias.numel() == 0:
+    no rounding of 1e4-sized numbers to the logits. Unchanged when its max is not finite, or under a soft
+    cap (``c tanh(z / c)`` is not shift-invariant)."""
+    if bias is None or bias.numel() == 0 or cap is not None:
         return None if bias is None else bias.to(cdt)
     b = bias.to(cdt)
     top = b.max()
     return torch.where(torch.isfinite(top), b - top, b)
 
 
-def _linear_tile(h: Tensor, weight: Tensor, bias: Optional[Tensor], v0: int, cdt: torch.dtype, tau: float) -> Tensor:
+def _linear_tile(h: Tensor, weight: Tensor, bias: Optional[Tensor], v0: int, cdt: torch.dtype, tau: float,
+                 cap: Optional[float] = None, slope: bool = False) -> Tuple[Tensor, Optional[Tensor]]:
     """Scaled logits ``(h @ W[v0:v1].T + b[v0:v1]) / tau`` of one vocabulary tile, accumulated in ``cdt``
-    (fp16/bf16 operands are converted to fp32 exactly: exact products, fp32 sums)."""
+    (fp16/bf16 operands are converted to fp32 exactly: exact products, fp32 sums); with the soft cap ``c``,
+    ``c tanh(z / c) / tau``, and with ``slope`` the tile's ``sech^2(z / c)`` (else None)."""
     w_tile = weight[v0 : v0 + LINEAR_VOCAB_BLOCK].to(cdt)
     z = h @ w_tile.T
     if bias is not None:
         z += bias[v0 : v0 + LINEAR_VOCAB_BLOCK]
-    return z if tau == 1.0 else z.div_(tau)
+    if cap is None:
+        return (z if tau == 1.0 else z.div_(tau)), None
+    z.div_(cap)
+    s = torch.cosh(z).pow_(-2) if slope else None
+    return z.tanh_().mul_(cap / tau), s
 
 
 def logits_logprobs(
@@ -347,15 +384,18 @@ def logits_logprobs(
     temperature: float = 1.0,
     return_entropy: bool = False,
     inplace_backward: bool = False,
+    softcap: Optional[float] = None,
 ) -> Tuple[Tensor, Optional[Tensor]]:
     """Per-token ``(logp [N], entropy [N] | None)`` from ``logits [N, V]`` / ``[B, T, V]``.
 
     fp16/bf16/fp32 logits: fp32 math and outputs; fp64 logits: fp64 math and outputs. Extra memory:
-    ``O(N)`` plus two (three with a temperature) scratch blocks of whole rows, about
-    ``LOGITS_BLOCK_ELEMENTS`` elements each; the backward writes one gradient the size of the logits
-    (or into the logits with ``inplace_backward``).
+    ``O(N)`` plus two (three with a temperature or a soft cap, four in the capped backward) scratch blocks
+    of whole rows, about ``LOGITS_BLOCK_ELEMENTS`` elements each; the backward writes one gradient the size
+    of the logits (or into the logits with ``inplace_backward``). ``softcap``: see the backend contract.
     """
-    logp, entropy = _LogitsLogprobs.apply(logits, labels, active, float(temperature), return_entropy, inplace_backward)
+    cap = None if softcap is None else float(softcap)
+    logp, entropy = _LogitsLogprobs.apply(logits, labels, active, float(temperature), return_entropy, inplace_backward,
+                                          cap)
     return logp, (entropy if return_entropy else None)
 
 
@@ -370,10 +410,11 @@ def linear_logprobs(
     return_entropy: bool = False,
     memory_budget: Optional[int] = None,
     batch_invariant: bool = False,
+    softcap: Optional[float] = None,
 ) -> Tuple[Tensor, Optional[Tensor]]:
     """Per-token ``(logp [N], entropy [N] | None)`` of ``hidden @ weight.T + bias``.
 
-    ``batch_invariant=True`` is refused: the BLAS this backend calls picks its kernels by shape.
+    ``softcap``: see the backend contract. ``batch_invariant=True`` is refused: the BLAS this backend calls picks its kernels by shape.
     fp16/bf16/fp32 inputs: converted to fp32 exactly (exact products), fp32 accumulation and outputs;
     fp64 inputs: fp64 math and outputs. ``memory_budget`` is accepted for the backend contract and
     ignored: this backend keeps no logits between forward and backward (it recomputes every tile).
@@ -383,7 +424,9 @@ def linear_logprobs(
     if batch_invariant:
         raise ValueError("batch_invariant=True needs backend='triton' or backend='cpu': the 'torch' backend's "
                          "matmuls round a row depending on the batch's shape")
-    logp, entropy = _LinearLogprobs.apply(hidden, weight, bias, labels, active, float(temperature), return_entropy)
+    cap = None if softcap is None else float(softcap)
+    logp, entropy = _LinearLogprobs.apply(hidden, weight, bias, labels, active, float(temperature), return_entropy,
+                                          cap)
     return logp, (entropy if return_entropy else None)
 
 

@@ -15,6 +15,10 @@
 //   row's address, its neighbours, the thread that runs it or the vector width of the machine.
 // * exp of -inf (or below -87.3) is exactly 0, and p * log p is 0 there: -inf logits on
 //   non-label columns add nothing, not NaN.
+// * soft cap c (Gemma's final_logit_softcapping): x = c tanh((z [+ b]) / c) / tau instead, through the
+//   kCap = true instantiations of the same loops (kCap = false is the uncapped code, unchanged); the
+//   gradient of each logit is multiplied by sech^2((z [+ b]) / c). With the cap a -inf logit becomes
+//   -c / tau (a real column), as in the model.
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -81,6 +85,49 @@ GSPO_INLINE float exp_nonpos(float x) {
 template <bool kBias>
 GSPO_INLINE float scaled(const float* z, const float* bias, int64_t i, float inv_t) {
   return (kBias ? z[i] + bias[i] : z[i]) * inv_t;
+}
+
+// The soft cap c at temperature tau, as the kernels use it.
+struct Cap {
+  float inv_c = 0.0f;  // 1 / c
+  float c_t = 0.0f;    // c / tau
+  Cap() = default;
+  Cap(double c, double tau) : inv_c(static_cast<float>(1.0 / c)), c_t(static_cast<float>(c / tau)) {}
+};
+
+// tanh(u) and sech^2(u) = 1 - tanh^2(u), vectorizable (no libm call): with e = exp(-2|u|),
+// tanh|u| = (1 - e) / (1 + e) and sech^2 u = 4e / (1 + e)^2, which keeps its relative accuracy where tanh
+// saturates (1 - tanh^2 would cancel there); for |u| < 0.625, where 1 - e cancels, tanh u = u P(u^2)
+// with P fitted to tanh(u)/u on that range (relative error 4e-9 in exact arithmetic). Both results are
+// within a few 1e-7 relative; u = +-inf gives +-1 and 0, NaN gives NaN.
+GSPO_INLINE float tanh_sech2(float u, float* sech2) {
+  const float a = std::fabs(u);
+  const float e = exp_nonpos(-2.0f * a);
+  const float inv = 1.0f / (1.0f + e);
+  const float s = u * u;
+  float p = -0.0056523592211306095f;
+  p = std::fma(p, s, 0.02058350294828415f);
+  p = std::fma(p, s, -0.05371849611401558f);
+  p = std::fma(p, s, 0.13331091403961182f);
+  p = std::fma(p, s, -0.3333325982093811f);
+  p = std::fma(p, s, 1.0f);
+  const float big = (1.0f - e) * inv;
+  *sech2 = 4.0f * e * inv * inv;
+  return a < 0.625f ? u * p : std::copysign(big, u);
+}
+
+// The capped logit c tanh(v / c) / tau of v = z [+ b].
+template <bool kBias>
+GSPO_INLINE float capped(const float* z, const float* bias, int64_t i, const Cap& cap) {
+  float unused;
+  return tanh_sech2((kBias ? z[i] + bias[i] : z[i]) * cap.inv_c, &unused) * cap.c_t;
+}
+
+// d(c tanh(v / c))/dv = sech^2(v / c) of one logit v = z [+ b].
+GSPO_INLINE float cap_slope(float v, const Cap& cap) {
+  float sech2;
+  tanh_sech2(v * cap.inv_c, &sech2);
+  return sech2;
 }
 
 // Ask for transparent huge pages on a fresh, not yet touched buffer of `bytes` bytes (a gradient or
@@ -151,17 +198,22 @@ struct RowStats {
   float s = 0.0f;
   float a = 0.0f;
 
-  // Fold `n` values x[i] = scaled(z, bias, i) into the statistics: one max pass and one exp pass
-  // over data that is already in cache.
-  template <bool kEntropy, bool kBias>
-  inline void fold(const float* z, const float* bias, int64_t n, float inv_t) {
+  // Fold `n` values x[i] = scaled(z, bias, i) (capped(z, bias, i) with kCap) into the statistics: one
+  // max pass and one exp pass over data that is already in cache.
+  template <bool kEntropy, bool kBias, bool kCap = false>
+  GSPO_INLINE void fold(const float* z, const float* bias, int64_t n, float inv_t, const Cap& cap = Cap()) {
+    if (kCap && n == 0) return;  // (below, the cap would turn the empty chunk's -inf max into -c / tau)
     float cmax = -std::numeric_limits<float>::infinity();
 #pragma omp simd reduction(max : cmax)
     for (int64_t i = 0; i < n; ++i) {
       const float v = kBias ? z[i] + bias[i] : z[i];
       cmax = v > cmax ? v : cmax;
     }
-    cmax *= inv_t;  // max(v) * inv_t == max(v * inv_t): rounding is monotone
+    if (kCap) {  // tanh is increasing: the max of the capped values, up to the rounding of tanh_sech2
+      cmax = capped<false>(&cmax, nullptr, 0, cap);
+    } else {
+      cmax *= inv_t;  // max(v) * inv_t == max(v * inv_t): rounding is monotone
+    }
     if (!(cmax > -std::numeric_limits<float>::infinity())) return;  // all -inf (or empty)
     if (cmax > m) {
       if (s > 0.0f) {
@@ -183,7 +235,7 @@ struct RowStats {
       const float* bc = kBias ? bias + c : nullptr;
 #pragma omp simd
       for (int64_t i = 0; i < len; ++i) {  // the exps, vectorized like any elementwise loop
-        const float d = scaled<kBias>(zc, bc, i, inv_t) - mm;
+        const float d = (kCap ? capped<kBias>(zc, bc, i, cap) : scaled<kBias>(zc, bc, i, inv_t)) - mm;
         const float e = exp_nonpos(d);
         eb[i] = e;
         if (kEntropy) db[i] = e > 0.0f ? e * d : 0.0f;  // e = 0 (a -inf logit): adds 0, not NaN
@@ -225,20 +277,40 @@ struct RowStats {
 // Gradient of (g * logp + ge * entropy) w.r.t. the logits z of one chunk, fp32 out:
 //   out[v] = inv_t * ( -p[v] * (g + ge * (log p[v] + H)) ),  log p = (x - m) - log_s.
 // A -inf logit has p = 0 and gets exactly 0. The label term (+ inv_t * g) is added by the caller.
-template <bool kEntropy, bool kBias>
+// kCap: x = capped(z, bias, v) and out[v] is multiplied by sech^2(v / c); the caller's label term is
+// then inv_t * g * cap_slope(z[y] [+ b[y]]) (read before `out` overwrites `z` when they alias).
+template <bool kEntropy, bool kBias, bool kCap = false>
 inline void softmax_grad(const float* z, const float* bias, float* out, int64_t n, float inv_t, float m,
-                         float log_s, float g, float ge, float ent) {
+                         float log_s, float g, float ge, float ent, const Cap& cap = Cap()) {
   const float c0 = g + ge * ent;
   const float ng = -inv_t * g;
+  if constexpr (kCap) {
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) {
-    const float d = (scaled<kBias>(z, bias, i, inv_t) - m) - log_s;  // log p
-    const float p = exp_nonpos(d);
-    if (kEntropy) {
-      const float t = p * (c0 + ge * d);
-      out[i] = p > 0.0f ? -inv_t * t : (d == d ? 0.0f : d);  // p = 0: 0 (NaN stays NaN)
-    } else {
-      out[i] = ng * p;
+    for (int64_t i = 0; i < n; ++i) {
+      float slope;
+      const float x = tanh_sech2((kBias ? z[i] + bias[i] : z[i]) * cap.inv_c, &slope) * cap.c_t;
+      const float d = (x - m) - log_s;  // log p
+      const float p = exp_nonpos(d);
+      float o;
+      if (kEntropy) {
+        const float t = p * (c0 + ge * d);
+        o = p > 0.0f ? -inv_t * t : (d == d ? 0.0f : d);  // p = 0: 0 (NaN stays NaN)
+      } else {
+        o = ng * p;
+      }
+      out[i] = o * slope;
+    }
+  } else {  // the uncapped loop, exactly as before the cap existed
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) {
+      const float d = (scaled<kBias>(z, bias, i, inv_t) - m) - log_s;  // log p
+      const float p = exp_nonpos(d);
+      if (kEntropy) {
+        const float t = p * (c0 + ge * d);
+        out[i] = p > 0.0f ? -inv_t * t : (d == d ? 0.0f : d);  // p = 0: 0 (NaN stays NaN)
+      } else {
+        out[i] = ng * p;
+      }
     }
   }
 }

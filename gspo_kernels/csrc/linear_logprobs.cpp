@@ -34,6 +34,9 @@
 // N * save_cols floats; vocabulary tile v0 starts at offset v0 * N and holds the active rows in order
 // (the i-th active row at row i of the [rows, width] tile), so in the unpadded mode the forward's GEMM
 // writes a tile straight into it.
+// Soft cap c > 0 (softcap; 0 = none): each logit v = z + b becomes c tanh(v / c) / tau (the bias is then
+// not shifted: the cap is not shift-invariant), and its gradient is multiplied by sech^2(v / c); the
+// uncapped loops are unchanged (gspo_cpu.h).
 // Labels are not range-checked here (the Python layer does it, except under torch.compile): a row
 // whose label is outside [0, V) reads nothing out of bounds and gets a NaN log-prob.
 #include <ATen/ATen.h>
@@ -97,6 +100,39 @@ at::Tensor shifted_bias(const at::Tensor& bias) {
   if (b.numel() == 0) return b;
   const float top = b.max().item<float>();
   return std::isfinite(top) ? (b - top).contiguous() : b;
+}
+
+// The bias as the kernels add it: shifted (shifted_bias) without a cap, as given with one.
+at::Tensor kernel_bias(const at::Tensor& bias, bool has_cap) {
+  return has_cap ? bias.to(at::kFloat).contiguous() : shifted_bias(bias);
+}
+
+// The capped (kCap) row fold, its label logit and its gradient, dispatched on entropy / bias at run time.
+inline void fold_capped(RowStats& rs, bool entropy, const float* z, const float* b, int64_t n, const Cap& cap) {
+  if (entropy) {
+    b ? rs.fold<true, true, true>(z, b, n, 0.0f, cap) : rs.fold<true, false, true>(z, nullptr, n, 0.0f, cap);
+  } else {
+    b ? rs.fold<false, true, true>(z, b, n, 0.0f, cap) : rs.fold<false, false, true>(z, nullptr, n, 0.0f, cap);
+  }
+}
+
+inline float label_capped(const float* z, const float* b, int64_t j, const Cap& cap) {
+  return b ? capped<true>(z, b, j, cap) : capped<false>(z, nullptr, j, cap);
+}
+
+// dlogits of one row under the cap into out (which may alias src), the label's term included.
+inline void grad_capped(bool has_ge, const float* src, const float* b, float* out, int64_t n, int64_t label,
+                        float inv_t, float m, float ls, float g, float ge, float ent, const Cap& cap) {
+  const bool inside = label >= 0 && label < n;
+  const float glabel = inside ? inv_t * g * cap_slope(b ? src[label] + b[label] : src[label], cap) : 0.0f;
+  if (has_ge) {
+    b ? softmax_grad<true, true, true>(src, b, out, n, inv_t, m, ls, g, ge, ent, cap)
+      : softmax_grad<true, false, true>(src, nullptr, out, n, inv_t, m, ls, g, ge, ent, cap);
+  } else {
+    b ? softmax_grad<false, true, true>(src, b, out, n, inv_t, m, ls, g, 0.0f, 0.0f, cap)
+      : softmax_grad<false, false, true>(src, nullptr, out, n, inv_t, m, ls, g, 0.0f, 0.0f, cap);
+  }
+  if (inside) out[label] += glabel;
 }
 
 // A [rows, cols] fp32 matrix in the front of a flat buffer.
@@ -198,7 +234,7 @@ void for_each_tile(int64_t ntiles, int nthreads, const F& f) {
 // (tile v0 at offset v0 * N, row i at i * width).
 void fast_forward(const at::Tensor& h, const at::Tensor& weight, const float* bp, const int64_t* yp, int64_t N,
                   int64_t R, int64_t VB, int64_t save_cols, at::Tensor& saved, bool return_entropy, float inv_t,
-                  std::vector<RowStats>& st, std::vector<float>& label_x) {
+                  const Cap* cap, std::vector<RowStats>& st, std::vector<float>& label_x) {
   const int64_t Na = h.size(0), H = h.size(1), V = weight.size(0);
   const int64_t ntiles = (V + VB - 1) / VB;
   const int nthreads = tile_threads(ntiles);
@@ -224,6 +260,13 @@ void fast_forward(const at::Tensor& h, const at::Tensor& weight, const float* bp
       for (int64_t i = 0; i < nr; ++i) {
         const float* zrow = zp + i * nv;
         RowStats rs;
+        if (cap != nullptr) {
+          fold_capped(rs, return_entropy, zrow, btile, nv, *cap);
+          part[t * nr + i] = rs;
+          const int64_t label = yp[r0 + i];
+          if (label >= v0 && label < v0 + nv) label_x[r0 + i] = label_capped(zrow, btile, label - v0, *cap);
+          continue;
+        }
         if (return_entropy) {
           btile ? rs.fold<true, true>(zrow, btile, nv, inv_t) : rs.fold<true, false>(zrow, nullptr, nv, inv_t);
         } else {
@@ -256,8 +299,8 @@ struct GradRows {
 };
 
 void fast_backward(const at::Tensor& h, const at::Tensor& weight, const float* bp, const GradRows& rows, int64_t N,
-                   int64_t R, int64_t VB, int64_t save_cols, const float* saved_p, float inv_t, at::Tensor& dh,
-                   at::Tensor& dW, float* dB) {
+                   int64_t R, int64_t VB, int64_t save_cols, const float* saved_p, float inv_t, const Cap* cap,
+                   at::Tensor& dh, at::Tensor& dW, float* dB) {
   const int64_t Ng = h.size(0), H = h.size(1), V = weight.size(0);
   const int64_t ntiles = (V + VB - 1) / VB;
   const int nthreads = tile_threads(ntiles);
@@ -287,15 +330,19 @@ void fast_backward(const at::Tensor& h, const at::Tensor& weight, const float* b
         const float* src = from_saved ? saved_p + v0 * N + rows.srow[k] * nv : zrow;
         const float gk = rows.g[k], gek = has_ge ? rows.ge[k] : 0.0f;
         const float mk = rows.m[k], lsk = rows.ls[k];
-        if (has_ge) {
-          btile ? softmax_grad<true, true>(src, btile, zrow, nv, inv_t, mk, lsk, gk, gek, rows.ent[k])
-                : softmax_grad<true, false>(src, nullptr, zrow, nv, inv_t, mk, lsk, gk, gek, rows.ent[k]);
-        } else {
-          btile ? softmax_grad<false, true>(src, btile, zrow, nv, inv_t, mk, lsk, gk, 0.0f, 0.0f)
-                : softmax_grad<false, false>(src, nullptr, zrow, nv, inv_t, mk, lsk, gk, 0.0f, 0.0f);
-        }
         const int64_t label = rows.y[k];
-        if (label >= v0 && label < v0 + nv) zrow[label - v0] += inv_t * gk;
+        if (cap != nullptr) {
+          grad_capped(has_ge, src, btile, zrow, nv, label - v0, inv_t, mk, lsk, gk, gek, rows.ent[k], *cap);
+        } else {
+          if (has_ge) {
+            btile ? softmax_grad<true, true>(src, btile, zrow, nv, inv_t, mk, lsk, gk, gek, rows.ent[k])
+                  : softmax_grad<true, false>(src, nullptr, zrow, nv, inv_t, mk, lsk, gk, gek, rows.ent[k]);
+          } else {
+            btile ? softmax_grad<false, true>(src, btile, zrow, nv, inv_t, mk, lsk, gk, 0.0f, 0.0f)
+                  : softmax_grad<false, false>(src, nullptr, zrow, nv, inv_t, mk, lsk, gk, 0.0f, 0.0f);
+          }
+          if (label >= v0 && label < v0 + nv) zrow[label - v0] += inv_t * gk;
+        }
         if (dB != nullptr) {
           float* db = dB + v0;
 #pragma omp simd
@@ -328,10 +375,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_fwd(const at::
                                                           const at::Tensor& labels,
                                                           const c10::optional<at::Tensor>& active, double temperature,
                                                           bool return_entropy, int64_t row_block, int64_t gemm_rows,
-                                                          int64_t vocab_block, int64_t save_cols) {
+                                                          int64_t vocab_block, int64_t save_cols, double softcap) {
   check_linear_inputs(hidden, weight, bias, labels, active);
   const int64_t N = hidden.size(0), H = hidden.size(1), V = weight.size(0);
   const float inv_t = static_cast<float>(1.0 / temperature);
+  const Cap cap_value = softcap > 0.0 ? Cap(softcap, temperature) : Cap();
+  const Cap* cap = softcap > 0.0 ? &cap_value : nullptr;
   auto f32 = hidden.options().dtype(at::kFloat);
   at::Tensor logp = at::zeros({N}, f32), ent = at::zeros({N}, f32), stats = at::zeros({2, N}, f32);
   const int64_t VB = std::min(std::max<int64_t>(vocab_block, 1), V);
@@ -350,7 +399,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_fwd(const at::
   const int64_t* idx_p = all_rows ? nullptr : idx.data_ptr<int64_t>();
   const at::Tensor h = padded_rows(hidden, idx, Na, rb.padded(Na));
   const at::Tensor y = (all_rows ? labels : labels.index_select(0, idx)).contiguous();
-  const at::Tensor b = bias.has_value() ? shifted_bias(*bias) : at::Tensor();
+  const at::Tensor b = bias.has_value() ? kernel_bias(*bias, cap != nullptr) : at::Tensor();
   const int64_t* yp = y.data_ptr<int64_t>();
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
 
@@ -361,7 +410,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_fwd(const at::
   std::vector<float> label_x(Na, std::numeric_limits<float>::quiet_NaN());  // stays NaN: label not in [0, V)
 
   if (direct) {
-    fast_forward(h, weight, bp, yp, N, R, VB, save_cols, saved, return_entropy, inv_t, st, label_x);
+    fast_forward(h, weight, bp, yp, N, R, VB, save_cols, saved, return_entropy, inv_t, cap, st, label_x);
   }
   for (int64_t r0 = 0; r0 < Na && !direct; r0 += R) {
     const int64_t nr = std::min(R, Na - r0);
@@ -377,15 +426,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_fwd(const at::
         for (int64_t i = a; i < e; ++i) {
           const float* zrow = zp + i * nv;
           RowStats& rs = st[r0 + i];
-          if (return_entropy) {
-            btile ? rs.fold<true, true>(zrow, btile, nv, inv_t) : rs.fold<true, false>(zrow, nullptr, nv, inv_t);
-          } else {
-            btile ? rs.fold<false, true>(zrow, btile, nv, inv_t) : rs.fold<false, false>(zrow, nullptr, nv, inv_t);
-          }
           const int64_t label = yp[r0 + i];
-          if (label >= v0 && label < v0 + nv) {
-            label_x[r0 + i] = btile ? scaled<true>(zrow, btile, label - v0, inv_t)
-                                    : scaled<false>(zrow, nullptr, label - v0, inv_t);
+          if (cap != nullptr) {
+            fold_capped(rs, return_entropy, zrow, btile, nv, *cap);
+            if (label >= v0 && label < v0 + nv) label_x[r0 + i] = label_capped(zrow, btile, label - v0, *cap);
+          } else {
+            if (return_entropy) {
+              btile ? rs.fold<true, true>(zrow, btile, nv, inv_t) : rs.fold<true, false>(zrow, nullptr, nv, inv_t);
+            } else {
+              btile ? rs.fold<false, true>(zrow, btile, nv, inv_t) : rs.fold<false, false>(zrow, nullptr, nv, inv_t);
+            }
+            if (label >= v0 && label < v0 + nv) {
+              label_x[r0 + i] = btile ? scaled<true>(zrow, btile, label - v0, inv_t)
+                                      : scaled<false>(zrow, nullptr, label - v0, inv_t);
+            }
           }
           if (save) {  // keep the tile row (still in cache)
             std::memcpy(saved_p + v0 * N + (r0 + i) * nv, zrow, sizeof(float) * nv);
@@ -414,10 +468,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_bwd(
     const at::Tensor& weight, const c10::optional<at::Tensor>& bias, const at::Tensor& labels,
     const c10::optional<at::Tensor>& active, const at::Tensor& stats, const at::Tensor& entropy,
     const at::Tensor& saved, double temperature, int64_t row_block, int64_t gemm_rows, int64_t vocab_block,
-    int64_t save_cols, bool weight_grad) {
+    int64_t save_cols, bool weight_grad, double softcap) {
   check_linear_inputs(hidden, weight, bias, labels, active);
   const int64_t N = hidden.size(0), H = hidden.size(1), V = weight.size(0);
   const float inv_t = static_cast<float>(1.0 / temperature);
+  const Cap cap_value = softcap > 0.0 ? Cap(softcap, temperature) : Cap();
+  const Cap* cap = softcap > 0.0 ? &cap_value : nullptr;
   auto f32 = hidden.options().dtype(at::kFloat);
   const bool has_ge = grad_entropy.has_value() && grad_entropy->defined();
   TORCH_CHECK(stats.dim() == 2 && stats.size(0) == 2 && stats.size(1) == N, "stats must be [2, N], got ",
@@ -450,7 +506,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_bwd(
     const at::Tensor mrow = s32.select(0, 0).index_select(0, idx).contiguous();
     const at::Tensor lsrow = s32.select(0, 1).index_select(0, idx).contiguous();
     const at::Tensor ent = entropy.reshape({N}).to(at::kFloat).index_select(0, idx).contiguous();
-    const at::Tensor b = bias.has_value() ? shifted_bias(*bias) : at::Tensor();
+    const at::Tensor b = bias.has_value() ? kernel_bias(*bias, cap != nullptr) : at::Tensor();
     const int64_t* yp = y.data_ptr<int64_t>();
     // Row of each gradient row in the saved tiles: its rank among the active rows.
     const at::Tensor srow = (save_cols > 0 && active.has_value())
@@ -475,7 +531,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_bwd(
     if (direct) {
       const GradRows rows{yp, srow_p, gp, gep, mp, lsp, entp};
       at::Tensor dw_all = weight_grad ? dW : at::Tensor();
-      fast_backward(h, weight, bp, rows, N, R, VB, save_cols, saved_p, inv_t, dh, dw_all,
+      fast_backward(h, weight, bp, rows, N, R, VB, save_cols, saved_p, inv_t, cap, dh, dw_all,
                     bias.has_value() ? dB.data_ptr<float>() : nullptr);
     }
     for (int64_t v0 = 0; v0 < V && !direct; v0 += VB) {
@@ -496,6 +552,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_bwd(
             float* zrow = zp + i * nv;
             const float* src = from_saved ? saved_p + v0 * N + srow_p[k] * nv : zrow;
             const float gk = gp[k], gek = has_ge ? gep[k] : 0.0f;
+            if (cap != nullptr) {
+              grad_capped(has_ge, src, btile, zrow, nv, yp[k] - v0, inv_t, mp[k], lsp[k], gk, gek, entp[k], *cap);
+              continue;
+            }
             if (has_ge) {
               btile ? softmax_grad<true, true>(src, btile, zrow, nv, inv_t, mp[k], lsp[k], gk, gek, entp[k])
                     : softmax_grad<true, false>(src, nullptr, zrow, nv, inv_t, mp[k], lsp[k], gk, gek, entp[k]);

@@ -7,6 +7,8 @@
 // Backward, per row: from the saved stats, grad = (g/tau)(onehot - p) - (ge/tau) p (log p + H),
 // written into a new tensor or into the logits' own storage; rows with g = ge = 0 (or inactive)
 // are zero-filled without reading the logits.
+// Soft cap c > 0 (softcap; 0 = none): the logits are capped, x = c tanh(z / c) / tau, and the backward
+// multiplies each logit's gradient by sech^2(z / c) (the kCap instantiations; see gspo_cpu.h).
 // Labels are not range-checked here (the Python layer does it, except under torch.compile): a row
 // whose label is outside [0, V) reads nothing outside its row and gets a NaN log-prob.
 // Every row is computed by one thread in a fixed order: results are the same bits on every run
@@ -58,9 +60,9 @@ void check_logits_inputs(const at::Tensor& logits, const at::Tensor& labels, con
   }
 }
 
-template <typename T, bool kEntropy>
-void forward_rows(const at::Tensor& logits, const int64_t* y, const bool* act, float inv_t, float* logp, float* ent,
-                  float* stats, int64_t N) {
+template <typename T, bool kEntropy, bool kCap>
+void forward_rows(const at::Tensor& logits, const int64_t* y, const bool* act, float inv_t, const Cap& cap,
+                  float* logp, float* ent, float* stats, int64_t N) {
   const T* base = logits.data_ptr<T>();
   const RowIndex rows(logits);
   const int64_t V = logits.size(-1);
@@ -78,7 +80,7 @@ void forward_rows(const at::Tensor& logits, const int64_t* y, const bool* act, f
       RowStats st;
       for (int64_t c0 = 0; c0 < V; c0 += kChunk) {
         const int64_t n = std::min(kChunk, V - c0);
-        st.fold<kEntropy, false>(load_chunk(row + c0, n, buf), nullptr, n, inv_t);
+        st.fold<kEntropy, false, kCap>(load_chunk(row + c0, n, buf), nullptr, n, inv_t, cap);
       }
       const float ls = st.log_s();
       stats[r] = st.m;
@@ -86,7 +88,8 @@ void forward_rows(const at::Tensor& logits, const int64_t* y, const bool* act, f
       const int64_t label = y[r];
       if (label >= 0 && label < V) {
         const float zl = to_float(row[label]);
-        logp[r] = (scaled<false>(&zl, nullptr, 0, inv_t) - st.m) - ls;
+        const float xl = kCap ? capped<false>(&zl, nullptr, 0, cap) : scaled<false>(&zl, nullptr, 0, inv_t);
+        logp[r] = (xl - st.m) - ls;
       } else {
         logp[r] = std::numeric_limits<float>::quiet_NaN();
       }
@@ -96,10 +99,10 @@ void forward_rows(const at::Tensor& logits, const int64_t* y, const bool* act, f
 }
 
 // out may alias in (in-place backward); out_rows describes out's layout.
-template <typename T, bool kEntropy>
+template <typename T, bool kEntropy, bool kCap>
 void backward_rows(const T* in, const RowIndex& in_rows, T* out, const RowIndex& out_rows, int64_t V, const int64_t* y,
                    const bool* act, const float* g, const float* ge, const float* stats, const float* ent, float inv_t,
-                   int64_t N) {
+                   const Cap& cap, int64_t N) {
   at::parallel_for(0, N, 1, [&](int64_t r0, int64_t r1) {
     alignas(64) float buf[kChunk];
     alignas(64) float obuf[kChunk];
@@ -113,12 +116,14 @@ void backward_rows(const T* in, const RowIndex& in_rows, T* out, const RowIndex&
       }
       const T* irow = in + in_rows.offset(r);
       const int64_t label = y[r];
+      // under the cap, the label's term inv_t * g times sech^2 of its logit (read before out overwrites it)
+      const float glabel = kCap && label >= 0 && label < V ? inv_t * gr * cap_slope(to_float(irow[label]), cap) : 0.0f;
       for (int64_t c0 = 0; c0 < V; c0 += kChunk) {
         const int64_t n = std::min(kChunk, V - c0);
         const float* x = load_chunk(irow + c0, n, buf);
         float* o = std::is_same<T, float>::value ? reinterpret_cast<float*>(orow + c0) : obuf;
-        softmax_grad<kEntropy, false>(x, nullptr, o, n, inv_t, stats[r], stats[N + r], gr, ger, ent[r]);
-        if (label >= c0 && label < c0 + n) o[label - c0] += inv_t * gr;
+        softmax_grad<kEntropy, false, kCap>(x, nullptr, o, n, inv_t, stats[r], stats[N + r], gr, ger, ent[r], cap);
+        if (label >= c0 && label < c0 + n) o[label - c0] += kCap ? glabel : inv_t * gr;
         if (!std::is_same<T, float>::value) {
           T* dst = orow + c0;
 #pragma omp simd
@@ -131,20 +136,25 @@ void backward_rows(const T* in, const RowIndex& in_rows, T* out, const RowIndex&
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> logits_fwd(const at::Tensor& logits, const at::Tensor& labels,
                                                           const c10::optional<at::Tensor>& active, double temperature,
-                                                          bool return_entropy, bool /*inplace_backward*/) {
+                                                          bool return_entropy, bool /*inplace_backward*/,
+                                                          double softcap) {
   check_logits_inputs(logits, labels, active);
   const int64_t N = labels.size(0);
   auto opts = logits.options().dtype(at::kFloat);
   at::Tensor logp = at::empty({N}, opts), ent = at::empty({N}, opts), stats = at::empty({2, N}, opts);
   const float inv_t = static_cast<float>(1.0 / temperature);
   const bool* act = active.has_value() ? active->data_ptr<bool>() : nullptr;
+  const bool has_cap = softcap > 0.0;
+  const Cap cap = has_cap ? Cap(softcap, temperature) : Cap();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "gspo_logits_fwd", [&] {
-    if (return_entropy) {
-      forward_rows<scalar_t, true>(logits, labels.data_ptr<int64_t>(), act, inv_t, logp.data_ptr<float>(),
-                                   ent.data_ptr<float>(), stats.data_ptr<float>(), N);
+    const int64_t* y = labels.data_ptr<int64_t>();
+    float *lp = logp.data_ptr<float>(), *ep = ent.data_ptr<float>(), *sp = stats.data_ptr<float>();
+    if (has_cap) {
+      return_entropy ? forward_rows<scalar_t, true, true>(logits, y, act, inv_t, cap, lp, ep, sp, N)
+                     : forward_rows<scalar_t, false, true>(logits, y, act, inv_t, cap, lp, ep, sp, N);
     } else {
-      forward_rows<scalar_t, false>(logits, labels.data_ptr<int64_t>(), act, inv_t, logp.data_ptr<float>(),
-                                    ent.data_ptr<float>(), stats.data_ptr<float>(), N);
+      return_entropy ? forward_rows<scalar_t, true, false>(logits, y, act, inv_t, cap, lp, ep, sp, N)
+                     : forward_rows<scalar_t, false, false>(logits, y, act, inv_t, cap, lp, ep, sp, N);
     }
   });
   return {logp, ent, stats};
@@ -152,7 +162,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> logits_fwd(const at::Tensor& logi
 
 void run_backward(const at::Tensor& grad_logp, const c10::optional<at::Tensor>& grad_entropy, const at::Tensor& logits,
                   at::Tensor& out, const at::Tensor& labels, const c10::optional<at::Tensor>& active,
-                  const at::Tensor& stats, const at::Tensor& entropy, double temperature) {
+                  const at::Tensor& stats, const at::Tensor& entropy, double temperature, double softcap) {
   check_logits_inputs(logits, labels, active);
   const int64_t N = labels.size(0);
   auto as_f32 = [N](const at::Tensor& t, const char* name) {
@@ -170,34 +180,38 @@ void run_backward(const at::Tensor& grad_logp, const c10::optional<at::Tensor>& 
   const bool* act = active.has_value() ? active->data_ptr<bool>() : nullptr;
   const RowIndex in_rows(logits), out_rows(out);
   const int64_t V = logits.size(-1);
+  const bool has_cap = softcap > 0.0;
+  const Cap cap = has_cap ? Cap(softcap, temperature) : Cap();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "gspo_logits_bwd", [&] {
     const scalar_t* in = logits.data_ptr<scalar_t>();
     scalar_t* o = out.data_ptr<scalar_t>();
-    if (has_ge) {
-      backward_rows<scalar_t, true>(in, in_rows, o, out_rows, V, labels.data_ptr<int64_t>(), act,
-                                    g.data_ptr<float>(), ge.data_ptr<float>(), l.data_ptr<float>(),
-                                    h.data_ptr<float>(), inv_t, N);
+    const int64_t* y = labels.data_ptr<int64_t>();
+    const float *gp = g.data_ptr<float>(), *gep = has_ge ? ge.data_ptr<float>() : nullptr;
+    const float *lp = l.data_ptr<float>(), *hp = h.data_ptr<float>();
+    if (has_cap) {
+      has_ge ? backward_rows<scalar_t, true, true>(in, in_rows, o, out_rows, V, y, act, gp, gep, lp, hp, inv_t, cap, N)
+             : backward_rows<scalar_t, false, true>(in, in_rows, o, out_rows, V, y, act, gp, gep, lp, hp, inv_t, cap, N);
     } else {
-      backward_rows<scalar_t, false>(in, in_rows, o, out_rows, V, labels.data_ptr<int64_t>(), act,
-                                     g.data_ptr<float>(), nullptr, l.data_ptr<float>(), h.data_ptr<float>(), inv_t,
-                                     N);
+      has_ge ? backward_rows<scalar_t, true, false>(in, in_rows, o, out_rows, V, y, act, gp, gep, lp, hp, inv_t, cap, N)
+             : backward_rows<scalar_t, false, false>(in, in_rows, o, out_rows, V, y, act, gp, gep, lp, hp, inv_t, cap,
+                                                    N);
     }
   });
 }
 
 at::Tensor logits_bwd(const at::Tensor& grad_logp, const c10::optional<at::Tensor>& grad_entropy,
                       const at::Tensor& logits, const at::Tensor& labels, const c10::optional<at::Tensor>& active,
-                      const at::Tensor& stats, const at::Tensor& entropy, double temperature) {
+                      const at::Tensor& stats, const at::Tensor& entropy, double temperature, double softcap) {
   at::Tensor out = at::empty(logits.sizes(), logits.options().memory_format(at::MemoryFormat::Contiguous));
   advise_huge_pages(out.data_ptr(), out.nbytes());
-  run_backward(grad_logp, grad_entropy, logits, out, labels, active, stats, entropy, temperature);
+  run_backward(grad_logp, grad_entropy, logits, out, labels, active, stats, entropy, temperature, softcap);
   return out;
 }
 
 void logits_bwd_(at::Tensor& logits, const at::Tensor& grad_logp, const c10::optional<at::Tensor>& grad_entropy,
                  const at::Tensor& labels, const c10::optional<at::Tensor>& active, const at::Tensor& stats,
-                 const at::Tensor& entropy, double temperature) {
-  run_backward(grad_logp, grad_entropy, logits, logits, labels, active, stats, entropy, temperature);
+                 const at::Tensor& entropy, double temperature, double softcap) {
+  run_backward(grad_logp, grad_entropy, logits, logits, labels, active, stats, entropy, temperature, softcap);
 }
 
 }  // namespace

@@ -8,18 +8,20 @@ TORCH_LIBRARY(gspo_kernels, m) {
   // logits [N, V] or [B, T, V] (last stride 1), labels [N] int64, active [N] bool.
   // Returns logp [N] fp32, entropy [N] fp32 (zeros unless return_entropy), stats [2, N] fp32 (the
   // row max and log-sum-exp offset, saved for the backward). inplace_backward is only recorded for
-  // the autograd formula. Labels outside [0, V) are not read: that row's logp is NaN.
+  // the autograd formula. Labels outside [0, V) are not read: that row's logp is NaN. softcap > 0: the
+  // logits are soft-capped, z -> softcap * tanh(z / softcap), before the temperature (0: no cap); the
+  // backward ops take the same value.
   m.def(
       "logits_fwd(Tensor logits, Tensor labels, Tensor? active, float temperature, bool return_entropy, "
-      "bool inplace_backward) -> (Tensor, Tensor, Tensor)");
+      "bool inplace_backward, float softcap=0.) -> (Tensor, Tensor, Tensor)");
   // Gradient of sum(grad_logp * logp + grad_entropy * entropy) w.r.t. logits, in logits' dtype.
   m.def(
       "logits_bwd(Tensor grad_logp, Tensor? grad_entropy, Tensor logits, Tensor labels, Tensor? active, "
-      "Tensor stats, Tensor entropy, float temperature) -> Tensor");
+      "Tensor stats, Tensor entropy, float temperature, float softcap=0.) -> Tensor");
   // Same, written into logits' own storage.
   m.def(
       "logits_bwd_(Tensor(a!) logits, Tensor grad_logp, Tensor? grad_entropy, Tensor labels, Tensor? active, "
-      "Tensor stats, Tensor entropy, float temperature) -> ()");
+      "Tensor stats, Tensor entropy, float temperature, float softcap=0.) -> ()");
   // hidden [N, H], weight [V, H], bias [V]; logits = hidden @ weight.T + bias, never materialized in
   // full. The 4th output keeps the first save_cols vocabulary columns of the logits (without bias)
   // of the active rows for the backward: [N * save_cols] fp32, vocabulary tile v0 stored at offset
@@ -30,13 +32,14 @@ TORCH_LIBRARY(gspo_kernels, m) {
   // its actual row count (faster, deterministic, not batch invariant).
   m.def(
       "linear_fwd(Tensor hidden, Tensor weight, Tensor? bias, Tensor labels, Tensor? active, float temperature, "
-      "bool return_entropy, int row_block, int gemm_rows, int vocab_block, int save_cols) -> (Tensor, Tensor, Tensor, Tensor)");
+      "bool return_entropy, int row_block, int gemm_rows, int vocab_block, int save_cols, float softcap=0.) "
+      "-> (Tensor, Tensor, Tensor, Tensor)");
   // Returns (grad_hidden [N, H], grad_weight [V, H] fp32-accumulated (or [0, H] when not
   // weight_grad), grad_bias [V] (or [0] fp32 without a bias)).
   m.def(
       "linear_bwd(Tensor grad_logp, Tensor? grad_entropy, Tensor hidden, Tensor weight, Tensor? bias, "
       "Tensor labels, Tensor? active, Tensor stats, Tensor entropy, Tensor saved, float temperature, int row_block, "
-      "int gemm_rows, int vocab_block, int save_cols, bool weight_grad) -> (Tensor, Tensor, Tensor)");
+      "int gemm_rows, int vocab_block, int save_cols, bool weight_grad, float softcap=0.) -> (Tensor, Tensor, Tensor)");
 }
 
 extern "C" PyObject* PyInit__C(void) {

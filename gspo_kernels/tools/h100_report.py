@@ -42,11 +42,12 @@ import argparse
 import importlib
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
 import time
-from typing import Dict, Iterable, List, Mapping, Optional, Sequence
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 TARGET = ("cuda", 90, 32)
 _WORKER_FLAG = "GSPO_KERNELS_H100_REPORT_WORKER"
@@ -216,11 +217,169 @@ def compile_config(config: dict) -> dict:
             hgmma="HGMMA" in sass,
             hmma="HMMA" in sass,
             loads_128=any(op in kernel.asm["ptx"] for op in ("ld.global.v4", "ld.global.nc.v4")),
+            **main_loop_stats(sass, elements_per_thread(config)),
         )
     except Exception as exc:  # a kernel that does not compile is a failed row, not a crashed report
         row["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
     row["compile_s"] = round(time.perf_counter() - start, 2)
     return row
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The main loop's instruction count, read from the SASS (no GPU: the cubin's disassembly).
+_SASS_LINE = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
+_TARGET = re.compile(r"0x([0-9a-f]+)")
+
+
+def parse_sass(text: str) -> List[tuple]:
+    """``(address, predicate, opcode, operands)`` for each instruction of ``cuobjdump --dump-sass`` output
+    (one kernel per cubin here)."""
+    out = []
+    for line in text.splitlines():
+        match = _SASS_LINE.match(line)
+        if not match:
+            continue
+        body = match.group(2).strip()
+        pred = ""
+        if body.startswith("@"):
+            pred, _, body = body.partition(" ")
+        op, _, rest = body.strip().partition(" ")
+        out.append((int(match.group(1), 16), pred, op, rest.strip()))
+    return out
+
+
+def access_width(op: str) -> int:
+    """Bits moved per thread by a global load/store opcode (``LDG.E.128`` -> 128, ``LDG.E.U16`` -> 16, ``LDG.E``
+    -> 32)."""
+    parts = op.split(".")
+    for part in parts[1:]:
+        if part in ("128", "64", "256"):
+            return int(part)
+        if part in ("U16", "S16"):
+            return 16
+        if part in ("U8", "S8"):
+            return 8
+    return 32
+
+
+def _successors(instrs: List[tuple], index: Dict[int, int], i: int) -> List[int]:
+    _, pred, op, rest = instrs[i]
+    always = pred in ("", "@PT")
+    base = op.split(".")[0]
+    nxt = [i + 1] if i + 1 < len(instrs) else []
+    if base == "EXIT":
+        return [] if always else nxt
+    if base == "BRA":
+        match = _TARGET.search(rest)
+        target = [index[int(match.group(1), 16)]] if match and int(match.group(1), 16) in index else []
+        return target if always else nxt + target
+    return nxt
+
+
+def loops(instrs: List[tuple]) -> List[dict]:
+    """Every loop of the kernel: for each backward branch (latch ``i`` -> header ``j``), its natural loop (the
+    instructions that reach the latch without passing the header) and the fewest and most instructions one
+    iteration can execute (paths header -> latch inside the loop, inner loops' back edges cut)."""
+    index = {addr: k for k, (addr, *_rest) in enumerate(instrs)}
+    succ = [_successors(instrs, index, k) for k in range(len(instrs))]
+    pred: List[List[int]] = [[] for _ in instrs]
+    for k, targets in enumerate(succ):
+        for t in targets:
+            pred[t].append(k)
+    found = []
+    for latch, targets in enumerate(succ):
+        for header in targets:
+            if header >= latch or instrs[latch][2].split(".")[0] != "BRA":
+                continue  # (a branch to itself: the trap ptxas puts after the last EXIT)
+            body, stack = {header, latch}, [latch]
+            while stack:
+                node = stack.pop()
+                if node == header:
+                    continue
+                for p in pred[node]:
+                    if p not in body:
+                        body.add(p)
+                        stack.append(p)
+            shortest, longest = _path_lengths(succ, body, header, latch)
+            found.append({"header": header, "latch": latch, "body": body, "min": shortest, "max": longest})
+    return found
+
+
+def _path_lengths(succ: List[List[int]], body: set, header: int, latch: int) -> Tuple[int, int]:
+    """Fewest and most instructions on a path header -> latch (both counted) inside ``body``, cycles cut."""
+    order, state, stack = [], {header: 1}, [(header, iter(succ[header]))]
+    dag: Dict[int, List[int]] = {header: []}
+    while stack:  # iterative DFS: keep the edges that do not close a cycle, record the post-order
+        node, it = stack[-1]
+        nxt = next(it, None)
+        if nxt is None:
+            state[node] = 2
+            order.append(node)
+            stack.pop()
+            continue
+        if nxt not in body or nxt == header or state.get(nxt) == 1:
+            continue
+        dag[node].append(nxt)
+        if nxt not in state:
+            state[nxt] = 1
+            dag[nxt] = []
+            stack.append((nxt, iter(succ[nxt])))
+    inf = float("inf")
+    low = {n: inf for n in order}
+    high = {n: -inf for n in order}
+    low[latch] = high[latch] = 1
+    for node in order:  # post-order: successors first
+        if node == latch:
+            continue
+        for t in dag[node]:
+            low[node] = min(low[node], 1 + low[t])
+            high[node] = max(high[node], 1 + high[t])
+    if header not in low or low[header] == inf:
+        return 0, 0
+    return int(low[header]), int(high[header])
+
+
+def main_loop_stats(sass: str, elements_per_thread: Optional[float]) -> dict:
+    """The kernel's main loop and what one iteration costs. Main loop: among the innermost loops, the one whose
+    global loads are widest (then whose stores are), i.e. the streaming body of a bandwidth-bound kernel
+    (a loop without loads when none has any). ``loop_instr_min`` / ``loop_instr_max``: instructions on the
+    shortest / longest path through one iteration (e.g. without / with the logits forward's rescale when the
+    running max moves); per element: divided by the elements a thread handles per iteration. Ties: unpredicated
+    (unmasked) loads, then stores, then the first loop in the code."""
+    instrs = parse_sass(sass)
+    found = loops(instrs)
+    if not found:
+        return {"loop_instr_min": None, "loop_instr_max": None, "instr_per_elem": None,
+                "instr_per_elem_max": None, "load_bits": [], "store_bits": []}
+    innermost = [lp for lp in found if not any(o is not lp and o["body"] < lp["body"] for o in found)]
+
+    def widths(lp, prefix):
+        return sorted({access_width(instrs[k][2]) for k in lp["body"] if instrs[k][2].startswith(prefix)})
+
+    def unmasked(lp, prefix):  # the streaming body reads (writes) without a predicate; masked edges do not
+        return any(instrs[k][2].startswith(prefix) and instrs[k][1] in ("", "@PT") for k in lp["body"])
+
+    def key(lp):
+        loads, stores = widths(lp, "LDG"), widths(lp, "STG")
+        return (bool(loads), max(loads, default=0), unmasked(lp, "LDG"), max(stores, default=0),
+                unmasked(lp, "STG"), -lp["header"])
+
+    best = max(innermost, key=key)
+    row = {"loop_instr_min": best["min"], "loop_instr_max": best["max"], "load_bits": widths(best, "LDG"),
+           "store_bits": widths(best, "STG"), "instr_per_elem": None, "instr_per_elem_max": None}
+    if elements_per_thread:
+        row["instr_per_elem"] = round(best["min"] / elements_per_thread, 2)
+        row["instr_per_elem_max"] = round(best["max"] / elements_per_thread, 2)
+    return row
+
+
+def elements_per_thread(config: dict) -> Optional[float]:
+    """Elements one thread handles per main-loop iteration: ``loop_elements`` (per block) over the threads;
+    None when the configuration does not say (GEMM loops: see their HGMMA column instead)."""
+    per_block = config.get("loop_elements")
+    if not per_block:
+        return None
+    return per_block / (32 * max(int(config.get("num_warps", 4)), 1))
 
 
 MAX_SHARED_BYTES = 227 * 1024  # per block on H100, after opt-in
@@ -254,22 +413,39 @@ def build_report(only: Optional[str] = None, modules: Optional[Sequence[str]] = 
     return rows
 
 
+def _bits(widths) -> str:
+    return "/".join(str(w) for w in widths) if widths else "-"
+
+
+def _per_elem(row: dict) -> str:
+    low, high = row.get("instr_per_elem"), row.get("instr_per_elem_max")
+    if low is None:
+        loop = row.get("loop_instr_min")
+        return "-" if loop is None else f"({loop}/it)"
+    return f"{low:g}" if high == low else f"{low:g}-{high:g}"
+
+
 def format_table(rows: List[dict]) -> str:
-    header = (f"{'kernel':<56} {'warps':>5} {'stages':>6} {'regs':>5} {'smem B':>8} {'local B':>7} {'HGMMA':>6} "
-              f"{'ld128':>6}  status")
+    """One line per configuration: warps, pipeline depth (``num_stages``), registers, shared and local (spill)
+    bytes, HGMMA, 128-bit loads in the PTX, then the main loop (:func:`main_loop_stats`): SASS instructions per
+    element (fewest-most per iteration; ``(n/it)`` where the elements per iteration are not defined) and the
+    widths of its global loads and stores in bits."""
+    header = (f"{'kernel':<44} {'warps':>5} {'stages':>6} {'regs':>5} {'smem B':>7} {'local B':>7} {'HGMMA':>6} "
+              f"{'ld128':>5} {'instr/elem':>11} {'ld bits':>8} {'st bits':>8}  status")
     lines = [header, "-" * len(header)]
     for row in rows:
         issues = problems(row)
         status = "ok" if not issues else "FAIL: " + "; ".join(issues)
         if row["error"]:
-            lines.append(f"{row['name']:<56} {row['num_warps']:>5} {row['num_stages']:>6} {'-':>5} {'-':>8} {'-':>7} "
-                         f"{'-':>6} {'-':>6}  {status}")
+            lines.append(f"{row['name']:<44} {row['num_warps']:>5} {row['num_stages']:>6} {'-':>5} {'-':>7} {'-':>7} "
+                         f"{'-':>6} {'-':>5} {'-':>11} {'-':>8} {'-':>8}  {status}")
             continue
         hgmma = "yes" if row["hgmma"] else ("HMMA" if row["hmma"] else "no")
         loads = "yes" if row["loads_128"] else "no"
         lines.append(
-            f"{row['name']:<56} {row['num_warps']:>5} {row['num_stages']:>6} {row['registers']:>5} "
-            f"{row['shared_bytes']:>8} {row['local_bytes']:>7} {hgmma:>6} {loads:>6}  {status}"
+            f"{row['name']:<44} {row['num_warps']:>5} {row['num_stages']:>6} {row['registers']:>5} "
+            f"{row['shared_bytes']:>7} {row['local_bytes']:>7} {hgmma:>6} {loads:>5} {_per_elem(row):>11} "
+            f"{_bits(row.get('load_bits')):>8} {_bits(row.get('store_bits')):>8}  {status}"
         )
     return "\n".join(lines)
 

@@ -138,36 +138,59 @@ SEQUENCE_NUM_WARPS = 4
 # "kernel" is "module.function" inside this package).
 
 
-def _logits_fwd_h100(dtype: str, has_active: bool, has_entropy: bool) -> dict:
+def _logits_fwd_h100(dtype: str, has_active: bool, has_entropy: bool, vocab: str = "aligned",
+                     softcap: bool = False) -> dict:
+    """The forward kernel as the runtime specializes it for contiguous logits: ``vocab`` "aligned" (``V % 16
+    == 0``: Qwen, Llama-3, Gemma-3; 16-divisible row strides and size), "unaligned" (GPT-2's ``V = 50257``, an
+    uneven tensor-parallel shard: nothing but the pointers divisible by 16) or "v1" (``V = 1``, a constant)."""
+    constexprs = {"stride_v": 1, "VEC": 16 // ELEMENT_SIZES[dtype], "HAS_ACTIVE": has_active,
+                  "HAS_ENTROPY": has_entropy, "HAS_SOFTCAP": softcap, "FAST_MATH": True}
+    size = {"aligned": 1 << 20, "unaligned": 50257, "v1": 1}[vocab]
+    constexprs["BLOCK_V"] = logits_block_v(size, ELEMENT_SIZES[dtype])
+    if vocab == "v1":
+        constexprs["vocab_size"] = 1
+    tags = [dtype, "active" if has_active else "all", "H" if has_entropy else "noH"]
+    tags += [] if vocab == "aligned" else ["V=50257" if vocab == "unaligned" else "V=1"]
+    tags += ["softcap"] if softcap else []
     return {
-        "name": f"logprobs_fwd[{dtype},{'active' if has_active else 'all'},{'H' if has_entropy else 'noH'}]",
+        "name": f"logprobs_fwd[{','.join(tags)}]",
         "kernel": "logits.logprobs_fwd_kernel",
         "pointers": {"logits_ptr": dtype, "labels_ptr": "i64", "active_ptr": "i1"},
-        "floats": ["inv_temperature"],
-        # A contiguous [N, V] or [B, T, V] tensor: the runtime specializes stride_v == 1 to a constant.
-        "constexprs": {"stride_v": 1, "BLOCK_V": logits_block_v(1 << 20, ELEMENT_SIZES[dtype]),
-                       "HAS_ACTIVE": has_active, "HAS_ENTROPY": has_entropy},
-        # What the runtime sees for a fresh allocation with V % 16 == 0 (Qwen, Llama-3, Gemma-3 vocabularies):
-        # 16-divisible pointers, row strides and vocabulary size, which is what lets the loads use 128 bits.
-        "aligned_ints": ["stride_b", "stride_t", "vocab_size"],
-        "vector_loads": True,
+        "floats": ["inv_temperature", "softcap"],
+        "constexprs": constexprs,
+        # What the runtime sees for a fresh allocation: 16-divisible pointers; with V % 16 == 0 also the row
+        # strides and the size. The aligned body gives 128-bit loads in both cases.
+        "aligned_ints": ["stride_b", "stride_t", "vocab_size"] if vocab == "aligned" else ["stride_b"],
+        "vector_loads": vocab != "v1",
+        # the main loop (the aligned body) handles BLOCK_V elements per iteration over the block's threads
+        "loop_elements": constexprs["BLOCK_V"] if vocab != "v1" else None,
         "num_warps": LOGITS_NUM_WARPS,
         "num_stages": LOGITS_NUM_STAGES,
     }
 
 
-def _logits_bwd_h100(dtype: str, has_grad_entropy: bool) -> dict:
+def _logits_bwd_h100(dtype: str, has_grad_entropy: bool, vocab: str = "aligned", softcap: bool = False) -> dict:
+    """The backward kernel for contiguous logits and gradient (``vocab`` as in :func:`_logits_fwd_h100`)."""
+    size = {"aligned": 1 << 20, "unaligned": 50257, "v1": 1}[vocab]
+    constexprs = {"stride_v": 1, "dstride_v": 1, "BLOCK_V": logits_block_v(size, ELEMENT_SIZES[dtype]),
+                  "VEC": 16 // ELEMENT_SIZES[dtype], "DST_ALIGNED": True, "HAS_ACTIVE": True, "HAS_GRAD_LOGP": True,
+                  "HAS_GRAD_ENTROPY": has_grad_entropy, "HAS_SOFTCAP": softcap, "FAST_MATH": True}
+    if vocab == "v1":
+        constexprs["vocab_size"] = 1
+    tags = [dtype, "dlogp+dH" if has_grad_entropy else "dlogp"]
+    tags += [] if vocab == "aligned" else ["V=50257" if vocab == "unaligned" else "V=1"]
+    tags += ["softcap"] if softcap else []
+    aligned = ["stride_b", "stride_t", "dstride_b", "dstride_t", "vocab_size"] if vocab == "aligned" else [
+        "stride_b", "dstride_b"]
     return {
-        "name": f"logprobs_bwd[{dtype},{'dlogp+dH' if has_grad_entropy else 'dlogp'}]",
+        "name": f"logprobs_bwd[{','.join(tags)}]",
         "kernel": "logits.logprobs_bwd_kernel",
         "pointers": {"logits_ptr": dtype, "dlogits_ptr": dtype, "labels_ptr": "i64", "active_ptr": "i1"},
-        "floats": ["inv_temperature"],
-        # Contiguous logits and gradient: the runtime specializes the unit vocabulary strides to constants.
-        "constexprs": {"stride_v": 1, "dstride_v": 1, "BLOCK_V": logits_block_v(1 << 20, ELEMENT_SIZES[dtype]),
-                       "HAS_ACTIVE": True, "HAS_GRAD_LOGP": True, "HAS_GRAD_ENTROPY": has_grad_entropy},
-        # A fresh allocation with V % 16 == 0: 16-divisible pointers, row strides and vocabulary size.
-        "aligned_ints": ["stride_b", "stride_t", "dstride_b", "dstride_t", "vocab_size"],
-        "vector_loads": True,
+        "floats": ["inv_temperature", "softcap"],
+        "constexprs": constexprs,
+        "aligned_ints": [name for name in aligned if name not in constexprs],
+        "vector_loads": vocab != "v1",
+        "loop_elements": constexprs["BLOCK_V"] if vocab != "v1" else None,
         "num_warps": LOGITS_NUM_WARPS,
         "num_stages": LOGITS_NUM_STAGES,
     }
@@ -179,16 +202,16 @@ def _linear_h100() -> List[dict]:
     out = []
     index = {"order_ptr": "i64", "count_ptr": "i64", "labels_ptr": "i64"}
     for dtype, cfg, variants in (("bf16", CUDA_FWD_CONFIG, (False, True)), ("fp32", CUDA_FWD_CONFIG_FP32, (True,))):
-        for has_bias in variants:
+        for has_bias, softcap in [(b, False) for b in variants] + ([(True, True)] if dtype == "bf16" else []):
             out.append({
-                "name": f"linear_logprobs_fwd{'_bias' if has_bias else ''}[{dtype}]",
+                "name": f"linear_logprobs_fwd{'_bias' if has_bias else ''}[{dtype}{',softcap' if softcap else ''}]",
                 "kernel": "linear_invariant.linear_logprobs_fwd_kernel",
                 "pointers": {"hidden_ptr": dtype, "weight_ptr": dtype, **index},
-                "floats": ["inv_temperature"],
+                "floats": ["inv_temperature", "softcap"],
                 "constexprs": {
                     "stride_hh": 1, "stride_wh": 1, "HAS_BIAS": has_bias, "HAS_ORDER": True, "EVEN_H": True,
                     "UPCAST": False, "BLOCK_N": cfg["BLOCK_N"], "BLOCK_V": cfg["BLOCK_V"], "BLOCK_H": cfg["BLOCK_H"],
-                    "GROUP_N": cfg["GROUP_N"],
+                    "GROUP_N": cfg["GROUP_N"], "HAS_SOFTCAP": softcap, "FAST_MATH": True,
                 },
                 "num_warps": cfg["num_warps"],
                 "num_stages": cfg["num_stages"],
@@ -202,15 +225,19 @@ def _linear_h100() -> List[dict]:
     for dtype, cfgs in (("bf16", CUDA_BWD_CONFIG), ("fp32", CUDA_BWD_CONFIG_FP32)):
         dz, dh, dw = cfgs["dz"], cfgs["dh"], cfgs["dw"]
         common = {"floats": ["inv_temperature"], "uses_dot": dtype != "fp32"}
-        for name, with_bias_entropy in (("linear_dz_bias_entropy", True), ("linear_dz", False)):
+        dz_variants = (("linear_dz_bias_entropy", True, False), ("linear_dz", False, False))
+        if dtype == "bf16":
+            dz_variants += (("linear_dz_bias_entropy_softcap", True, True),)
+        for name, with_bias_entropy, softcap in dz_variants:
             out.append(dict(common, **{
                 "name": f"{name}[{dtype}]", "kernel": "linear_invariant.linear_dz_kernel",
                 "pointers": {"hidden_ptr": dtype, "weight_ptr": dtype, "dz_ptr": dtype, **index},
+                "floats": ["inv_temperature", "softcap"],
                 "constexprs": {
                     "stride_hh": 1, "stride_wh": 1, "HAS_BIAS": with_bias_entropy, "HAS_LOGP_GRAD": True,
                     "HAS_ENTROPY_GRAD": with_bias_entropy, "COMPUTE_DB": with_bias_entropy, "EVEN_H": True,
                     "UPCAST": False, "BLOCK_N": dz["BLOCK_N"], "BLOCK_V": dz["BLOCK_V"], "BLOCK_H": dz["BLOCK_H"],
-                    "GROUP": dz["GROUP"]},
+                    "GROUP": dz["GROUP"], "HAS_SOFTCAP": softcap, "FAST_MATH": True},
                 "num_warps": dz["num_warps"], "num_stages": dz["num_stages"],
                 "aligned_ints": ["H", "V", "stride_hb", "stride_ht", "stride_wv"],
             }))
@@ -267,10 +294,19 @@ H100_CONFIGS: List[dict] = [
     _logits_fwd_h100("bf16", False, False),
     _logits_fwd_h100("fp16", True, True),
     _logits_fwd_h100("fp32", True, True),
+    _logits_fwd_h100("bf16", True, True, vocab="unaligned"),
+    _logits_fwd_h100("fp32", True, True, vocab="unaligned"),
+    _logits_fwd_h100("bf16", True, True, vocab="v1"),
+    _logits_fwd_h100("bf16", True, True, softcap=True),
+    _logits_fwd_h100("fp32", True, True, softcap=True),
     _logits_bwd_h100("bf16", False),
     _logits_bwd_h100("bf16", True),
     _logits_bwd_h100("fp16", False),
     _logits_bwd_h100("fp32", True),
+    _logits_bwd_h100("bf16", True, vocab="unaligned"),
+    _logits_bwd_h100("fp32", True, vocab="unaligned"),
+    _logits_bwd_h100("bf16", True, vocab="v1"),
+    _logits_bwd_h100("bf16", True, softcap=True),
     *_linear_h100(),
     _sequence_h100("sequence"),
     _sequence_h100("sequence", HAS_KL=True, BIAS_CORRECTION_KL=True, HAS_IS_RATIO=True, HAS_DELTA=True),

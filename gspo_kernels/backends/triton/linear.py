@@ -38,7 +38,7 @@ from torch import Tensor
 
 from gspo_kernels import checks
 from gspo_kernels.backends.triton import configs, linear_invariant
-from gspo_kernels.backends.triton.linear_invariant import max_subtracted_bias
+from gspo_kernels.backends.triton.linear_invariant import kernel_bias
 from gspo_kernels.backends.triton.logits import logprobs_backward, logprobs_forward
 from gspo_kernels.precision import compute_dtype
 
@@ -114,12 +114,12 @@ class _Buffers:
 
 
 def _chunk_statistics(z: Tensor, labels: Tensor, active: Optional[Tensor], temperature: float, logp: Tensor,
-                      entropy: Tensor, row_stats: Tensor) -> None:
+                      entropy: Tensor, row_stats: Tensor, softcap: Optional[float] = None) -> None:
     """The forward kernel on one chunk's logits, its outputs written into the slices given (the kernel
     writes ``row_stats`` as a dense ``[2, n]`` block: the chunk's own, then copied into its columns)."""
     stats = torch.empty((2, z.shape[0]), device=z.device, dtype=row_stats.dtype)
     logprobs_forward(z, labels, active=active, temperature=temperature, return_entropy=True,
-                     out=(logp, entropy, stats))
+                     out=(logp, entropy, stats), softcap=softcap)
     row_stats.copy_(stats)
 
 
@@ -135,6 +135,7 @@ def backward_rows(
     rows: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, row_stats: Tensor, entropy: Optional[Tensor],
     grad_logp: Optional[Tensor], grad_entropy: Optional[Tensor], temperature: float, buffers: _Buffers,
     dh: Optional[Tensor], dw: Optional[Tensor], db: Optional[Tensor], index: Optional[Tensor], logits: Optional[Tensor],
+    softcap: Optional[float] = None,
 ) -> None:
     """The backward of one chunk: ``dZ`` from the chunk's logits (recomputed unless ``logits`` is given),
     then the two GEMMs. ``rows``, ``labels``, ... are the chunk's (``row_stats [2, n]``); ``index``: the rows to
@@ -158,14 +159,14 @@ def backward_rows(
     z = logits if logits is not None else chunk_logits(rows, weight, bias, buffers.logits)
     if db is not None:  # dZ in fp32 first (the bias gradient sums it), then one rounding to the operand dtype
         logprobs_backward(z, labels, row_stats, entropy, grad_logp, grad_entropy, temperature=temperature,
-                          inplace=True)
+                          inplace=True, softcap=softcap)
         db.add_(z.sum(0, dtype=db.dtype))
         dz = buffers.dz[:n]
         if dz.data_ptr() != z.data_ptr():
             dz.copy_(z)
     else:
         dz = logprobs_backward(z, labels, row_stats, entropy, grad_logp, grad_entropy, temperature=temperature,
-                               out=buffers.dz[:n])
+                               out=buffers.dz[:n], softcap=softcap)
     if dh is not None:
         part = dz @ weight
         if index is None:
@@ -176,19 +177,20 @@ def backward_rows(
         accumulate_dw(dw, dz, rows)
 
 
-def _operands(hidden: Tensor, weight: Tensor, bias: Optional[Tensor]):
+def _operands(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], softcap: Optional[float] = None):
     rows = hidden.reshape(-1, hidden.shape[-1])
     w = weight if weight.stride(-1) == 1 else weight.contiguous()
-    return rows, w, max_subtracted_bias(bias, compute_dtype(weight.dtype))
+    return rows, w, kernel_bias(bias, softcap, compute_dtype(weight.dtype))
 
 
 class VendorLinearLogprobs(torch.autograd.Function):
-    """``(hidden, weight, bias, labels, active, temperature, memory_budget) -> (logp, entropy)``, two passes
-    (the backward recomputes each chunk's logits). Saves ``hidden``, ``weight``, ``bias`` and ``[N]`` tensors."""
+    """``(hidden, weight, bias, labels, active, temperature, memory_budget, softcap) -> (logp, entropy)``, two
+    passes (the backward recomputes each chunk's logits). Saves ``hidden``, ``weight``, ``bias`` and ``[N]``
+    tensors."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, active, temperature, memory_budget):
-        rows, w, b = _operands(hidden.detach(), weight.detach(), None if bias is None else bias.detach())
+    def forward(ctx, hidden, weight, bias, labels, active, temperature, memory_budget, softcap=None):
+        rows, w, b = _operands(hidden.detach(), weight.detach(), None if bias is None else bias.detach(), softcap)
         n, vocab = rows.shape[0], w.shape[0]
         acc = compute_dtype(w.dtype)
         logp = torch.zeros(n, device=rows.device, dtype=acc)
@@ -200,10 +202,10 @@ class VendorLinearLogprobs(torch.autograd.Function):
             r1 = min(n, r0 + chunk)
             z = chunk_logits(rows[r0:r1], w, b, buffers.logits)
             _chunk_statistics(z, labels[r0:r1], None if active is None else active[r0:r1], temperature,
-                              logp[r0:r1], entropy[r0:r1], row_stats[:, r0:r1])
+                              logp[r0:r1], entropy[r0:r1], row_stats[:, r0:r1], softcap)
         computed = torch.ones(n, device=rows.device, dtype=torch.bool) if active is None else active
         ctx.save_for_backward(hidden, weight, bias, labels, computed, row_stats, entropy)
-        ctx.temperature, ctx.memory_budget = temperature, memory_budget
+        ctx.temperature, ctx.memory_budget, ctx.softcap = temperature, memory_budget, softcap
         ctx.set_materialize_grads(False)
         return logp, entropy
 
@@ -212,8 +214,9 @@ class VendorLinearLogprobs(torch.autograd.Function):
         hidden, weight, bias, labels, computed, row_stats, entropy = ctx.saved_tensors
         need_dh, need_dw, need_db = ctx.needs_input_grad[:3]
         if grad_logp is None and grad_entropy is None:
-            return (None,) * 7
-        rows, w, b = _operands(hidden.detach(), weight.detach(), None if bias is None else bias.detach())
+            return (None,) * 8
+        rows, w, b = _operands(hidden.detach(), weight.detach(), None if bias is None else bias.detach(),
+                               ctx.softcap)
         n, vocab = rows.shape[0], w.shape[0]
         acc = compute_dtype(w.dtype)
         carries = torch.zeros_like(computed)
@@ -235,10 +238,10 @@ class VendorLinearLogprobs(torch.autograd.Function):
             backward_rows(rows[sl], w, b, labels[sl], row_stats[:, sl], entropy[sl],
                           None if grad_logp is None else torch.where(carries[sl], grad_logp[sl], 0),
                           None if grad_entropy is None else torch.where(carries[sl], grad_entropy[sl], 0),
-                          ctx.temperature, buffers, None if dh is None else dh[sl], dw, db, index, None)
+                          ctx.temperature, buffers, None if dh is None else dh[sl], dw, db, index, None, ctx.softcap)
         return (None if dh is None else dh.reshape(hidden.shape).to(hidden.dtype),
                 None if dw is None else dw.to(weight.dtype),
-                None if db is None else db.to(bias.dtype), None, None, None, None)
+                None if db is None else db.to(bias.dtype), None, None, None, None, None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -295,7 +298,7 @@ def response_chunks(inputs, chunk_rows: int) -> Optional[List[Tuple[int, int, bo
 
 def fused_linear_loss(
     objective: Callable, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], inputs, config, *,
-    memory_budget: Optional[int] = None,
+    memory_budget: Optional[int] = None, softcap: Optional[float] = None,
 ):
     """The loss of ``objective`` over ``hidden @ weight.T + bias`` with its gradient formed in the same pass.
 
@@ -307,9 +310,10 @@ def fused_linear_loss(
     on all the log-probs for the loss and the metrics (the numbers the two-pass path reports). Returns None
     when no gradient is wanted, or when the chunks cannot be planned without a host read (packed layout under
     capture): the caller then runs the two-pass path. The gradients are computed here and held until the
-    backward (the fp32 ``dW`` accumulator only during this call).
+    backward (the fp32 ``dW`` accumulator only during this call). ``softcap``: the logits are capped,
+    ``z -> c tanh(z / c)``, before the temperature (None: no cap).
     """
-    rows, w, b = _operands(hidden.detach(), weight.detach(), None if bias is None else bias.detach())
+    rows, w, b = _operands(hidden.detach(), weight.detach(), None if bias is None else bias.detach(), softcap)
     n, vocab = rows.shape[0], w.shape[0]
     acc = compute_dtype(w.dtype)
     chunk = configs.gemm_chunk_rows(n, vocab, w.dtype, memory_budget, need_dz=True)
@@ -337,7 +341,7 @@ def fused_linear_loss(
         for s0, s1 in parts:  # forward: the chunk's (or, for a long response, each part's) statistics
             z = chunk_logits(rows[s0:s1], w, b, buffers.logits)
             _chunk_statistics(z, labels[s0:s1], valid[s0:s1], temperature, logp[s0:s1], entropy[s0:s1],
-                              row_stats[:, s0:s1])
+                              row_stats[:, s0:s1], softcap)
         g, ge = _chunk_gradient(objective, logp, entropy, stand_in, sl, inputs, config)
         carries = (g != 0) if ge is None else ((g != 0) | (ge != 0))
         if not whole:
@@ -347,7 +351,7 @@ def fused_linear_loss(
             index = _rows_with_gradient(carries[local], 0, s1 - s0, w.device)
             backward_rows(rows[s0:s1], w, b, labels[s0:s1], row_stats[:, s0:s1], entropy[s0:s1], g[local],
                           None if ge is None else ge[local], temperature, buffers,
-                          None if dh is None else dh[s0:s1], dw, db, index, z if whole else None)
+                          None if dh is None else dh[s0:s1], dw, db, index, z if whole else None, softcap)
         stand_in[sl] = logp[sl]
     with torch.no_grad():
         out = objective(logp, entropy, inputs, config)
@@ -395,17 +399,21 @@ def linear_logprobs(
     return_entropy: bool = False,
     memory_budget: Optional[int] = None,
     batch_invariant: bool = False,
+    softcap: Optional[float] = None,
 ) -> Tuple[Tensor, Optional[Tensor]]:
     """The backend contract's ``linear_logprobs``: the vendor GEMMs (this module) by default; the batch-invariant
     Triton GEMMs (:mod:`.linear_invariant`) with ``batch_invariant=True``.
 
     ``hidden [N, H]`` / ``[B, T, H]``, ``weight [V, H]`` in one dtype (the precision policy has cast them);
     fp64 runs in fp64 here (cuBLAS's fp64 GEMM; fp32 in the invariant path). Returns fp32 ``(logp, entropy)``
-    (fp64 for fp64 operands here).
+    (fp64 for fp64 operands here). ``softcap = c``: the logits are capped, ``z -> c tanh(z / c)``, before the
+    temperature, in both modes (None: no cap).
     """
+    softcap = None if softcap is None else float(softcap)
     if batch_invariant:
         return linear_invariant.linear_logprobs(hidden, weight, bias, labels, active=active, temperature=temperature,
-                                                return_entropy=return_entropy, memory_budget=memory_budget)
+                                                return_entropy=return_entropy, memory_budget=memory_budget,
+                                                softcap=softcap)
     logp, entropy = VendorLinearLogprobs.apply(hidden, weight, bias, labels.reshape(-1).to(torch.int64), active,
-                                               float(temperature), memory_budget)
+                                               float(temperature), memory_budget, softcap)
     return logp, (entropy if return_entropy else None)

@@ -78,6 +78,7 @@ from gspo_kernels.backends.triton.launch import (
     row_offsets,
     row_strides,
 )
+from gspo_kernels.backends.triton.logits import soft_cap
 from gspo_kernels.precision import kernel_operand_dtype
 
 # A finite "minus infinity" for the running max: exp(_NEG_BIG - m) is 0 and (_NEG_BIG - m) * 0 is 0 (no NaN
@@ -88,11 +89,13 @@ _NEG_BIG = tl.constexpr(-1.0e30)
 @triton.jit
 def logits_tile(
     hidden_ptr, weight_ptr, bias_ptr, h_row_off, offs_v, v_ok, V, H,
-    stride_hh, stride_wv, stride_wh, stride_bv, inv_temperature,
+    stride_hh, stride_wv, stride_wh, stride_bv, inv_temperature, softcap,
     HAS_BIAS: tl.constexpr, EVEN_H: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, FAST_MATH: tl.constexpr,
 ):
-    """``z [BLOCK_N, BLOCK_V]`` fp32 = ``(hidden[rows] @ weight[offs_v].T + bias[offs_v]) * inv_temperature``.
+    """``z [BLOCK_N, BLOCK_V]`` fp32 = ``(hidden[rows] @ weight[offs_v].T + bias[offs_v]) * inv_temperature``,
+    or with ``HAS_SOFTCAP`` ``softcap * tanh((h . W[v] + b[v]) / softcap) * inv_temperature``.
 
     ``h_row_off`` [BLOCK_N] int64: element offsets of the rows in ``hidden`` (every one a valid row).
     Columns ``>= V`` hold finite junk values that the caller must mask. The reduction over ``H`` runs in
@@ -118,6 +121,8 @@ def logits_tile(
         acc = tl.dot(a, b, acc, input_precision="ieee")
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_v.to(tl.int64) * stride_bv, mask=v_ok, other=0.0).to(tl.float32)[None, :]
+    if HAS_SOFTCAP:
+        acc, _ = soft_cap(acc, 1.0 / softcap, softcap, FAST_MATH, False)
     return acc * inv_temperature
 
 
@@ -143,9 +148,10 @@ def linear_logprobs_fwd_kernel(
     label_logit_ptr,  # [M] fp32 (written by the split that holds the label)
     M, V, H, T,
     stride_hb, stride_ht, stride_hh, stride_wv, stride_wh, stride_bv,
-    inv_temperature, cols_per_split, num_splits,
+    inv_temperature, cols_per_split, num_splits, softcap,
     HAS_BIAS: tl.constexpr, HAS_ORDER: tl.constexpr, EVEN_H: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, GROUP_N: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, FAST_MATH: tl.constexpr,
 ):
     row_tile, split = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_N), num_splits, GROUP_N)
     if HAS_ORDER:
@@ -173,8 +179,8 @@ def linear_logprobs_fwd_kernel(
             v_ok = offs_v < v_end
             z = logits_tile(
                 hidden_ptr, weight_ptr, bias_ptr, h_row_off, offs_v, v_ok, V, H,
-                stride_hh, stride_wv, stride_wh, stride_bv, inv_temperature,
-                HAS_BIAS, EVEN_H, UPCAST, BLOCK_N, BLOCK_V, BLOCK_H,
+                stride_hh, stride_wv, stride_wh, stride_bv, inv_temperature, softcap,
+                HAS_BIAS, EVEN_H, UPCAST, BLOCK_N, BLOCK_V, BLOCK_H, HAS_SOFTCAP, FAST_MATH,
             )
             lab += tl.sum(tl.where(offs_v[None, :] == label[:, None], z, 0.0), axis=1)
             z = tl.where(v_ok[None, :], z, float("-inf"))
@@ -249,10 +255,11 @@ def linear_dz_kernel(
     dz_ptr,  # [C, V] operand dtype (row stride V): q of the chunk's rows
     db_part_ptr,  # [ceil(C / BLOCK_N), V] fp32: column sums of q per row tile (COMPUTE_DB)
     chunk_start, C, V, H, T,
-    stride_hb, stride_ht, stride_hh, stride_wv, stride_wh, stride_bv, inv_temperature,
+    stride_hb, stride_ht, stride_hh, stride_wv, stride_wh, stride_bv, inv_temperature, softcap,
     HAS_BIAS: tl.constexpr, HAS_LOGP_GRAD: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr,
     COMPUTE_DB: tl.constexpr, EVEN_H: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, GROUP: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, FAST_MATH: tl.constexpr,
 ):
     row_tile, vocab_tile = grouped_tile(tl.program_id(0), tl.cdiv(C, BLOCK_N), tl.cdiv(V, BLOCK_V), GROUP)
     n_here = tl.minimum(tl.load(count_ptr).to(tl.int32) - chunk_start, C)
@@ -264,12 +271,13 @@ def linear_dz_kernel(
         v_ok = offs_v < V
         z = logits_tile(
             hidden_ptr, weight_ptr, bias_ptr, row_offsets(rows, T, stride_hb, stride_ht), offs_v, v_ok, V, H,
-            stride_hh, stride_wv, stride_wh, stride_bv, inv_temperature,
-            HAS_BIAS, EVEN_H, UPCAST, BLOCK_N, BLOCK_V, BLOCK_H,
+            stride_hh, stride_wv, stride_wh, stride_bv, inv_temperature, softcap,
+            HAS_BIAS, EVEN_H, UPCAST, BLOCK_N, BLOCK_V, BLOCK_H, HAS_SOFTCAP, FAST_MATH,
         )
         row_max = tl.load(row_max_ptr + rows, mask=row_ok, other=0.0)
         log_sum = tl.load(log_sum_ptr + rows, mask=row_ok, other=0.0)
         label = tl.load(labels_ptr + rows, mask=row_ok, other=-1)
+        softcap_t = 1.0 / inv_temperature  # the temperature (z = capped logit / T)
         valid = row_ok[:, None] & v_ok[None, :]
         logp = (z - row_max[:, None]) - log_sum[:, None]
         p = tl.where(valid, tl.exp(logp), 0.0)
@@ -282,6 +290,12 @@ def linear_dz_kernel(
             ent = tl.load(ent_ptr + rows, mask=row_ok, other=0.0)
             # p == 0 where z = -inf (a -inf bias entry): its term is 0, not 0 * -inf = NaN
             q -= g_ent[:, None] * tl.where(p > 0, p * (logp + ent[:, None]), 0.0)
+        if HAS_SOFTCAP:
+            # The gradient with respect to the uncapped logit: times the cap's slope 1 - tanh^2, tanh recovered
+            # from log p (z = log p + row_max + log_sum, z T / c = tanh): no second [BLOCK_N, BLOCK_V] tile
+            # held across the kernel (registers), ~1e-7 absolute error on the slope.
+            th = (logp + (row_max + log_sum)[:, None]) * (softcap_t / softcap)
+            q = q * ((1.0 - th) * (1.0 + th))
         label_ok = (label >= 0) & (label < V)  # an out-of-range label: NaN gradient, like its NaN log-prob
         q = tl.where(valid, tl.where(label_ok[:, None], q, float("nan")), 0.0)
         dz_off = offs_n.to(tl.int64)[:, None] * V + offs_v[None, :]
@@ -393,6 +407,15 @@ def compact_rows(mask: Tensor) -> Tuple[Tensor, Tensor]:
     return order, count.clone()
 
 
+def kernel_bias(bias: Optional[Tensor], softcap: Optional[float], dtype: torch.dtype = torch.float32
+                ) -> Optional[Tensor]:
+    """The bias the kernels add: :func:`max_subtracted_bias` without a soft cap; with one, the bias itself in
+    ``dtype`` (``tanh`` does not commute with a shift, and the capped logits are bounded by the cap anyway)."""
+    if bias is None or softcap is None:
+        return max_subtracted_bias(bias, dtype)
+    return bias.to(dtype)
+
+
 def max_subtracted_bias(bias: Optional[Tensor], dtype: torch.dtype = torch.float32) -> Optional[Tensor]:
     """``bias - max(finite bias)`` in ``dtype`` (fp32; fp64 for the vendor path's fp64 operands): the same
     softmax, small logits (``1e4`` offsets lose no bits)."""
@@ -414,6 +437,7 @@ def linear_logprobs_forward(
     order: Optional[Tensor] = None,
     count: Optional[Tensor] = None,
     config: Optional[Dict[str, int]] = None,
+    softcap: Optional[float] = None,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """Log-probs and entropy of every row (or of the rows ``order[:count]``) of ``hidden @ weight.T + bias``.
 
@@ -452,10 +476,11 @@ def linear_logprobs_forward(
             part[0], part[1], part[2], label_logit,
             N, V, H, T, stride_hb, stride_ht, stride_hh, weight.stride(0), weight.stride(1),
             bias.stride(0) if bias is not None else 0,
-            1.0 / float(temperature), cols_per_split, num_splits,
+            1.0 / float(temperature), cols_per_split, num_splits, 1.0 if softcap is None else float(softcap),
             HAS_BIAS=bias is not None, HAS_ORDER=has_order, EVEN_H=H % cfg["BLOCK_H"] == 0,
             UPCAST=upcast_dots(hidden, weight),
             BLOCK_N=cfg["BLOCK_N"], BLOCK_V=block_v, BLOCK_H=cfg["BLOCK_H"], GROUP_N=cfg["GROUP_N"],
+            HAS_SOFTCAP=softcap is not None, FAST_MATH=not interpreter_active(),
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
         linear_logprobs_combine_kernel[(triton.cdiv(N, configs.COMBINE_BLOCK),)](
@@ -511,6 +536,7 @@ def linear_logprobs_backward(
     compute_db: bool = True,
     memory_budget: Optional[int] = None,
     config: Optional[Dict[str, Dict[str, int]]] = None,
+    softcap: Optional[float] = None,
 ) -> Tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
     """Gradients of ``sum(grad_logp * logp + grad_entropy * entropy)`` over the rows ``order[:count]``.
 
@@ -555,9 +581,11 @@ def linear_logprobs_backward(
                 grad_logp if has_logp else dummy, grad_entropy if has_ent else dummy, dz, db_part,
                 chunk_start, rows_here, V, H, T, stride_hb, stride_ht, stride_hh,
                 weight.stride(0), weight.stride(1), bias.stride(0) if bias is not None else 0, inv_t,
+                1.0 if softcap is None else float(softcap),
                 HAS_BIAS=bias is not None, HAS_LOGP_GRAD=has_logp, HAS_ENTROPY_GRAD=has_ent,
                 COMPUTE_DB=compute_db, EVEN_H=H % c_dz["BLOCK_H"] == 0, UPCAST=upcast,
                 BLOCK_N=c_dz["BLOCK_N"], BLOCK_V=c_dz["BLOCK_V"], BLOCK_H=c_dz["BLOCK_H"], GROUP=c_dz["GROUP"],
+                HAS_SOFTCAP=softcap is not None, FAST_MATH=not interpreter_active(),
                 num_warps=c_dz["num_warps"], num_stages=c_dz["num_stages"],
             )
             if compute_dh:
@@ -594,9 +622,10 @@ class LinearLogprobsFunction(torch.autograd.Function):
         active: Optional[Tensor],
         temperature: float,
         memory_budget: Optional[int],
+        softcap: Optional[float] = None,
     ) -> Tuple[Tensor, Tensor]:
         h, w = _as_operands(hidden.detach(), weight.detach())
-        b = max_subtracted_bias(None if bias is None else bias.detach())
+        b = kernel_bias(None if bias is None else bias.detach(), softcap)
         labels = labels.reshape(-1).to(torch.int64)
         if active is None:
             order = count = None
@@ -605,11 +634,12 @@ class LinearLogprobsFunction(torch.autograd.Function):
             computed = active.reshape(-1).to(torch.bool)
             order, count = compact_rows(computed)
         logp, entropy, row_max, log_sum = linear_logprobs_forward(
-            h, w, b, labels, temperature, order=order, count=count
+            h, w, b, labels, temperature, order=order, count=count, softcap=softcap
         )
         ctx.save_for_backward(hidden, weight, bias, labels, computed, row_max, log_sum, entropy)
         ctx.temperature = temperature
         ctx.memory_budget = memory_budget
+        ctx.softcap = softcap
         ctx.set_materialize_grads(False)
         out_dtype = torch.float64 if torch.float64 in (hidden.dtype, weight.dtype) else torch.float32
         return logp.to(out_dtype), entropy.to(out_dtype)
@@ -619,7 +649,7 @@ class LinearLogprobsFunction(torch.autograd.Function):
         hidden, weight, bias, labels, computed, row_max, log_sum, entropy = ctx.saved_tensors
         need_dh, need_dw, need_db = ctx.needs_input_grad[:3]
         if grad_logp is None and grad_entropy is None:
-            return None, None, None, None, None, None, None
+            return None, None, None, None, None, None, None, None
         carries = torch.zeros_like(computed)
         if grad_logp is not None:
             grad_logp = grad_logp.reshape(-1).to(torch.float32).contiguous()
@@ -630,14 +660,15 @@ class LinearLogprobsFunction(torch.autograd.Function):
         order, count = compact_rows(carries & computed)
         h, w = _as_operands(hidden.detach(), weight.detach())
         dh, dw, db = linear_logprobs_backward(
-            h, w, max_subtracted_bias(None if bias is None else bias.detach()), labels, row_max, log_sum, entropy,
+            h, w, kernel_bias(None if bias is None else bias.detach(), ctx.softcap), labels, row_max, log_sum, entropy,
             grad_logp, grad_entropy, order, count, ctx.temperature,
             compute_dh=need_dh, compute_dw=need_dw, compute_db=need_db, memory_budget=ctx.memory_budget,
+            softcap=ctx.softcap,
         )
         dh = dh.reshape(hidden.shape).to(hidden.dtype) if dh is not None else None
         dw = dw.to(weight.dtype) if dw is not None else None
         db = db.to(bias.dtype) if db is not None else None
-        return dh, dw, db, None, None, None, None
+        return dh, dw, db, None, None, None, None, None
 
 
 def linear_logprobs(
@@ -650,8 +681,10 @@ def linear_logprobs(
     temperature: float = 1.0,
     return_entropy: bool = False,
     memory_budget: Optional[int] = None,
+    softcap: Optional[float] = None,
 ) -> Tuple[Tensor, Optional[Tensor]]:
-    """Per-token log-probs (and entropy) of ``labels`` under ``softmax((hidden @ weight.T + bias) / temperature)``.
+    """Per-token log-probs (and entropy) of ``labels`` under ``softmax((hidden @ weight.T + bias) / temperature)``
+    (with ``softcap = c``: ``softmax(c tanh((hidden @ weight.T + bias) / c) / temperature)``).
 
     The backend contract's ``linear_logprobs`` (see ``gspo_kernels/backends/__init__.py``).
 
@@ -675,6 +708,7 @@ def linear_logprobs(
         batch-invariant (a row's results do not depend on the other rows); see the module docstring.
     """
     logp, entropy = LinearLogprobsFunction.apply(
-        hidden, weight, bias, labels, active, float(temperature), memory_budget
+        hidden, weight, bias, labels, active, float(temperature), memory_budget,
+        None if softcap is None else float(softcap),
     )
     return logp, (entropy if return_entropy else None)

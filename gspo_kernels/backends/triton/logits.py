@@ -59,20 +59,115 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton.language.extra import libdevice
 
 from gspo_kernels.backends.triton.configs import LOGITS_NUM_STAGES, LOGITS_NUM_WARPS, logits_block_v
-from gspo_kernels.backends.triton.launch import device_guard, row_strides
+from gspo_kernels.backends.triton.launch import device_guard, interpreter_active, row_strides
 
-# A finite "minus infinity" for the running max: exp((_NEG_BIG - m) / T) is 0 (no NaN from -inf - -inf).
+# A finite "minus infinity": the running max starts there (exp2((_NEG_BIG - m) k) is 0, no -inf - -inf), and the
+# log2-domain exponents are clamped to it where they multiply a probability (0 * _NEG_BIG is 0, 0 * -inf is NaN).
 _NEG_BIG = tl.constexpr(-1.0e30)
+_LOG2E = tl.constexpr(1.4426950408889634)  # 1 / ln 2
+_LN2 = tl.constexpr(0.6931471805599453)
+# tanh, |u| < _TANH_SMALL: its odd Taylor series to u^13 (next term < 3e-10 relative there); otherwise
+# (1 - t) / (1 + t), t = exp(-2 |u|) = exp2(-2 log2(e) |u|), whose rounding stays ~2e-7 relative for |u| >= 0.35.
+_TANH_SMALL = tl.constexpr(0.35)
+_TANH_C3 = tl.constexpr(-1.0 / 3.0)
+_TANH_C5 = tl.constexpr(2.0 / 15.0)
+_TANH_C7 = tl.constexpr(-17.0 / 315.0)
+_TANH_C9 = tl.constexpr(62.0 / 2835.0)
+_TANH_C11 = tl.constexpr(-1382.0 / 155925.0)
+_TANH_C13 = tl.constexpr(21844.0 / 6081075.0)
+_MINUS_2_LOG2E = tl.constexpr(-2.8853900817779268)
+
+
+@triton.jit
+def exp2(x, FAST_MATH: tl.constexpr):
+    """``2 ** x``. ``FAST_MATH`` (CUDA): libdevice's ``exp2f``, one ``MUFU.EX2`` (``ex2.approx.ftz``: results
+    below 2^-126 flush to 0, ~2 ulp); ``tl.exp2`` lowers to the same instruction wrapped in 3 more that keep
+    denormal results. The interpreter (no libdevice) uses ``tl.exp2``."""
+    if FAST_MATH:
+        return libdevice.exp2(x)
+    else:
+        return tl.exp2(x)
+
+
+@triton.jit
+def soft_cap(z, inv_cap, cap, FAST_MATH: tl.constexpr, WITH_SLOPE: tl.constexpr):
+    """``(cap * tanh(z / cap), 1 - tanh^2(z / cap))`` elementwise (the slope is 1.0, unused, without
+    ``WITH_SLOPE``). One formula on every target (no libdevice ``tanh``, which the interpreter lacks): a Taylor
+    polynomial near 0, ``(1 - t) / (1 + t)`` with ``t = e^{-2|u|}`` elsewhere (the slope as ``4 t / (1 + t)^2``,
+    exact near saturation). ``z = -inf`` gives ``-cap`` (slope 0)."""
+    u = z * inv_cap
+    au = tl.abs(u)
+    u2 = u * u
+    poly = _TANH_C3 + u2 * (_TANH_C5 + u2 * (_TANH_C7 + u2 * (_TANH_C9 + u2 * (_TANH_C11 + u2 * _TANH_C13))))
+    th_small = au + au * (u2 * poly)
+    t = exp2(au * _MINUS_2_LOG2E, FAST_MATH)
+    r = 1.0 / (1.0 + t)
+    small = au < _TANH_SMALL
+    th = tl.where(small, th_small, (1.0 - t) * r)
+    capped = tl.where(u < 0, -th, th) * cap
+    slope = 1.0
+    if WITH_SLOPE:
+        slope = tl.where(small, 1.0 - th_small * th_small, 4.0 * t * (r * r))
+    return capped, slope
+
+
+@triton.jit
+def row_layout(row_off, vocab_size, BLOCK_V: tl.constexpr, VEC: tl.constexpr):
+    """How a row of ``vocab_size`` elements starting at element ``row_off`` (int64) is streamed: ``(aligned,
+    n_body, n_head, tail_start, n_edge)``. The body is ``n_body`` full tiles from column ``head = aligned -
+    row_off``, the first column whose address is a multiple of 16 bytes (``VEC`` elements; the tensor's data
+    pointer is 16-byte aligned), read without masks: 128-bit loads whatever ``V`` and the row stride. The edge
+    (masked) is columns ``[0, n_head)`` and ``[tail_start, V)``: ``n_edge`` columns, usually one tile."""
+    aligned = tl.multiple_of(((row_off + (VEC - 1)) // VEC) * VEC, VEC)
+    head = (aligned - row_off).to(tl.int32)
+    n_head = tl.minimum(head, vocab_size)
+    n_body = tl.maximum(vocab_size - head, 0) // BLOCK_V
+    tail_start = head + n_body * BLOCK_V
+    n_edge = n_head + tl.maximum(vocab_size - tail_start, 0)
+    return aligned, n_body, n_head, tail_start, n_edge
+
+
+@triton.jit
+def edge_columns(e0, cols, n_head, tail_start, n_edge):
+    """Columns (and mask) of the edge tile starting at ``e0``: ``[0, n_head)`` then ``[tail_start, V)``."""
+    idx = e0 + cols
+    return tl.where(idx < n_head, idx, idx - n_head + tail_start), idx < n_edge
+
+
+@triton.jit
+def online_update(z, tile_max, row_max, s, a, k, HAS_ENTROPY: tl.constexpr, FAST_MATH: tl.constexpr):
+    """Fold a tile of (capped) logits ``z`` (its max ``tile_max``) into the running max and the per-lane sums
+    (log2 domain, ``x = (z - row_max) k``, ``k = log2(e) / T``): ``s = sum 2^x``, ``a = sum 2^x x``. The sums are
+    rescaled only when the tile raises the max (a branch uniform over the block): per element a tile costs the
+    max, ``x`` (one exact subtraction, one multiply), one ``exp2`` and the sums."""
+    if tile_max > row_max:
+        d = (row_max - tile_max) * k  # < 0
+        scale = exp2(d, FAST_MATH)
+        if HAS_ENTROPY:
+            # a rescale by 2^d == 0 (d = -inf at tiny temperatures) empties the old sums instead of 0 * -inf
+            a = tl.where(scale > 0, scale * (a + d * s), 0.0)
+        s = s * scale
+        row_max = tile_max
+    x = (z - row_max) * k  # exact difference, then one rounding by log2(e) / T
+    if HAS_ENTROPY:
+        x = tl.maximum(x, _NEG_BIG)  # a -inf logit (or padding): 2^x = 0 and 0 * x = 0, not NaN
+    e = exp2(x, FAST_MATH)
+    s += e
+    if HAS_ENTROPY:
+        a += e * x
+    return row_max, s, a
 
 
 @triton.jit
 def logprobs_fwd_kernel(
     logits_ptr, labels_ptr, active_ptr, logp_ptr, entropy_ptr,
-    row_stats_ptr,  # [2, N]: the row's max raw logit, then log S
-    n_rows, rows_per_batch, stride_b, stride_t, stride_v, vocab_size, inv_temperature,
-    BLOCK_V: tl.constexpr, HAS_ACTIVE: tl.constexpr, HAS_ENTROPY: tl.constexpr,
+    row_stats_ptr,  # [2, N]: the row's max (capped) logit, then log S
+    n_rows, rows_per_batch, stride_b, stride_t, stride_v, vocab_size, inv_temperature, softcap,
+    BLOCK_V: tl.constexpr, VEC: tl.constexpr, HAS_ACTIVE: tl.constexpr, HAS_ENTROPY: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, FAST_MATH: tl.constexpr,
 ):
     row = tl.program_id(0)
     if HAS_ACTIVE:
@@ -81,39 +176,51 @@ def logprobs_fwd_kernel(
         is_active = True
     if is_active:
         row64 = row.to(tl.int64)
-        base = logits_ptr + (row64 // rows_per_batch) * stride_b + (row64 % rows_per_batch) * stride_t
+        row_off = (row64 // rows_per_batch) * stride_b + (row64 % rows_per_batch) * stride_t
         cols = tl.arange(0, BLOCK_V)
         acc_dtype = logp_ptr.dtype.element_ty  # fp32 (fp64 for fp64 logits)
-        row_max = tl.full([], _NEG_BIG, acc_dtype)  # running max of the raw logits: one exp per element
+        k = tl.full([], _LOG2E, acc_dtype) * inv_temperature
+        inv_cap = 1.0 / softcap
+        row_max = tl.full([], _NEG_BIG, acc_dtype)  # running max of the (capped) logits: one exp2 per element
         s = tl.zeros([BLOCK_V], acc_dtype)  # per-lane sums, reduced once at the end
         a = tl.zeros([BLOCK_V], acc_dtype)
-        z_next = tl.load(base + cols.to(tl.int64) * stride_v, mask=cols < vocab_size, other=float("-inf"))
-        for start in range(0, vocab_size, BLOCK_V):
-            z = z_next.to(acc_dtype)
-            # Prefetch: the next tile's load is issued before this tile's reductions (masked off past V).
-            nxt = start + BLOCK_V + cols
-            z_next = tl.load(base + nxt.to(tl.int64) * stride_v, mask=nxt < vocab_size, other=float("-inf"))
-            new_max = tl.maximum(row_max, tl.max(z, axis=0))
-            d = (row_max - new_max) * inv_temperature  # <= 0
-            scale = tl.exp(d)
-            x = (z - new_max) * inv_temperature  # exact difference, then one rounding by the temperature
-            e = tl.exp(x)
-            if HAS_ENTROPY:
-                # e == 0 where z = -inf (padding or a -inf logit): its p log p term is 0, not NaN; a rescale
-                # by e^d == 0 (d = -inf at tiny temperatures) empties the old sums instead of 0 * -inf.
-                a = tl.where(scale > 0, scale * (a + d * s), 0.0) + e * tl.where(e > 0, x, 0.0)
-            s = s * scale + e
-            row_max = new_max
-        log_s = tl.log(tl.sum(s, axis=0))
+        if VEC > 1:  # unit stride: an aligned, unmasked body
+            aligned, n_body, n_head, tail_start, n_edge = row_layout(row_off, vocab_size, BLOCK_V, VEC)
+            body = logits_ptr + aligned
+            # Prefetch: tile t + 1 is loaded before tile t is reduced (the last load repeats the last tile).
+            z_next = tl.load(body + cols, mask=cols < n_body * BLOCK_V, other=0.0)
+            for t in range(0, n_body):
+                z = z_next.to(acc_dtype)
+                z_next = tl.load(body + tl.minimum(t + 1, n_body - 1) * BLOCK_V + cols)
+                if HAS_SOFTCAP:
+                    z, _ = soft_cap(z, inv_cap, softcap, FAST_MATH, False)
+                row_max, s, a = online_update(z, tl.max(z, axis=0), row_max, s, a, k, HAS_ENTROPY, FAST_MATH)
+            base = logits_ptr + row_off
+        else:
+            n_head = vocab_size
+            tail_start = vocab_size
+            n_edge = vocab_size
+            base = logits_ptr + row_off
+        for e0 in range(0, n_edge, BLOCK_V):  # the masked edge (every column when the stride is not 1)
+            idx, inside = edge_columns(e0, cols, n_head, tail_start, n_edge)
+            z = tl.load(base + idx.to(tl.int64) * stride_v, mask=inside, other=float("-inf")).to(acc_dtype)
+            if HAS_SOFTCAP:
+                z, _ = soft_cap(z, inv_cap, softcap, FAST_MATH, False)
+                z = tl.where(inside, z, float("-inf"))
+            row_max, s, a = online_update(z, tl.max(z, axis=0), row_max, s, a, k, HAS_ENTROPY, FAST_MATH)
+        sum_s = tl.sum(s, axis=0)
+        log2_s = tl.log2(sum_s)
         label = tl.load(labels_ptr + row)
         valid = (label >= 0) & (label < vocab_size)
         z_label = tl.load(base + tl.where(valid, label, 0) * stride_v, mask=valid, other=0.0).to(acc_dtype)
-        logp = (z_label - row_max) * inv_temperature - log_s
+        if HAS_SOFTCAP:
+            z_label, _ = soft_cap(z_label, inv_cap, softcap, FAST_MATH, False)
+        logp = ((z_label - row_max) * k - log2_s) * _LN2
         tl.store(logp_ptr + row, tl.where(valid, logp, float("nan")))
         tl.store(row_stats_ptr + row, row_max)
-        tl.store(row_stats_ptr + n_rows + row, log_s)
+        tl.store(row_stats_ptr + n_rows + row, log2_s * _LN2)
         if HAS_ENTROPY:
-            tl.store(entropy_ptr + row, log_s - tl.sum(a, axis=0) / tl.sum(s, axis=0))
+            tl.store(entropy_ptr + row, (log2_s - tl.sum(a, axis=0) / sum_s) * _LN2)
     else:
         tl.store(logp_ptr + row, 0.0)
         tl.store(row_stats_ptr + row, 0.0)
@@ -123,21 +230,44 @@ def logprobs_fwd_kernel(
 
 
 @triton.jit
+def grad_tile(z, row_max, k, log2_s, c0, c1, inv_cap, softcap,
+              HAS_GRAD_ENTROPY: tl.constexpr, HAS_SOFTCAP: tl.constexpr, FAST_MATH: tl.constexpr):
+    """``dL/dz`` of a tile without the one-hot term: ``p (c0 + c1 log2 p)`` (times the cap's slope), with
+    ``log2 p = (z - row_max) k - log2 S``; ``c0 = -(g + h H)``, ``c1 = -h ln 2`` per row (``c0 = -g`` without
+    the entropy gradient). Per element: one subtraction, one FMA, one exp2, an FMA and a multiply."""
+    slope = 1.0
+    if HAS_SOFTCAP:
+        z, slope = soft_cap(z, inv_cap, softcap, FAST_MATH, True)
+    lp2 = (z - row_max) * k - log2_s
+    if HAS_GRAD_ENTROPY:
+        lp2 = tl.maximum(lp2, _NEG_BIG)  # p = 0 at a -inf logit: its term is 0, not 0 * -inf
+        grad = exp2(lp2, FAST_MATH) * (c0 + c1 * lp2)
+    else:
+        grad = exp2(lp2, FAST_MATH) * c0
+    if HAS_SOFTCAP:
+        grad = grad * slope
+    return grad
+
+
+@triton.jit
 def logprobs_bwd_kernel(
     logits_ptr, dlogits_ptr, labels_ptr, active_ptr, grad_logp_ptr, grad_entropy_ptr, entropy_ptr,
     row_stats_ptr,  # [2, N] from the forward
     n_rows, rows_per_batch, out_rows_per_batch, stride_b, stride_t, stride_v, dstride_b, dstride_t, dstride_v,
-    vocab_size, inv_temperature,
-    BLOCK_V: tl.constexpr, HAS_ACTIVE: tl.constexpr, HAS_GRAD_LOGP: tl.constexpr, HAS_GRAD_ENTROPY: tl.constexpr,
+    vocab_size, inv_temperature, softcap,
+    BLOCK_V: tl.constexpr, VEC: tl.constexpr, DST_ALIGNED: tl.constexpr, HAS_ACTIVE: tl.constexpr,
+    HAS_GRAD_LOGP: tl.constexpr, HAS_GRAD_ENTROPY: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    FAST_MATH: tl.constexpr,
 ):
     out_row = tl.program_id(0).to(tl.int64)
     batch = out_row // out_rows_per_batch
     pos = out_row % out_rows_per_batch
     in_range = pos < rows_per_batch  # False only at the extra position of a [B, T + 1, V] gradient
     row = tl.where(in_range, batch * rows_per_batch + pos, 0)  # the token's index in [N]
-    src = logits_ptr + batch * stride_b + pos * stride_t
-    dst = dlogits_ptr + batch * dstride_b + pos * dstride_t
+    src_off = batch * stride_b + pos * stride_t
+    dst_off = batch * dstride_b + pos * dstride_t
     cols = tl.arange(0, BLOCK_V)
+    out_ty = dlogits_ptr.dtype.element_ty
 
     acc_dtype = row_stats_ptr.dtype.element_ty  # fp32 (fp64 for fp64 logits)
     g = 0.0
@@ -154,28 +284,79 @@ def logprobs_bwd_kernel(
 
     if (g != 0.0) | (h != 0.0):
         row_max = tl.load(row_stats_ptr + row)
-        log_s = tl.load(row_stats_ptr + n_rows + row)
+        k = tl.full([], _LOG2E, acc_dtype) * inv_temperature
+        log2_s = tl.load(row_stats_ptr + n_rows + row) * _LOG2E
+        inv_cap = 1.0 / softcap
         label = tl.load(labels_ptr + row)
-        # An out-of-range label never matches a column; the row is poisoned instead (its logp is NaN).
-        g_bad = tl.where((g != 0.0) & ((label < 0) | (label >= vocab_size)), float("nan"), 0.0)
+        valid = (label >= 0) & (label < vocab_size)
+        # An out-of-range label never matches a column: the row is poisoned instead (its logp is NaN).
+        g = tl.where((g != 0.0) & ((label < 0) | (label >= vocab_size)), float("nan"), g)
+        # The label's logit, read before the loops (with an in-place gradient they overwrite it).
+        z_label = tl.load(logits_ptr + src_off + tl.where(valid, label, 0) * stride_v, mask=valid,
+                          other=0.0).to(acc_dtype)
         ent = 0.0
         if HAS_GRAD_ENTROPY:
             ent = tl.load(entropy_ptr + row)
-        for start in range(0, vocab_size, BLOCK_V):
-            idx = start + cols
-            inside = idx < vocab_size
-            z = tl.load(src + idx.to(tl.int64) * stride_v, mask=inside, other=0.0).to(acc_dtype)
-            logp = (z - row_max) * inv_temperature - log_s
-            p = tl.exp(logp)
-            grad = tl.where(idx == label, g, 0.0) - g * p + g_bad
-            if HAS_GRAD_ENTROPY:
-                grad -= tl.where(p > 0, h * p * (logp + ent), 0.0)
-            tl.store(dst + idx.to(tl.int64) * dstride_v, grad.to(dlogits_ptr.dtype.element_ty), mask=inside)
+        c0 = -(g + h * ent)
+        c1 = -h * _LN2
+        if VEC > 1:
+            s_aligned, n_body, n_head, tail_start, n_edge = row_layout(src_off, vocab_size, BLOCK_V, VEC)
+            src = logits_ptr + s_aligned
+            if DST_ALIGNED:  # the output rows sit at the same offsets modulo 16 bytes
+                dst = dlogits_ptr + tl.multiple_of(dst_off + (s_aligned - src_off), VEC)
+            else:
+                dst = dlogits_ptr + dst_off + (s_aligned - src_off)
+            for t in range(0, n_body):
+                offs = t * BLOCK_V + cols
+                z = tl.load(src + offs).to(acc_dtype)
+                grad = grad_tile(z, row_max, k, log2_s, c0, c1, inv_cap, softcap, HAS_GRAD_ENTROPY, HAS_SOFTCAP,
+                                 FAST_MATH)
+                tl.store(dst + offs, grad.to(out_ty))
+        else:
+            n_head = vocab_size
+            tail_start = vocab_size
+            n_edge = vocab_size
+        for e0 in range(0, n_edge, BLOCK_V):
+            idx, inside = edge_columns(e0, cols, n_head, tail_start, n_edge)
+            z = tl.load(logits_ptr + src_off + idx.to(tl.int64) * stride_v, mask=inside, other=0.0).to(acc_dtype)
+            grad = grad_tile(z, row_max, k, log2_s, c0, c1, inv_cap, softcap, HAS_GRAD_ENTROPY, HAS_SOFTCAP,
+                             FAST_MATH)
+            tl.store(dlogits_ptr + dst_off + idx.to(tl.int64) * dstride_v, grad.to(out_ty), mask=inside)
+        # The one-hot term: the label's column again, once every thread's tiles are written.
+        tl.debug_barrier()
+        if valid:
+            slope = 1.0
+            if HAS_SOFTCAP:
+                z_label, slope = soft_cap(z_label, inv_cap, softcap, FAST_MATH, True)
+            grad_label = grad_tile(z_label, row_max, k, log2_s, c0, c1, inv_cap, softcap, HAS_GRAD_ENTROPY, False,
+                                   FAST_MATH)
+            tl.store(dlogits_ptr + dst_off + label * dstride_v, ((grad_label + g) * slope).to(out_ty))
     else:
-        zeros = tl.zeros([BLOCK_V], dlogits_ptr.dtype.element_ty)
-        for start in range(0, vocab_size, BLOCK_V):
-            idx = start + cols
-            tl.store(dst + idx.to(tl.int64) * dstride_v, zeros, mask=idx < vocab_size)
+        zeros = tl.zeros([BLOCK_V], out_ty)
+        if VEC > 1:
+            d_aligned, n_body, n_head, tail_start, n_edge = row_layout(dst_off, vocab_size, BLOCK_V, VEC)
+            for t in range(0, n_body):
+                tl.store(dlogits_ptr + d_aligned + t * BLOCK_V + cols, zeros)
+        else:
+            n_head = vocab_size
+            tail_start = vocab_size
+            n_edge = vocab_size
+        for e0 in range(0, n_edge, BLOCK_V):
+            idx, inside = edge_columns(e0, cols, n_head, tail_start, n_edge)
+            tl.store(dlogits_ptr + dst_off + idx.to(tl.int64) * dstride_v, zeros, mask=inside)
+
+
+def vector_width(t: Tensor, stride_v: int) -> int:
+    """Elements per 16 bytes when ``t``'s rows are contiguous (``stride_v == 1``), else 1 (no aligned body)."""
+    return max(1, 16 // t.element_size()) if stride_v == 1 else 1
+
+
+def same_alignment(a: Tensor, b: Tensor, strides_a, strides_b, vec: int) -> bool:
+    """Whether row ``r`` of ``a`` and of ``b`` always start at the same offset modulo 16 bytes (so one aligned
+    body serves the read and the write): data pointers congruent, row strides congruent modulo ``vec``."""
+    if (a.data_ptr() - b.data_ptr()) % 16 != 0 or a.element_size() != b.element_size():
+        return False
+    return all((sa - sb) % vec == 0 for sa, sb in zip(strides_a, strides_b))
 
 
 def logsumexp_from_row_stats(row_stats: Tensor, temperature: float = 1.0) -> Tensor:
@@ -191,6 +372,7 @@ def logprobs_forward(
     temperature: float = 1.0,
     return_entropy: bool = True,
     out: Optional[Tuple[Tensor, Optional[Tensor], Tensor]] = None,
+    softcap: Optional[float] = None,
 ) -> Tuple[Tensor, Optional[Tensor], Tensor]:
     """Launch the forward kernel.
 
@@ -201,6 +383,8 @@ def logprobs_forward(
         temperature: logits are divided by it (> 0).
         return_entropy: also compute the entropy.
         out: optional preallocated ``(logp [N], entropy [N] or None, row_stats [2, N])`` buffers.
+        softcap: None, or ``c > 0``: the logits are capped first, ``z -> c tanh(z / c)`` (then divided by the
+            temperature); ``row_stats[0]`` is then the row's max *capped* logit.
 
     Returns:
         ``(logp [N], entropy [N] or None, row_stats [2, N])``, fp32 (fp64 for fp64 logits, computed in fp64;
@@ -240,9 +424,13 @@ def logprobs_forward(
             stride_v,
             vocab_size,
             1.0 / float(temperature),
+            1.0 if softcap is None else float(softcap),
             BLOCK_V=logits_block_v(vocab_size, logits.element_size()),
+            VEC=vector_width(logits, stride_v),
             HAS_ACTIVE=active is not None,
             HAS_ENTROPY=return_entropy,
+            HAS_SOFTCAP=softcap is not None,
+            FAST_MATH=not interpreter_active(),
             num_warps=LOGITS_NUM_WARPS,
             num_stages=LOGITS_NUM_STAGES,
         )
@@ -261,6 +449,7 @@ def logprobs_backward(
     temperature: float = 1.0,
     inplace: bool = False,
     out: Optional[Tensor] = None,
+    softcap: Optional[float] = None,
 ) -> Tensor:
     """Launch the backward kernel.
 
@@ -273,6 +462,7 @@ def logprobs_backward(
         inplace: write the gradient into ``out`` when given (a tensor whose storage holds ``logits``, e.g. the
             ``[B, T + 1, V]`` base of a ``[:, :-1]`` view), else into ``logits`` itself; the caller's logits are
             consumed.
+        softcap: the forward's ``softcap`` (the gradient is multiplied by the cap's slope ``1 - tanh^2``).
         out: the gradient buffer (any strides): shaped like ``logits``, or ``[B, T + 1, V]`` for 3-D
             ``[B, T, V]`` logits, in which case position ``T`` of every sequence gets zeros. Default: a new
             tensor shaped like ``logits`` (or ``logits`` itself when ``inplace``).
@@ -300,6 +490,7 @@ def logprobs_backward(
     if n_rows == 0:  # every out row is an extra position, or there is none
         out.zero_()
         return out
+    vec = vector_width(logits, stride_v)
     with device_guard(out):
         logprobs_bwd_kernel[(n_out_rows,)](
             logits,
@@ -321,10 +512,16 @@ def logprobs_backward(
             dstride_v,
             vocab_size,
             1.0 / float(temperature),
+            1.0 if softcap is None else float(softcap),
             BLOCK_V=logits_block_v(vocab_size, logits.element_size()),
+            VEC=vec,
+            DST_ALIGNED=vec > 1 and vector_width(out, dstride_v) == vec and same_alignment(
+                logits, out, (stride_b, stride_t), (dstride_b, dstride_t), vec),
             HAS_ACTIVE=active is not None,
             HAS_GRAD_LOGP=grad_logp is not None,
             HAS_GRAD_ENTROPY=grad_entropy is not None,
+            HAS_SOFTCAP=softcap is not None,
+            FAST_MATH=not interpreter_active(),
             num_warps=LOGITS_NUM_WARPS,
             num_stages=LOGITS_NUM_STAGES,
         )
@@ -364,14 +561,15 @@ class TritonLogitsLogprobs(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits, labels, active, temperature, return_entropy, inplace_backward, extra_position=False):
+    def forward(ctx, logits, labels, active, temperature, return_entropy, inplace_backward, extra_position=False,
+                softcap=None):
         labels = labels.reshape(-1)
         if labels.dtype != torch.int64:
             labels = labels.to(torch.int64)
         active = None if active is None else active.reshape(-1).to(torch.bool).contiguous()
         rows = logits.detach()[:, :-1] if extra_position else logits.detach()
         logp, entropy, row_stats = logprobs_forward(
-            rows, labels, active=active, temperature=temperature, return_entropy=return_entropy
+            rows, labels, active=active, temperature=temperature, return_entropy=return_entropy, softcap=softcap
         )
         if entropy is None:
             entropy = torch.zeros_like(logp)
@@ -380,6 +578,7 @@ class TritonLogitsLogprobs(torch.autograd.Function):
         ctx.has_active = active is not None
         ctx.has_entropy = return_entropy
         ctx.temperature = temperature
+        ctx.softcap = softcap
         ctx.inplace = inplace_backward
         ctx.extra_position = extra_position
         ctx.set_materialize_grads(False)
@@ -391,7 +590,7 @@ class TritonLogitsLogprobs(torch.autograd.Function):
         if not ctx.has_entropy:
             grad_entropy = None
         if grad_logp is None and grad_entropy is None:
-            return None, None, None, None, None, None, None
+            return None, None, None, None, None, None, None, None
         full = logits.detach()
         rows = full[:, :-1] if ctx.extra_position else full
         if ctx.inplace:
@@ -410,8 +609,9 @@ class TritonLogitsLogprobs(torch.autograd.Function):
             active=active if ctx.has_active else None,
             temperature=ctx.temperature,
             out=out,
+            softcap=ctx.softcap,
         )
-        return dlogits, None, None, None, None, None, None
+        return dlogits, None, None, None, None, None, None, None
 
 
 def logits_logprobs(
@@ -422,6 +622,7 @@ def logits_logprobs(
     temperature: float = 1.0,
     return_entropy: bool = False,
     inplace_backward: bool = False,
+    softcap: Optional[float] = None,
 ) -> Tuple[Tensor, Optional[Tensor]]:
     """The backend contract's ``logits_logprobs`` (see ``gspo_kernels/backends/__init__.py``).
 
@@ -432,6 +633,8 @@ def logits_logprobs(
             ``inplace_backward``).
         labels: ``[N]`` int64 in ``[0, V)`` (out of range: never read, NaN log-prob); active: ``[N]`` bool or
             None (False rows are not read, output 0).
+        softcap: None (no cap) or ``c > 0``: ``z -> c tanh(z / c)`` before the division by the temperature
+            (Gemma's final-logit soft cap); the public functions validate it.
     Returns:
         ``(logp [N], entropy [N] or None)`` in fp32 (fp64 for fp64 logits, like the torch backend),
         differentiable with respect to ``logits``.
@@ -439,6 +642,6 @@ def logits_logprobs(
     base = next_token_base(logits) if torch.is_grad_enabled() else None
     logp, entropy = TritonLogitsLogprobs.apply(
         logits if base is None else base, labels, active, float(temperature), bool(return_entropy),
-        bool(inplace_backward), base is not None,
+        bool(inplace_backward), base is not None, None if softcap is None else float(softcap),
     )
     return logp, (entropy if return_entropy else None)
