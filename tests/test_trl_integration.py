@@ -282,6 +282,20 @@ def test_unsupported_options_raise_naming_them(policy_dir, tmp_path):
     with pytest.raises(ValueError, match="epsilon_high is CISPO's absolute cap"):
         _trainer(GRPOTrainer, policy_dir, tmp_path, loss_type="cispo")
     _trainer(GRPOTrainer, policy_dir, tmp_path, loss_type="cispo", epsilon_high=5.0)  # TRL's recommended cap
+    # vLLM importance sampling (vLLM is not installed: the flags are set after construction, then checked again)
+    ours = _trainer(GRPOTrainer, policy_dir, tmp_path, loss_type="vespo")
+    ours.use_vllm = ours.vllm_importance_sampling_correction = True
+    ours.vllm_importance_sampling_mode = "token_mask"
+    ours._check_supported()
+    ours.vllm_importance_sampling_clip_min = ours.vllm_importance_sampling_clip_max = None
+    with pytest.raises(ValueError, match="vllm_importance_sampling_mode='token_mask' without"):
+        ours._check_supported()
+    ours.vllm_importance_sampling_mode, ours.vllm_importance_sampling_clip_max = "sequence_mask", 3.0
+    with pytest.raises(ValueError, match="loss_type='vespo'.*rollout_correction must be 'token_truncate'"):
+        ours._check_supported()
+    ours.vllm_importance_sampling_mode = "sequence_tis"
+    with pytest.raises(ValueError, match="vllm_importance_sampling_mode='sequence_tis' \\(supported"):
+        ours._check_supported()
 
 
 def test_two_step_train_end_to_end(policy_dir, tmp_path):
