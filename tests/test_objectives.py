@@ -55,7 +55,22 @@ def test_linear_loss_matches_reference(backend, config, packed):  # noqa: F811
                             loss_scale=_loss_scale(config, 75))
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=objective_id)
+# More combinations for the sequence stage alone (cheap: no logits): the remaining branches of the fused kernel.
+MORE = [
+    gk.GSPOConfig(loss_type="cispo", importance_sampling_level="sequence", epsilon_high=1.0001, log_ratio_clamp=1e-4),
+    gk.GSPOConfig(loss_type="sapo", importance_sampling_level="sequence_token", beta=0.04,
+                  use_bias_correction_kl=True, off_policy_mask_threshold=0.0),
+    gk.GSPOConfig(loss_type="vespo", importance_sampling_level="token", off_policy_mask_threshold=0.05,
+                  aggregation="grpo"),
+    gk.GSPOConfig(loss_type="gmpo", importance_sampling_level="token", epsilon_low=1e-4, epsilon_high=1e-4,
+                  off_policy_mask_threshold=0.05, beta=0.04, use_bias_correction_kl=True, aggregation="dr_grpo",
+                  max_completion_length=9),
+    gk.GSPOConfig(loss_type="dapo", importance_sampling_level="sequence_token", clip_ratio_c=1.0001, delta=1.0003,
+                  rollout_correction="icepop", rollout_correction_max=1.4, entropy_coef=0.01),
+]
+
+
+@pytest.mark.parametrize("config", CONFIGS + MORE, ids=objective_id)
 def test_policy_loss_matches_reference(backend, config):  # noqa: F811
     """The sequence stage alone (packed, per-token advantages, with entropies)."""
     dev = _device(backend)
