@@ -55,7 +55,22 @@ def test_linear_loss_matches_reference(backend, config, packed):  # noqa: F811
                             loss_scale=_loss_scale(config, 75))
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=objective_id)
+# More combinations for the sequence stage alone (cheap: no logits): the remaining branches of the fused kernel.
+MORE = [
+    gk.GSPOConfig(loss_type="cispo", importance_sampling_level="sequence", epsilon_high=1.0001, log_ratio_clamp=1e-4),
+    gk.GSPOConfig(loss_type="sapo", importance_sampling_level="sequence_token", beta=0.04,
+                  use_bias_correction_kl=True, off_policy_mask_threshold=0.0),
+    gk.GSPOConfig(loss_type="vespo", importance_sampling_level="token", off_policy_mask_threshold=0.05,
+                  aggregation="grpo"),
+    gk.GSPOConfig(loss_type="gmpo", importance_sampling_level="token", epsilon_low=1e-4, epsilon_high=1e-4,
+                  off_policy_mask_threshold=0.05, beta=0.04, use_bias_correction_kl=True, aggregation="dr_grpo",
+                  max_completion_length=9),
+    gk.GSPOConfig(loss_type="dapo", importance_sampling_level="sequence_token", clip_ratio_c=1.0001, delta=1.0003,
+                  rollout_correction="icepop", rollout_correction_max=1.4, entropy_coef=0.01),
+]
+
+
+@pytest.mark.parametrize("config", CONFIGS + MORE, ids=objective_id)
 def test_policy_loss_matches_reference(backend, config):  # noqa: F811
     """The sequence stage alone (packed, per-token advantages, with entropies)."""
     dev = _device(backend)
@@ -331,3 +346,91 @@ def test_rollout_arguments_refused():
     out = gk.policy_loss(logp, adv, old, rollout_logprobs=old - 0.1)
     assert out.loss.item() == plain.loss.item()
     assert abs(float(out.metrics["rollout/kl"]) + 0.1) < 1e-6 and float(out.metrics["rollout/masked_fraction"]) == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# TRL 1.16's own _compute_loss on given log-probs (its model call replaced by the tensors).
+# ---------------------------------------------------------------------------------------------
+
+
+def _trl_loss(loss_type, level, logp, old, adv, mask, num_items, *, is_ratio=None, sampling=None, **options):
+    """``GRPOTrainer._compute_loss`` on a stand-in trainer whose forward returns ``logp``: TRL's formulas,
+    aggregation and metrics, unmodified (one process, no gradient accumulation, ``steps_per_generation=1``)."""
+    from collections import defaultdict
+    from types import SimpleNamespace
+
+    from trl.trainer.grpo_trainer import GRPOTrainer
+
+    args = SimpleNamespace(use_bias_correction_kl=False, delta=None, sapo_temperature_pos=1.0,
+                           sapo_temperature_neg=1.05, vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0,
+                           vespo_lambda_neg=2.0, steps_per_generation=1)
+    trainer = SimpleNamespace(
+        args=args, loss_type=loss_type, importance_sampling_level=level, beta=0.0, top_entropy_quantile=1.0,
+        epsilon_low=options.get("epsilon_low", 0.2), epsilon_high=options.get("epsilon_high", 0.28),
+        off_policy_mask_threshold=options.get("off_policy_mask_threshold"), use_vllm=is_ratio is not None,
+        vllm_importance_sampling_correction=is_ratio is not None, model=SimpleNamespace(training=True),
+        current_gradient_accumulation_steps=1, _entropy_bonus_enabled=False, aux_loss_enabled=False,
+        _metrics=defaultdict(lambda: defaultdict(list)),
+        accelerator=SimpleNamespace(num_processes=1, gather=lambda x: x, reduce=lambda x, reduction: x),
+        get_off_policy_mask=GRPOTrainer.get_off_policy_mask, get_gamma_weights=GRPOTrainer.get_gamma_weights,
+        _get_per_token_logps_and_entropies=lambda *a, **k: (logp, torch.ones_like(logp), None),
+    )
+    B, T = logp.shape
+    inputs = {"prompt_ids": torch.zeros(B, 1, dtype=torch.long), "prompt_mask": torch.ones(B, 1),
+              "completion_ids": torch.zeros(B, T, dtype=torch.long), "completion_mask": mask, "advantages": adv,
+              "old_per_token_logps": old, "num_items_in_batch": torch.tensor(float(num_items))}
+    if is_ratio is not None:
+        inputs["importance_sampling_ratio"] = is_ratio
+    if sampling is not None:
+        inputs["sampling_per_token_logps"] = sampling
+    loss = GRPOTrainer._compute_loss(trainer, None, inputs)
+    return loss, {name: values[-1] for name, values in trainer._metrics["train"].items()}
+
+
+@pytest.mark.parametrize("loss_type, level, options", [
+    ("sapo", "token", {}),
+    ("sapo", "sequence", {}),
+    ("cispo", "token", dict(epsilon_high=1.3)),
+    ("cispo", "sequence", dict(epsilon_high=1.05)),
+    ("luspo", "sequence", {}),
+    ("luspo", "token", {}),
+    ("vespo", "token", {}),
+    ("vespo", "token", dict(token_mask=True)),
+    ("dapo", "token", dict(off_policy_mask_threshold=0.02)),
+])
+def test_matches_trl_compute_loss(loss_type, level, options):
+    """Loss, gradient and TRL's metrics of ``loss_type`` at ``level`` against TRL's ``_compute_loss`` (float64),
+    VESPO with a vLLM token_mask ratio folded in, DAPO with off-policy masking from the sampling log-probs."""
+    logp, old, adv = _token_problem(S=4, T=6, spread=0.25)
+    mask = torch.ones_like(logp)
+    mask[2, 4:] = 0
+    num_items = 19.0
+    trl_options = {k: v for k, v in options.items() if k != "token_mask"}
+    rollout = old - torch.randn(logp.shape, dtype=torch.float64) * 0.1
+    is_ratio = None
+    if options.get("token_mask"):  # TRL's vLLM token_mask ratio, from its definition
+        ratio = torch.exp((old - rollout) * mask)
+        is_ratio = ratio.masked_fill((ratio > 1.1) | (ratio < 0.9), 0.0)
+        assert (is_ratio == 0).any()
+    sampling = rollout if "off_policy_mask_threshold" in options else None
+    x = logp.clone().requires_grad_()
+    theirs, trl_metrics = _trl_loss(loss_type, level, x, old, adv[:, None], mask, num_items, is_ratio=is_ratio,
+                                    sampling=sampling, **trl_options)
+    (trl_grad,) = torch.autograd.grad(theirs, x)
+    cfg = gk.GSPOConfig(loss_type=loss_type, importance_sampling_level=level, epsilon_low=0.2,
+                        epsilon_high=trl_options.get("epsilon_high", 0.28),
+                        off_policy_mask_threshold=options.get("off_policy_mask_threshold"),
+                        rollout_correction="token_mask" if is_ratio is not None else None,
+                        rollout_correction_min=0.9, rollout_correction_max=1.1)
+    y = logp.clone().requires_grad_()
+    ours = gk.policy_loss(y, adv, old, mask=mask, num_items_in_batch=num_items, config=cfg, backend="torch",
+                          rollout_logprobs=rollout if (is_ratio is not None or sampling is not None) else None)
+    (grad,) = torch.autograd.grad(ours.loss, y)
+    # TRL builds SAPO's temperatures with torch.where on Python floats: fp32 (1.05 -> 1.0499999523), 5e-8 apart
+    tol = 1e-6 if loss_type == "sapo" else 1e-10
+    assert abs(ours.loss.item() - theirs.item()) < tol * max(1.0, abs(theirs.item()))
+    assert rel_err(grad * mask, trl_grad * mask) < tol
+    for name in ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "cispo_clip_ratio",
+                 "vespo/phi_seq_mean"):
+        if name in trl_metrics:
+            assert abs(float(ours.metrics[name]) - trl_metrics[name]) < 1e-6, name

@@ -16,7 +16,7 @@ import triton
 
 from gspo_kernels.backends import DEFAULT_MEMORY_BUDGET as BACKEND_DEFAULT_MEMORY_BUDGET
 from gspo_kernels.backends.triton.launch import ELEMENT_SIZES, interpreter_active
-from gspo_kernels.config import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES
+from gspo_kernels.config import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, OBJECTIVES, ROLLOUT_CORRECTIONS
 
 # The vendor-GEMM hidden-state path (linear.py): rows per chunk of the fp32 logits buffer.
 GEMM_MIN_CHUNK_ROWS = 16  # never fewer rows per GEMM than this, whatever the budget (tiny GEMMs waste the GPU)
@@ -275,7 +275,8 @@ def _sequence_h100(level: str, **flags: bool) -> dict:
         "HAS_OPSM": False, "SEQ_UNITS": level == "sequence" and not flags.get("ADV_PER_TOKEN", False),
     }
     constexprs.update(flags)
-    on = ",".join(_SEQUENCE_FLAG_NAMES.get(k, k.lower()) for k, v in flags.items() if v)
+    on = ",".join(_SEQUENCE_FLAG_NAMES.get(k, k.lower()) + ("" if v is True else f"={v}")
+                  for k, v in flags.items() if v)
     return {
         "name": f"gspo_sequence[{level}{',' + on if on else ''}]",
         "kernel": "sequence.gspo_sequence_kernel",
@@ -313,6 +314,17 @@ H100_CONFIGS: List[dict] = [
     _sequence_h100("sequence_token", ADV_PER_TOKEN=True, HAS_IS_RATIO=True),
     _sequence_h100("token", HAS_KL=True, HAS_DELTA=True),
     _sequence_h100("sequence_token", ADV_PER_TOKEN=True, HAS_IS_RATIO=True, HAS_CLAMP=True),
+    # the other objectives, the dual clip, off-policy masking and rollout correction (one launch each)
+    _sequence_h100("token", HAS_DUAL=True, HAS_OPSM=True, HAS_ROLLOUT=True,
+                   ROLLOUT=1 + ROLLOUT_CORRECTIONS.index("token_truncate")),
+    _sequence_h100("sequence", OBJECTIVE=OBJECTIVES.index("sapo"), HAS_ROLLOUT=True,
+                   ROLLOUT=1 + ROLLOUT_CORRECTIONS.index("sequence_mask")),
+    _sequence_h100("token", OBJECTIVE=OBJECTIVES.index("cispo"), CISPO_BAND=True, HAS_ROLLOUT=True,
+                   ROLLOUT=1 + ROLLOUT_CORRECTIONS.index("sequence_masked_tis")),
+    _sequence_h100("token", OBJECTIVE=OBJECTIVES.index("vespo"), SEQ_UNITS=True, HAS_KL=True, HAS_ROLLOUT=True,
+                   ROLLOUT=1 + ROLLOUT_CORRECTIONS.index("token_mask")),
+    _sequence_h100("sequence", OBJECTIVE=OBJECTIVES.index("gmpo"), SEQ_UNITS=True, ADV_PER_TOKEN=True,
+                   HAS_IS_RATIO=True),
     {
         "name": "gspo_reduce[dapo]",
         "kernel": "sequence.gspo_reduce_kernel",

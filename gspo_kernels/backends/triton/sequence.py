@@ -547,7 +547,8 @@ def gspo_sequence_kernel(
             w_max = tl.maximum(w_max, tl.where(on, w, float("-inf")))
 
     if LEVEL == LEVEL_SEQUENCE:
-        if (OBJECTIVE == OBJ_CLIP) | (OBJECTIVE == OBJ_SAPO):
+        # the objectives whose loss depends on w, and the bias-corrected KL (w kl) whatever the objective
+        if (OBJECTIVE == OBJ_CLIP) | (OBJECTIVE == OBJ_SAPO) | BIAS_CORRECTION_KL:
             cross = _times(lam * tl.sum(q_acc, axis=0) * seq_pass / denom, w_seq)
             _add_sequence_cross_term(coef_ptr, mask_ptr, start, end, cross, BLOCK_T)
     if OBJECTIVE == OBJ_GMPO:
