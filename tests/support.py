@@ -183,7 +183,8 @@ def logits_loss_vs_reference(backend: str, config, packed: bool, V: int = 97, de
     else:
         base = torch.randn(len(LENGTHS), 9, V) * 2
         take = lambda x: x[:, :-1]  # noqa: E731
-    case = make_case(lambda y: reference.token_logprobs(take(base).double(), y, temperature=config.temperature), V,
+    case = make_case(lambda y: reference.token_logprobs(take(base).double(), y, temperature=config.temperature,
+                                                        final_logit_softcapping=config.final_logit_softcapping), V,
                      packed=packed, lengths=LENGTHS,
                      per_token_adv=packed)
     x = base.clone().to(device).requires_grad_()
@@ -215,7 +216,8 @@ def linear_loss_vs_reference(backend: str, config, packed: bool, V: int = 75, H:
         take = lambda x: x[:, 1:, 1 : H + 1]  # noqa: E731
     weight, bias = torch.randn(V, H) * 0.3, torch.randn(V) * 0.1
     case = make_case(
-        lambda y: reference.linear_logprobs(take(base), weight, y, bias=bias, temperature=config.temperature), V,
+        lambda y: reference.linear_logprobs(take(base), weight, y, bias=bias, temperature=config.temperature,
+                                            final_logit_softcapping=config.final_logit_softcapping), V,
         packed=packed, lengths=LENGTHS, per_token_adv=packed,
     )
     leaves = [t.clone().to(device).requires_grad_() for t in (base, weight, bias)]
@@ -241,10 +243,11 @@ def assert_zero_rows_get_zero_dh(config, grads, ref_grads) -> None:
         assert torch.all(grads[0].reshape(-1, H)[zero_rows] == 0)
 
 
-def assert_bf16_within_fp32_math_plus_rounding(backend: str, path: str) -> None:
+def assert_bf16_within_fp32_math_plus_rounding(backend: str, path: str, softcap: Optional[float] = None) -> None:
     """bf16 inputs through ``backend``'s public loss: the loss within the fp32 tolerance of the float64 oracle
     (on the same rounded inputs), gradients within :func:`gspo_kernels.testing.gradient_tolerance`
-    (the fp32 error plus the roundings of a bf16 result, at most ``2^-6``). Never the plain bf16 path's error."""
+    (the fp32 error plus the roundings of a bf16 result, at most ``2^-6``). Never the plain bf16 path's error.
+    ``softcap``: with ``GSPOConfig(final_logit_softcapping=softcap)`` on both sides."""
     import gspo_kernels as gk
     from gspo_kernels import reference
     from gspo_kernels.testing import gradient_tolerance
@@ -257,14 +260,16 @@ def assert_bf16_within_fp32_math_plus_rounding(backend: str, path: str) -> None:
     else:
         inputs = [torch.randn(B, T, H).bfloat16(), (torch.randn(V, H) * 0.2).bfloat16()]
         as_logits = lambda xs: xs[0] @ xs[1].T  # noqa: E731
-    old = (reference.token_logprobs(as_logits([x.double() for x in inputs]), labels) - torch.randn(B, 1) * 2e-4).float()
+    old = (reference.token_logprobs(as_logits([x.double() for x in inputs]), labels, final_logit_softcapping=softcap)
+           - torch.randn(B, 1) * 2e-4).float()
     adv = torch.randn(B)
+    config = GSPOConfig(final_logit_softcapping=softcap)
     leaves = [x.clone().requires_grad_() for x in inputs]
     fn = gk.gspo_loss if path == "logits" else gk.fused_linear_gspo_loss
-    out = fn(*leaves, labels, adv, old, backend=backend)
+    out = fn(*leaves, labels, adv, old, backend=backend, config=config)
     grads = torch.autograd.grad(out.loss, leaves)
     leaves64 = [x.double().requires_grad_() for x in inputs]
-    expected = reference.gspo_loss(as_logits(leaves64), labels, adv, old)
+    expected = reference.gspo_loss(as_logits(leaves64), labels, adv, old, config=config)
     ref_grads = torch.autograd.grad(expected.loss, leaves64)
     assert abs(out.loss.item() - expected.loss.item()) <= RTOL * max(1.0, abs(expected.loss.item()))
     tol = gradient_tolerance("bf16", path)

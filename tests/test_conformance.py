@@ -49,7 +49,11 @@ def _device(name: str) -> str:
 @pytest.fixture(params=NAMES)
 def backend(request, monkeypatch) -> str:
     """A backend name; skipped (with the reason) where it cannot run, small tiles where it has them."""
-    name = request.param
+    return use_backend(request.param, monkeypatch)
+
+
+def use_backend(name: str, monkeypatch) -> str:
+    """The ``backend`` fixture's body (shared with other test files): ``name``, or a skip / failure."""
     impl = backends.load(name)
     if impl is None or not impl.supports(torch.device(_device(name))):
         reason = backends.unavailable_reason(name) or f"does not run on {_device(name)}"
