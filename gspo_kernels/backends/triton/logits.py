@@ -3,44 +3,59 @@
 Forward (:func:`logprobs_fwd_kernel`, launched by :func:`logprobs_forward`). Each program owns one row
 (token) of the caller's logits, any strides (e.g. ``logits[:, :-1]`` of a model output, never copied). It
 streams the row once in ``BLOCK_V`` tiles and keeps, in fp32 (fp64 for fp64 logits; the temperature is an
-fp32 scalar either way):
+fp32 scalar either way), in the base-2 domain with ``k = log2(e) / T`` (one multiply per element for both):
 
-* ``row_max``: the running max of the *raw* logits ``z`` (one per row, so each element costs a single ``exp``);
-* per lane, with ``x = (z - row_max) / T``: ``s = sum exp(x)`` and ``a = sum exp(x) * x``.
+* ``row_max``: the running max of the logits ``z`` (one per row, so each element costs a single ``exp2``);
+* per lane, with ``x = (z - row_max) k``: ``s = sum 2^x`` and ``a = sum 2^x x``.
 
-When a tile moves the max from ``m`` to ``m'`` (``d = (m - m') / T``) the lanes' sums are rescaled:
-``s' = e^d s`` and ``a' = e^d (a + d s)``. At the end ``S = sum_lanes s``, ``log S``,
-``H = log S - A / S`` (entropy without the cancellation of ``lse - E[x]``) and
-``logp = (z_y - row_max) / T - log S``.
+Only a tile that raises the max rescales the lanes' sums (``d = (m - m') k``: ``s' = 2^d s``,
+``a' = 2^d (a + d s)``); the branch is uniform over the block and, after the first tiles of a row, rarely taken.
+At the end ``S = sum_lanes s``, ``log S = ln 2 log2 S``, ``H = ln 2 (log2 S - A / S)`` (entropy without the
+cancellation of ``lse - E[x]``) and ``logp = ln 2 ((z_y - row_max) k - log2 S)``. On CUDA ``exp2`` is one
+``MUFU.EX2`` (libdevice's ``exp2f``, flushing results below 2^-126 to 0); ``-inf`` logits (and the padding of
+masked lanes) are clamped to a finite ``x`` where they multiply a zero probability.
 
 Two precision choices (see docs/gpu.md):
 
-* the max is subtracted from the raw logit *before* the division by the temperature, so ``z - row_max`` is
-  exact for logits close to the max (Sterbenz) however large their offset (``randn + 1e4``) and however
-  small the temperature (``1e-6``);
+* the max is subtracted from the logit *before* the multiplication by ``k``, so ``z - row_max`` is exact for
+  logits close to the max (Sterbenz) however large their offset (``randn + 1e4``) and however small the
+  temperature (``1e-6``); ``z k - row_max k`` in one FMA would carry ``row_max k``'s rounding, which is about
+  ``1e3`` (log2 units) at ``T = 1e-6``;
 * the row's max and ``log S`` are kept apart (``row_stats [2, N]``) instead of one fp32
   ``lse = row_max / T + log S``: a single fp32 ``lse`` near ``1e4`` carries an absolute rounding error of
   ``~5e-4``, which every ``p = exp(x - lse)`` of the backward would inherit.
 
-The kernel issues the load of tile ``k + 1`` before the block reductions of tile ``k`` (a software
-prefetch held in registers), so a row always has a tile of reads in flight while it reduces.
+Alignment: with unit vocabulary stride a row is read as a masked *head* (the columns before the first
+16-byte-aligned address), an unmasked *body* of full tiles from there (128-bit loads whatever ``V`` and the
+row stride: GPT-2's 50257, an uneven tensor-parallel shard, a trimmed head) and a masked *tail*; head and
+tail are one masked tile, usually (:func:`row_layout`, :func:`edge_columns`). The body issues the load of tile
+``t + 1`` before the reductions of tile ``t`` (a software prefetch held in registers).
 
 Backward (:func:`logprobs_bwd_kernel`, launched by :func:`logprobs_backward`). For row ``t`` with
 ``log p = (z - row_max) / T - log S``, label ``y``, incoming gradients ``g = dL/dlogp_t`` and ``h = dL/dH_t``::
 
     dL/dz[v] = (g / T) * (1[v = y] - p[v])  -  (h / T) * p[v] * (log p[v] + H_t)
 
-(see docs/math.md, "Gradients"). The entropy term is 0 where ``p[v] == 0`` (a ``-inf`` logit: ``0 * -inf``
-would be NaN). One program per *output* row, one streaming pass over the row. A row whose ``g`` and ``h``
-are both zero (masked, clipped or zero-advantage tokens, or rows that were inactive in the forward) is not
-read: the program only writes zeros.
+(see docs/math.md, "Gradients"), computed per element as ``p (c0 + c1 log2 p)`` with the per-row constants
+``c0 = -(g + h H) / T``, ``c1 = -h ln 2 / T``: one subtraction, one FMA for ``log2 p``, one ``exp2``, an FMA and a
+multiply. The one-hot term ``g / T`` is added to the label's column after the row is written (a block barrier,
+then one store): no per-element compare. The entropy term is 0 where ``p[v] == 0`` (a ``-inf`` logit). One
+program per *output* row, one streaming pass over the row, the same aligned body (128-bit loads and stores when
+the gradient's rows share the logits' alignment, ``DST_ALIGNED``). A row whose ``g`` and ``h`` are both zero
+(masked, clipped or zero-advantage tokens, or rows that were inactive in the forward) is not read: the program
+only writes zeros.
+
+Soft cap (``softcap = c``, Gemma's ``final_logit_softcapping``): every logit is first replaced by
+``c tanh(z / c)`` (:func:`soft_cap`), then divided by the temperature; ``row_stats[0]`` is the max *capped* logit
+and the backward multiplies the gradient with respect to the capped logit by ``1 - tanh^2(z / c)``. A constexpr
+(``HAS_SOFTCAP``): the uncapped kernels are unchanged.
 
 Extra position: the gradient may have one more position per sequence than the logits
 (``out_rows_per_batch = rows_per_batch + 1``): a model's ``[B, T + 1, V]`` output read as ``logits[:, :-1]``
 gets its gradient for all ``T + 1`` positions in one launch, zeros at the last one, so autograd's
 ``slice_backward`` never allocates a second ``[B, T + 1, V]`` buffer (:func:`next_token_base`). With the
 output pointing at the logits' own storage (``inplace``), each tile is read before it is overwritten by the
-same program: no extra buffer at all.
+same program, and the label's logit is read before the row: no extra buffer at all.
 
 Labels are bounds-checked in the kernels: a label outside ``[0, V)`` (e.g. an unmasked ``-100`` when the
 eager check is skipped under ``torch.compile``) is never used as an address; that row's log-prob (and its
