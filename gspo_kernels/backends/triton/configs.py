@@ -54,6 +54,13 @@ def logits_block_v(vocab_size: int, element_size: int = 2) -> int:
     return min(widest, triton.next_power_of_2(max(int(vocab_size), 1)))
 
 
+def logits_edge_v(block_v: int, vec: int) -> int:
+    """Tile width of the forward's masked edge (the columns before the aligned body and after it): a quarter of
+    ``block_v`` (its scattered loads then hold no more registers than the body), all of it when the row has no
+    aligned body (``vec == 1``: a vocabulary stride other than 1)."""
+    return block_v if vec == 1 else max(1, block_v // 4)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Hidden-state path (linear.py). CUDA, half-precision operands: tuned against the static sm_90a report
 # (0 spills, HGMMA in the SASS). fp32 operands: exact products (``input_precision="ieee"``, no tensor cores).
@@ -147,6 +154,7 @@ def _logits_fwd_h100(dtype: str, has_active: bool, has_entropy: bool, vocab: str
                   "HAS_ENTROPY": has_entropy, "HAS_SOFTCAP": softcap, "FAST_MATH": True}
     size = {"aligned": 1 << 20, "unaligned": 50257, "v1": 1}[vocab]
     constexprs["BLOCK_V"] = logits_block_v(size, ELEMENT_SIZES[dtype])
+    constexprs["EDGE_V"] = logits_edge_v(constexprs["BLOCK_V"], constexprs["VEC"])
     if vocab == "v1":
         constexprs["vocab_size"] = 1
     tags = [dtype, "active" if has_active else "all", "H" if has_entropy else "noH"]

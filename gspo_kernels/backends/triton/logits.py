@@ -76,7 +76,12 @@ import triton.language as tl
 from torch import Tensor
 from triton.language.extra import libdevice
 
-from gspo_kernels.backends.triton.configs import LOGITS_NUM_STAGES, LOGITS_NUM_WARPS, logits_block_v
+from gspo_kernels.backends.triton.configs import (
+    LOGITS_NUM_STAGES,
+    LOGITS_NUM_WARPS,
+    logits_block_v,
+    logits_edge_v,
+)
 from gspo_kernels.backends.triton.launch import device_guard, interpreter_active, row_strides
 
 # A finite "minus infinity": the running max starts there (exp2((_NEG_BIG - m) k) is 0, no -inf - -inf), and the
@@ -119,7 +124,10 @@ def soft_cap(z, inv_cap, cap, FAST_MATH: tl.constexpr, WITH_SLOPE: tl.constexpr)
     poly = _TANH_C3 + u2 * (_TANH_C5 + u2 * (_TANH_C7 + u2 * (_TANH_C9 + u2 * (_TANH_C11 + u2 * _TANH_C13))))
     th_small = au + au * (u2 * poly)
     t = exp2(au * _MINUS_2_LOG2E, FAST_MATH)
-    r = 1.0 / (1.0 + t)
+    if FAST_MATH:  # 1 + t is in [1, 2]: the approximate division (2 ulp) needs none of div.full's range checks
+        r = libdevice.fast_dividef(1.0, 1.0 + t)
+    else:
+        r = 1.0 / (1.0 + t)
     small = au < _TANH_SMALL
     th = tl.where(small, th_small, (1.0 - t) * r)
     capped = tl.where(u < 0, -th, th) * cap
@@ -153,6 +161,16 @@ def edge_columns(e0, cols, n_head, tail_start, n_edge):
 
 
 @triton.jit
+def column_offsets(idx, stride_v, VEC: tl.constexpr):
+    """Element offsets of the columns ``idx``: int32 for a unit stride (``VEC > 1``: fewer registers than 64-bit
+    offsets), else int64 ``idx * stride_v`` (a transposed tensor's stride times a column can pass 2^31)."""
+    if VEC > 1:
+        return idx
+    else:
+        return idx.to(tl.int64) * stride_v
+
+
+@triton.jit
 def online_update(z, tile_max, row_max, s, a, k, HAS_ENTROPY: tl.constexpr, FAST_MATH: tl.constexpr):
     """Fold a tile of (capped) logits ``z`` (its max ``tile_max``) into the running max and the per-lane sums
     (log2 domain, ``x = (z - row_max) k``, ``k = log2(e) / T``): ``s = sum 2^x``, ``a = sum 2^x x``. The sums are
@@ -181,8 +199,8 @@ def logprobs_fwd_kernel(
     logits_ptr, labels_ptr, active_ptr, logp_ptr, entropy_ptr,
     row_stats_ptr,  # [2, N]: the row's max (capped) logit, then log S
     n_rows, rows_per_batch, stride_b, stride_t, stride_v, vocab_size, inv_temperature, softcap,
-    BLOCK_V: tl.constexpr, VEC: tl.constexpr, HAS_ACTIVE: tl.constexpr, HAS_ENTROPY: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, FAST_MATH: tl.constexpr,
+    BLOCK_V: tl.constexpr, EDGE_V: tl.constexpr, VEC: tl.constexpr, HAS_ACTIVE: tl.constexpr,
+    HAS_ENTROPY: tl.constexpr, HAS_SOFTCAP: tl.constexpr, FAST_MATH: tl.constexpr,
 ):
     row = tl.program_id(0)
     if HAS_ACTIVE:
@@ -216,13 +234,22 @@ def logprobs_fwd_kernel(
             tail_start = vocab_size
             n_edge = vocab_size
             base = logits_ptr + row_off
-        for e0 in range(0, n_edge, BLOCK_V):  # the masked edge (every column when the stride is not 1)
-            idx, inside = edge_columns(e0, cols, n_head, tail_start, n_edge)
-            z = tl.load(base + idx.to(tl.int64) * stride_v, mask=inside, other=float("-inf")).to(acc_dtype)
+        # The masked edge (every column when the stride is not 1) in narrower tiles of EDGE_V columns: its
+        # scattered addresses would otherwise hold more registers than the body needs. The body's sums ride in
+        # lane 0 of the edge's.
+        ecols = tl.arange(0, EDGE_V)
+        s_edge = tl.where(ecols == 0, tl.sum(s, axis=0), 0.0)
+        a_edge = tl.where(ecols == 0, tl.sum(a, axis=0), 0.0)
+        for e0 in range(0, n_edge, EDGE_V):
+            idx, inside = edge_columns(e0, ecols, n_head, tail_start, n_edge)
+            z = tl.load(base + column_offsets(idx, stride_v, VEC), mask=inside, other=float("-inf")).to(acc_dtype)
             if HAS_SOFTCAP:
                 z, _ = soft_cap(z, inv_cap, softcap, FAST_MATH, False)
                 z = tl.where(inside, z, float("-inf"))
-            row_max, s, a = online_update(z, tl.max(z, axis=0), row_max, s, a, k, HAS_ENTROPY, FAST_MATH)
+            row_max, s_edge, a_edge = online_update(z, tl.max(z, axis=0), row_max, s_edge, a_edge, k, HAS_ENTROPY,
+                                                    FAST_MATH)
+        s = s_edge
+        a = a_edge
         sum_s = tl.sum(s, axis=0)
         log2_s = tl.log2(sum_s)
         label = tl.load(labels_ptr + row)
@@ -333,10 +360,10 @@ def logprobs_bwd_kernel(
             n_edge = vocab_size
         for e0 in range(0, n_edge, BLOCK_V):
             idx, inside = edge_columns(e0, cols, n_head, tail_start, n_edge)
-            z = tl.load(logits_ptr + src_off + idx.to(tl.int64) * stride_v, mask=inside, other=0.0).to(acc_dtype)
+            z = tl.load(logits_ptr + src_off + column_offsets(idx, stride_v, VEC), mask=inside, other=0.0).to(acc_dtype)
             grad = grad_tile(z, row_max, k, log2_s, c0, c1, inv_cap, softcap, HAS_GRAD_ENTROPY, HAS_SOFTCAP,
                              FAST_MATH)
-            tl.store(dlogits_ptr + dst_off + idx.to(tl.int64) * dstride_v, grad.to(out_ty), mask=inside)
+            tl.store(dlogits_ptr + dst_off + column_offsets(idx, dstride_v, VEC), grad.to(out_ty), mask=inside)
         # The one-hot term: the label's column again, once every thread's tiles are written.
         tl.debug_barrier()
         if valid:
@@ -358,7 +385,7 @@ def logprobs_bwd_kernel(
             n_edge = vocab_size
         for e0 in range(0, n_edge, BLOCK_V):
             idx, inside = edge_columns(e0, cols, n_head, tail_start, n_edge)
-            tl.store(dlogits_ptr + dst_off + idx.to(tl.int64) * dstride_v, zeros, mask=inside)
+            tl.store(dlogits_ptr + dst_off + column_offsets(idx, dstride_v, VEC), zeros, mask=inside)
 
 
 def vector_width(t: Tensor, stride_v: int) -> int:
@@ -424,6 +451,7 @@ def logprobs_forward(
     if labels.dtype != torch.int64:
         labels = labels.to(torch.int64)
     rows_per_batch, stride_b, stride_t, stride_v = row_strides(logits, "logits")
+    block_v, vec = logits_block_v(vocab_size, logits.element_size()), vector_width(logits, stride_v)
     with device_guard(logits):
         logprobs_fwd_kernel[(n_rows,)](
             logits,
@@ -440,8 +468,9 @@ def logprobs_forward(
             vocab_size,
             1.0 / float(temperature),
             1.0 if softcap is None else float(softcap),
-            BLOCK_V=logits_block_v(vocab_size, logits.element_size()),
-            VEC=vector_width(logits, stride_v),
+            BLOCK_V=block_v,
+            EDGE_V=logits_edge_v(block_v, vec),
+            VEC=vec,
             HAS_ACTIVE=active is not None,
             HAS_ENTROPY=return_entropy,
             HAS_SOFTCAP=softcap is not None,
