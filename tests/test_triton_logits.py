@@ -722,6 +722,8 @@ def test_rows_at_every_alignment_match_float64(dtype, V):
     assert torch.equal(grad[:, -1].cpu(), torch.zeros(B, V, dtype=dtype))
     shifted = torch.full((B, T, V + 1), float("nan"), device=DEVICE, dtype=dtype)[..., 1:]  # other alignment
     check(logprobs_backward(x, labels, row_stats, entropy, g, h, temperature=0.8, out=shifted))
+    strided = torch.full((V, B, T), float("nan"), device=DEVICE, dtype=dtype).permute(1, 2, 0)  # vocab stride B*T
+    check(logprobs_backward(x, labels, row_stats, entropy, g, h, temperature=0.8, out=strided))
     consumed = base.clone()
     check(logprobs_backward(consumed[:, :-1], labels, row_stats, entropy, g, h, temperature=0.8, inplace=True))
 

@@ -534,7 +534,7 @@ def logprobs_backward(
     if n_rows == 0:  # every out row is an extra position, or there is none
         out.zero_()
         return out
-    vec = vector_width(logits, stride_v)
+    vec = vector_width(logits, stride_v) if dstride_v == 1 else 1  # the aligned body reads and writes rows
     with device_guard(out):
         logprobs_bwd_kernel[(n_out_rows,)](
             logits,
