@@ -23,13 +23,16 @@ library really uses::
                                             #   (every pointer is taken as 16-byte aligned)
             "vector_loads": True,           # optional: a bandwidth-bound kernel whose PTX must contain
                                             #   128-bit global loads (ld.global.v4 / ld.global.nc.v4)
+            "loop_elements": 4096,          # optional: elements the block handles per main-loop iteration
+                                            #   (instructions per element = per iteration / (this / threads))
         },
     ]
 
 The launch signature is always derived from the kernel's own parameter list (:func:`derive_signature`): only
 what the names cannot say is written down, so a renamed or added kernel argument cannot go unreported.
 
-The command prints a table (registers, dynamic shared memory, local bytes, HGMMA, 128-bit loads) and returns
+The command prints a table (pipeline depth, registers, dynamic shared memory, local bytes, HGMMA, 128-bit loads,
+and the main loop's SASS instructions per element and load/store widths: :func:`main_loop_stats`) and returns
 nonzero on any compile error (or a module that fails to import), any spill (local bytes > 0), a ``uses_dot``
 kernel without HGMMA, or a ``vector_loads`` kernel without 128-bit loads. Under the Triton
 interpreter (``TRITON_INTERPRET=1``) the kernels are not compilable in-process, so it re-runs itself in a
@@ -498,8 +501,9 @@ def static_report(
 
     The API for tests: works whether or not this process runs the Triton interpreter. ``modules`` limits the
     report to those modules of ``gspo_kernels.backends.triton`` (e.g. ``["linear"]``), ``only`` to the kernels whose name contains that text. Each row holds ``name``,
-    ``registers``, ``shared_bytes``, ``local_bytes``, ``stack_bytes``, ``stl_count``, ``hgmma``, ``loads_128``
-    and ``error``; :func:`problems` says why a row fails. Raises ``RuntimeError`` when the subprocess wrote
+    ``registers``, ``shared_bytes``, ``local_bytes``, ``stack_bytes``, ``stl_count``, ``hgmma``, ``loads_128``,
+    ``num_stages``, the main loop's ``loop_instr_min`` / ``loop_instr_max``, ``instr_per_elem`` /
+    ``instr_per_elem_max`` (None without ``loop_elements``), ``load_bits``, ``store_bits``, and ``error``; :func:`problems` says why a row fails. Raises ``RuntimeError`` when the subprocess wrote
     no report.
     """
     env = dict(os.environ)
