@@ -377,9 +377,13 @@ def main_loop_stats(sass: str, elements_per_thread: Optional[float]) -> dict:
 
 
 def elements_per_thread(config: dict) -> Optional[float]:
-    """Elements one thread handles per main-loop iteration: ``loop_elements`` (per block) over the threads;
-    None when the configuration does not say (GEMM loops: see their HGMMA column instead)."""
+    """Elements one thread handles per main-loop iteration: ``loop_elements`` (per block) over the threads, or,
+    for the 1-D streaming kernels that do not set it, their tile (``BLOCK_T``, ``BLOCK_S``, ``BLOCK``); None
+    otherwise (GEMM loops: see their HGMMA column instead)."""
     per_block = config.get("loop_elements")
+    if per_block is None and "loop_elements" not in config:
+        constexprs = config.get("constexprs", {})
+        per_block = next((constexprs[k] for k in ("BLOCK_T", "BLOCK_S", "BLOCK") if k in constexprs), None)
     if not per_block:
         return None
     return per_block / (32 * max(int(config.get("num_warps", 4)), 1))
@@ -433,20 +437,20 @@ def format_table(rows: List[dict]) -> str:
     bytes, HGMMA, 128-bit loads in the PTX, then the main loop (:func:`main_loop_stats`): SASS instructions per
     element (fewest-most per iteration; ``(n/it)`` where the elements per iteration are not defined) and the
     widths of its global loads and stores in bits."""
-    header = (f"{'kernel':<44} {'warps':>5} {'stages':>6} {'regs':>5} {'smem B':>7} {'local B':>7} {'HGMMA':>6} "
+    header = (f"{'kernel':<54} {'warps':>5} {'stages':>6} {'regs':>5} {'smem B':>7} {'local B':>7} {'HGMMA':>6} "
               f"{'ld128':>5} {'instr/elem':>11} {'ld bits':>8} {'st bits':>8}  status")
     lines = [header, "-" * len(header)]
     for row in rows:
         issues = problems(row)
         status = "ok" if not issues else "FAIL: " + "; ".join(issues)
         if row["error"]:
-            lines.append(f"{row['name']:<44} {row['num_warps']:>5} {row['num_stages']:>6} {'-':>5} {'-':>7} {'-':>7} "
+            lines.append(f"{row['name']:<54} {row['num_warps']:>5} {row['num_stages']:>6} {'-':>5} {'-':>7} {'-':>7} "
                          f"{'-':>6} {'-':>5} {'-':>11} {'-':>8} {'-':>8}  {status}")
             continue
         hgmma = "yes" if row["hgmma"] else ("HMMA" if row["hmma"] else "no")
         loads = "yes" if row["loads_128"] else "no"
         lines.append(
-            f"{row['name']:<44} {row['num_warps']:>5} {row['num_stages']:>6} {row['registers']:>5} "
+            f"{row['name']:<54} {row['num_warps']:>5} {row['num_stages']:>6} {row['registers']:>5} "
             f"{row['shared_bytes']:>7} {row['local_bytes']:>7} {hgmma:>6} {loads:>5} {_per_elem(row):>11} "
             f"{_bits(row.get('load_bits')):>8} {_bits(row.get('store_bits')):>8}  {status}"
         )
