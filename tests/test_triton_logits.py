@@ -827,3 +827,19 @@ def test_softcap_one_pass_fused_linear_loss_matches_float64(layout, monkeypatch)
     assert abs(out.loss.item() - ref.loss.item()) <= 1e-5 * max(1.0, abs(ref.loss.item()))
     for got, want in zip(grads, ref_grads):
         assert rel_err(got, want) <= 1e-5, rel_err(got, want)
+
+
+def test_softcap_must_be_finite_and_positive():
+    """The backend's entry points name the argument when the cap is not a finite number > 0 (the public
+    functions check ``final_logit_softcapping`` before; this is the backend's own guard)."""
+    from gspo_kernels.backends.triton import linear
+    from gspo_kernels.backends.triton.logits import logits_logprobs
+
+    x, labels = torch.randn(2, 8, device=DEVICE), torch.zeros(2, dtype=torch.int64, device=DEVICE)
+    hidden, weight = torch.randn(2, 4, device=DEVICE), torch.randn(8, 4, device=DEVICE)
+    for bad in (0.0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="softcap"):
+            logits_logprobs(x, labels, softcap=bad)
+        for invariant in (False, True):
+            with pytest.raises(ValueError, match="softcap"):
+                linear.linear_logprobs(hidden, weight, None, labels, softcap=bad, batch_invariant=invariant)

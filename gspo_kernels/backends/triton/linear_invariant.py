@@ -80,7 +80,7 @@ from gspo_kernels.backends.triton.launch import (
     row_offsets,
     row_strides,
 )
-from gspo_kernels.backends.triton.logits import soft_cap
+from gspo_kernels.backends.triton.logits import soft_cap, softcap_value
 from gspo_kernels.precision import kernel_operand_dtype
 
 # A finite "minus infinity" for the running max: exp(_NEG_BIG - m) is 0 and (_NEG_BIG - m) * 0 is 0 (no NaN
@@ -710,7 +710,6 @@ def linear_logprobs(
         batch-invariant (a row's results do not depend on the other rows); see the module docstring.
     """
     logp, entropy = LinearLogprobsFunction.apply(
-        hidden, weight, bias, labels, active, float(temperature), memory_budget,
-        None if softcap is None else float(softcap),
+        hidden, weight, bias, labels, active, float(temperature), memory_budget, softcap_value(softcap),
     )
     return logp, (entropy if return_entropy else None)

@@ -68,6 +68,7 @@ storage (the caller's logits are consumed).
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Tuple
 
 import torch
@@ -388,6 +389,17 @@ def logprobs_bwd_kernel(
             tl.store(dlogits_ptr + dst_off + column_offsets(idx, dstride_v, VEC), zeros, mask=inside)
 
 
+def softcap_value(softcap) -> Optional[float]:
+    """``softcap`` as a float (None stays None); anything but a finite number > 0 is a ``ValueError`` (the public
+    functions check ``final_logit_softcapping`` first; this guards direct calls of the backend)."""
+    if softcap is None:
+        return None
+    value = float(softcap)
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"softcap (final_logit_softcapping) must be a finite number > 0 or None, got {softcap!r}")
+    return value
+
+
 def vector_width(t: Tensor, stride_v: int) -> int:
     """Elements per 16 bytes when ``t``'s rows are contiguous (``stride_v == 1``), else 1 (no aligned body)."""
     return max(1, 16 // t.element_size()) if stride_v == 1 else 1
@@ -686,6 +698,6 @@ def logits_logprobs(
     base = next_token_base(logits) if torch.is_grad_enabled() else None
     logp, entropy = TritonLogitsLogprobs.apply(
         logits if base is None else base, labels, active, float(temperature), bool(return_entropy),
-        bool(inplace_backward), base is not None, None if softcap is None else float(softcap),
+        bool(inplace_backward), base is not None, softcap_value(softcap),
     )
     return logp, (entropy if return_entropy else None)
