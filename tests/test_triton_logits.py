@@ -843,3 +843,20 @@ def test_softcap_must_be_finite_and_positive():
         for invariant in (False, True):
             with pytest.raises(ValueError, match="softcap"):
                 linear.linear_logprobs(hidden, weight, None, labels, softcap=bad, batch_invariant=invariant)
+
+
+@pytest.mark.parametrize("V", [4103, 37])
+def test_a_nan_logit_poisons_its_row_only(V):
+    """A NaN logit (not the label's) makes its row's log-prob, entropy and gradient NaN, whatever column it sits
+    in (aligned body or masked edge): the clamps that keep ``-inf`` logits finite must not swallow a NaN."""
+    x = torch.randn(3, V, device=DEVICE)
+    x[0, V // 2] = float("nan")
+    x[2, 1] = float("nan")
+    labels = torch.zeros(3, dtype=torch.int64, device=DEVICE)
+    xr = x.clone().requires_grad_(True)
+    logp, entropy = gk.token_logprobs(xr, labels, return_entropy=True, backend="triton")
+    (logp.sum() + entropy.sum()).backward()
+    bad = torch.tensor([True, False, True])
+    assert torch.isnan(logp.cpu()[bad]).all() and torch.isnan(entropy.cpu()[bad]).all()
+    assert torch.isfinite(logp.cpu()[~bad]).all() and torch.isfinite(entropy.cpu()[~bad]).all()
+    assert torch.isnan(xr.grad.cpu()[bad]).all(dim=1).all() and torch.isfinite(xr.grad.cpu()[1]).all()

@@ -187,7 +187,7 @@ def online_update(z, tile_max, row_max, s, a, k, HAS_ENTROPY: tl.constexpr, FAST
         row_max = tile_max
     x = (z - row_max) * k  # exact difference, then one rounding by log2(e) / T
     if HAS_ENTROPY:
-        x = tl.maximum(x, _NEG_BIG)  # a -inf logit (or padding): 2^x = 0 and 0 * x = 0, not NaN
+        x = tl.maximum(x, _NEG_BIG, propagate_nan=tl.PropagateNan.ALL)  # -inf (or padding): 2^x = 0, 0 * x = 0 (a NaN stays)
     e = exp2(x, FAST_MATH)
     s += e
     if HAS_ENTROPY:
@@ -283,7 +283,7 @@ def grad_tile(z, row_max, k, log2_s, c0, c1, inv_cap, softcap,
         z, slope = soft_cap(z, inv_cap, softcap, FAST_MATH, True)
     lp2 = (z - row_max) * k - log2_s
     if HAS_GRAD_ENTROPY:
-        lp2 = tl.maximum(lp2, _NEG_BIG)  # p = 0 at a -inf logit: its term is 0, not 0 * -inf
+        lp2 = tl.maximum(lp2, _NEG_BIG, propagate_nan=tl.PropagateNan.ALL)  # p = 0 at -inf: term 0; NaN stays
         grad = exp2(lp2, FAST_MATH) * (c0 + c1 * lp2)
     else:
         grad = exp2(lp2, FAST_MATH) * c0
