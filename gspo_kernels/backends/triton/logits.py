@@ -125,7 +125,7 @@ def soft_cap(z, inv_cap, cap, FAST_MATH: tl.constexpr, WITH_SLOPE: tl.constexpr)
     poly = _TANH_C3 + u2 * (_TANH_C5 + u2 * (_TANH_C7 + u2 * (_TANH_C9 + u2 * (_TANH_C11 + u2 * _TANH_C13))))
     th_small = au + au * (u2 * poly)
     t = exp2(au * _MINUS_2_LOG2E, FAST_MATH)
-    if FAST_MATH:  # 1 + t is in [1, 2]: the approximate division (2 ulp) needs none of div.full's range checks
+    if FAST_MATH and t.dtype == tl.float32:  # 1 + t in [1, 2]: an approximate division (2 ulp), no range checks
         r = libdevice.fast_dividef(1.0, 1.0 + t)
     else:
         r = 1.0 / (1.0 + t)
