@@ -219,7 +219,9 @@ def compile_config(config: dict) -> dict:
             stl_count=sass.count("STL"),
             hgmma="HGMMA" in sass,
             hmma="HMMA" in sass,
-            loads_128=any(op in kernel.asm["ptx"] for op in ("ld.global.v4", "ld.global.nc.v4")),
+            # 128-bit loads: four 32-bit (or two 64-bit: fp64 logits) elements per instruction
+            loads_128=any(op in kernel.asm["ptx"] for op in ("ld.global.v4", "ld.global.nc.v4", "ld.global.v2.b64",
+                                                             "ld.global.nc.v2.b64", "ld.global.v2.f64")),
             **main_loop_stats(sass, elements_per_thread(config)),
         )
     except Exception as exc:  # a kernel that does not compile is a failed row, not a crashed report

@@ -163,7 +163,10 @@ def _logits_fwd_h100(dtype: str, has_active: bool, has_entropy: bool, vocab: str
     return {
         "name": f"logprobs_fwd[{','.join(tags)}]",
         "kernel": "logits.logprobs_fwd_kernel",
-        "pointers": {"logits_ptr": dtype, "labels_ptr": "i64", "active_ptr": "i1"},
+        # fp64 logits are computed in fp64 (the outputs too)
+        "pointers": {"logits_ptr": dtype, "labels_ptr": "i64", "active_ptr": "i1",
+                     **({name: "fp64" for name in ("logp_ptr", "entropy_ptr", "row_stats_ptr")}
+                        if dtype == "fp64" else {})},
         "floats": ["inv_temperature", "softcap"],
         "constexprs": constexprs,
         # What the runtime sees for a fresh allocation: 16-divisible pointers; with V % 16 == 0 also the row
@@ -193,7 +196,9 @@ def _logits_bwd_h100(dtype: str, has_grad_entropy: bool, vocab: str = "aligned",
     return {
         "name": f"logprobs_bwd[{','.join(tags)}]",
         "kernel": "logits.logprobs_bwd_kernel",
-        "pointers": {"logits_ptr": dtype, "dlogits_ptr": dtype, "labels_ptr": "i64", "active_ptr": "i1"},
+        "pointers": {"logits_ptr": dtype, "dlogits_ptr": dtype, "labels_ptr": "i64", "active_ptr": "i1",
+                     **({name: "fp64" for name in ("grad_logp_ptr", "grad_entropy_ptr", "entropy_ptr", "row_stats_ptr")}
+                        if dtype == "fp64" else {})},
         "floats": ["inv_temperature", "softcap"],
         "constexprs": constexprs,
         "aligned_ints": [name for name in aligned if name not in constexprs],
@@ -304,6 +309,7 @@ H100_CONFIGS: List[dict] = [
     _logits_fwd_h100("bf16", True, True, vocab="v1"),
     _logits_fwd_h100("bf16", True, True, softcap=True),
     _logits_fwd_h100("fp32", True, True, softcap=True),
+    _logits_fwd_h100("fp64", True, True, softcap=True),  # libdevice's fp64 paths compile
     _logits_bwd_h100("bf16", False),
     _logits_bwd_h100("bf16", True),
     _logits_bwd_h100("fp16", False),
@@ -312,6 +318,7 @@ H100_CONFIGS: List[dict] = [
     _logits_bwd_h100("fp32", True, vocab="unaligned"),
     _logits_bwd_h100("bf16", True, vocab="v1"),
     _logits_bwd_h100("bf16", True, softcap=True),
+    _logits_bwd_h100("fp64", True, softcap=True),
     *_linear_h100(),
     _sequence_h100("sequence"),
     _sequence_h100("sequence", HAS_KL=True, BIAS_CORRECTION_KL=True, HAS_IS_RATIO=True, HAS_DELTA=True),
