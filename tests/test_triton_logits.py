@@ -722,6 +722,8 @@ def test_rows_at_every_alignment_match_float64(dtype, V):
     assert torch.equal(grad[:, -1].cpu(), torch.zeros(B, V, dtype=dtype))
     shifted = torch.full((B, T, V + 1), float("nan"), device=DEVICE, dtype=dtype)[..., 1:]  # other alignment
     check(logprobs_backward(x, labels, row_stats, entropy, g, h, temperature=0.8, out=shifted))
+    strided = torch.full((V, B, T), float("nan"), device=DEVICE, dtype=dtype).permute(1, 2, 0)  # vocab stride B*T
+    check(logprobs_backward(x, labels, row_stats, entropy, g, h, temperature=0.8, out=strided))
     consumed = base.clone()
     check(logprobs_backward(consumed[:, :-1], labels, row_stats, entropy, g, h, temperature=0.8, inplace=True))
 
@@ -825,3 +827,36 @@ def test_softcap_one_pass_fused_linear_loss_matches_float64(layout, monkeypatch)
     assert abs(out.loss.item() - ref.loss.item()) <= 1e-5 * max(1.0, abs(ref.loss.item()))
     for got, want in zip(grads, ref_grads):
         assert rel_err(got, want) <= 1e-5, rel_err(got, want)
+
+
+def test_softcap_must_be_finite_and_positive():
+    """The backend's entry points name the argument when the cap is not a finite number > 0 (the public
+    functions check ``final_logit_softcapping`` before; this is the backend's own guard)."""
+    from gspo_kernels.backends.triton import linear
+    from gspo_kernels.backends.triton.logits import logits_logprobs
+
+    x, labels = torch.randn(2, 8, device=DEVICE), torch.zeros(2, dtype=torch.int64, device=DEVICE)
+    hidden, weight = torch.randn(2, 4, device=DEVICE), torch.randn(8, 4, device=DEVICE)
+    for bad in (0.0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="softcap"):
+            logits_logprobs(x, labels, softcap=bad)
+        for invariant in (False, True):
+            with pytest.raises(ValueError, match="softcap"):
+                linear.linear_logprobs(hidden, weight, None, labels, softcap=bad, batch_invariant=invariant)
+
+
+@pytest.mark.parametrize("V", [4103, 37])
+def test_a_nan_logit_poisons_its_row_only(V):
+    """A NaN logit (not the label's) makes its row's log-prob, entropy and gradient NaN, whatever column it sits
+    in (aligned body or masked edge): the clamps that keep ``-inf`` logits finite must not swallow a NaN."""
+    x = torch.randn(3, V, device=DEVICE)
+    x[0, V // 2] = float("nan")
+    x[2, 1] = float("nan")
+    labels = torch.zeros(3, dtype=torch.int64, device=DEVICE)
+    xr = x.clone().requires_grad_(True)
+    logp, entropy = gk.token_logprobs(xr, labels, return_entropy=True, backend="triton")
+    (logp.sum() + entropy.sum()).backward()
+    bad = torch.tensor([True, False, True])
+    assert torch.isnan(logp.cpu()[bad]).all() and torch.isnan(entropy.cpu()[bad]).all()
+    assert torch.isfinite(logp.cpu()[~bad]).all() and torch.isfinite(entropy.cpu()[~bad]).all()
+    assert torch.isnan(xr.grad.cpu()[bad]).all(dim=1).all() and torch.isfinite(xr.grad.cpu()[1]).all()

@@ -23,13 +23,16 @@ library really uses::
                                             #   (every pointer is taken as 16-byte aligned)
             "vector_loads": True,           # optional: a bandwidth-bound kernel whose PTX must contain
                                             #   128-bit global loads (ld.global.v4 / ld.global.nc.v4)
+            "loop_elements": 4096,          # optional: elements the block handles per main-loop iteration
+                                            #   (instructions per element = per iteration / (this / threads))
         },
     ]
 
 The launch signature is always derived from the kernel's own parameter list (:func:`derive_signature`): only
 what the names cannot say is written down, so a renamed or added kernel argument cannot go unreported.
 
-The command prints a table (registers, dynamic shared memory, local bytes, HGMMA, 128-bit loads) and returns
+The command prints a table (pipeline depth, registers, dynamic shared memory, local bytes, HGMMA, 128-bit loads,
+and the main loop's SASS instructions per element and load/store widths: :func:`main_loop_stats`) and returns
 nonzero on any compile error (or a module that fails to import), any spill (local bytes > 0), a ``uses_dot``
 kernel without HGMMA, or a ``vector_loads`` kernel without 128-bit loads. Under the Triton
 interpreter (``TRITON_INTERPRET=1``) the kernels are not compilable in-process, so it re-runs itself in a
@@ -216,7 +219,9 @@ def compile_config(config: dict) -> dict:
             stl_count=sass.count("STL"),
             hgmma="HGMMA" in sass,
             hmma="HMMA" in sass,
-            loads_128=any(op in kernel.asm["ptx"] for op in ("ld.global.v4", "ld.global.nc.v4")),
+            # 128-bit loads: four 32-bit (or two 64-bit: fp64 logits) elements per instruction
+            loads_128=any(op in kernel.asm["ptx"] for op in ("ld.global.v4", "ld.global.nc.v4", "ld.global.v2.b64",
+                                                             "ld.global.nc.v2.b64", "ld.global.v2.f64")),
             **main_loop_stats(sass, elements_per_thread(config)),
         )
     except Exception as exc:  # a kernel that does not compile is a failed row, not a crashed report
@@ -374,9 +379,13 @@ def main_loop_stats(sass: str, elements_per_thread: Optional[float]) -> dict:
 
 
 def elements_per_thread(config: dict) -> Optional[float]:
-    """Elements one thread handles per main-loop iteration: ``loop_elements`` (per block) over the threads;
-    None when the configuration does not say (GEMM loops: see their HGMMA column instead)."""
+    """Elements one thread handles per main-loop iteration: ``loop_elements`` (per block) over the threads, or,
+    for the 1-D streaming kernels that do not set it, their tile (``BLOCK_T``, ``BLOCK_S``, ``BLOCK``); None
+    otherwise (GEMM loops: see their HGMMA column instead)."""
     per_block = config.get("loop_elements")
+    if per_block is None and "loop_elements" not in config:
+        constexprs = config.get("constexprs", {})
+        per_block = next((constexprs[k] for k in ("BLOCK_T", "BLOCK_S", "BLOCK") if k in constexprs), None)
     if not per_block:
         return None
     return per_block / (32 * max(int(config.get("num_warps", 4)), 1))
@@ -430,20 +439,20 @@ def format_table(rows: List[dict]) -> str:
     bytes, HGMMA, 128-bit loads in the PTX, then the main loop (:func:`main_loop_stats`): SASS instructions per
     element (fewest-most per iteration; ``(n/it)`` where the elements per iteration are not defined) and the
     widths of its global loads and stores in bits."""
-    header = (f"{'kernel':<44} {'warps':>5} {'stages':>6} {'regs':>5} {'smem B':>7} {'local B':>7} {'HGMMA':>6} "
+    header = (f"{'kernel':<54} {'warps':>5} {'stages':>6} {'regs':>5} {'smem B':>7} {'local B':>7} {'HGMMA':>6} "
               f"{'ld128':>5} {'instr/elem':>11} {'ld bits':>8} {'st bits':>8}  status")
     lines = [header, "-" * len(header)]
     for row in rows:
         issues = problems(row)
         status = "ok" if not issues else "FAIL: " + "; ".join(issues)
         if row["error"]:
-            lines.append(f"{row['name']:<44} {row['num_warps']:>5} {row['num_stages']:>6} {'-':>5} {'-':>7} {'-':>7} "
+            lines.append(f"{row['name']:<54} {row['num_warps']:>5} {row['num_stages']:>6} {'-':>5} {'-':>7} {'-':>7} "
                          f"{'-':>6} {'-':>5} {'-':>11} {'-':>8} {'-':>8}  {status}")
             continue
         hgmma = "yes" if row["hgmma"] else ("HMMA" if row["hmma"] else "no")
         loads = "yes" if row["loads_128"] else "no"
         lines.append(
-            f"{row['name']:<44} {row['num_warps']:>5} {row['num_stages']:>6} {row['registers']:>5} "
+            f"{row['name']:<54} {row['num_warps']:>5} {row['num_stages']:>6} {row['registers']:>5} "
             f"{row['shared_bytes']:>7} {row['local_bytes']:>7} {hgmma:>6} {loads:>5} {_per_elem(row):>11} "
             f"{_bits(row.get('load_bits')):>8} {_bits(row.get('store_bits')):>8}  {status}"
         )
@@ -498,8 +507,9 @@ def static_report(
 
     The API for tests: works whether or not this process runs the Triton interpreter. ``modules`` limits the
     report to those modules of ``gspo_kernels.backends.triton`` (e.g. ``["linear"]``), ``only`` to the kernels whose name contains that text. Each row holds ``name``,
-    ``registers``, ``shared_bytes``, ``local_bytes``, ``stack_bytes``, ``stl_count``, ``hgmma``, ``loads_128``
-    and ``error``; :func:`problems` says why a row fails. Raises ``RuntimeError`` when the subprocess wrote
+    ``registers``, ``shared_bytes``, ``local_bytes``, ``stack_bytes``, ``stl_count``, ``hgmma``, ``loads_128``,
+    ``num_stages``, the main loop's ``loop_instr_min`` / ``loop_instr_max``, ``instr_per_elem`` /
+    ``instr_per_elem_max`` (None without ``loop_elements``), ``load_bits``, ``store_bits``, and ``error``; :func:`problems` says why a row fails. Raises ``RuntimeError`` when the subprocess wrote
     no report.
     """
     env = dict(os.environ)

@@ -10,6 +10,10 @@ Function side by side:
 plus ``launch.py`` (device guard, interpreter detection, row offsets shared by the kernels) and
 ``configs.py`` (every tile size and tuning table, and ``H100_CONFIGS`` for ``gspo-kernels h100-report``).
 
+Every entry point (``logits_logprobs``, ``linear_logprobs`` in both modes, ``fused_linear_loss``) takes
+``softcap: Optional[float] = None``: the final-logit soft cap ``z -> c tanh(z / c)``, applied before the
+temperature inside the kernels (None: the uncapped kernels, unchanged).
+
 Runs on CUDA tensors, and on CPU tensors when the Triton interpreter is active (``TRITON_INTERPRET=1`` set
 before ``triton`` was imported), which is how the kernels are tested on machines without a GPU.
 Importing this package imports neither triton nor any kernel module, so that ``TRITON_INTERPRET`` can

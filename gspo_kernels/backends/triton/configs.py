@@ -54,6 +54,13 @@ def logits_block_v(vocab_size: int, element_size: int = 2) -> int:
     return min(widest, triton.next_power_of_2(max(int(vocab_size), 1)))
 
 
+def logits_edge_v(block_v: int, vec: int) -> int:
+    """Tile width of the forward's masked edge (the columns before the aligned body and after it): a quarter of
+    ``block_v`` (its scattered loads then hold no more registers than the body), all of it when the row has no
+    aligned body (``vec == 1``: a vocabulary stride other than 1)."""
+    return block_v if vec == 1 else max(1, block_v // 4)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Hidden-state path (linear.py). CUDA, half-precision operands: tuned against the static sm_90a report
 # (0 spills, HGMMA in the SASS). fp32 operands: exact products (``input_precision="ieee"``, no tensor cores).
@@ -147,6 +154,7 @@ def _logits_fwd_h100(dtype: str, has_active: bool, has_entropy: bool, vocab: str
                   "HAS_ENTROPY": has_entropy, "HAS_SOFTCAP": softcap, "FAST_MATH": True}
     size = {"aligned": 1 << 20, "unaligned": 50257, "v1": 1}[vocab]
     constexprs["BLOCK_V"] = logits_block_v(size, ELEMENT_SIZES[dtype])
+    constexprs["EDGE_V"] = logits_edge_v(constexprs["BLOCK_V"], constexprs["VEC"])
     if vocab == "v1":
         constexprs["vocab_size"] = 1
     tags = [dtype, "active" if has_active else "all", "H" if has_entropy else "noH"]
@@ -155,7 +163,10 @@ def _logits_fwd_h100(dtype: str, has_active: bool, has_entropy: bool, vocab: str
     return {
         "name": f"logprobs_fwd[{','.join(tags)}]",
         "kernel": "logits.logprobs_fwd_kernel",
-        "pointers": {"logits_ptr": dtype, "labels_ptr": "i64", "active_ptr": "i1"},
+        # fp64 logits are computed in fp64 (the outputs too)
+        "pointers": {"logits_ptr": dtype, "labels_ptr": "i64", "active_ptr": "i1",
+                     **({name: "fp64" for name in ("logp_ptr", "entropy_ptr", "row_stats_ptr")}
+                        if dtype == "fp64" else {})},
         "floats": ["inv_temperature", "softcap"],
         "constexprs": constexprs,
         # What the runtime sees for a fresh allocation: 16-divisible pointers; with V % 16 == 0 also the row
@@ -185,7 +196,9 @@ def _logits_bwd_h100(dtype: str, has_grad_entropy: bool, vocab: str = "aligned",
     return {
         "name": f"logprobs_bwd[{','.join(tags)}]",
         "kernel": "logits.logprobs_bwd_kernel",
-        "pointers": {"logits_ptr": dtype, "dlogits_ptr": dtype, "labels_ptr": "i64", "active_ptr": "i1"},
+        "pointers": {"logits_ptr": dtype, "dlogits_ptr": dtype, "labels_ptr": "i64", "active_ptr": "i1",
+                     **({name: "fp64" for name in ("grad_logp_ptr", "grad_entropy_ptr", "entropy_ptr", "row_stats_ptr")}
+                        if dtype == "fp64" else {})},
         "floats": ["inv_temperature", "softcap"],
         "constexprs": constexprs,
         "aligned_ints": [name for name in aligned if name not in constexprs],
@@ -300,6 +313,7 @@ H100_CONFIGS: List[dict] = [
     _logits_fwd_h100("bf16", True, True, vocab="v1"),
     _logits_fwd_h100("bf16", True, True, softcap=True),
     _logits_fwd_h100("fp32", True, True, softcap=True),
+    _logits_fwd_h100("fp64", True, True, softcap=True),  # libdevice's fp64 paths compile
     _logits_bwd_h100("bf16", False),
     _logits_bwd_h100("bf16", True),
     _logits_bwd_h100("fp16", False),
@@ -308,6 +322,7 @@ H100_CONFIGS: List[dict] = [
     _logits_bwd_h100("fp32", True, vocab="unaligned"),
     _logits_bwd_h100("bf16", True, vocab="v1"),
     _logits_bwd_h100("bf16", True, softcap=True),
+    _logits_bwd_h100("fp64", True, softcap=True),
     *_linear_h100(),
     _sequence_h100("sequence"),
     _sequence_h100("sequence", HAS_KL=True, BIAS_CORRECTION_KL=True, HAS_IS_RATIO=True, HAS_DELTA=True),

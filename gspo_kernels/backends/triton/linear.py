@@ -39,7 +39,7 @@ from torch import Tensor
 from gspo_kernels import checks
 from gspo_kernels.backends.triton import configs, linear_invariant
 from gspo_kernels.backends.triton.linear_invariant import kernel_bias
-from gspo_kernels.backends.triton.logits import logprobs_backward, logprobs_forward
+from gspo_kernels.backends.triton.logits import logprobs_backward, logprobs_forward, softcap_value
 from gspo_kernels.precision import compute_dtype
 
 logger = logging.getLogger("gspo_kernels")
@@ -313,6 +313,7 @@ def fused_linear_loss(
     backward (the fp32 ``dW`` accumulator only during this call). ``softcap``: the logits are capped,
     ``z -> c tanh(z / c)``, before the temperature (None: no cap).
     """
+    softcap = softcap_value(softcap)
     rows, w, b = _operands(hidden.detach(), weight.detach(), None if bias is None else bias.detach(), softcap)
     n, vocab = rows.shape[0], w.shape[0]
     acc = compute_dtype(w.dtype)
@@ -409,7 +410,7 @@ def linear_logprobs(
     (fp64 for fp64 operands here). ``softcap = c``: the logits are capped, ``z -> c tanh(z / c)``, before the
     temperature, in both modes (None: no cap).
     """
-    softcap = None if softcap is None else float(softcap)
+    softcap = softcap_value(softcap)
     if batch_invariant:
         return linear_invariant.linear_logprobs(hidden, weight, bias, labels, active=active, temperature=temperature,
                                                 return_entropy=return_entropy, memory_budget=memory_budget,

@@ -16,7 +16,9 @@ Per row, with ``z = (h . W[v] + b[v]) / tau`` and a split's running maximum ``ro
 ``log p = (z - row_max) - log_sum`` keeps its precision when the logits are large (``1e4`` offsets):
 ``z - row_max`` is exact there, while ``row_max + log_sum`` would be rounded to the spacing of ``row_max``.
 A bias is replaced by :func:`max_subtracted_bias` before the kernels (the softmax does not change; the
-logits stay small).
+logits stay small), except under a soft cap (``softcap = c``: ``z = c tanh((h . W[v] + b[v]) / c) / tau``, which
+a shift would change; :func:`kernel_bias`). With the cap, the ``dz`` kernel multiplies ``q`` by the cap's slope
+``1 - tanh^2``, ``tanh`` recovered from ``log p`` so that no second logits-sized tile stays in registers.
 
 Backward (:func:`linear_logprobs_backward`). Only the rows whose incoming gradient is non-zero are visited:
 the autograd Function compacts them on the device (``order[:count]``, :func:`compact_rows`; ``count`` stays
@@ -78,7 +80,7 @@ from gspo_kernels.backends.triton.launch import (
     row_offsets,
     row_strides,
 )
-from gspo_kernels.backends.triton.logits import soft_cap
+from gspo_kernels.backends.triton.logits import soft_cap, softcap_value
 from gspo_kernels.precision import kernel_operand_dtype
 
 # A finite "minus infinity" for the running max: exp(_NEG_BIG - m) is 0 and (_NEG_BIG - m) * 0 is 0 (no NaN
@@ -708,7 +710,6 @@ def linear_logprobs(
         batch-invariant (a row's results do not depend on the other rows); see the module docstring.
     """
     logp, entropy = LinearLogprobsFunction.apply(
-        hidden, weight, bias, labels, active, float(temperature), memory_budget,
-        None if softcap is None else float(softcap),
+        hidden, weight, bias, labels, active, float(temperature), memory_budget, softcap_value(softcap),
     )
     return logp, (entropy if return_entropy else None)

@@ -3,44 +3,59 @@
 Forward (:func:`logprobs_fwd_kernel`, launched by :func:`logprobs_forward`). Each program owns one row
 (token) of the caller's logits, any strides (e.g. ``logits[:, :-1]`` of a model output, never copied). It
 streams the row once in ``BLOCK_V`` tiles and keeps, in fp32 (fp64 for fp64 logits; the temperature is an
-fp32 scalar either way):
+fp32 scalar either way), in the base-2 domain with ``k = log2(e) / T`` (one multiply per element for both):
 
-* ``row_max``: the running max of the *raw* logits ``z`` (one per row, so each element costs a single ``exp``);
-* per lane, with ``x = (z - row_max) / T``: ``s = sum exp(x)`` and ``a = sum exp(x) * x``.
+* ``row_max``: the running max of the logits ``z`` (one per row, so each element costs a single ``exp2``);
+* per lane, with ``x = (z - row_max) k``: ``s = sum 2^x`` and ``a = sum 2^x x``.
 
-When a tile moves the max from ``m`` to ``m'`` (``d = (m - m') / T``) the lanes' sums are rescaled:
-``s' = e^d s`` and ``a' = e^d (a + d s)``. At the end ``S = sum_lanes s``, ``log S``,
-``H = log S - A / S`` (entropy without the cancellation of ``lse - E[x]``) and
-``logp = (z_y - row_max) / T - log S``.
+Only a tile that raises the max rescales the lanes' sums (``d = (m - m') k``: ``s' = 2^d s``,
+``a' = 2^d (a + d s)``); the branch is uniform over the block and, after the first tiles of a row, rarely taken.
+At the end ``S = sum_lanes s``, ``log S = ln 2 log2 S``, ``H = ln 2 (log2 S - A / S)`` (entropy without the
+cancellation of ``lse - E[x]``) and ``logp = ln 2 ((z_y - row_max) k - log2 S)``. On CUDA ``exp2`` is one
+``MUFU.EX2`` (libdevice's ``exp2f``, flushing results below 2^-126 to 0); ``-inf`` logits (and the padding of
+masked lanes) are clamped to a finite ``x`` where they multiply a zero probability.
 
 Two precision choices (see docs/gpu.md):
 
-* the max is subtracted from the raw logit *before* the division by the temperature, so ``z - row_max`` is
-  exact for logits close to the max (Sterbenz) however large their offset (``randn + 1e4``) and however
-  small the temperature (``1e-6``);
+* the max is subtracted from the logit *before* the multiplication by ``k``, so ``z - row_max`` is exact for
+  logits close to the max (Sterbenz) however large their offset (``randn + 1e4``) and however small the
+  temperature (``1e-6``); ``z k - row_max k`` in one FMA would carry ``row_max k``'s rounding, which is about
+  ``1e3`` (log2 units) at ``T = 1e-6``;
 * the row's max and ``log S`` are kept apart (``row_stats [2, N]``) instead of one fp32
   ``lse = row_max / T + log S``: a single fp32 ``lse`` near ``1e4`` carries an absolute rounding error of
   ``~5e-4``, which every ``p = exp(x - lse)`` of the backward would inherit.
 
-The kernel issues the load of tile ``k + 1`` before the block reductions of tile ``k`` (a software
-prefetch held in registers), so a row always has a tile of reads in flight while it reduces.
+Alignment: with unit vocabulary stride a row is read as a masked *head* (the columns before the first
+16-byte-aligned address), an unmasked *body* of full tiles from there (128-bit loads whatever ``V`` and the
+row stride: GPT-2's 50257, an uneven tensor-parallel shard, a trimmed head) and a masked *tail*; head and
+tail are one masked tile, usually (:func:`row_layout`, :func:`edge_columns`). The body issues the load of tile
+``t + 1`` before the reductions of tile ``t`` (a software prefetch held in registers).
 
 Backward (:func:`logprobs_bwd_kernel`, launched by :func:`logprobs_backward`). For row ``t`` with
 ``log p = (z - row_max) / T - log S``, label ``y``, incoming gradients ``g = dL/dlogp_t`` and ``h = dL/dH_t``::
 
     dL/dz[v] = (g / T) * (1[v = y] - p[v])  -  (h / T) * p[v] * (log p[v] + H_t)
 
-(see docs/math.md, "Gradients"). The entropy term is 0 where ``p[v] == 0`` (a ``-inf`` logit: ``0 * -inf``
-would be NaN). One program per *output* row, one streaming pass over the row. A row whose ``g`` and ``h``
-are both zero (masked, clipped or zero-advantage tokens, or rows that were inactive in the forward) is not
-read: the program only writes zeros.
+(see docs/math.md, "Gradients"), computed per element as ``p (c0 + c1 log2 p)`` with the per-row constants
+``c0 = -(g + h H) / T``, ``c1 = -h ln 2 / T``: one subtraction, one FMA for ``log2 p``, one ``exp2``, an FMA and a
+multiply. The one-hot term ``g / T`` is added to the label's column after the row is written (a block barrier,
+then one store): no per-element compare. The entropy term is 0 where ``p[v] == 0`` (a ``-inf`` logit). One
+program per *output* row, one streaming pass over the row, the same aligned body (128-bit loads and stores when
+the gradient's rows share the logits' alignment, ``DST_ALIGNED``). A row whose ``g`` and ``h`` are both zero
+(masked, clipped or zero-advantage tokens, or rows that were inactive in the forward) is not read: the program
+only writes zeros.
+
+Soft cap (``softcap = c``, Gemma's ``final_logit_softcapping``): every logit is first replaced by
+``c tanh(z / c)`` (:func:`soft_cap`), then divided by the temperature; ``row_stats[0]`` is the max *capped* logit
+and the backward multiplies the gradient with respect to the capped logit by ``1 - tanh^2(z / c)``. A constexpr
+(``HAS_SOFTCAP``): the uncapped kernels are unchanged.
 
 Extra position: the gradient may have one more position per sequence than the logits
 (``out_rows_per_batch = rows_per_batch + 1``): a model's ``[B, T + 1, V]`` output read as ``logits[:, :-1]``
 gets its gradient for all ``T + 1`` positions in one launch, zeros at the last one, so autograd's
 ``slice_backward`` never allocates a second ``[B, T + 1, V]`` buffer (:func:`next_token_base`). With the
 output pointing at the logits' own storage (``inplace``), each tile is read before it is overwritten by the
-same program: no extra buffer at all.
+same program, and the label's logit is read before the row: no extra buffer at all.
 
 Labels are bounds-checked in the kernels: a label outside ``[0, V)`` (e.g. an unmasked ``-100`` when the
 eager check is skipped under ``torch.compile``) is never used as an address; that row's log-prob (and its
@@ -53,6 +68,7 @@ storage (the caller's logits are consumed).
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Tuple
 
 import torch
@@ -61,7 +77,12 @@ import triton.language as tl
 from torch import Tensor
 from triton.language.extra import libdevice
 
-from gspo_kernels.backends.triton.configs import LOGITS_NUM_STAGES, LOGITS_NUM_WARPS, logits_block_v
+from gspo_kernels.backends.triton.configs import (
+    LOGITS_NUM_STAGES,
+    LOGITS_NUM_WARPS,
+    logits_block_v,
+    logits_edge_v,
+)
 from gspo_kernels.backends.triton.launch import device_guard, interpreter_active, row_strides
 
 # A finite "minus infinity": the running max starts there (exp2((_NEG_BIG - m) k) is 0, no -inf - -inf), and the
@@ -104,7 +125,10 @@ def soft_cap(z, inv_cap, cap, FAST_MATH: tl.constexpr, WITH_SLOPE: tl.constexpr)
     poly = _TANH_C3 + u2 * (_TANH_C5 + u2 * (_TANH_C7 + u2 * (_TANH_C9 + u2 * (_TANH_C11 + u2 * _TANH_C13))))
     th_small = au + au * (u2 * poly)
     t = exp2(au * _MINUS_2_LOG2E, FAST_MATH)
-    r = 1.0 / (1.0 + t)
+    if FAST_MATH and t.dtype == tl.float32:  # 1 + t in [1, 2]: an approximate division (2 ulp), no range checks
+        r = libdevice.fast_dividef(1.0, 1.0 + t)
+    else:
+        r = 1.0 / (1.0 + t)
     small = au < _TANH_SMALL
     th = tl.where(small, th_small, (1.0 - t) * r)
     capped = tl.where(u < 0, -th, th) * cap
@@ -138,6 +162,16 @@ def edge_columns(e0, cols, n_head, tail_start, n_edge):
 
 
 @triton.jit
+def column_offsets(idx, stride_v, VEC: tl.constexpr):
+    """Element offsets of the columns ``idx``: int32 for a unit stride (``VEC > 1``: fewer registers than 64-bit
+    offsets), else int64 ``idx * stride_v`` (a transposed tensor's stride times a column can pass 2^31)."""
+    if VEC > 1:
+        return idx
+    else:
+        return idx.to(tl.int64) * stride_v
+
+
+@triton.jit
 def online_update(z, tile_max, row_max, s, a, k, HAS_ENTROPY: tl.constexpr, FAST_MATH: tl.constexpr):
     """Fold a tile of (capped) logits ``z`` (its max ``tile_max``) into the running max and the per-lane sums
     (log2 domain, ``x = (z - row_max) k``, ``k = log2(e) / T``): ``s = sum 2^x``, ``a = sum 2^x x``. The sums are
@@ -153,7 +187,7 @@ def online_update(z, tile_max, row_max, s, a, k, HAS_ENTROPY: tl.constexpr, FAST
         row_max = tile_max
     x = (z - row_max) * k  # exact difference, then one rounding by log2(e) / T
     if HAS_ENTROPY:
-        x = tl.maximum(x, _NEG_BIG)  # a -inf logit (or padding): 2^x = 0 and 0 * x = 0, not NaN
+        x = tl.maximum(x, _NEG_BIG, propagate_nan=tl.PropagateNan.ALL)  # -inf (or padding): 2^x = 0, 0 * x = 0 (a NaN stays)
     e = exp2(x, FAST_MATH)
     s += e
     if HAS_ENTROPY:
@@ -166,8 +200,8 @@ def logprobs_fwd_kernel(
     logits_ptr, labels_ptr, active_ptr, logp_ptr, entropy_ptr,
     row_stats_ptr,  # [2, N]: the row's max (capped) logit, then log S
     n_rows, rows_per_batch, stride_b, stride_t, stride_v, vocab_size, inv_temperature, softcap,
-    BLOCK_V: tl.constexpr, VEC: tl.constexpr, HAS_ACTIVE: tl.constexpr, HAS_ENTROPY: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, FAST_MATH: tl.constexpr,
+    BLOCK_V: tl.constexpr, EDGE_V: tl.constexpr, VEC: tl.constexpr, HAS_ACTIVE: tl.constexpr,
+    HAS_ENTROPY: tl.constexpr, HAS_SOFTCAP: tl.constexpr, FAST_MATH: tl.constexpr,
 ):
     row = tl.program_id(0)
     if HAS_ACTIVE:
@@ -201,13 +235,22 @@ def logprobs_fwd_kernel(
             tail_start = vocab_size
             n_edge = vocab_size
             base = logits_ptr + row_off
-        for e0 in range(0, n_edge, BLOCK_V):  # the masked edge (every column when the stride is not 1)
-            idx, inside = edge_columns(e0, cols, n_head, tail_start, n_edge)
-            z = tl.load(base + idx.to(tl.int64) * stride_v, mask=inside, other=float("-inf")).to(acc_dtype)
+        # The masked edge (every column when the stride is not 1) in narrower tiles of EDGE_V columns: its
+        # scattered addresses would otherwise hold more registers than the body needs. The body's sums ride in
+        # lane 0 of the edge's.
+        ecols = tl.arange(0, EDGE_V)
+        s_edge = tl.where(ecols == 0, tl.sum(s, axis=0), 0.0)
+        a_edge = tl.where(ecols == 0, tl.sum(a, axis=0), 0.0)
+        for e0 in range(0, n_edge, EDGE_V):
+            idx, inside = edge_columns(e0, ecols, n_head, tail_start, n_edge)
+            z = tl.load(base + column_offsets(idx, stride_v, VEC), mask=inside, other=float("-inf")).to(acc_dtype)
             if HAS_SOFTCAP:
                 z, _ = soft_cap(z, inv_cap, softcap, FAST_MATH, False)
                 z = tl.where(inside, z, float("-inf"))
-            row_max, s, a = online_update(z, tl.max(z, axis=0), row_max, s, a, k, HAS_ENTROPY, FAST_MATH)
+            row_max, s_edge, a_edge = online_update(z, tl.max(z, axis=0), row_max, s_edge, a_edge, k, HAS_ENTROPY,
+                                                    FAST_MATH)
+        s = s_edge
+        a = a_edge
         sum_s = tl.sum(s, axis=0)
         log2_s = tl.log2(sum_s)
         label = tl.load(labels_ptr + row)
@@ -240,7 +283,7 @@ def grad_tile(z, row_max, k, log2_s, c0, c1, inv_cap, softcap,
         z, slope = soft_cap(z, inv_cap, softcap, FAST_MATH, True)
     lp2 = (z - row_max) * k - log2_s
     if HAS_GRAD_ENTROPY:
-        lp2 = tl.maximum(lp2, _NEG_BIG)  # p = 0 at a -inf logit: its term is 0, not 0 * -inf
+        lp2 = tl.maximum(lp2, _NEG_BIG, propagate_nan=tl.PropagateNan.ALL)  # p = 0 at -inf: term 0; NaN stays
         grad = exp2(lp2, FAST_MATH) * (c0 + c1 * lp2)
     else:
         grad = exp2(lp2, FAST_MATH) * c0
@@ -318,10 +361,10 @@ def logprobs_bwd_kernel(
             n_edge = vocab_size
         for e0 in range(0, n_edge, BLOCK_V):
             idx, inside = edge_columns(e0, cols, n_head, tail_start, n_edge)
-            z = tl.load(logits_ptr + src_off + idx.to(tl.int64) * stride_v, mask=inside, other=0.0).to(acc_dtype)
+            z = tl.load(logits_ptr + src_off + column_offsets(idx, stride_v, VEC), mask=inside, other=0.0).to(acc_dtype)
             grad = grad_tile(z, row_max, k, log2_s, c0, c1, inv_cap, softcap, HAS_GRAD_ENTROPY, HAS_SOFTCAP,
                              FAST_MATH)
-            tl.store(dlogits_ptr + dst_off + idx.to(tl.int64) * dstride_v, grad.to(out_ty), mask=inside)
+            tl.store(dlogits_ptr + dst_off + column_offsets(idx, dstride_v, VEC), grad.to(out_ty), mask=inside)
         # The one-hot term: the label's column again, once every thread's tiles are written.
         tl.debug_barrier()
         if valid:
@@ -343,7 +386,18 @@ def logprobs_bwd_kernel(
             n_edge = vocab_size
         for e0 in range(0, n_edge, BLOCK_V):
             idx, inside = edge_columns(e0, cols, n_head, tail_start, n_edge)
-            tl.store(dlogits_ptr + dst_off + idx.to(tl.int64) * dstride_v, zeros, mask=inside)
+            tl.store(dlogits_ptr + dst_off + column_offsets(idx, dstride_v, VEC), zeros, mask=inside)
+
+
+def softcap_value(softcap) -> Optional[float]:
+    """``softcap`` as a float (None stays None); anything but a finite number > 0 is a ``ValueError`` (the public
+    functions check ``final_logit_softcapping`` first; this guards direct calls of the backend)."""
+    if softcap is None:
+        return None
+    value = float(softcap)
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"softcap (final_logit_softcapping) must be a finite number > 0 or None, got {softcap!r}")
+    return value
 
 
 def vector_width(t: Tensor, stride_v: int) -> int:
@@ -409,6 +463,7 @@ def logprobs_forward(
     if labels.dtype != torch.int64:
         labels = labels.to(torch.int64)
     rows_per_batch, stride_b, stride_t, stride_v = row_strides(logits, "logits")
+    block_v, vec = logits_block_v(vocab_size, logits.element_size()), vector_width(logits, stride_v)
     with device_guard(logits):
         logprobs_fwd_kernel[(n_rows,)](
             logits,
@@ -425,8 +480,9 @@ def logprobs_forward(
             vocab_size,
             1.0 / float(temperature),
             1.0 if softcap is None else float(softcap),
-            BLOCK_V=logits_block_v(vocab_size, logits.element_size()),
-            VEC=vector_width(logits, stride_v),
+            BLOCK_V=block_v,
+            EDGE_V=logits_edge_v(block_v, vec),
+            VEC=vec,
             HAS_ACTIVE=active is not None,
             HAS_ENTROPY=return_entropy,
             HAS_SOFTCAP=softcap is not None,
@@ -490,7 +546,7 @@ def logprobs_backward(
     if n_rows == 0:  # every out row is an extra position, or there is none
         out.zero_()
         return out
-    vec = vector_width(logits, stride_v)
+    vec = vector_width(logits, stride_v) if dstride_v == 1 else 1  # the aligned body reads and writes rows
     with device_guard(out):
         logprobs_bwd_kernel[(n_out_rows,)](
             logits,
@@ -642,6 +698,6 @@ def logits_logprobs(
     base = next_token_base(logits) if torch.is_grad_enabled() else None
     logp, entropy = TritonLogitsLogprobs.apply(
         logits if base is None else base, labels, active, float(temperature), bool(return_entropy),
-        bool(inplace_backward), base is not None, None if softcap is None else float(softcap),
+        bool(inplace_backward), base is not None, softcap_value(softcap),
     )
     return logp, (entropy if return_entropy else None)
