@@ -1,4 +1,6 @@
-"""The light per-sequence stage in PyTorch: importance weights, clipping, KL, aggregation, metrics.
+"""The light per-sequence stage in PyTorch: importance weights, the objective of ``config.loss_type`` (clipped
+surrogate with optional dual clip, SAPO, CISPO, VESPO, GMPO), off-policy masking, rollout correction, KL,
+aggregation, metrics (docs/math.md).
 
 Written once and used by every backend without a faster version of it. Everything here is
 ``[N]``- or ``[S]``-sized; the heavy per-token stage (log-softmax / gather / entropy) has already run.

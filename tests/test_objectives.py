@@ -434,3 +434,45 @@ def test_matches_trl_compute_loss(loss_type, level, options):
                  "vespo/phi_seq_mean"):
         if name in trl_metrics:
             assert abs(float(ours.metrics[name]) - trl_metrics[name]) < 1e-6, name
+
+
+@pytest.mark.parametrize("config", [
+    gk.GSPOConfig(loss_type="sapo", importance_sampling_level="token"),
+    gk.GSPOConfig(loss_type="sapo", importance_sampling_level="sequence", sapo_temperature_neg=2.0),
+    gk.GSPOConfig(loss_type="luspo", importance_sampling_level="sequence", epsilon_low=0.1, epsilon_high=0.1,
+                  clip_ratio_c=1.2),
+    gk.GSPOConfig(loss_type="gmpo", epsilon_low=0.1, epsilon_high=0.15, aggregation="bnpo"),
+    gk.GSPOConfig(loss_type="dapo", importance_sampling_level="token", epsilon_low=0.1, epsilon_high=0.1,
+                  off_policy_mask_threshold=0.0, rollout_correction="sequence_masked_tis", rollout_correction_max=1.2),
+], ids=objective_id)
+def test_gradcheck_objectives_without_stop_gradient(config):
+    """The objectives whose gradient is the derivative of their value: float64 finite differences, the masked
+    token, clipped and capped tokens, both advantage signs and a dropped response included."""
+    logp, old, adv = _token_problem(S=3, T=5, spread=0.3)
+    mask = torch.ones_like(logp)
+    mask[1, 3:] = 0
+    rollout = old - torch.randn(logp.shape, dtype=torch.float64) * 0.2
+    x = logp.clone().requires_grad_()
+
+    def loss(lp):
+        return gk.policy_loss(lp, adv, old, mask=mask, rollout_logprobs=rollout, config=config, backend="torch").loss
+
+    assert torch.autograd.gradcheck(loss, (x,), eps=1e-7, atol=1e-9, rtol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["torch", "triton"])
+def test_nan_rollout_logprob_is_an_unscored_token(name):
+    """A NaN engine log-prob at an unmasked token means "not scored" (TRL): weight 1, no error, also under
+    ``check_finite=True``; the same loss as the engine agreeing with the trainer there."""
+    logp, old, adv = _token_problem(spread=0.05)
+    rollout = old - 0.05 * torch.randn(logp.shape, dtype=torch.float64)
+    cfg = gk.GSPOConfig(importance_sampling_level="token", epsilon_low=0.2, epsilon_high=0.2,
+                        rollout_correction="token_truncate", rollout_correction_max=2.0)
+    with_nan, agreeing = rollout.clone(), rollout.clone()
+    with_nan[0, 2] = float("nan")
+    agreeing[0, 2] = old[0, 2]
+    logp, adv, old = logp.float(), adv.float(), old.float()
+    a = gk.policy_loss(logp, adv, old, rollout_logprobs=with_nan.float(), config=cfg, check_finite=True, backend=name)
+    b = gk.policy_loss(logp, adv, old, rollout_logprobs=agreeing.float(), config=cfg, backend=name)
+    assert torch.isfinite(a.loss) and a.loss.item() == b.loss.item()
+    assert float(a.metrics["rollout/kl"]) == float(b.metrics["rollout/kl"])
