@@ -322,3 +322,21 @@ def _vp_worker(rank: int, world: int, port: int) -> None:
 def test_vocab_parallel_with_softcap():
     mp.spawn(_vp_worker, args=(2, _free_port()), nprocs=2, join=True)
 
+
+
+def test_torch_compile_fullgraph_with_softcap():
+    """backend="cpu" under torch.compile (fullgraph): the ops' softcap argument goes through their fake
+    implementations and autograd formulas; the compiled loss and gradients equal the eager ones, and the cap
+    changed them."""
+    from tests.test_cpu_backend import _compile_case, _eager_and_compiled
+
+    hidden, weight, labels, adv, old, kw = _compile_case()
+    cfg = GSPOConfig(loss_type="bnpo", beta=0.04, entropy_coef=0.01, final_logit_softcapping=1.5)
+
+    def step(h, w, config=cfg):
+        a = gk.gspo_loss(h @ w.T, labels, adv, old, config=config, backend="cpu", **kw).loss
+        return a + gk.fused_linear_gspo_loss(h, w, labels, adv, old, config=config, backend="cpu", **kw).loss
+
+    _eager_and_compiled(step, hidden, weight)
+    uncapped = dataclasses.replace(cfg, final_logit_softcapping=None)
+    assert abs(step(hidden, weight).item() - step(hidden, weight, uncapped).item()) > 1e-3
