@@ -48,6 +48,9 @@ def tiny_model(family: str, tok, *, seed: int = 0, hidden: int = 32, layers: int
         model = tf.Qwen3ForCausalLM(tf.Qwen3Config(**common, head_dim=hidden // 4, tie_word_embeddings=False))
     elif family == "gemma":  # tied lm_head, embeddings scaled by sqrt(hidden)
         model = tf.GemmaForCausalLM(tf.GemmaConfig(**common, head_dim=hidden // 4, tie_word_embeddings=True))
+    elif family == "gemma2":  # logits soft-capped: c tanh(lm_head(h) / c), c small enough to bend random logits
+        model = tf.Gemma2ForCausalLM(tf.Gemma2Config(**common, head_dim=hidden // 4, tie_word_embeddings=True,
+                                                     final_logit_softcapping=0.5))
     elif family == "mistral":
         model = tf.MistralForCausalLM(tf.MistralConfig(**common, head_dim=hidden // 4, tie_word_embeddings=False))
     elif family == "qwen3_moe":  # 4 experts, 2 routed per token, in every layer

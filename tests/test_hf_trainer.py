@@ -9,6 +9,7 @@ Packed vs padded (both fp32, the same weights): loss 1e-5, gradients ``atol 1e-5
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib.util
 import math
 from pathlib import Path
@@ -61,10 +62,12 @@ def _float64_step(snapshot, rollout: Rollout, config, tok, old_logprobs):
                                      use_cache=False).last_hidden_state
     hidden = torch.gather(hidden_all, 1, gather[..., None].expand(S, C, hidden_all.shape[-1]))
     head = model.get_output_embeddings()
-    loss_config = config.loss_config()
+    # the model's own logit soft cap (Gemma 2), read here from the model, not from the trainer
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    loss_config = dataclasses.replace(config.loss_config(), final_logit_softcapping=cap)
     logp = reference.linear_logprobs(hidden.detach(), head.weight.detach(), rollout.completion_ids,
                                      bias=None if head.bias is None else head.bias.detach(),
-                                     temperature=loss_config.temperature)
+                                     temperature=loss_config.temperature, final_logit_softcapping=cap)
     out = reference.fused_linear_gspo_loss(
         hidden, head.weight, rollout.completion_ids, rollout.advantages.double(), old_logprobs.double(),
         bias=head.bias, mask=rollout.completion_mask, config=loss_config,
@@ -84,6 +87,28 @@ def test_train_step_loss_and_gradients_match_float64_recomputation(family, backe
 @pytest.mark.parametrize("family", MORE_FAMILIES)
 def test_train_step_on_mistral_and_qwen3_moe_matches_float64_recomputation(family):
     _check_two_steps_against_float64(family, "torch")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_soft_capped_gemma2_trains_with_the_models_cap(backend):
+    """Gemma 2's logits are ``c tanh(lm_head(h) / c)``: the trainer takes ``c`` from the model and its steps
+    match the float64 recomputation with the cap (and the capped reference equals the model's own logits)."""
+    tok = word_tokenizer()
+    model = tiny_model("gemma2", tok)
+    ids = torch.tensor([[1, 9, 5, 12, 6, 10]])
+    m64 = copy.deepcopy(model).double()
+    logits = m64(input_ids=ids, use_cache=False).logits[0, :-1]
+    hidden = m64.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state[0, :-1]
+    labels = ids[0, 1:]
+    from_logits = reference.token_logprobs(logits, labels, temperature=0.7)
+    from_hidden = reference.linear_logprobs(hidden, m64.get_output_embeddings().weight, labels, temperature=0.7,
+                                            final_logit_softcapping=0.5)
+    torch.testing.assert_close(from_hidden, from_logits, atol=1e-12, rtol=0)
+    uncapped = reference.linear_logprobs(hidden, m64.get_output_embeddings().weight, labels, temperature=0.7)
+    assert (uncapped - from_logits).abs().max() > 1e-2  # the cap matters at this scale
+    _check_two_steps_against_float64("gemma2", backend)
+    with pytest.raises(ValueError, match="final_logit_softcapping"):
+        GSPOTrainer(tiny_model("gemma2", tok), tok, GSPOTrainerConfig(final_logit_softcapping=30.0))
 
 
 def _check_two_steps_against_float64(family: str, backend: str) -> None:
@@ -271,9 +296,6 @@ def test_models_whose_logits_are_not_the_lm_head_are_refused():
     tok = word_tokenizer()
     small = dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=8)
-    gemma2 = tf.Gemma2ForCausalLM(tf.Gemma2Config(**small, final_logit_softcapping=30.0))
-    with pytest.raises(UnsupportedModelError, match="final_logit_softcapping"):
-        GSPOTrainer(gemma2, tok, GSPOTrainerConfig())
     cohere = tf.CohereForCausalLM(tf.CohereConfig(**{k: v for k, v in small.items() if k != "head_dim"}))
     with pytest.raises(UnsupportedModelError, match="logit_scale"):
         GSPOTrainer(cohere, tok, GSPOTrainerConfig())

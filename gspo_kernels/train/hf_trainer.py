@@ -13,9 +13,10 @@
 
 The model is reached only through ``transformers``' public API: ``model.get_decoder()`` for the last
 (post-final-norm) hidden states and ``model.get_output_embeddings()`` for the lm_head (weight, bias, tied or
-not). Models whose logits are not ``lm_head(last hidden state)`` (Gemma 2/3 with
-``final_logit_softcapping``, Cohere's ``logit_scale``, Granite's ``logits_scaling``, anything else caught by
-a probe forward at construction) are refused with an error naming the reason.
+not). A model whose config has ``final_logit_softcapping`` (Gemma 2/3) trains with that soft cap applied in
+the fused head (``GSPOConfig.final_logit_softcapping``, taken from the model). Models whose logits are otherwise
+not ``lm_head(last hidden state)`` (Cohere's ``logit_scale``, Granite's ``logits_scaling``, anything else caught
+by a probe forward at construction) are refused with an error naming the reason.
 """
 
 from __future__ import annotations
@@ -207,19 +208,21 @@ class CausalLMParts:
     decoder: nn.Module
     weight: nn.Parameter  # [V, H]
     bias: Optional[nn.Parameter]  # [V] or None
+    softcap: Optional[float] = None  # the model's final_logit_softcapping (logits = c tanh(lm_head(h) / c))
 
 
 def causal_lm_parts(model: nn.Module) -> CausalLMParts:
     """The decoder (``model.get_decoder()``) and the lm_head (``model.get_output_embeddings()``) of ``model``.
 
-    Raises :class:`UnsupportedModelError` for a model whose logits are transformed after the lm_head
-    (``final_logit_softcapping``, ``logit_scale``, ``logits_scaling``) or that lacks either piece.
+    ``softcap`` is the model's ``final_logit_softcapping`` (None when it has none). Raises
+    :class:`UnsupportedModelError` for a model whose logits are otherwise transformed after the lm_head
+    (``logit_scale``, ``logits_scaling``) or that lacks either piece.
     """
     cfg = getattr(model, "config", None)
     text_cfg = cfg.get_text_config() if cfg is not None and hasattr(cfg, "get_text_config") else cfg
     name = type(model).__name__
+    softcap = getattr(text_cfg, "final_logit_softcapping", None) if text_cfg is not None else None
     for attr, neutral, why in (
-        ("final_logit_softcapping", None, "the fused loss does not apply logit soft-capping yet"),
         ("logit_scale", 1.0, "the fused loss does not scale the logits"),
         ("logits_scaling", 1.0, "the fused loss does not scale the logits"),
     ):
@@ -242,7 +245,20 @@ def causal_lm_parts(model: nn.Module) -> CausalLMParts:
     decoder = model.get_decoder()
     if decoder is model:
         raise UnsupportedModelError(f"{name}.get_decoder() returned the model itself; no separate backbone found")
-    return CausalLMParts(decoder, weight, head.bias)
+    return CausalLMParts(decoder, weight, head.bias, None if softcap is None else float(softcap))
+
+
+def _with_model_softcap(config: GSPOConfig, softcap: Optional[float], model_name: str) -> GSPOConfig:
+    """The loss options with the model's logit soft cap: the model's value when the options give none; a
+    different value given in the options is refused (the loss would not be the model's)."""
+    given = config.final_logit_softcapping
+    if given is None:
+        return config if softcap is None else dataclasses.replace(config, final_logit_softcapping=softcap)
+    if softcap is None or float(given) != softcap:
+        raise ValueError(f"final_logit_softcapping={given!r} was given but {model_name} has "
+                         f"config.final_logit_softcapping = {softcap!r}; GSPOTrainer takes the cap from the model "
+                         "(leave the option unset)")
+    return config
 
 
 @torch.no_grad()
@@ -264,6 +280,8 @@ def check_logits_path(model: nn.Module, parts: CausalLMParts, vocab_ids: Sequenc
     finally:
         model.train(was_training)
     ours = torch.nn.functional.linear(hidden, parts.weight, parts.bias).float()  # as the model computes it
+    if parts.softcap is not None:
+        ours = parts.softcap * torch.tanh(ours / parts.softcap)
     if ours.shape != logits.shape:
         raise UnsupportedModelError(f"{type(model).__name__}: the lm_head gives logits {tuple(ours.shape)} but the "
                                     f"model gives {tuple(logits.shape)}")
@@ -436,6 +454,7 @@ class GSPOTrainer:
         self.model = model
         self.tokenizer = tokenizer
         self.parts = causal_lm_parts(model)
+        self.loss_config = _with_model_softcap(self.loss_config, self.parts.softcap, type(model).__name__)
         self.device = self.parts.weight.device
         self.eos_token_ids = self._eos_ids()
         if tokenizer.pad_token_id is None:
@@ -581,8 +600,10 @@ class GSPOTrainer:
         if self.config.backend == "reference":
             from gspo_kernels import reference
 
-            return reference.linear_logprobs(hidden, weight, labels, bias=bias, temperature=cfg.temperature)
+            return reference.linear_logprobs(hidden, weight, labels, bias=bias, temperature=cfg.temperature,
+                                             final_logit_softcapping=cfg.final_logit_softcapping)
         return linear_logprobs(hidden, weight, labels, bias=bias, temperature=cfg.temperature,
+                               final_logit_softcapping=cfg.final_logit_softcapping,
                                backend=self.config.backend, memory_budget=self.config.memory_budget)
 
     # -- loss
