@@ -21,7 +21,7 @@ from gspo_kernels.loss import (
 from gspo_kernels.objective import LossOutput
 from gspo_kernels.parallel import VocabParallel
 
-__version__ = "0.2.0"
+__version__ = "0.3.0.dev0"
 
 __all__ = [
     "GSPOConfig",
