@@ -144,13 +144,21 @@ def row_layout(row_off, vocab_size, BLOCK_V: tl.constexpr, VEC: tl.constexpr):
     n_body, n_head, tail_start, n_edge)``. The body is ``n_body`` full tiles from column ``head = aligned -
     row_off``, the first column whose address is a multiple of 16 bytes (``VEC`` elements; the tensor's data
     pointer is 16-byte aligned), read without masks: 128-bit loads whatever ``V`` and the row stride. The edge
-    (masked) is columns ``[0, n_head)`` and ``[tail_start, V)``: ``n_edge`` columns, usually one tile."""
-    aligned = tl.multiple_of(((row_off + (VEC - 1)) // VEC) * VEC, VEC)
-    head = (aligned - row_off).to(tl.int32)
-    n_head = tl.minimum(head, vocab_size)
-    n_body = tl.maximum(vocab_size - head, 0) // BLOCK_V
-    tail_start = head + n_body * BLOCK_V
-    n_edge = n_head + tl.maximum(vocab_size - tail_start, 0)
+    (masked) is columns ``[0, n_head)`` and ``[tail_start, V)``: ``n_edge`` columns, usually one tile.
+    ``VEC == 1`` (a non-unit vocabulary stride): no body, the whole row is edge (``aligned`` is then unused)."""
+    if VEC > 1:
+        aligned = tl.multiple_of(((row_off + (VEC - 1)) // VEC) * VEC, VEC)
+        head = (aligned - row_off).to(tl.int32)
+        n_head = tl.minimum(head, vocab_size)
+        n_body = tl.maximum(vocab_size - head, 0) // BLOCK_V
+        tail_start = head + n_body * BLOCK_V
+        n_edge = n_head + tl.maximum(vocab_size - tail_start, 0)
+    else:
+        aligned = row_off
+        n_body = 0
+        n_head = vocab_size
+        tail_start = vocab_size
+        n_edge = vocab_size
     return aligned, n_body, n_head, tail_start, n_edge
 
 
@@ -218,8 +226,8 @@ def logprobs_fwd_kernel(
         row_max = tl.full([], _NEG_BIG, acc_dtype)  # running max of the (capped) logits: one exp2 per element
         s = tl.zeros([BLOCK_V], acc_dtype)  # per-lane sums, reduced once at the end
         a = tl.zeros([BLOCK_V], acc_dtype)
+        aligned, n_body, n_head, tail_start, n_edge = row_layout(row_off, vocab_size, BLOCK_V, VEC)
         if VEC > 1:  # unit stride: an aligned, unmasked body
-            aligned, n_body, n_head, tail_start, n_edge = row_layout(row_off, vocab_size, BLOCK_V, VEC)
             body = logits_ptr + aligned
             # Prefetch: tile t + 1 is loaded before tile t is reduced (the last load repeats the last tile).
             z_next = tl.load(body + cols, mask=cols < n_body * BLOCK_V, other=0.0)
@@ -229,12 +237,7 @@ def logprobs_fwd_kernel(
                 if HAS_SOFTCAP:
                     z, _ = soft_cap(z, inv_cap, softcap, FAST_MATH, False)
                 row_max, s, a = online_update(z, tl.max(z, axis=0), row_max, s, a, k, HAS_ENTROPY, FAST_MATH)
-            base = logits_ptr + row_off
-        else:
-            n_head = vocab_size
-            tail_start = vocab_size
-            n_edge = vocab_size
-            base = logits_ptr + row_off
+        base = logits_ptr + row_off
         # The masked edge (every column when the stride is not 1) in narrower tiles of EDGE_V columns: its
         # scattered addresses would otherwise hold more registers than the body needs. The body's sums ride in
         # lane 0 of the edge's.
@@ -342,8 +345,8 @@ def logprobs_bwd_kernel(
             ent = tl.load(entropy_ptr + row)
         c0 = -(g + h * ent)
         c1 = -h * _LN2
+        s_aligned, n_body, n_head, tail_start, n_edge = row_layout(src_off, vocab_size, BLOCK_V, VEC)
         if VEC > 1:
-            s_aligned, n_body, n_head, tail_start, n_edge = row_layout(src_off, vocab_size, BLOCK_V, VEC)
             src = logits_ptr + s_aligned
             if DST_ALIGNED:  # the output rows sit at the same offsets modulo 16 bytes
                 dst = dlogits_ptr + tl.multiple_of(dst_off + (s_aligned - src_off), VEC)
@@ -355,10 +358,6 @@ def logprobs_bwd_kernel(
                 grad = grad_tile(z, row_max, k, log2_s, c0, c1, inv_cap, softcap, HAS_GRAD_ENTROPY, HAS_SOFTCAP,
                                  FAST_MATH)
                 tl.store(dst + offs, grad.to(out_ty))
-        else:
-            n_head = vocab_size
-            tail_start = vocab_size
-            n_edge = vocab_size
         for e0 in range(0, n_edge, BLOCK_V):
             idx, inside = edge_columns(e0, cols, n_head, tail_start, n_edge)
             z = tl.load(logits_ptr + src_off + column_offsets(idx, stride_v, VEC), mask=inside, other=0.0).to(acc_dtype)
@@ -376,14 +375,10 @@ def logprobs_bwd_kernel(
             tl.store(dlogits_ptr + dst_off + label * dstride_v, ((grad_label + g) * slope).to(out_ty))
     else:
         zeros = tl.zeros([BLOCK_V], out_ty)
+        d_aligned, n_body, n_head, tail_start, n_edge = row_layout(dst_off, vocab_size, BLOCK_V, VEC)
         if VEC > 1:
-            d_aligned, n_body, n_head, tail_start, n_edge = row_layout(dst_off, vocab_size, BLOCK_V, VEC)
             for t in range(0, n_body):
                 tl.store(dlogits_ptr + d_aligned + t * BLOCK_V + cols, zeros)
-        else:
-            n_head = vocab_size
-            tail_start = vocab_size
-            n_edge = vocab_size
         for e0 in range(0, n_edge, BLOCK_V):
             idx, inside = edge_columns(e0, cols, n_head, tail_start, n_edge)
             tl.store(dlogits_ptr + dst_off + column_offsets(idx, dstride_v, VEC), zeros, mask=inside)
