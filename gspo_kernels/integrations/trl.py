@@ -47,7 +47,6 @@ means from summed totals, min / max over the gathered per-response values): ``en
 from __future__ import annotations
 
 import functools
-import math
 import types
 from typing import Any, Dict, Optional
 
@@ -56,7 +55,7 @@ import trl
 from trl.trainer.utils import FusedCausalLMOutput, maybe_gather_lm_head_ctx, nanmax, nanmin
 
 from gspo_kernels import backends
-from gspo_kernels.checks import check_memory_budget
+from gspo_kernels.checks import check_memory_budget, check_softcap
 from gspo_kernels.config import GSPOConfig
 from gspo_kernels.loss import linear_logprobs, policy_loss
 from gspo_kernels.objective import clip_flags
@@ -471,10 +470,4 @@ def _logit_scale(text_config) -> float:
 
 def _softcap(text_config) -> Optional[float]:
     """The model's ``final_logit_softcapping`` (Gemma 2 / 3: logits ``c tanh(z / c)``), None when it has none."""
-    cap = getattr(text_config, "final_logit_softcapping", None)
-    if cap is None:
-        return None
-    if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not math.isfinite(cap) or cap <= 0:
-        raise ValueError(f"gspo_kernels' GRPOTrainer needs final_logit_softcapping to be None or a finite number > 0, "
-                         f"got {cap!r}")
-    return float(cap)
+    return check_softcap(getattr(text_config, "final_logit_softcapping", None))

@@ -68,7 +68,6 @@ storage (the caller's logits are consumed).
 
 from __future__ import annotations
 
-import math
 from typing import Optional, Tuple
 
 import torch
@@ -84,6 +83,7 @@ from gspo_kernels.backends.triton.configs import (
     logits_edge_v,
 )
 from gspo_kernels.backends.triton.launch import device_guard, interpreter_active, row_strides
+from gspo_kernels.checks import check_softcap
 
 # A finite "minus infinity": the running max starts there (exp2((_NEG_BIG - m) k) is 0, no -inf - -inf), and the
 # log2-domain exponents are clamped to it where they multiply a probability (0 * _NEG_BIG is 0, 0 * -inf is NaN).
@@ -385,14 +385,9 @@ def logprobs_bwd_kernel(
 
 
 def softcap_value(softcap) -> Optional[float]:
-    """``softcap`` as a float (None stays None); anything but a finite number > 0 is a ``ValueError`` (the public
-    functions check ``final_logit_softcapping`` first; this guards direct calls of the backend)."""
-    if softcap is None:
-        return None
-    value = float(softcap)
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"softcap (final_logit_softcapping) must be a finite number > 0 or None, got {softcap!r}")
-    return value
+    """``softcap`` as a float (None stays None), by :func:`gspo_kernels.checks.check_softcap` (the public functions
+    check ``final_logit_softcapping`` first; this guards direct calls of the backend, naming ``softcap``)."""
+    return check_softcap(softcap, "softcap")
 
 
 def vector_width(t: Tensor, stride_v: int) -> int:
