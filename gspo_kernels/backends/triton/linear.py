@@ -56,8 +56,8 @@ def _half_fp32_out(device: torch.device) -> bool:
             a = torch.ones((2, 2), device=device, dtype=torch.bfloat16)
             torch.mm(a, a, out_dtype=torch.float32)
             _fp32_out_gemm[key] = True
-        except (RuntimeError, TypeError, NotImplementedError):
-            _fp32_out_gemm[key] = False
+        except (RuntimeError, TypeError, NotImplementedError):  # an older torch or a device without the kernel:
+            _fp32_out_gemm[key] = False  # not a stub; chunk_logits takes its exact fp32-copy route instead
             if key == "cuda":
                 logger.warning("gspo_kernels: torch.mm(out_dtype=float32) is unavailable for half operands; the "
                                "logits chunk is formed from an fp32 copy of the operands (slower)")
