@@ -58,24 +58,39 @@ class ValueChecks:
 
     def __init__(self) -> None:
         self._checks: List[Tuple[Tensor, str, Callable[[], str]]] = []
+        self._fetch: List[Tuple[str, Tensor]] = []
+        self.fetched: dict = {}
 
     def add(self, bad: Tensor, rule: str, detail: Optional[Callable[[], str]] = None) -> None:
         self._checks.append((bad.reshape(()), rule, detail or (lambda: rule)))
 
+    def fetch(self, name: str, values: Tensor) -> None:
+        """Read the integer ``values`` (1-D) back with the same host sync as the checks; after :meth:`run` they are
+        in ``fetched[name]`` as a list of ints (not when no host read is allowed: the key is then absent)."""
+        self._fetch.append((name, values.reshape(-1)))
+
     def run(self) -> None:
-        """Raise ``ValueError`` (eager) for the first broken rule; under ``torch.compile`` assert each."""
+        """Raise ``ValueError`` (eager) for the first broken rule; under ``torch.compile`` assert each. The
+        values asked for with :meth:`fetch` are read in the same sync (after the rules: a broken rule raises
+        before anything read is used)."""
         checks, self._checks = self._checks, []
-        if not checks:
+        fetch, self._fetch = self._fetch, []
+        if not checks and not fetch:
             return
         if not host_reads_allowed():
             for bad, rule, _ in checks:
                 torch._assert_async(torch.logical_not(bad), rule)
             return
-        device = checks[0][0].device
-        flags = torch.stack([bad.to(device) for bad, _, _ in checks]).tolist()  # the one host sync
+        device = (checks[0][0] if checks else fetch[0][1]).device
+        parts = [torch.stack([bad.to(device) for bad, _, _ in checks]).to(torch.int64)] if checks else []
+        parts += [values.to(device=device, dtype=torch.int64) for _, values in fetch]
+        read = torch.cat(parts).tolist()  # the one host sync
+        flags, rest = read[: len(checks)], read[len(checks):]
         for flag, (_, _, detail) in zip(flags, checks):
             if flag:
                 raise ValueError(detail())
+        for name, values in fetch:
+            self.fetched[name], rest = rest[: values.numel()], rest[values.numel():]
 
 
 def first_true(bad: Tensor) -> int:

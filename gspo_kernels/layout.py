@@ -12,7 +12,7 @@ Both layouts end up as ``N`` tokens in response order:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import List, Optional, Union
 
 import torch
 from torch import Tensor
@@ -50,6 +50,25 @@ class TokenBatch:
 
 
 @dataclass(frozen=True)
+class HostLayout:
+    """The responses' boundaries and what each one holds, read to the host once per call (with the value
+    checks' sync), so that a backend can plan its work without reading the device again.
+
+    Attributes:
+        cu_seqlens: ``S + 1`` ints, the response boundaries in tokens.
+        counted: ``S`` ints, the unmasked tokens of each response.
+        advantaged: ``S`` ints, the unmasked tokens of each response whose advantage is not zero (a response
+            with none gets no policy-gradient term: only a KL or entropy term can give its tokens a gradient).
+        on_device: the same two rows, ``[2, S]`` int64, on the tensors' device.
+    """
+
+    cu_seqlens: List[int]
+    counted: List[int]
+    advantaged: List[int]
+    on_device: Tensor  # [2, S] int64: ``counted`` and ``advantaged`` where they were computed
+
+
+@dataclass(frozen=True)
 class LossInputs:
     """Validated, flattened loss inputs: per-token tensors ``[N]``, fp16/bf16 upcast to fp32, fp64 kept."""
 
@@ -62,6 +81,7 @@ class LossInputs:
     is_ratio: Optional[Tensor]  # [N], per-sequence ratios already broadcast to tokens
     num_items_in_batch: Optional[Tensor]  # 0-dim float32, finite and > 0
     rollout_logprobs: Optional[Tensor] = None  # [N], the inference engine's log-probs of the sampled tokens
+    host: Optional[HostLayout] = None  # read with the checks when asked (``host_layout=True``) and allowed
 
 
 # ---------------------------------------------------------------------------------------------
@@ -190,6 +210,7 @@ def prepare_loss_inputs(
     rollout_correction: Optional[str] = None,
     check_finite: bool = False,
     checks: Optional[ValueChecks] = None,
+    host_layout: bool = False,
 ) -> LossInputs:
     """Validate every loss input against the layout and flatten it to ``[N]`` / ``[S]``.
 
@@ -202,6 +223,8 @@ def prepare_loss_inputs(
     correction for that token, as in TRL; docs/policies.md).
     ``check_finite``: also require the float inputs to be finite at unmasked positions. The value checks
     run before returning, with those already in ``checks`` (one host sync for all of them).
+    ``host_layout``: also read the :class:`HostLayout` in that sync (``LossInputs.host``; None where no host read
+    is allowed: under ``torch.compile`` or CUDA-graph capture).
     """
     name = "labels" if vocab_size is not None else "logprobs"
     check_same_device(**{name: labels}, advantages=advantages, old_logprobs=old_logprobs, mask=mask,
@@ -263,5 +286,22 @@ def prepare_loss_inputs(
         for name, value in (("old_logprobs", old), ("ref_logprobs", ref if beta > 0 else None), ("is_ratio", ratio)):
             if value is not None:
                 check_finite_values(name, value, checks, counted)
+    if host_layout:
+        has_adv = (adv != 0) & counted if per_token else (adv != 0)[batch.seq_index] & counted
+        per_response = torch.zeros((2, S), device=device, dtype=torch.int64)
+        per_response[0].index_add_(0, batch.seq_index, counted.to(torch.int64))
+        per_response[1].index_add_(0, batch.seq_index, has_adv.to(torch.int64))
+        if len(batch.token_shape) != 2:  # packed: the boundaries are read too (padded ones are known)
+            checks.fetch("cu_seqlens", batch.cu_seqlens)
+        checks.fetch("per_response", per_response)
     checks.run()
-    return LossInputs(flat_labels, batch, adv, per_token, old, ref, ratio, items, rollout)
+    host = None
+    if host_layout and "per_response" in checks.fetched:
+        per = checks.fetched["per_response"]
+        if len(batch.token_shape) == 2:
+            T = batch.token_shape[1]
+            cu = [i * T for i in range(S + 1)]
+        else:
+            cu = checks.fetched["cu_seqlens"]
+        host = HostLayout(cu, per[:S], per[S:], per_response)
+    return LossInputs(flat_labels, batch, adv, per_token, old, ref, ratio, items, rollout, host)

@@ -269,6 +269,10 @@ class _Head:
     def fused_loss(self, impl: Backend, objective, inputs, config: GSPOConfig) -> Optional[LossOutput]:
         return None
 
+    def plans_rows(self, impl: Backend) -> bool:
+        """Whether :meth:`fused_loss` will want the :class:`~gspo_kernels.layout.HostLayout` (read with the checks)."""
+        return False
+
 
 class _LogitsHead(_Head):
     """Per-token log-probs from materialized logits (``[B, T, V]``, ``[N, V]`` or ``[..., V]``)."""
@@ -309,14 +313,18 @@ class _LinearHead(_Head):
     def check_finite(self, labels: Tensor, checks: ValueChecks, counted: Optional[Tensor]) -> None:
         check_finite_linear(*self.raw, labels if self.vp is None else None, checks, counted)
 
+    def plans_rows(self, impl: Backend) -> bool:
+        return impl.fused_linear_loss is not None and self.vp is None and "batch_invariant" not in self.options
+
     def fused_loss(self, impl: Backend, objective, inputs, config: GSPOConfig) -> Optional[LossOutput]:
         """The backend's one-pass loss (gradient formed in the forward) when it has one and the call allows it
-        (no vocabulary split, no batch invariance asked)."""
-        if impl.fused_linear_loss is None or self.vp is not None or "batch_invariant" in self.options:
+        (no vocabulary split, no batch invariance asked). It gets the operands as the precision policy cast them
+        and the caller's tensors (``inputs=``), to whose dtypes it returns the gradients directly."""
+        if not self.plans_rows(impl):
             return None
         hidden = self.hidden.reshape(-1, self.hidden.shape[-1])
         return impl.fused_linear_loss(objective, hidden, self.weight, self.bias, inputs, config,
-                                      memory_budget=self.options["memory_budget"],
+                                      memory_budget=self.options["memory_budget"], leaves=self.raw,
                                       **_softcap_kwargs(config.final_logit_softcapping))
 
     def logprobs(self, impl: Backend, labels: Tensor, active: Optional[Tensor], temperature: float,
@@ -369,18 +377,18 @@ def _run(head, tokens: Tensor, advantages: Tensor, old_logprobs: Optional[Tensor
     """
     config = check_config(config)
     check_bool("check_finite", check_finite)
+    impl = backends.resolve(backend, head.device)
     inputs = prepare_loss_inputs(
         tokens, advantages, head.vocab_size, old_logprobs=old_logprobs, mask=mask, cu_seqlens=cu_seqlens,
         ref_logprobs=ref_logprobs, is_ratio=is_ratio, num_items_in_batch=num_items_in_batch, beta=config.beta,
         rollout_logprobs=rollout_logprobs, rollout_correction=config.rollout_correction,
-        check_finite=check_finite,
+        check_finite=check_finite, host_layout=head.plans_rows(impl),
     )
     counted = inputs.batch.mask > 0
     if check_finite:
         checks = ValueChecks()
         head.check_finite(inputs.labels, checks, counted)
         checks.run()
-    impl = backends.resolve(backend, head.device)
     objective = impl.objective or gspo_objective
     with backend_context(head.device):
         output = head.fused_loss(impl, objective, inputs, config)

@@ -36,6 +36,46 @@ def gemm_chunk_rows(n_rows: int, V: int, operand: torch.dtype, memory_budget: Op
     return int(min(rows, max(n_rows, 1)))
 
 
+# The one-pass loss (linear.py, ``fused_linear_loss``) without a memory_budget: the fp32 logits of
+# ``ONE_PASS_LOGITS_ROWS`` rows at a time, and a store of ``ONE_PASS_STORE_ROWS`` rows of ``dZ`` (operand dtype)
+# that the ``dH`` / ``dW`` GEMMs read at once. Each ``dW`` GEMM reads and writes the fp32 ``[V, H]`` accumulator
+# once: ``8 V H`` bytes against ``4 K V H`` FLOPs of the backward GEMMs for ``K`` stored rows, so the accumulator's
+# share of the time is about ``2 F / (K B)`` (``F / B`` ~ 240 FLOP/byte on an H100/H200, whatever V and H): ~12% at
+# K = 4096 of the dW GEMM alone (~4% of the step), ~47% at the 1024 rows a 1 GiB budget held at V = 151936.
+ONE_PASS_LOGITS_ROWS = 1024
+ONE_PASS_STORE_ROWS = 4096
+
+
+def one_pass_chunk_rows(n_rows: int, V: int, operand: torch.dtype, memory_budget: Optional[int],
+                        free_bytes: Optional[int] = None) -> "tuple[int, int]":
+    """``(C, K)``: rows of the fp32 logits buffer and rows of the ``dZ`` store of the one-pass loss.
+
+    ``memory_budget`` given: its exact meaning, the bytes of both buffers: ``C = K`` rows of ``V`` logits in the
+    compute dtype plus ``V`` gradients in the operand dtype (:func:`gemm_chunk_rows` with ``need_dz``).
+    None: ``C = ONE_PASS_LOGITS_ROWS`` and ``K = ONE_PASS_STORE_ROWS`` (``K = C`` for fp32 / fp64 operands, whose
+    ``dZ`` is written over the logits), both scaled down together when their bytes would pass
+    ``max(DEFAULT_MEMORY_BUDGET, free_bytes / 4)`` (``free_bytes``: the device's free memory, None: not known).
+    Neither is ever more than ``n_rows`` rows (at least 1).
+    """
+    if memory_budget is not None:
+        rows = gemm_chunk_rows(n_rows, V, operand, memory_budget, need_dz=True)
+        return rows, rows
+    acc = 8 if operand == torch.float64 else 4
+    op = torch.empty((), dtype=operand).element_size()
+    separate = op != acc
+    cap = DEFAULT_MEMORY_BUDGET if free_bytes is None else max(DEFAULT_MEMORY_BUDGET, int(free_bytes) // 4)
+    if separate:
+        ratio = ONE_PASS_STORE_ROWS // ONE_PASS_LOGITS_ROWS
+        c = min(ONE_PASS_LOGITS_ROWS, cap // max(V * (acc + ratio * op), 1))
+        k = ratio * c
+    else:
+        c = k = min(ONE_PASS_STORE_ROWS, cap // max(V * acc, 1))
+    c = max(GEMM_MIN_CHUNK_ROWS, c // GEMM_ROW_MULTIPLE * GEMM_ROW_MULTIPLE)
+    k = max(c, k // GEMM_ROW_MULTIPLE * GEMM_ROW_MULTIPLE)
+    n = max(int(n_rows), 1)
+    return min(c, n), min(k, n)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Logits path (logits.py): one program per row, the row streamed in BLOCK_V tiles.
 LOGITS_MAX_BLOCK_V = 4096

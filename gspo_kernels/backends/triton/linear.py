@@ -30,6 +30,7 @@ bits may depend on how many rows share its GEMM. ``batch_invariant=True`` select
 
 from __future__ import annotations
 
+import bisect
 import logging
 from typing import Callable, List, Optional, Tuple
 
@@ -44,32 +45,40 @@ from gspo_kernels.precision import compute_dtype
 
 logger = logging.getLogger("gspo_kernels")
 
-_fp32_out_gemm: dict = {}  # device type -> whether mm(out_dtype=float32) runs for half operands
+_fp32_out_gemm: dict = {}  # device type -> "out" | "new" | None: how mm(out_dtype=float32) runs for half operands
 
 
-def _half_fp32_out(device: torch.device) -> bool:
-    """Whether ``torch.mm(a, b, out_dtype=torch.float32)`` runs for bf16 / fp16 operands here (CUDA: yes on
-    current PyTorch; probed once per device type, logged when it does not)."""
+def _half_fp32_out(device: torch.device) -> Optional[str]:
+    """How ``torch.mm(a, b, out_dtype=torch.float32)`` runs for bf16 / fp16 operands here: ``"out"``, into a
+    given fp32 tensor (``out=``; CUDA on current PyTorch), ``"new"``, only into a new tensor, or None, not at all
+    (probed once per device type, logged when it is not ``"out"`` on CUDA)."""
     key = device.type
     if key not in _fp32_out_gemm:
+        a = torch.ones((2, 2), device=device, dtype=torch.bfloat16)
+        mode = None
         try:
-            a = torch.ones((2, 2), device=device, dtype=torch.bfloat16)
-            torch.mm(a, a, out_dtype=torch.float32)
-            _fp32_out_gemm[key] = True
-        except (RuntimeError, TypeError, NotImplementedError):  # an older torch or a device without the kernel:
-            _fp32_out_gemm[key] = False  # not a stub; chunk_logits takes its exact fp32-copy route instead
-            if key == "cuda":
-                logger.warning("gspo_kernels: torch.mm(out_dtype=float32) is unavailable for half operands; the "
-                               "logits chunk is formed from an fp32 copy of the operands (slower)")
+            torch.mm(a, a, out_dtype=torch.float32, out=torch.empty((2, 2), device=device, dtype=torch.float32))
+            mode = "out"
+        except (RuntimeError, TypeError, NotImplementedError):
+            try:
+                torch.mm(a, a, out_dtype=torch.float32)
+                mode = "new"
+            except (RuntimeError, TypeError, NotImplementedError):  # an older torch or a device without the kernel:
+                mode = None  # not a stub; chunk_logits takes its exact fp32-copy route instead
+        _fp32_out_gemm[key] = mode
+        if key == "cuda" and mode != "out":
+            logger.warning("gspo_kernels: torch.mm(out_dtype=float32, out=...) is unavailable for half operands; the "
+                           "logits chunk is %s (slower)", "copied into its buffer" if mode else
+                           "formed from an fp32 copy of the operands")
     return _fp32_out_gemm[key]
 
 
 def chunk_logits(h: Tensor, weight: Tensor, bias: Optional[Tensor], out: Tensor) -> Tensor:
     """``out[:n] = h @ weight.T + bias`` in ``out``'s dtype (fp32, or fp64 for fp64 operands), fp32 accumulation.
 
-    Half operands: one GEMM with an fp32 output (``out_dtype``) where PyTorch has it (CUDA); elsewhere
-    (the Triton interpreter's CPU tensors) the operands are converted to fp32 first, which is exact, so
-    the products are the same as the tensor cores' and only the summation order differs.
+    Half operands: one GEMM that writes its fp32 output into the buffer (``out_dtype`` with ``out=``) where
+    PyTorch has it (CUDA); elsewhere (the Triton interpreter's CPU tensors) the operands are converted to fp32
+    first, which is exact, so the products are the same as the tensor cores' and only the summation order differs.
     """
     z = out[: h.shape[0]]
     if h.dtype == out.dtype:
@@ -78,7 +87,10 @@ def chunk_logits(h: Tensor, weight: Tensor, bias: Optional[Tensor], out: Tensor)
         else:
             torch.addmm(bias.to(out.dtype), h, weight.t(), out=z)
         return z
-    if _half_fp32_out(h.device):
+    mode = _half_fp32_out(h.device)
+    if mode == "out":
+        torch.mm(h, weight.t(), out_dtype=out.dtype, out=z)
+    elif mode == "new":
         z.copy_(torch.mm(h, weight.t(), out_dtype=out.dtype))
     else:
         torch.mm(h.to(out.dtype), weight.t().to(out.dtype), out=z)
@@ -87,16 +99,25 @@ def chunk_logits(h: Tensor, weight: Tensor, bias: Optional[Tensor], out: Tensor)
     return z
 
 
-def accumulate_dw(dw: Tensor, dz: Tensor, h: Tensor) -> None:
-    """``dw += dz.T @ h`` with ``dw`` fp32 (or fp64) and ``dz``, ``h`` in the operand dtype.
+def accumulate_dw(dw: Tensor, dz: Tensor, h: Tensor, *, first: bool = False) -> None:
+    """``dw += dz.T @ h`` (``first``: ``dw = dz.T @ h``, nothing read) with ``dw`` fp32 (or fp64) and ``dz``, ``h``
+    in the operand dtype.
 
-    Half operands on CUDA: one ``addmm`` into the fp32 accumulator (``out_dtype``: cuBLAS's beta = 1), so
-    ``dW`` is summed in fp32 across chunks and rounded once, at the end, to the weight's dtype.
+    Half operands on CUDA: one GEMM into the fp32 accumulator (``out_dtype``: cuBLAS's beta = 1, or 0 for the
+    first), so ``dW`` is summed in fp32 across chunks and rounded once, at the end, to the weight's dtype.
     """
     if dz.dtype == dw.dtype:
-        dw.addmm_(dz.t(), h)
-    elif _half_fp32_out(dz.device):
-        torch.addmm(dw, dz.t(), h, out_dtype=dw.dtype, out=dw)
+        if first:
+            torch.mm(dz.t(), h, out=dw)
+        else:
+            dw.addmm_(dz.t(), h)
+    elif _half_fp32_out(dz.device) == "out":
+        if first:
+            torch.mm(dz.t(), h, out_dtype=dw.dtype, out=dw)
+        else:
+            torch.addmm(dw, dz.t(), h, out_dtype=dw.dtype, out=dw)
+    elif first:
+        torch.mm(dz.t().to(dw.dtype), h.to(dw.dtype), out=dw)
     else:
         dw.addmm_(dz.t().to(dw.dtype), h.to(dw.dtype))
 
@@ -123,19 +144,11 @@ def _chunk_statistics(z: Tensor, labels: Tensor, active: Optional[Tensor], tempe
     row_stats.copy_(stats)
 
 
-def _rows_with_gradient(carries: Tensor, start: int, stop: int, device: torch.device) -> Tensor:
-    """The rows of ``start:stop`` that carry a gradient: their indices (a host read of the count), or, where no
-    host read is allowed, the ``[n]`` bool mask itself (every row then goes through the GEMMs)."""
-    if not checks.host_reads_allowed():
-        return carries[start:stop]
-    return torch.nonzero(carries[start:stop]).reshape(-1)  # the host read of the count
-
-
 def backward_rows(
     rows: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, row_stats: Tensor, entropy: Optional[Tensor],
     grad_logp: Optional[Tensor], grad_entropy: Optional[Tensor], temperature: float, buffers: _Buffers,
     dh: Optional[Tensor], dw: Optional[Tensor], db: Optional[Tensor], index: Optional[Tensor], logits: Optional[Tensor],
-    softcap: Optional[float] = None,
+    softcap: Optional[float] = None, first: bool = False,
 ) -> None:
     """The backward of one chunk: ``dZ`` from the chunk's logits (recomputed unless ``logits`` is given),
     then the two GEMMs. ``rows``, ``labels``, ... are the chunk's (``row_stats [2, n]``); ``index``: the rows to
@@ -168,13 +181,12 @@ def backward_rows(
         dz = logprobs_backward(z, labels, row_stats, entropy, grad_logp, grad_entropy, temperature=temperature,
                                out=buffers.dz[:n], softcap=softcap)
     if dh is not None:
-        part = dz @ weight
         if index is None:
-            dh.copy_(part)
+            torch.mm(dz, weight, out=dh)
         else:
-            dh.index_copy_(0, index, part)
+            dh.index_copy_(0, index, dz @ weight)
     if dw is not None:
-        accumulate_dw(dw, dz, rows)
+        accumulate_dw(dw, dz, rows, first=first)
 
 
 def _operands(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], softcap: Optional[float] = None):
@@ -231,10 +243,10 @@ class VendorLinearLogprobs(torch.autograd.Function):
         db = torch.zeros(vocab, device=w.device, dtype=acc) if (need_db and bias is not None) else None
         chunk = configs.gemm_chunk_rows(n, vocab, w.dtype, ctx.memory_budget, need_dz=True)
         buffers = _Buffers(min(chunk, n), vocab, w.dtype, w.device, need_dz=True) if n else None
-        for r0 in range(0, n, chunk):
+        for r0 in range(0, n, chunk):  # no host read: rows without gradient go through the GEMMs as zero rows
             r1 = min(n, r0 + chunk)
-            index = _rows_with_gradient(carries, r0, r1, w.device)
             sl = slice(r0, r1)
+            index = carries[sl]
             backward_rows(rows[sl], w, b, labels[sl], row_stats[:, sl], entropy[sl],
                           None if grad_logp is None else torch.where(carries[sl], grad_logp[sl], 0),
                           None if grad_entropy is None else torch.where(carries[sl], grad_entropy[sl], 0),
@@ -250,7 +262,11 @@ class VendorLinearLogprobs(torch.autograd.Function):
 
 
 class _GradientsKnown(torch.autograd.Function):
-    """``loss`` whose gradients with respect to ``inputs`` were computed in the forward (``grads``)."""
+    """``loss`` whose gradients with respect to ``inputs`` were computed in the forward (``grads``).
+
+    The backward scales them by the incoming gradient in place and hands them over (no second copy of ``dW``
+    or ``dH``): they can be handed over once. A second backward through the same graph (``retain_graph=True``)
+    raises ``RuntimeError`` instead of a wrong or missing gradient."""
 
     @staticmethod
     def forward(ctx, loss, grads, *inputs):
@@ -259,27 +275,20 @@ class _GradientsKnown(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
-        grads = [None if g is None else g * grad_loss.to(g.dtype) for g in ctx.grads]
-        ctx.grads = None
-        return (None, None, *grads)
+        if ctx.grads is None:
+            raise RuntimeError(
+                "fused_linear_gspo_loss computed its gradients during the forward and handed them to the first "
+                "backward; a second backward through the same loss (retain_graph=True) cannot have them again. "
+                "Call the loss again for a second backward, or use the two-pass form (linear_logprobs + the "
+                "sequence stage, e.g. gspo_kernels.policy_loss), whose graph can be kept.")
+        grads, ctx.grads = ctx.grads, None
+        return (None, None, *[None if g is None else g.mul_(grad_loss.to(g.dtype)) for g in grads])
 
 
-def response_chunks(inputs, chunk_rows: int) -> Optional[List[Tuple[int, int, bool]]]:
-    """``(token_start, token_stop, whole)`` chunks of whole responses, each at most ``chunk_rows`` tokens;
-    a response longer than that is a chunk of its own with ``whole=False`` (two passes for it alone).
-    None when the boundaries cannot be read without a host synchronisation (packed layout under capture)."""
-    batch = inputs.batch
-    if len(batch.token_shape) == 2:  # padded: S responses of T tokens, no read needed
-        S, T = batch.token_shape
-        if T == 0 or S == 0:
-            return []
-        if T > chunk_rows:
-            return [(i * T, (i + 1) * T, False) for i in range(S)]
-        per = max(1, chunk_rows // T)
-        return [(i * T, min(S, i + per) * T, True) for i in range(0, S, per)]
-    if not checks.host_reads_allowed():
-        return None
-    cu = batch.cu_seqlens.tolist()  # the packed layout's one host read
+def response_chunks(cu: List[int], chunk_rows: int) -> List[Tuple[int, int, bool]]:
+    """``(token_start, token_stop, whole)`` chunks of whole responses (boundaries ``cu``, on the host), each at
+    most ``chunk_rows`` tokens; a response longer than that is a chunk of its own with ``whole=False`` (two
+    passes for it alone)."""
     chunks, start = [], 0
     for i in range(1, len(cu)):
         length = cu[i] - cu[i - 1]
@@ -296,9 +305,103 @@ def response_chunks(inputs, chunk_rows: int) -> Optional[List[Tuple[int, int, bo
     return chunks
 
 
+class _RowPlan:
+    """Which rows of the one-pass loss the GEMMs visit, decided on the host before any GEMM.
+
+    From the :class:`~gspo_kernels.layout.HostLayout` read with the value checks (no other read): a chunk's rows
+    are its *counted* rows (unmasked), of which the *carrying* ones (the rows of a response with a nonzero
+    advantage, or every counted row when the loss has a KL or entropy term) enter the backward GEMMs; a row found
+    clipped during the forward goes through them as a zero row. Without a host layout (CUDA-graph capture,
+    ``torch.compile``: padded layout only) every row is visited and the rows without gradient are zero rows.
+    """
+
+    def __init__(self, inputs, config, chunk_rows: int):
+        batch, host = inputs.batch, inputs.host
+        self.known = host is not None
+        if host is None:
+            S, T = batch.token_shape  # padded (the caller checked): the boundaries need no read
+            cu = [i * T for i in range(S + 1)]
+            counted = carrying = None
+        else:
+            cu = host.cu_seqlens
+            every = config.beta != 0 or config.entropy_coef != 0  # terms without the advantage as a factor
+            counted = host.counted
+            carrying = [c if (every or a > 0) else 0 for c, a in zip(counted, host.advantaged)]
+        self.chunks = []  # (t0, t1, whole, n_counted, n_carrying); None counts: not known (every row)
+        for t0, t1, whole in response_chunks(cu, chunk_rows):
+            if counted is None:
+                self.chunks.append((t0, t1, whole, None, None))
+                continue
+            first = bisect.bisect_right(cu, t0) - 1
+            last = bisect.bisect_left(cu, t1)
+            self.chunks.append((t0, t1, whole, sum(counted[first:last]), sum(carrying[first:last])))
+        if host is not None:
+            carries_response = host.on_device[0 if every else 1] > 0
+            # 0: carries a gradient, 1: counted without one, 2: masked (the order of the rows inside a chunk)
+            self.category = torch.where(batch.mask > 0, (~carries_response[batch.seq_index]).to(torch.int8),
+                                        torch.full((), 2, dtype=torch.int8, device=batch.mask.device))
+
+
+class _GradientStore:
+    """``dZ`` rows (operand dtype) waiting for the ``dH`` / ``dW`` GEMMs, with the token index of each; flushed
+    when full and at the end, so that the fp32 ``dW`` accumulator is read and written once per store."""
+
+    def __init__(self, rows: int, vocab: int, buffers: _Buffers, separate: bool, device: torch.device,
+                 masked: bool):
+        self.dz = torch.empty((rows, vocab), device=device, dtype=buffers.dz.dtype) if separate else buffers.dz
+        self.index = torch.empty(rows, device=device, dtype=torch.int64)
+        # masked: rows not planned on the host; those without gradient (maybe garbage, e.g. NaN padding) enter the
+        # GEMMs as zero rows
+        self.keep = torch.empty(rows, device=device, dtype=torch.bool) if masked else None
+        self.rows, self.used, self.flushes = rows, 0, 0
+        self.span: Optional[Tuple[int, int]] = None  # (first token, count) while the rows are one token range
+
+    def add(self, n: int, index: Optional[Tensor], t0: int, keep: Optional[Tensor] = None) -> Tensor:
+        """Reserve ``n`` rows for tokens ``index`` (None: ``t0, t0 + 1, ...``; ``keep``: which of them carry a
+        gradient, when the store is masked); returns their ``dZ`` rows."""
+        k = self.used
+        if self.keep is not None:
+            self.keep[k:k + n].copy_(keep)
+        if index is None:
+            if self.span is not None and self.span[0] + self.span[1] == t0 and k == self.span[1]:
+                self.span = (self.span[0], k + n)
+            elif k == 0:
+                self.span = (t0, n)
+            else:
+                self.span = None
+            torch.arange(t0, t0 + n, device=self.index.device, out=self.index[k:k + n])
+        else:
+            self.span = None
+            self.index[k:k + n].copy_(index)
+        self.used = k + n
+        return self.dz[k:k + n]
+
+    def flush(self, rows: Tensor, weight: Tensor, dh: Optional[Tensor], dw: Optional[Tensor]) -> None:
+        k = self.used
+        if k == 0:
+            return
+        dz = self.dz[:k]
+        if self.span is not None:
+            a = self.span[0]
+            h = rows[a:a + k]
+            if dh is not None:
+                torch.mm(dz, weight, out=dh[a:a + k])
+        else:
+            index = self.index[:k]
+            h = rows.index_select(0, index)
+            if dh is not None:
+                dh.index_copy_(0, index, dz @ weight)
+        if dw is not None:
+            if self.keep is not None:
+                h = torch.where(self.keep[:k, None], h, torch.zeros((), device=h.device, dtype=h.dtype))
+            accumulate_dw(dw, dz, h, first=self.flushes == 0)
+        self.used, self.span = 0, None
+        self.flushes += 1
+
+
 def fused_linear_loss(
     objective: Callable, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], inputs, config, *,
-    memory_budget: Optional[int] = None, softcap: Optional[float] = None,
+    memory_budget: Optional[int] = None, softcap: Optional[float] = None, leaves=None,
 ):
     """The loss of ``objective`` over ``hidden @ weight.T + bias`` with its gradient formed in the same pass.
 
@@ -307,63 +410,149 @@ def fused_linear_loss(
     (true of every objective of :class:`GSPOConfig`: the aggregation constants come from the mask). For each
     chunk of whole responses the stage runs on the whole batch with the chunk's log-probs in place and the
     other tokens at a finite stand-in, and its gradient for the chunk is exact. At the end it runs once more
-    on all the log-probs for the loss and the metrics (the numbers the two-pass path reports). Returns None
-    when no gradient is wanted, or when the chunks cannot be planned without a host read (packed layout under
-    capture): the caller then runs the two-pass path. The gradients are computed here and held until the
-    backward (the fp32 ``dW`` accumulator only during this call). ``softcap``: the logits are capped,
-    ``z -> c tanh(z / c)``, before the temperature (None: no cap).
+    on all the log-probs for the loss and the metrics (the numbers the two-pass path reports).
+
+    Work per chunk (``C`` rows of fp32 logits, :func:`configs.one_pass_chunk_rows`): the chunk's counted rows
+    (gathered when some are masked) through the logits GEMM, the forward epilogue, the stage's gradient, the
+    backward epilogue on the rows that carry a gradient (first in the chunk's order), whose ``dZ`` goes to a
+    store of ``K`` rows; the ``dH`` and ``dW`` GEMMs run once per full store. No host read: the plan comes from
+    ``inputs.host`` (read with the value checks); without it, every row is visited.
+
+    Returns None when no gradient is wanted, or when the chunks cannot be planned without a host read (packed
+    layout under capture): the caller then runs the two-pass path. The gradients are computed here and held
+    until the backward, in the dtypes of ``leaves`` (the caller's tensors, which the precision policy cast into
+    ``hidden`` / ``weight`` / ``bias``; default: those) to which they are returned directly. ``softcap``: the
+    logits are capped, ``z -> c tanh(z / c)``, before the temperature (None: no cap).
     """
     softcap = softcap_value(softcap)
+    leaves = (hidden, weight, bias) if leaves is None else leaves
+    need = [t is not None and t.requires_grad for t in leaves]
+    if not (torch.is_grad_enabled() and any(need)):
+        return None  # no gradient wanted (evaluation, torch.no_grad): the forward alone is the two-pass form's
+    if inputs.host is None and len(inputs.batch.token_shape) != 2:
+        return None  # packed layout with no boundaries on the host (capture): the two-pass form
     rows, w, b = _operands(hidden.detach(), weight.detach(), None if bias is None else bias.detach(), softcap)
     n, vocab = rows.shape[0], w.shape[0]
     acc = compute_dtype(w.dtype)
-    chunk = configs.gemm_chunk_rows(n, vocab, w.dtype, memory_budget, need_dz=True)
-    plan = response_chunks(inputs, chunk)
-    if plan is None:
-        return None
+    separate = w.dtype != acc
+    free = None
+    if memory_budget is None and w.is_cuda and checks.host_reads_allowed():
+        free = torch.cuda.mem_get_info(w.device)[0]
+    chunk, store_rows = configs.one_pass_chunk_rows(n, vocab, w.dtype, memory_budget, free)
+    plan = _RowPlan(inputs, config, chunk)
     labels, valid = inputs.labels, inputs.batch.mask > 0
     temperature = config.temperature
-    need = [t.requires_grad for t in (hidden, weight)] + [bias is not None and bias.requires_grad]
-    if not (torch.is_grad_enabled() and any(need)):
-        return None  # no gradient wanted (evaluation, torch.no_grad): the forward alone is the two-pass form's
     dh = torch.zeros_like(rows) if need[0] else None
-    dw = torch.zeros(w.shape, device=w.device, dtype=acc) if need[1] else None
+    dw = torch.empty(w.shape, device=w.device, dtype=acc) if need[1] else None
     db = torch.zeros(vocab, device=w.device, dtype=acc) if need[2] else None
     logp = torch.zeros(n, device=w.device, dtype=acc)
     entropy = torch.zeros_like(logp)
     row_stats = torch.zeros((2, n), device=w.device, dtype=acc)
     stand_in = torch.zeros_like(logp) if inputs.old_logprobs is None else inputs.old_logprobs.to(acc).clone()
     buffers = _Buffers(min(chunk, n), vocab, w.dtype, w.device, need_dz=True) if n else None
+    store = _GradientStore(max(store_rows, chunk) if separate else chunk, vocab, buffers, separate, w.device,
+                           masked=not plan.known) if n else None
     two_pass_tokens = 0
-    for t0, t1, whole in plan:
+    for t0, t1, whole, n_counted, n_carrying in plan.chunks:
         sl = slice(t0, t1)
-        parts = [(t0, t1)] if whole else [(s, min(t1, s + chunk)) for s in range(t0, t1, chunk)]
-        z = None
-        for s0, s1 in parts:  # forward: the chunk's (or, for a long response, each part's) statistics
-            z = chunk_logits(rows[s0:s1], w, b, buffers.logits)
-            _chunk_statistics(z, labels[s0:s1], valid[s0:s1], temperature, logp[s0:s1], entropy[s0:s1],
-                              row_stats[:, s0:s1], softcap)
-        g, ge = _chunk_gradient(objective, logp, entropy, stand_in, sl, inputs, config)
-        carries = (g != 0) if ge is None else ((g != 0) | (ge != 0))
-        if not whole:
+        if not whole:  # one response longer than a chunk: in parts, the logits recomputed in the backward
             two_pass_tokens += t1 - t0
-        for s0, s1 in parts:  # backward: dZ from the logits still in the buffer (whole) or recomputed (parts)
-            local = slice(s0 - t0, s1 - t0)
-            index = _rows_with_gradient(carries[local], 0, s1 - s0, w.device)
-            backward_rows(rows[s0:s1], w, b, labels[s0:s1], row_stats[:, s0:s1], entropy[s0:s1], g[local],
-                          None if ge is None else ge[local], temperature, buffers,
-                          None if dh is None else dh[s0:s1], dw, db, index, z if whole else None, softcap)
+            _long_response(objective, rows, w, b, labels, valid, t0, t1, chunk, n_carrying, logp, entropy, row_stats,
+                           stand_in, inputs, config, buffers, store, dh, dw, db, softcap)
+            stand_in[sl] = logp[sl]
+            continue
+        order = None  # the chunk's rows to visit, carrying rows first (None: all, in token order)
+        if n_counted is not None and (n_counted < t1 - t0 or 0 < n_carrying < n_counted):
+            order = torch.sort(plan.category[sl], stable=True).indices[:n_counted]
+        m = (t1 - t0) if n_counted is None else n_counted
+        if m == 0:
+            stand_in[sl] = logp[sl]
+            continue
+        h_rows = rows[sl] if order is None else rows[sl].index_select(0, order)
+        lab = labels[sl] if order is None else labels[sl].index_select(0, order)
+        z = chunk_logits(h_rows, w, b, buffers.logits)
+        if order is None:
+            c_logp, c_ent, c_stats = logp[sl], entropy[sl], row_stats[:, sl]
+            stats = torch.empty((2, m), device=w.device, dtype=acc)
+            logprobs_forward(z, lab, active=None if n_counted is not None else valid[sl], temperature=temperature,
+                             return_entropy=True, out=(c_logp, c_ent, stats), softcap=softcap)
+            c_stats.copy_(stats)
+        else:
+            c_logp, c_ent = torch.empty(m, device=w.device, dtype=acc), torch.empty(m, device=w.device, dtype=acc)
+            stats = torch.empty((2, m), device=w.device, dtype=acc)
+            logprobs_forward(z, lab, temperature=temperature, return_entropy=True, out=(c_logp, c_ent, stats),
+                             softcap=softcap)
+            idx = order + t0
+            logp.index_copy_(0, idx, c_logp)
+            entropy.index_copy_(0, idx, c_ent)
+            row_stats.index_copy_(1, idx, stats)
+        g, ge = _chunk_gradient(objective, logp, entropy, stand_in, sl, inputs, config)
         stand_in[sl] = logp[sl]
+        k = m if n_carrying is None else n_carrying
+        if k == 0:
+            continue
+        if order is not None:
+            g = g.index_select(0, order[:k])
+            ge = None if ge is None else ge.index_select(0, order[:k])
+        keep = None
+        if n_counted is None:  # rows not planned on the host: those without gradient are zero rows
+            g = torch.where(valid[sl], g, 0)
+            ge = None if ge is None else torch.where(valid[sl], ge, 0)
+            keep = (g != 0) if ge is None else ((g != 0) | (ge != 0))
+        if store.used + k > store.rows:
+            store.flush(rows, w, dh, dw)
+        dz = store.add(k, None if order is None else order[:k] + t0, t0, keep)
+        zk, statk = z[:k], (stats if k == m else stats[:, :k].contiguous())
+        entk = c_ent[:k]
+        if db is not None or not separate:  # dZ in fp32 first (the bias gradient sums it), then one rounding
+            logprobs_backward(zk, lab[:k], statk, entk, g, ge, temperature=temperature, inplace=True, softcap=softcap)
+            if db is not None:
+                db.add_(zk.sum(0, dtype=db.dtype))
+            if dz.data_ptr() != zk.data_ptr():
+                dz.copy_(zk)
+        else:
+            logprobs_backward(zk, lab[:k], statk, entk, g, ge, temperature=temperature, out=dz, softcap=softcap)
+        if not separate:  # dZ was written over the logits, which the next chunk needs: its GEMMs now
+            store.flush(rows, w, dh, dw)
+    if store is not None:
+        store.flush(rows, w, dh, dw)
+    if dw is not None and (store is None or store.flushes == 0):
+        dw.zero_()
     with torch.no_grad():
         out = objective(logp, entropy, inputs, config)
     metrics = dict(out.metrics)
     metrics["fused_linear/two_pass_tokens"] = logp.new_full((), float(two_pass_tokens), dtype=torch.float32)
-    grads = (None if dh is None else dh.reshape(hidden.shape).to(hidden.dtype),
-             None if dw is None else dw.to(weight.dtype),
-             None if db is None else db.to(bias.dtype))
-    inputs_ = (hidden, weight) if bias is None else (hidden, weight, bias)
-    loss = _GradientsKnown.apply(out.loss, grads[: len(inputs_)], *inputs_)
+    grads = []
+    for grad, leaf, used in zip((dh, dw, db), leaves, need):
+        if leaf is None:
+            continue
+        grads.append(grad.reshape(leaf.shape).to(leaf.dtype) if used else None)
+    present = tuple(leaf for leaf in leaves if leaf is not None)
+    loss = _GradientsKnown.apply(out.loss, grads, *present)
     return type(out)(loss, metrics)
+
+
+def _long_response(objective, rows, w, b, labels, valid, t0, t1, chunk, n_carrying, logp, entropy, row_stats,
+                   stand_in, inputs, config, buffers, store, dh, dw, db, softcap) -> None:
+    """One response longer than a chunk: its forward in parts, the stage's gradient, then each part again
+    (logits recomputed) through the backward; its masked rows are zero rows (no host read)."""
+    temperature = config.temperature
+    parts = [(s, min(t1, s + chunk)) for s in range(t0, t1, chunk)]
+    for s0, s1 in parts:
+        z = chunk_logits(rows[s0:s1], w, b, buffers.logits)
+        _chunk_statistics(z, labels[s0:s1], valid[s0:s1], temperature, logp[s0:s1], entropy[s0:s1],
+                          row_stats[:, s0:s1], softcap)
+    if n_carrying == 0:
+        return
+    g, ge = _chunk_gradient(objective, logp, entropy, stand_in, slice(t0, t1), inputs, config)
+    store.flush(rows, w, dh, dw)
+    for s0, s1 in parts:
+        local = slice(s0 - t0, s1 - t0)
+        backward_rows(rows[s0:s1], w, b, labels[s0:s1], row_stats[:, s0:s1], entropy[s0:s1], g[local],
+                      None if ge is None else ge[local], temperature, buffers,
+                      None if dh is None else dh[s0:s1], dw, db, valid[s0:s1], None, softcap,
+                      first=store.flushes == 0)
+        store.flushes += 1
 
 
 def _chunk_gradient(objective, logp, entropy, stand_in, sl, inputs, config) -> Tuple[Tensor, Optional[Tensor]]:

@@ -1,0 +1,160 @@
+"""The one-pass hidden-state loss (``backend="triton"``, vendor GEMMs) plans its rows on the host once per call:
+which rows enter the GEMMs, in what order, how ``dZ`` is stored for the ``dH`` / ``dW`` GEMMs, and what it reads
+back (one host read, with the value checks). Every gradient is compared with the float64 reference.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import gspo_kernels as gk
+from gspo_kernels import backends, reference
+from gspo_kernels.testing import gradient_tolerance
+from tests.support import RTOL, objective_configs, objective_id, rel_err
+
+pytestmark = pytest.mark.skipif(backends.load("triton") is None or not backends.load("triton").supports(
+    torch.device("cuda" if torch.cuda.is_available() else "cpu")), reason="triton backend unavailable here")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _small_chunks(monkeypatch, logits_rows: int, store_rows: int) -> None:
+    from gspo_kernels.backends.triton import configs
+
+    monkeypatch.setattr(configs, "GEMM_MIN_CHUNK_ROWS", 1)
+    monkeypatch.setattr(configs, "GEMM_ROW_MULTIPLE", 1)
+    monkeypatch.setattr(configs, "ONE_PASS_LOGITS_ROWS", logits_rows)
+    monkeypatch.setattr(configs, "ONE_PASS_STORE_ROWS", store_rows)
+
+
+def _case(seed, *, dtype=torch.float32, B=6, T=5, H=16, V=37, packed=False):
+    g = torch.Generator().manual_seed(seed)
+    shape = (B * T,) if packed else (B, T)
+    hidden = torch.randn(*shape, H, generator=g).to(DEVICE, dtype).requires_grad_()
+    weight = (torch.randn(V, H, generator=g) * 0.3).to(DEVICE, dtype).requires_grad_()
+    labels = torch.randint(0, V, shape, generator=g).to(DEVICE)
+    adv = torch.randn(B, generator=g)
+    adv[[1, 4]] = 0.0  # two responses without a policy-gradient term
+    with torch.no_grad():  # off-policy: responses 0 and 3 move out of the band on their advantage's side (clipped)
+        logp = gk.linear_logprobs(hidden.float(), weight.float(), labels, backend="torch").cpu()
+    shift = torch.zeros(B)
+    shift[[0, 3]] = 0.5 * adv[[0, 3]].sign()
+    old = (logp - (shift[:, None].expand(B, T).reshape(shape)) + torch.randn(shape, generator=g) * 0.01).to(DEVICE)
+    mask = torch.ones(shape)
+    mask.view(-1)[[2, 3, 11, 27]] = 0  # masked rows inside responses
+    cu = torch.tensor([0, 3, 9, 10, 18, 25, 30]) if packed else None
+    return hidden, weight, labels, adv.to(DEVICE), old, mask.to(DEVICE), None if cu is None else cu.to(DEVICE)
+
+
+def _against_reference(out, leaves, labels, adv, old, mask, cu, cfg, tol):
+    grads = torch.autograd.grad(out.loss, leaves)
+    ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
+    ref = reference.fused_linear_gspo_loss(*ref_leaves, labels, adv.double(), old.double(), mask=mask, cu_seqlens=cu,
+                                           config=cfg)
+    ref_grads = torch.autograd.grad(ref.loss, ref_leaves)
+    assert abs(out.loss.item() - ref.loss.item()) < RTOL * max(1.0, abs(ref.loss.item()))
+    for got, want in zip(grads, ref_grads):
+        assert got.dtype == leaves[0].dtype
+        assert rel_err(got, want) < tol
+    for name, value in ref.metrics.items():
+        assert abs(out.metrics[name].item() - value.item()) < RTOL, name
+    return grads
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+@pytest.mark.parametrize("rows", [(4, 4), (7, 21), (12, 12), (64, 256)], ids=lambda r: f"C{r[0]}-K{r[1]}")
+def test_gathered_rows_and_a_shared_store_match_the_reference(monkeypatch, packed, rows):
+    """Masked rows left out of the GEMMs, zero-advantage responses out of the backward ones, clipped tokens as
+    zero rows; chunks smaller than, equal to and larger than the store; fp32 (dZ written over the logits) and,
+    below, bf16 (a separate dZ store shared by several chunks)."""
+    _small_chunks(monkeypatch, *rows)
+    hidden, weight, labels, adv, old, mask, cu = _case(sum(rows), packed=packed)
+    cfg = gk.GSPOConfig(importance_sampling_level="sequence", epsilon_low=0.05, epsilon_high=0.05)
+    out = gk.fused_linear_gspo_loss(hidden, weight, labels, adv, old, mask=mask, cu_seqlens=cu, config=cfg,
+                                    backend="triton")
+    dh, _ = _against_reference(out, (hidden, weight), labels, adv, old, mask, cu, cfg, RTOL)
+    flat = dh.reshape(-1, dh.shape[-1])
+    assert torch.all(flat[mask.reshape(-1) == 0] == 0)  # masked rows: no gradient, not garbage
+    assert out.metrics["clip_ratio/region_mean"].item() > 0  # the case does clip some responses
+
+
+@pytest.mark.parametrize("rows", [(4, 12), (7, 21)], ids=lambda r: f"C{r[0]}-K{r[1]}")
+def test_bf16_store_shared_by_chunks_within_two_roundings(monkeypatch, rows):
+    """bf16 operands: ``dZ`` rounded once into the store, the GEMMs over several chunks' rows at once, ``dW``
+    summed in fp32 and rounded once: the path's two roundings, as the unchunked path."""
+    _small_chunks(monkeypatch, *rows)
+    hidden, weight, labels, adv, old, mask, cu = _case(3, dtype=torch.bfloat16)
+    cfg = gk.GSPOConfig(importance_sampling_level="sequence", epsilon_low=0.05, epsilon_high=0.05)
+    out = gk.fused_linear_gspo_loss(hidden, weight, labels, adv, old, mask=mask, config=cfg, backend="triton")
+    _against_reference(out, (hidden, weight), labels, adv, old, mask, cu, cfg, gradient_tolerance("bf16", "linear"))
+
+
+@pytest.mark.parametrize("config", objective_configs(), ids=objective_id)
+def test_every_objective_skips_zero_advantage_responses_correctly(monkeypatch, config):
+    """The plan assumes a response whose advantages are all zero has no gradient unless the loss has a KL or an
+    entropy term: true of every objective, checked here against the float64 reference with such responses in
+    the batch (a wrong assumption would drop a gradient and fail)."""
+    _small_chunks(monkeypatch, 10, 20)
+    hidden, weight, labels, adv, old, mask, cu = _case(11)
+    kw = {}
+    if config.rollout_correction is not None:
+        kw["rollout_logprobs"] = old - 0.4
+    if config.beta > 0:
+        kw["ref_logprobs"] = old + 0.02
+    out = gk.fused_linear_gspo_loss(hidden, weight, labels, adv, old, mask=mask, config=config, backend="triton", **kw)
+    grads = torch.autograd.grad(out.loss, (hidden, weight))
+    ref_leaves = [t.detach().double().requires_grad_() for t in (hidden, weight)]
+    ref = reference.fused_linear_gspo_loss(*ref_leaves, labels, adv.double(), old.double(), mask=mask, config=config,
+                                           **{k: v.double() for k, v in kw.items()})
+    for got, want in zip(grads, torch.autograd.grad(ref.loss, ref_leaves)):
+        assert rel_err(got, want) < RTOL
+
+
+def test_one_host_read_per_call(monkeypatch):
+    """Eager mode: forward and backward of the one-pass loss read the device once (the value checks' sync, which
+    also brings the plan's per-response counts); nothing in the backward waits on the device."""
+    hidden, weight, labels, adv, old, mask, cu = _case(5, packed=True)
+    cfg = gk.GSPOConfig(importance_sampling_level="sequence")
+    reads = []
+    for name in ("tolist", "item", "__bool__", "__int__", "__float__", "nonzero", "cpu", "numpy"):
+        original = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _n=name, _f=original, **k: (reads.append(_n),
+                                                                                             _f(self, *a, **k))[1])
+    real_nonzero = torch.nonzero
+    monkeypatch.setattr(torch, "nonzero", lambda *a, **k: (reads.append("torch.nonzero"), real_nonzero(*a, **k))[1])
+    out = gk.fused_linear_gspo_loss(hidden, weight, labels, adv, old, mask=mask, cu_seqlens=cu, config=cfg,
+                                    backend="triton")
+    forward_reads = list(reads)
+    out.loss.backward()
+    monkeypatch.undo()
+    assert forward_reads == ["tolist"], forward_reads
+    assert reads == ["tolist"], reads  # the backward added none
+    assert hidden.grad is not None and weight.grad is not None
+
+
+def test_second_backward_with_retain_graph_is_a_clear_error():
+    """The gradients are formed in the forward and handed over (scaled in place) by the first backward: a second
+    backward through the same graph raises, naming ``retain_graph`` and what to do; the first one's gradients
+    are right (a loss scale of 3 included)."""
+    hidden, weight, labels, adv, old, mask, cu = _case(7)
+    cfg = gk.GSPOConfig(importance_sampling_level="sequence")
+    out = gk.fused_linear_gspo_loss(hidden, weight, labels, adv, old, mask=mask, config=cfg, backend="triton")
+    (3.0 * out.loss).backward(retain_graph=True)
+    ref_leaves = [t.detach().double().requires_grad_() for t in (hidden, weight)]
+    ref = reference.fused_linear_gspo_loss(*ref_leaves, labels, adv.double(), old.double(), mask=mask, config=cfg)
+    ref_grads = torch.autograd.grad(3.0 * ref.loss, ref_leaves)
+    assert rel_err(hidden.grad, ref_grads[0]) < RTOL and rel_err(weight.grad, ref_grads[1]) < RTOL
+    with pytest.raises(RuntimeError, match="retain_graph"):
+        out.loss.backward()
+
+
+def test_gradients_return_in_the_callers_dtype_without_a_round_trip():
+    """fp32 leaves run on bf16 operands when the precision policy says so (``fp32_head=False`` on CUDA); the
+    gradients come back to the caller's fp32 tensors directly from the fp32 accumulators. Here (fp32 in, fp32
+    operands) they are the caller's dtype and within the fp32 tolerance."""
+    hidden, weight, labels, adv, old, mask, cu = _case(9)
+    cfg = gk.GSPOConfig(importance_sampling_level="token")
+    out = gk.fused_linear_gspo_loss(hidden, weight, labels, adv, old, mask=mask, config=cfg, backend="triton")
+    grads = _against_reference(out, (hidden, weight), labels, adv, old, mask, cu, cfg, RTOL)
+    assert all(g.dtype == torch.float32 for g in grads)
