@@ -133,6 +133,13 @@ class _Buffers:
         if need_dz:
             self.dz = self.logits if operand == acc else torch.empty((rows, vocab), device=device, dtype=operand)
 
+    @classmethod
+    def over(cls, logits: Tensor, dz: Tensor) -> "_Buffers":
+        """Buffers made of existing tensors."""
+        buffers = cls.__new__(cls)
+        buffers.logits, buffers.dz = logits, dz
+        return buffers
+
 
 def _chunk_statistics(z: Tensor, labels: Tensor, active: Optional[Tensor], temperature: float, logp: Tensor,
                       entropy: Tensor, row_stats: Tensor, softcap: Optional[float] = None) -> None:
@@ -236,21 +243,47 @@ class VendorLinearLogprobs(torch.autograd.Function):
             if g is not None:
                 carries |= g != 0
         carries &= computed
-        grad_logp = None if grad_logp is None else grad_logp.to(acc)
-        grad_entropy = None if grad_entropy is None else grad_entropy.to(acc)
+        grad_logp = None if grad_logp is None else torch.where(carries, grad_logp.to(acc), 0)
+        grad_entropy = None if grad_entropy is None else torch.where(carries, grad_entropy.to(acc), 0)
         dh = torch.zeros_like(rows) if need_dh else None
-        dw = torch.zeros(w.shape, device=w.device, dtype=acc) if need_dw else None
+        dw = torch.empty(w.shape, device=w.device, dtype=acc) if need_dw else None
         db = torch.zeros(vocab, device=w.device, dtype=acc) if (need_db and bias is not None) else None
-        chunk = configs.gemm_chunk_rows(n, vocab, w.dtype, ctx.memory_budget, need_dz=True)
-        buffers = _Buffers(min(chunk, n), vocab, w.dtype, w.device, need_dz=True) if n else None
-        for r0 in range(0, n, chunk):  # no host read: rows without gradient go through the GEMMs as zero rows
+        free = None
+        if ctx.memory_budget is None and w.is_cuda and checks.host_reads_allowed():
+            free = torch.cuda.mem_get_info(w.device)[0]
+        chunk, store_rows = configs.one_pass_chunk_rows(n, vocab, w.dtype, ctx.memory_budget, free)
+        separate = w.dtype != acc
+        buffers = _Buffers(min(chunk, n), vocab, w.dtype, w.device, need_dz=not separate) if n else None
+        # no host read: every row goes through the GEMMs, those without gradient as zero rows (masked in the store)
+        store = _GradientStore(max(store_rows, chunk) if separate else chunk, vocab, buffers, w.dtype, w.device,
+                               masked=True) if n else None
+        for r0 in range(0, n, chunk):
             r1 = min(n, r0 + chunk)
             sl = slice(r0, r1)
-            index = carries[sl]
-            backward_rows(rows[sl], w, b, labels[sl], row_stats[:, sl], entropy[sl],
-                          None if grad_logp is None else torch.where(carries[sl], grad_logp[sl], 0),
-                          None if grad_entropy is None else torch.where(carries[sl], grad_entropy[sl], 0),
-                          ctx.temperature, buffers, None if dh is None else dh[sl], dw, db, index, None, ctx.softcap)
+            k = r1 - r0
+            if store.used + k > store.rows:
+                store.flush(rows, w, dh, dw)
+            dz = store.add(k, None, r0, carries[sl])
+            z = chunk_logits(rows[sl], w, b, buffers.logits)
+            g = None if grad_logp is None else grad_logp[sl]
+            ge = None if grad_entropy is None else grad_entropy[sl]
+            stats = row_stats[:, sl].contiguous()  # the kernel reads a dense [2, n] block
+            if db is not None or not separate:  # dZ in fp32 first (the bias gradient sums it), then one rounding
+                logprobs_backward(z, labels[sl], stats, entropy[sl], g, ge, temperature=ctx.temperature,
+                                  inplace=True, softcap=ctx.softcap)
+                if db is not None:
+                    db.add_(z.sum(0, dtype=db.dtype))
+                if dz.data_ptr() != z.data_ptr():
+                    dz.copy_(z)
+            else:
+                logprobs_backward(z, labels[sl], stats, entropy[sl], g, ge, temperature=ctx.temperature, out=dz,
+                                  softcap=ctx.softcap)
+            if not separate:
+                store.flush(rows, w, dh, dw)
+        if store is not None:
+            store.flush(rows, w, dh, dw)
+        if dw is not None and (store is None or store.flushes == 0):
+            dw.zero_()
         return (None if dh is None else dh.reshape(hidden.shape).to(hidden.dtype),
                 None if dw is None else dw.to(weight.dtype),
                 None if db is None else db.to(bias.dtype), None, None, None, None, None)
@@ -346,9 +379,10 @@ class _GradientStore:
     """``dZ`` rows (operand dtype) waiting for the ``dH`` / ``dW`` GEMMs, with the token index of each; flushed
     when full and at the end, so that the fp32 ``dW`` accumulator is read and written once per store."""
 
-    def __init__(self, rows: int, vocab: int, buffers: _Buffers, separate: bool, device: torch.device,
+    def __init__(self, rows: int, vocab: int, buffers: _Buffers, operand: torch.dtype, device: torch.device,
                  masked: bool):
-        self.dz = torch.empty((rows, vocab), device=device, dtype=buffers.dz.dtype) if separate else buffers.dz
+        separate = buffers.dz is None  # else dZ is written over the logits buffer (fp32 / fp64 operands)
+        self.dz = torch.empty((rows, vocab), device=device, dtype=operand) if separate else buffers.dz
         self.index = torch.empty(rows, device=device, dtype=torch.int64)
         # masked: rows not planned on the host; those without gradient (maybe garbage, e.g. NaN padding) enter the
         # GEMMs as zero rows
@@ -449,8 +483,8 @@ def fused_linear_loss(
     entropy = torch.zeros_like(logp)
     row_stats = torch.zeros((2, n), device=w.device, dtype=acc)
     stand_in = torch.zeros_like(logp) if inputs.old_logprobs is None else inputs.old_logprobs.to(acc).clone()
-    buffers = _Buffers(min(chunk, n), vocab, w.dtype, w.device, need_dz=True) if n else None
-    store = _GradientStore(max(store_rows, chunk) if separate else chunk, vocab, buffers, separate, w.device,
+    buffers = _Buffers(min(chunk, n), vocab, w.dtype, w.device, need_dz=not separate) if n else None
+    store = _GradientStore(max(store_rows, chunk) if separate else chunk, vocab, buffers, w.dtype, w.device,
                            masked=not plan.known) if n else None
     two_pass_tokens = 0
     for t0, t1, whole, n_counted, n_carrying in plan.chunks:
@@ -546,6 +580,7 @@ def _long_response(objective, rows, w, b, labels, valid, t0, t1, chunk, n_carryi
         return
     g, ge = _chunk_gradient(objective, logp, entropy, stand_in, slice(t0, t1), inputs, config)
     store.flush(rows, w, dh, dw)
+    buffers = _Buffers.over(buffers.logits, store.dz)  # dZ of each part in the (empty) store's rows
     for s0, s1 in parts:
         local = slice(s0 - t0, s1 - t0)
         backward_rows(rows[s0:s1], w, b, labels[s0:s1], row_stats[:, s0:s1], entropy[s0:s1], g[local],
