@@ -134,9 +134,9 @@ def _grad_tile(x: Tensor, m: Tensor, log_s: Tensor, entropy: Tensor, g: Tensor, 
         alpha = -(g + ge * entropy) / tau
         torch.addcmul(alpha[:, None], d, (-ge / tau)[:, None], out=d)
         torch.mul(p, d, out=out)
-    inside = (local >= 0) & (local < x.shape[1])
-    rows = torch.nonzero(inside)[:, 0]
-    out.index_put_((rows, local[rows]), (g[rows] / tau).to(out.dtype), accumulate=True)
+    inside = (local >= 0) & (local < x.shape[1])  # the label's column is in this tile: add g / tau there
+    col = local.clamp(0, x.shape[1] - 1)[:, None]
+    out.scatter_add_(1, col, torch.where(inside, g / tau, 0.0).to(out.dtype)[:, None])  # no host read, no sort
 
 
 def _carries_gradient(grad_logp: Optional[Tensor], grad_entropy: Optional[Tensor], n: int, device) -> Tensor:
@@ -251,9 +251,16 @@ def _cap_slope(z: Tensor, cap: float, out: Tensor) -> Tensor:
     return torch.cosh(out.div_(cap), out=out).pow_(-2)
 
 
-def _rows_forward(x: Tensor, y: Tensor, V: int, cdt: torch.dtype, ws: _Workspace,
+def _label_columns(labels: Tensor, V: int) -> Tuple[Tensor, Tensor]:
+    """``(col [N] int64, inside [N] bool)``: each label clamped into ``[0, V)`` and whether it was there (once
+    per call, not per block; a label outside is never read)."""
+    return labels.clamp(0, V - 1), (labels >= 0) & (labels < V)
+
+
+def _rows_forward(x: Tensor, col: Tensor, inside: Tensor, cdt: torch.dtype, ws: _Workspace,
                   return_entropy: bool) -> Tuple[Tensor, Optional[Tensor]]:
-    """``(log p_y [r], entropy [r] | None)`` of the scaled logits rows ``x [r, V]`` and labels ``y [r]``.
+    """``(log p_y [r], entropy [r] | None)`` of the scaled logits rows ``x [r, V]``, their labels' columns
+    ``col [r]`` and ``inside [r]`` (:func:`_label_columns`; NaN where False).
 
     One fused ``log_softmax`` pass; no host read, no index sort. The entropy ``-sum p log p``: on an accelerator
     ``exp``, ``entr`` (``-p log p``, 0 at ``p = 0``: a ``-inf`` logit adds 0, never ``0 * -inf``) and a row sum
@@ -262,8 +269,7 @@ def _rows_forward(x: Tensor, y: Tensor, V: int, cdt: torch.dtype, ws: _Workspace
     """
     lp, p = ws.tiles(*x.shape)
     torch.log_softmax(x, 1, dtype=cdt, out=lp)
-    inside = (y >= 0) & (y < V)
-    picked = lp.gather(1, y.clamp(0, V - 1)[:, None])[:, 0]
+    picked = lp.gather(1, col[:, None])[:, 0]
     logp = torch.where(inside, picked, float("nan"))  # a label outside [0, V) is never read
     if not return_entropy:
         return logp, None
@@ -275,7 +281,7 @@ def _rows_forward(x: Tensor, y: Tensor, V: int, cdt: torch.dtype, ws: _Workspace
     return logp, -p.mul_(lp).sum(dim=1)
 
 
-def _rows_backward(x: Tensor, y: Tensor, V: int, g: Tensor, ge: Optional[Tensor], ent: Optional[Tensor],
+def _rows_backward(x: Tensor, col: Tensor, inside: Tensor, g: Tensor, ge: Optional[Tensor], ent: Optional[Tensor],
                    tau: float, cdt: torch.dtype, ws: _Workspace, slope: Optional[Tensor], out: Tensor) -> None:
     """Write ``dL/dlogits`` of the rows into ``out [r, V]`` (the logits' dtype, possibly their own storage:
     ``x`` is read before ``out`` is written): ``(g/tau)(onehot - p) - (ge/tau) p (log p + H)``, times the
@@ -285,8 +291,7 @@ def _rows_backward(x: Tensor, y: Tensor, V: int, g: Tensor, ge: Optional[Tensor]
     then one multiply by ``-g/tau`` written straight into ``out``: two passes over the rows.
     """
     lp, p = ws.tiles(*x.shape)
-    inside = (y >= 0) & (y < V)
-    col = y.clamp(0, V - 1)[:, None]
+    col = col[:, None]
     if ge is None:
         torch.softmax(x, 1, dtype=cdt, out=p)
         p.scatter_add_(1, col, torch.where(inside, -1.0, 0.0).to(cdt)[:, None])  # p - onehot
@@ -334,12 +339,14 @@ class _LogitsLogprobs(torch.autograd.Function):
         R = _logits_block_rows(V, device, tiles, torch.empty((), dtype=cdt).element_size())
         blocks = row_blocks(logits, R, balanced=_accelerated(device))
         plan = _row_plan(blocks, active, device)
+        col, inside = _label_columns(labels, V)
         ws = _Workspace(R, V, cdt, device)
         for (r0, r1, rows), (_, _, sel) in zip(blocks, plan):
             if sel is _SKIP:
                 continue
             x = _scaled_rows(_pick(rows, 0, r1 - r0, sel), temperature, cdt, ws, softcap)
-            lp_rows, ent_rows = _rows_forward(x, _pick(labels, r0, r1, sel), V, cdt, ws, return_entropy)
+            lp_rows, ent_rows = _rows_forward(x, _pick(col, r0, r1, sel), _pick(inside, r0, r1, sel), cdt, ws,
+                                              return_entropy)
             _store(logp, r0, r1, sel, lp_rows)
             if return_entropy:
                 _store(entropy, r0, r1, sel, ent_rows)
@@ -369,6 +376,7 @@ class _LogitsLogprobs(torch.autograd.Function):
             if ctx.active is not None:
                 carries &= ctx.active
             plan = _row_plan([(r0, r1) for r0, r1, _ in plan], carries, device)
+        col, inside = _label_columns(labels, V)
         ws = _Workspace(ctx.rows, V, cdt, device)
         for r0, r1, sel in plan:
             target = _row_view(grad, r0, r1)
@@ -382,7 +390,7 @@ class _LogitsLogprobs(torch.autograd.Function):
             x = _scaled_rows(sub, tau, cdt, ws, cap)
             out = torch.empty(x.shape, dtype=grad.dtype, device=device) if index else target
             ge = None if grad_entropy is None else _pick(grad_entropy, r0, r1, sel)
-            _rows_backward(x, _pick(labels, r0, r1, sel), V, _pick(g_all, r0, r1, sel), ge,
+            _rows_backward(x, _pick(col, r0, r1, sel), _pick(inside, r0, r1, sel), _pick(g_all, r0, r1, sel), ge,
                            _pick(entropy, r0, r1, sel), tau, cdt, ws, slope, out)
             if index:
                 target.zero_()
