@@ -1,9 +1,13 @@
 """``backend="torch"``: the portable chunked heavy stage (any device), and the blueprint of the others.
 
 fp32 math (fp64 for fp64 inputs); no ``[N, V]`` fp32 intermediate exists.
-Logits path: blocks of whole rows (about ``LOGITS_BLOCK_ELEMENTS`` elements) through ATen's fused
-``log_softmax`` / ``softmax`` kernels into two scratch blocks: forward 1 fused pass + 3 for the
-entropy; backward 2 passes (5 when the entropy carries gradient), writing the gradient directly.
+Logits path: blocks of whole rows through ATen's fused ``log_softmax`` / ``softmax`` kernels into two
+scratch blocks: forward 1 fused pass + 3 for the entropy; backward 2 passes (5 when the entropy carries
+gradient), writing the gradient directly. Block size: on CPU about ``LOGITS_BLOCK_ELEMENTS`` elements; on an
+accelerator (CUDA) the scratch blocks fill ``DEFAULT_MEMORY_BUDGET`` (bf16 [16384, 151936] logits: 32 blocks,
+~15 kernels each, where 55-row blocks made 304). Rows to compute (the forward's ``active``, the backward's rows
+with gradient) are read to the host once per call, never per block; no op sorts (``scatter_add``, not
+``index_put(accumulate=True)``); ``tests/test_torch_backend_launches.py`` counts both.
 Hidden-state path: rows x vocabulary tiles, an online softmax (running max ``m``,
 ``s = sum e^(x-m)``, ``a = sum e^(x-m)(x-m)``) with the label's logit and the entropy folded in;
 one ``[rows, vocab_block]`` logits tile exists at a time.
@@ -521,9 +525,13 @@ def logits_logprobs(
     """Per-token ``(logp [N], entropy [N] | None)`` from ``logits [N, V]`` / ``[B, T, V]``.
 
     fp16/bf16/fp32 logits: fp32 math and outputs; fp64 logits: fp64 math and outputs. Extra memory:
-    ``O(N)`` plus two (three with a temperature or a soft cap, four in the capped backward) scratch blocks
-    of whole rows, about ``LOGITS_BLOCK_ELEMENTS`` elements each; the backward writes one gradient the size
-    of the logits (or into the logits with ``inplace_backward``). ``softcap``: see the backend contract.
+    ``O(N)`` plus two (three with a temperature or a soft cap, four in the capped backward, one more for the
+    rows of partly selected blocks) scratch blocks of whole rows: on CPU about ``LOGITS_BLOCK_ELEMENTS``
+    elements each; on an accelerator all of them together about ``DEFAULT_MEMORY_BUDGET`` bytes (1 GiB).
+    The backward writes one gradient the size of the logits (or into the logits with ``inplace_backward``).
+    Host reads: one ``[N]`` bool mask per forward with ``active`` and one per backward (none on CPU tensors,
+    none under ``torch.compile`` / CUDA-graph capture, where every row of a block is computed and the others'
+    results replaced by 0). ``softcap``: see the backend contract.
     """
     cap = None if softcap is None else float(softcap)
     logp, entropy = _LogitsLogprobs.apply(logits, labels, active, float(temperature), return_entropy, inplace_backward,
