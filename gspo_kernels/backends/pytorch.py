@@ -1,9 +1,13 @@
 """``backend="torch"``: the portable chunked heavy stage (any device), and the blueprint of the others.
 
 fp32 math (fp64 for fp64 inputs); no ``[N, V]`` fp32 intermediate exists.
-Logits path: blocks of whole rows (about ``LOGITS_BLOCK_ELEMENTS`` elements) through ATen's fused
-``log_softmax`` / ``softmax`` kernels into two scratch blocks: forward 1 fused pass + 3 for the
-entropy; backward 2 passes (5 when the entropy carries gradient), writing the gradient directly.
+Logits path: blocks of whole rows through ATen's fused ``log_softmax`` / ``softmax`` kernels into two
+scratch blocks: forward 1 fused pass + 3 for the entropy; backward 2 passes (5 when the entropy carries
+gradient), writing the gradient directly. Block size: on CPU about ``LOGITS_BLOCK_ELEMENTS`` elements; on an
+accelerator (CUDA) the scratch blocks fill ``DEFAULT_MEMORY_BUDGET`` (bf16 [16384, 151936] logits: 32 blocks,
+~15 kernels each, where 55-row blocks made 304). Rows to compute (the forward's ``active``, the backward's rows
+with gradient) are read to the host once per call, never per block; no op sorts (``scatter_add``, not
+``index_put(accumulate=True)``); ``tests/test_torch_backend_launches.py`` counts both.
 Hidden-state path: rows x vocabulary tiles, an online softmax (running max ``m``,
 ``s = sum e^(x-m)``, ``a = sum e^(x-m)(x-m)``) with the label's logit and the entropy folded in;
 one ``[rows, vocab_block]`` logits tile exists at a time.
@@ -26,13 +30,15 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from gspo_kernels.backends import Backend
+from gspo_kernels.backends import DEFAULT_MEMORY_BUDGET, Backend
 from gspo_kernels.backends.tiling import as_rows, row_blocks
+from gspo_kernels.checks import host_reads_allowed
 from gspo_kernels.precision import compute_dtype
 
 LOGITS_BLOCK_ELEMENTS = 1 << 23  # logits path: whole rows per block, about this many elements (32 MiB fp32)
 LINEAR_ROW_BLOCK = 1024  # rows per tile of the hidden-state path (the weight is streamed once per block)
 LINEAR_VOCAB_BLOCK = 4096
+ACCELERATOR_BUDGET: Optional[int] = None  # bytes of logits-path scratch on accelerators (None: the default budget)
 
 
 def _log_p_floor(dtype: torch.dtype) -> float:
@@ -132,9 +138,9 @@ def _grad_tile(x: Tensor, m: Tensor, log_s: Tensor, entropy: Tensor, g: Tensor, 
         alpha = -(g + ge * entropy) / tau
         torch.addcmul(alpha[:, None], d, (-ge / tau)[:, None], out=d)
         torch.mul(p, d, out=out)
-    inside = (local >= 0) & (local < x.shape[1])
-    rows = torch.nonzero(inside)[:, 0]
-    out.index_put_((rows, local[rows]), (g[rows] / tau).to(out.dtype), accumulate=True)
+    inside = (local >= 0) & (local < x.shape[1])  # the label's column is in this tile: add g / tau there
+    col = local.clamp(0, x.shape[1] - 1)[:, None]
+    out.scatter_add_(1, col, torch.where(inside, g / tau, 0.0).to(out.dtype)[:, None])  # no host read, no sort
 
 
 def _carries_gradient(grad_logp: Optional[Tensor], grad_entropy: Optional[Tensor], n: int, device) -> Tensor:
@@ -147,9 +153,86 @@ def _carries_gradient(grad_logp: Optional[Tensor], grad_entropy: Optional[Tensor
     return carries
 
 
-def _logits_block_rows(V: int) -> int:
-    """Rows per block of the logits path: whole rows, about ``LOGITS_BLOCK_ELEMENTS`` elements."""
-    return max(1, LOGITS_BLOCK_ELEMENTS // max(V, 1))
+def _accelerated(device: torch.device) -> bool:
+    """Whether ``device`` takes the accelerator route (CUDA and any other non-CPU device): chunks sized from a
+    byte budget, no host read per chunk, none in the backward (the tests force it on CPU tensors)."""
+    return device.type != "cpu"
+
+
+def _logits_block_rows(V: int, device: torch.device, tiles: int, itemsize: int) -> int:
+    """Rows per block of the logits path. CPU: about ``LOGITS_BLOCK_ELEMENTS`` elements (cache-sized blocks
+    are fastest there). Accelerator: ``tiles`` scratch blocks of ``[rows, V]`` in the compute dtype fill
+    ``ACCELERATOR_BUDGET`` bytes (None: :data:`DEFAULT_MEMORY_BUDGET`): at V = 151936 fp32 with 3 tiles,
+    589 rows, so 16384 rows take ~28-32 launches of each op instead of ~300."""
+    if not _accelerated(device):
+        return max(1, LOGITS_BLOCK_ELEMENTS // max(V, 1))
+    budget = DEFAULT_MEMORY_BUDGET if ACCELERATOR_BUDGET is None else ACCELERATOR_BUDGET
+    return max(1, budget // (tiles * max(V, 1) * itemsize))
+
+
+def _to_host(mask: Tensor) -> Tensor:
+    """``mask [N]`` bool on the CPU: the one host read of a forward call on an accelerator (free on CPU)."""
+    return mask if mask.device.type == "cpu" else mask.to("cpu")
+
+
+_SKIP = "skip"  # a chunk none of whose rows is selected
+
+
+def _row_plan(blocks, mask: Optional[Tensor], device: torch.device) -> list:
+    """``[(r0, r1, sel)]`` for the row blocks ``[(r0, r1, ...)]`` and the rows to compute ``mask [N]`` (None: all).
+
+    ``sel``: None (every row of the block), ``_SKIP`` (none), a ``[k]`` int64 tensor on ``device`` of the
+    block's selected rows (relative to ``r0``), or, where no host read is allowed (``torch.compile``, CUDA-graph
+    capture), the block's ``[r1 - r0]`` bool mask itself: every row is computed and the others' results are
+    replaced by 0. One host read of ``mask`` per plan (none for CPU tensors, none without a mask); the indices
+    of partially selected blocks go back to the device in one copy that does not wait for it.
+    """
+    if mask is None:
+        return [(r0, r1, None) for r0, r1, *_ in blocks]
+    if not host_reads_allowed():
+        return [(r0, r1, mask[r0:r1]) for r0, r1, *_ in blocks]
+    host = _to_host(mask)
+    csum = torch.cat((host.new_zeros(1, dtype=torch.int64), host.cumsum(0)))
+    bounds = torch.tensor([(r0, r1) for r0, r1, *_ in blocks], dtype=torch.int64).reshape(-1, 2)
+    counts = (csum[bounds[:, 1]] - csum[bounds[:, 0]]).tolist()
+    plan, parts = [], []
+    for (r0, r1, *_), k in zip(blocks, counts):
+        if k == 0:
+            plan.append((r0, r1, _SKIP))
+        elif k == r1 - r0:
+            plan.append((r0, r1, None))
+        else:
+            parts.append(torch.nonzero(host[r0:r1])[:, 0])
+            plan.append((r0, r1, len(parts) - 1))
+    if parts:
+        flat = torch.cat(parts)
+        if device.type == "cuda":
+            flat = flat.pin_memory().to(device, non_blocking=True)
+        else:
+            flat = flat.to(device)
+        pieces = torch.split(flat, [p.numel() for p in parts])
+        plan = [(r0, r1, pieces[sel] if isinstance(sel, int) else sel) for r0, r1, sel in plan]
+    return plan
+
+
+def _is_index(sel) -> bool:
+    return isinstance(sel, Tensor) and sel.dtype != torch.bool
+
+
+def _pick(t: Tensor, r0: int, r1: int, sel) -> Tensor:
+    """Rows ``[r0, r1)`` of ``t [N]`` (or ``[N, V]`` views), restricted to ``sel`` when it is an index."""
+    part = t[r0:r1]
+    return part.index_select(0, sel) if _is_index(sel) else part
+
+
+def _store(dst: Tensor, r0: int, r1: int, sel, values: Tensor) -> None:
+    """``dst[r0:r1] = values`` for the plan entry ``sel`` (no host read; unselected rows keep / get 0)."""
+    if sel is None:
+        dst[r0:r1] = values
+    elif _is_index(sel):
+        dst[r0:r1].index_copy_(0, sel, values)
+    else:
+        dst[r0:r1] = torch.where(sel, values, torch.zeros((), dtype=values.dtype, device=values.device))
 
 
 def _scaled_rows(rows: Tensor, tau: float, cdt: torch.dtype, ws: _Workspace, cap: Optional[float] = None) -> Tensor:
@@ -172,11 +255,80 @@ def _cap_slope(z: Tensor, cap: float, out: Tensor) -> Tensor:
     return torch.cosh(out.div_(cap), out=out).pow_(-2)
 
 
+def _label_columns(labels: Tensor, V: int) -> Tuple[Tensor, Tensor]:
+    """``(col [N] int64, inside [N] bool)``: each label clamped into ``[0, V)`` and whether it was there (once
+    per call, not per block; a label outside is never read)."""
+    return labels.clamp(0, V - 1), (labels >= 0) & (labels < V)
+
+
+def _rows_forward(x: Tensor, col: Tensor, inside: Tensor, cdt: torch.dtype, ws: _Workspace,
+                  return_entropy: bool) -> Tuple[Tensor, Optional[Tensor]]:
+    """``(log p_y [r], entropy [r] | None)`` of the scaled logits rows ``x [r, V]``, their labels' columns
+    ``col [r]`` and ``inside [r]`` (:func:`_label_columns`; NaN where False).
+
+    One fused ``log_softmax`` pass; no host read, no index sort. The entropy ``-sum p log p``: on an accelerator
+    ``exp``, ``entr`` (``-p log p``, 0 at ``p = 0``: a ``-inf`` logit adds 0, never ``0 * -inf``) and a row sum
+    (26 bytes per logit in all for fp32 scratch, against 38 for the CPU's form); on CPU, where ``entr`` is not
+    vectorized, ``log p`` clamped to a floor where ``exp`` is exactly 0, ``exp``, a product and a row sum.
+    """
+    lp, p = ws.tiles(*x.shape)
+    torch.log_softmax(x, 1, dtype=cdt, out=lp)
+    picked = lp.gather(1, col[:, None])[:, 0]
+    logp = torch.where(inside, picked, float("nan"))  # a label outside [0, V) is never read
+    if not return_entropy:
+        return logp, None
+    if _accelerated(x.device):
+        torch.exp(lp, out=p)
+        return logp, torch.special.entr(p, out=p).sum(dim=1)
+    lp.clamp_(min=_log_p_floor(cdt))  # exp is exactly 0 there: -inf logits add 0, not 0 * -inf
+    torch.exp(lp, out=p)
+    return logp, -p.mul_(lp).sum(dim=1)
+
+
+def _rows_backward(x: Tensor, col: Tensor, inside: Tensor, g: Tensor, ge: Optional[Tensor], ent: Optional[Tensor],
+                   tau: float, cdt: torch.dtype, ws: _Workspace, slope: Optional[Tensor], out: Tensor) -> None:
+    """Write ``dL/dlogits`` of the rows into ``out [r, V]`` (the logits' dtype, possibly their own storage:
+    ``x`` is read before ``out`` is written): ``(g/tau)(onehot - p) - (ge/tau) p (log p + H)``, times the
+    soft cap's ``slope`` when given. Formed in the compute dtype and rounded once when stored.
+
+    Without an entropy gradient: ``p = softmax(x)``, ``p_y -= 1`` (a ``scatter_add``: no sort, no host read),
+    then one multiply by ``-g/tau`` written straight into ``out``: two passes over the rows.
+    """
+    lp, p = ws.tiles(*x.shape)
+    col = col[:, None]
+    if ge is None:
+        torch.softmax(x, 1, dtype=cdt, out=p)
+        p.scatter_add_(1, col, torch.where(inside, -1.0, 0.0).to(cdt)[:, None])  # p - onehot
+        coef = (-g / tau)[:, None]
+        if slope is None:
+            torch.mul(p, coef, out=out)
+        else:
+            torch.mul(p.mul_(coef), slope, out=out)
+        return
+    torch.log_softmax(x, 1, dtype=cdt, out=lp)
+    lp.clamp_(min=_log_p_floor(cdt))  # p = 0 there, and p * (log p + H) stays 0
+    torch.exp(lp, out=p)
+    alpha = -(g + ge * ent) / tau
+    torch.addcmul(alpha[:, None], lp, (-ge / tau)[:, None], out=lp)
+    lp.mul_(p)
+    lp.scatter_add_(1, col, torch.where(inside, g / tau, 0.0).to(cdt)[:, None])
+    if slope is not None:
+        lp.mul_(slope)
+    out.copy_(lp)
+
+
 class _LogitsLogprobs(torch.autograd.Function):
     """Whole rows at a time, through ATen's fused ``log_softmax`` / ``softmax`` kernels (one pass each,
-    ``(x - max) - log sum`` kept apart inside), into two ``[rows, V]`` scratch blocks of about
-    ``LOGITS_BLOCK_ELEMENTS`` elements: the fewest passes over the logits plain PyTorch allows, and no
-    ``[N, V]`` intermediate."""
+    ``(x - max) - log sum`` kept apart inside), into scratch blocks of whole rows (CPU: about
+    ``LOGITS_BLOCK_ELEMENTS`` elements each; accelerators: a byte budget): the fewest passes over the logits
+    plain PyTorch allows, and no ``[N, V]`` intermediate.
+
+    Rows: the forward computes the ``active`` rows, the backward the active rows whose incoming gradient is
+    non-zero; the others get exactly 0 and are never read. Each selection is one host read of an ``[N]`` mask
+    on an accelerator (none on CPU tensors, none in the forward without ``active``), never one per block.
+    Where no host read is allowed (``torch.compile``, CUDA-graph capture) every row of the forward's selection
+    is computed and the results of the others are replaced by 0 (``torch.where`` / ``masked_fill``).
+    """
 
     @staticmethod
     def forward(ctx, logits, labels, active, temperature, return_entropy, inplace_backward, softcap):
@@ -186,28 +338,25 @@ class _LogitsLogprobs(torch.autograd.Function):
         device = logits.device
         logp = torch.zeros(n, dtype=cdt, device=device)
         entropy = torch.zeros(n, dtype=cdt, device=device)
-        R = _logits_block_rows(V)
+        scaled = softcap is not None or temperature != 1.0
+        tiles = 2 + scaled + (softcap is not None) + (active is not None)
+        R = _logits_block_rows(V, device, tiles, torch.empty((), dtype=cdt).element_size())
+        blocks = row_blocks(logits, R, balanced=_accelerated(device))
+        plan = _row_plan(blocks, active, device)
+        col, inside = _label_columns(labels, V)
         ws = _Workspace(R, V, cdt, device)
-        for r0, r1, rows in row_blocks(logits, R):
-            index = torch.arange(r0, r1, device=device)
-            if active is not None:
-                index = index[active[r0:r1]]
-                if index.numel() == 0:
-                    continue
-                if index.numel() < r1 - r0:
-                    rows = rows[index - r0]
-            x = _scaled_rows(rows, temperature, cdt, ws, softcap)
-            lp, p = ws.tiles(*x.shape)
-            torch.log_softmax(x, 1, dtype=cdt, out=lp)
-            y = labels[index]
-            inside = (y >= 0) & (y < V)
-            picked = lp.gather(1, y.clamp(0, V - 1)[:, None])[:, 0]
-            logp[index] = torch.where(inside, picked, float("nan"))  # a label outside [0, V) is never read
+        for (r0, r1, rows), (_, _, sel) in zip(blocks, plan):
+            if sel is _SKIP:
+                continue
+            x = _scaled_rows(_pick(rows, 0, r1 - r0, sel), temperature, cdt, ws, softcap)
+            lp_rows, ent_rows = _rows_forward(x, _pick(col, r0, r1, sel), _pick(inside, r0, r1, sel), cdt, ws,
+                                              return_entropy)
+            _store(logp, r0, r1, sel, lp_rows)
             if return_entropy:
-                lp.clamp_(min=_log_p_floor(cdt))  # exp is exactly 0 there: -inf logits add 0, not 0 * -inf
-                torch.exp(lp, out=p)
-                entropy[index] = -p.mul_(lp).sum(dim=1)
+                _store(entropy, r0, r1, sel, ent_rows)
         ctx.save_for_backward(logits, labels, entropy)
+        ctx.active = active
+        ctx.plan, ctx.rows = plan, R
         ctx.temperature = temperature
         ctx.softcap = softcap
         ctx.inplace = inplace_backward
@@ -221,50 +370,37 @@ class _LogitsLogprobs(torch.autograd.Function):
         V = logits.shape[-1]
         n = labels.shape[0]
         cdt = entropy.dtype
-        carries = _carries_gradient(grad_logp, grad_entropy, n, logits.device)
-        grad = logits.detach() if ctx.inplace else torch.empty_like(logits, memory_format=torch.contiguous_format)
+        device = logits.device
+        source = logits.detach()
+        grad = source if ctx.inplace else torch.empty_like(logits, memory_format=torch.contiguous_format)
         g_all = grad_logp if grad_logp is not None else torch.zeros_like(entropy)
-        R = _logits_block_rows(V)
-        ws = _Workspace(R, V, cdt, logits.device)
-        for r0, r1, rows in row_blocks(logits.detach(), R):
-            index = torch.arange(r0, r1, device=logits.device)[carries[r0:r1]]
+        plan = ctx.plan
+        if host_reads_allowed():  # skip every row without gradient: one host read of the mask (none on CPU)
+            carries = _carries_gradient(grad_logp, grad_entropy, n, device)
+            if ctx.active is not None:
+                carries &= ctx.active
+            plan = _row_plan([(r0, r1) for r0, r1, _ in plan], carries, device)
+        col, inside = _label_columns(labels, V)
+        ws = _Workspace(ctx.rows, V, cdt, device)
+        for r0, r1, sel in plan:
             target = _row_view(grad, r0, r1)
-            if index.numel() == 0:
+            if sel is _SKIP:
                 target.zero_()
                 continue
-            full = index.numel() == r1 - r0
-            sub = rows if full else rows[index - r0]  # (a copy: read before the in-place target is zeroed)
-            if not full:
-                target.zero_()
-            g = g_all[index]
-            # (both read sub before anything is written: with inplace_backward it is the target's storage)
+            index = _is_index(sel)
+            # (an index reads a copy of the rows, before the in-place target is zeroed)
+            sub = _pick(_row_view(source, r0, r1), 0, r1 - r0, sel)
             slope = None if cap is None else _cap_slope(sub, cap, ws.slope_tile(*sub.shape))
             x = _scaled_rows(sub, tau, cdt, ws, cap)
-            lp, p = ws.tiles(*x.shape)
-            out = target if full else torch.empty(x.shape, dtype=grad.dtype, device=grad.device)
-            # Half-precision gradients are formed in the compute dtype (the scratch tile p) and rounded once
-            # when stored: adding g at the label column to an already rounded -g p would round it twice.
-            acc = out if out.dtype == cdt else p
-            if grad_entropy is None:
-                torch.softmax(x, 1, dtype=cdt, out=p)
-                torch.mul(p, (-g / tau)[:, None], out=acc)
-            else:
-                ge = grad_entropy[index]
-                torch.log_softmax(x, 1, dtype=cdt, out=lp)
-                lp.clamp_(min=_log_p_floor(cdt))  # p = 0 there, and p * (log p + H) stays 0
-                torch.exp(lp, out=p)
-                alpha = -(g + ge * entropy[index]) / tau
-                torch.addcmul(alpha[:, None], lp, (-ge / tau)[:, None], out=lp)
-                torch.mul(p, lp, out=acc)
-            y = labels[index]
-            hit = torch.nonzero((y >= 0) & (y < V))[:, 0]
-            acc.index_put_((hit, y[hit]), g[hit] / tau, accumulate=True)
-            if slope is not None:
-                acc.mul_(slope)
-            if acc is not out:
-                out.copy_(acc)
-            if not full:
-                target[index - r0] = out
+            out = torch.empty(x.shape, dtype=grad.dtype, device=device) if index else target
+            ge = None if grad_entropy is None else _pick(grad_entropy, r0, r1, sel)
+            _rows_backward(x, _pick(col, r0, r1, sel), _pick(inside, r0, r1, sel), _pick(g_all, r0, r1, sel), ge,
+                           _pick(entropy, r0, r1, sel), tau, cdt, ws, slope, out)
+            if index:
+                target.zero_()
+                target.index_copy_(0, sel, out)
+            elif sel is not None:  # a device mask (no host read allowed): the other rows are exactly 0
+                target.masked_fill_(~sel[:, None], 0)
         return grad, None, None, None, None, None, None
 
 
@@ -389,9 +525,13 @@ def logits_logprobs(
     """Per-token ``(logp [N], entropy [N] | None)`` from ``logits [N, V]`` / ``[B, T, V]``.
 
     fp16/bf16/fp32 logits: fp32 math and outputs; fp64 logits: fp64 math and outputs. Extra memory:
-    ``O(N)`` plus two (three with a temperature or a soft cap, four in the capped backward) scratch blocks
-    of whole rows, about ``LOGITS_BLOCK_ELEMENTS`` elements each; the backward writes one gradient the size
-    of the logits (or into the logits with ``inplace_backward``). ``softcap``: see the backend contract.
+    ``O(N)`` plus two (three with a temperature or a soft cap, four in the capped backward, one more for the
+    rows of partly selected blocks) scratch blocks of whole rows: on CPU about ``LOGITS_BLOCK_ELEMENTS``
+    elements each; on an accelerator all of them together about ``DEFAULT_MEMORY_BUDGET`` bytes (1 GiB).
+    The backward writes one gradient the size of the logits (or into the logits with ``inplace_backward``).
+    Host reads: one ``[N]`` bool mask per forward with ``active`` and one per backward (none on CPU tensors,
+    none under ``torch.compile`` / CUDA-graph capture, where every row of a block is computed and the others'
+    results replaced by 0). ``softcap``: see the backend contract.
     """
     cap = None if softcap is None else float(softcap)
     logp, entropy = _LogitsLogprobs.apply(logits, labels, active, float(temperature), return_entropy, inplace_backward,

@@ -1,0 +1,153 @@
+"""backend="torch" on an accelerator: ops dispatched and host reads per call (counted, not timed).
+
+On CUDA every host read (``nonzero``, ``.item()``, a boolean-mask index, ``.tolist()``) stalls the GPU until
+the CPU has issued the next launches, and ``index_put_(accumulate=True)`` sorts its indices. The accelerator
+route of the torch backend (forced here on CPU tensors through ``_accelerated``) reads each row selection
+once per call (``_to_host``) and otherwise dispatches none of these ops, whatever the number of chunks;
+the number of ops grows with the chunks only, and the chunks follow a byte budget.
+
+Counting: a ``TorchDispatchMode`` records every aten op the backend's forward and backward dispatch. The
+host-side planning (``_row_plan``: a cumulative sum and ``nonzero`` of the host copy of the mask) runs on
+the CPU copy that ``_to_host`` returned, so it is excluded from the count and ``_to_host``'s calls are
+counted as the host reads.
+"""
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import gspo_kernels as gk
+from gspo_kernels.backends import DEFAULT_MEMORY_BUDGET
+from gspo_kernels.backends import pytorch as torch_backend
+
+# ops that wait for the device on CUDA (or sort there): none may run per chunk
+SYNCING = {"nonzero", "_local_scalar_dense", "item", "is_nonzero", "equal", "masked_select", "sort", "unique",
+           "_unique2", "nonzero_static", "_assert_async"}
+
+
+_ORIGINAL = dict(to_host=torch_backend._to_host, row_plan=torch_backend._row_plan,
+                 forward=torch_backend._LogitsLogprobs.forward, backward=torch_backend._LogitsLogprobs.backward)
+
+
+NOT_KERNELS = {"slice", "select", "view", "unsqueeze", "detach", "as_strided", "alias", "expand", "t", "split",
+               "split_with_sizes", "scalar_tensor", "empty", "empty_like", "lift_fresh"}
+
+
+def kernels(ops):
+    """The ops that launch a kernel on a device (views and host scalars left out)."""
+    return [op for op in ops if op not in NOT_KERNELS]
+
+
+class _Counter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+        self.paused = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not self.paused:
+            name = func.overloadpacket.__name__
+            if name in ("index_put", "index_put_") and (kwargs.get("accumulate") or (len(args) > 3 and args[3])):
+                name = "index_put_accumulate"  # sorts its indices on CUDA
+            self.ops.append(name)
+        return func(*args, **kwargs)
+
+
+def count_call(monkeypatch, B=16, T=1024, V=64, rows_per_chunk=589, clipped=(), masked_tail=0,
+               dtype=torch.bfloat16):
+    """Forward + backward of ``gspo_loss`` on ``logits[:, :-1]`` of ``[B, T + 1, V]`` through the accelerator
+    route, chunks of ``rows_per_chunk`` rows. Returns ``(ops, host_reads, chunks, grad)``: the aten ops the
+    torch backend dispatched, ``_to_host`` calls, the forward's number of chunks, the logits' gradient."""
+    monkeypatch.setattr(torch_backend, "_accelerated", lambda device: True)
+    tiles = 3  # 2 scratch blocks + the active mask's block (no temperature, no cap)
+    monkeypatch.setattr(torch_backend, "ACCELERATOR_BUDGET", rows_per_chunk * tiles * V * 4)
+    counter = _Counter()
+    reads, chunks = [], []
+    to_host, row_plan = _ORIGINAL["to_host"], _ORIGINAL["row_plan"]
+
+    def counted_to_host(mask):
+        reads.append(mask.numel())
+        return to_host(mask)
+
+    def paused_row_plan(blocks, mask, device):
+        counter.paused += 1
+        try:
+            plan = row_plan(blocks, mask, device)
+        finally:
+            counter.paused -= 1
+        chunks.append(len(plan))
+        return plan
+
+    monkeypatch.setattr(torch_backend, "_to_host", counted_to_host)
+    monkeypatch.setattr(torch_backend, "_row_plan", paused_row_plan)
+    fwd, bwd = _ORIGINAL["forward"], _ORIGINAL["backward"]
+
+    def counted(fn):
+        def run(*args):
+            with counter:
+                return fn(*args)
+        return run
+
+    monkeypatch.setattr(torch_backend._LogitsLogprobs, "forward", staticmethod(counted(fwd)))
+    monkeypatch.setattr(torch_backend._LogitsLogprobs, "backward", staticmethod(counted(bwd)))
+    gen = torch.Generator().manual_seed(0)
+    full = torch.randn(B, T + 1, V, generator=gen).to(dtype).requires_grad_()
+    labels = torch.randint(0, V, (B, T), generator=gen)
+    adv = torch.ones(B)
+    adv[list(clipped)] = 0.0  # zero advantage: no gradient for these responses
+    mask = torch.ones(B, T)
+    if masked_tail:
+        mask[:, T - masked_tail:] = 0
+    out = gk.gspo_loss(full[:, :-1], labels, adv, mask=mask, backend="torch")
+    out.loss.backward()
+    return counter.ops, len(reads), chunks[0], full.grad
+
+
+def test_no_host_read_or_sort_per_chunk(monkeypatch):
+    ops, reads, chunks, _ = count_call(monkeypatch, B=4, T=64, rows_per_chunk=24, clipped=(1,), masked_tail=5)
+    assert chunks == 4 * 3  # [:, :-1] is walked per response: 64 rows in 3 balanced chunks each
+    assert reads <= 2, "one host read per selection (the forward's active rows, the backward's rows with gradient)"
+    syncing = sorted({op for op in ops if op in SYNCING or op == "index_put_accumulate"})
+    assert syncing == [], f"ops that wait for the device or sort, per chunk: {syncing}"
+
+
+def test_ops_grow_with_chunks_only(monkeypatch):
+    """Kernels per chunk are a small constant: 4x the chunks adds at most 16 kernel ops (ops other than views
+    and host scalars) per added chunk, forward and backward together (it was ~50 with the per-chunk selection)."""
+    small, _, c_small, _ = count_call(monkeypatch, B=4, T=64, rows_per_chunk=64)
+    large, _, c_large, _ = count_call(monkeypatch, B=4, T=64, rows_per_chunk=16)
+    assert (c_small, c_large) == (4, 16)
+    per_chunk = (len(kernels(large)) - len(kernels(small))) / (c_large - c_small)
+    assert 0 < per_chunk <= 16, per_chunk
+
+
+def test_gpu_shape_takes_few_chunks():
+    """At the measured GPU shape (bf16 logits [16, 1025, 151936] through [:, :-1], fp32 scratch, an active
+    mask: 3 blocks) the default budget gives 2 chunks per response, 32 in all (the CPU route's 55-row blocks
+    gave 304)."""
+    rows = torch_backend._logits_block_rows(151936, torch.device("cuda"), 3, 4)
+    assert rows == DEFAULT_MEMORY_BUDGET // (3 * 151936 * 4)
+    assert 16 * -(-1024 // rows) == 32
+    assert torch_backend._logits_block_rows(151936, torch.device("cpu"), 3, 4) == 55
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_accelerator_route_matches_cpu_route(monkeypatch, dtype):
+    """The accelerator route (budget chunks, one host read, entr) gives the CPU route's gradient."""
+    B, T, V = 4, 32, 50
+    _, _, _, got = count_call(monkeypatch, B=B, T=T, V=V, rows_per_chunk=12, clipped=(2,), masked_tail=3,
+                              dtype=dtype)
+    monkeypatch.undo()
+    gen = torch.Generator().manual_seed(0)
+    full = torch.randn(B, T + 1, V, generator=gen).to(dtype).requires_grad_()
+    labels = torch.randint(0, V, (B, T), generator=gen)
+    adv = torch.ones(B)
+    adv[2] = 0.0
+    mask = torch.ones(B, T)
+    mask[:, T - 3:] = 0
+    gk.gspo_loss(full[:, :-1], labels, adv, mask=mask, backend="torch").loss.backward()
+    want = full.grad
+    assert torch.all(got[2] == 0) and torch.all(got[:, T - 3:] == 0)
+    tol = 1e-6 if dtype == torch.float32 else 2.0 ** -8  # one rounding of the stored gradient
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol * float(want.abs().max()))
