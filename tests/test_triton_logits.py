@@ -30,8 +30,9 @@ from gspo_kernels.backends.triton.logits import (  # noqa: E402
 from gspo_kernels.config import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, GSPOConfig  # noqa: E402
 from gspo_kernels.layout import LossInputs, TokenBatch  # noqa: E402
 from gspo_kernels.testing import gradient_tolerance, rel_err  # noqa: E402
+from tests.support import TRITON_DEVICE  # noqa: E402
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DEVICE = TRITON_DEVICE
 if DEVICE == "cpu" and not interpreter_active():
     pytest.skip("no GPU and the Triton interpreter is off (TRITON_INTERPRET=1 must be set before importing triton)",
                 allow_module_level=True)
@@ -449,7 +450,7 @@ def test_precision_huge_offsets_and_tiny_temperature(case):
         x, temperature = torch.randn(N, V, device=DEVICE) + 1e4, 1.0
     else:
         x, temperature = torch.randn(N, V, device=DEVICE), 1e-6
-        x[0, :2] = x[0].max() + torch.tensor([0.0, 3e-7])  # two near-tied maxima: p far from one-hot
+        x[0, :2] = x[0].max() + torch.tensor([0.0, 3e-7], device=DEVICE)  # two near-tied maxima: p far from one-hot
     labels = torch.randint(0, V, (N,), device=DEVICE)
     labels[0] = 0
     g, h = torch.randn(N, device=DEVICE), torch.randn(N, device=DEVICE)
