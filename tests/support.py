@@ -19,7 +19,32 @@ from gspo_kernels.testing import rel_err
 __all__ = ["LEVELS", "LOSS_TYPES", "RTOL", "rel_err", "Case", "make_case", "configs", "objective_configs",
            "objective_id", "check_against_reference",
            "logits_loss_vs_reference", "linear_loss_vs_reference", "assert_zero_rows_get_zero_dh",
-           "assert_bf16_within_fp32_math_plus_rounding", "assert_bf16_no_worse_than_plain_bf16", "skip_gpu_items_without_cuda"]
+           "assert_bf16_within_fp32_math_plus_rounding", "assert_bf16_no_worse_than_plain_bf16", "skip_gpu_items_without_cuda",
+           "device_for", "TRITON_DEVICE", "on_device", "capture_cuda_graph"]
+
+
+def device_for(backend: str) -> str:
+    """The one place the tests choose a device: where ``backend``'s tests put their tensors.
+
+    ``"cuda"`` on a machine with CUDA for every backend but ``"cpu"`` (the Triton backend then runs compiled:
+    ``setup_triton_interpreter`` leaves the interpreter off there, and it refuses CPU tensors); ``"cpu"``
+    otherwise (the Triton backend then runs in the interpreter on CPU tensors). The C++ ``cpu`` backend is
+    for CPU tensors everywhere.
+    """
+    return "cuda" if torch.cuda.is_available() and backend != "cpu" else "cpu"
+
+
+# The device of every test of the Triton kernels (the compiled kernels on CUDA, the interpreter on CPU).
+TRITON_DEVICE = device_for("triton")
+
+
+def on_device(tensors, backend: str):
+    """``tensors`` (a dict, list or tuple; None entries and non-tensors kept) moved to :func:`device_for` ``(backend)``."""
+    device = device_for(backend)
+    move = lambda v: v.to(device) if isinstance(v, torch.Tensor) else v  # noqa: E731
+    if isinstance(tensors, dict):
+        return {k: move(v) for k, v in tensors.items()}
+    return type(tensors)(move(v) for v in tensors)
 
 
 @dataclass
@@ -290,3 +315,36 @@ def skip_gpu_items_without_cuda(items) -> None:
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def capture_cuda_graph(step, warmups: int = 2):
+    """``(graph, outputs)``: ``step()`` (a loss step: forward and ``torch.autograd.grad``) captured in a
+    ``torch.cuda.CUDAGraph`` with a clean harness. CUDA only.
+
+    - The warm-up (``warmups`` calls: kernel compilation, the GEMM probes) runs on a side stream, and its
+      outputs are dropped at once: no eager autograd graph is alive on the default stream when the capture
+      begins (an eager step whose graph is still alive makes any capture of a backward fail with "operation
+      would make the legacy stream depend on a capturing blocking stream", plain PyTorch included).
+    - During the capture ``torch.cuda.set_sync_debug_mode("error")``: a host read (``.item()``, ``nonzero``, a
+      blocking copy, a synchronize) raises naming the operation, so a successful capture shows the step reads
+      nothing back (the README's promise). The mode is set inside the ``torch.cuda.graph`` block because
+      entering it synchronizes the device on purpose.
+
+    ``outputs`` are the captured step's static tensors: ``graph.replay()`` rewrites them from the current
+    contents of the step's input tensors (change inputs in place with ``copy_``).
+    """
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmups):
+            step()  # the outputs (and the autograd graph behind them) die here
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            outputs = step()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return graph, outputs

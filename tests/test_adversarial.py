@@ -16,10 +16,10 @@ import torch
 import gspo_kernels as gk
 from gspo_kernels import reference
 from gspo_kernels.loss import DOUBLE_BACKWARD_ERROR
-from tests.support import check_against_reference, rel_err
+from tests.support import check_against_reference, device_for, rel_err
 
 C = gk.GSPOConfig
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DEVICE = device_for("auto")  # CUDA where it exists, else CPU (the Triton backend in the interpreter)
 BACKENDS = tuple(gk.available_backends(DEVICE))
 RTOL = 1e-5
 
@@ -492,20 +492,86 @@ def _compiled_loss(backend, compiler):
     return torch.compile(step, backend=compiler, fullgraph=backend == "cpu")
 
 
+BAD_CU_SEQLENS = [([0, 2, 5], "cu_seqlens must end at N"), ([0, 7, 6], "cu_seqlens must be non-decreasing"),
+                  ([1, 2, 6], "cu_seqlens must start at 0"), ([0, 2, 7], "cu_seqlens must end at N")]
+
+# One bad cu_seqlens through the compiled loss, in a process of its own (argv: backend, compiler, device, the
+# cu_seqlens as "0,2,5"): on CUDA the in-graph check is a device-side assert, which leaves the process's CUDA
+# context unusable, so it must not run inside the test process (every later CUDA test of that process would
+# fail). Prints a line after the good case, and another if the bad one gave no error.
+_BAD_CU_SEQLENS_SCRIPT = """
+import sys
+import torch
+import gspo_kernels as gk
+backend, compiler, device, cu = sys.argv[1], sys.argv[2], sys.argv[3], [int(v) for v in sys.argv[4].split(",")]
+torch.manual_seed(0)
+N, V = 6, 9
+x, labels = torch.randn(N, V, device=device), torch.randint(0, V, (N,), device=device)
+adv = torch.randn(2, device=device)
+step = torch.compile(lambda x, labels, adv, **kw: gk.gspo_loss(x, labels, adv, backend=backend, **kw).loss,
+                     backend=compiler, fullgraph=backend == "cpu")
+good = torch.tensor([0, 2, 6], dtype=torch.int32, device=device)
+eager = gk.gspo_loss(x, labels, adv, cu_seqlens=good, backend=backend).loss
+torch.testing.assert_close(step(x, labels, adv, cu_seqlens=good), eager, rtol=1e-6, atol=1e-7)
+print("good cu_seqlens: the eager loss", flush=True)
+loss = step(x, labels, adv, cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=device))
+if device == "cuda":
+    torch.cuda.synchronize()
+print("bad cu_seqlens: no error, loss", float(loss), flush=True)
+"""
+
+
+def run_bad_cu_seqlens_in_subprocesses(backend: str, compiler: str, device: str, cases=BAD_CU_SEQLENS):
+    """``[(returncode, stdout, stderr)]`` of :data:`_BAD_CU_SEQLENS_SCRIPT`, one process per case, all at once."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
+    procs = [subprocess.Popen([sys.executable, "-c", _BAD_CU_SEQLENS_SCRIPT, backend, compiler, device,
+                               ",".join(map(str, cu))], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=env, cwd=root) for cu, _ in cases]
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=600)
+        results.append((p.returncode, out, err))
+    return results
+
+
 @pytest.mark.parametrize("backend, compiler", COMPILE_CASES)
 def test_bad_cu_seqlens_is_an_error_under_compile(backend, compiler):
-    """The eager value checks become ``torch._assert_async`` graph nodes: a bad ``cu_seqlens`` is a
-    ``RuntimeError`` with the rule's text, never a silent plausible loss."""
+    """The eager value checks become ``torch._assert_async`` graph nodes: a bad ``cu_seqlens`` is an error,
+    never a silent plausible loss. On the CPU a ``RuntimeError`` with the rule's text; on CUDA a device-side
+    assert (the README's promise), each case in a process of its own (:func:`run_bad_cu_seqlens_in_subprocesses`):
+    it fails, after the good case matched the eager loss."""
+    if DEVICE == "cuda":
+        for (cu, _), (_, out, err) in zip(BAD_CU_SEQLENS,
+                                          run_bad_cu_seqlens_in_subprocesses(backend, compiler, DEVICE)):
+            assert "good cu_seqlens: the eager loss" in out, (cu, err[-3000:])
+            assert "no error" not in out, (cu, out)
+            assert "device-side assert" in err or "cu_seqlens must" in err, (cu, err[-3000:])
+        return
     N, V = 6, 9
     x, labels, adv = dev(torch.randn(N, V)), dev(torch.randint(0, V, (N,))), dev(torch.randn(2))
     step = _compiled_loss(backend, compiler)
     good = dev(torch.tensor([0, 2, 6], dtype=torch.int32))
     eager = gk.gspo_loss(x, labels, adv, cu_seqlens=good, backend=backend).loss
     torch.testing.assert_close(step(x, labels, adv, cu_seqlens=good), eager, rtol=1e-6, atol=1e-7)
-    for cu, words in [([0, 2, 5], "cu_seqlens must end at N"), ([0, 7, 6], "cu_seqlens must be non-decreasing"),
-                      ([1, 2, 6], "cu_seqlens must start at 0"), ([0, 2, 7], "cu_seqlens must end at N")]:
+    for cu, words in BAD_CU_SEQLENS:
         with pytest.raises(RuntimeError, match=words):
             step(x, labels, adv, cu_seqlens=dev(torch.tensor(cu, dtype=torch.int32)))
+
+
+@pytest.mark.slow
+def test_the_bad_cu_seqlens_subprocess_reports_the_error():
+    """The subprocess the CUDA case above relies on, run here on the CPU (where the error is a ``RuntimeError``
+    with the rule's text): it fails with the text after the good case; a good ``cu_seqlens`` passes."""
+    results = run_bad_cu_seqlens_in_subprocesses("torch", "eager", "cpu",
+                                                 cases=[BAD_CU_SEQLENS[0], ([0, 2, 6], "no error")])
+    (rc, out, err), (rc_good, out_good, err_good) = results
+    assert rc != 0 and "good cu_seqlens: the eager loss" in out and "cu_seqlens must end at N" in err, err[-3000:]
+    assert rc_good == 0 and "bad cu_seqlens: no error" in out_good, err_good[-3000:]
 
 
 @pytest.mark.parametrize("backend, compiler", COMPILE_CASES[1:2])

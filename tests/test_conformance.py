@@ -27,6 +27,7 @@ from tests.support import (
     RTOL,
     check_against_reference,
     configs,
+    device_for,
     linear_loss_vs_reference,
     logits_loss_vs_reference,
     rel_err,
@@ -43,7 +44,7 @@ SMALL_TILES = {
 
 
 def _device(name: str) -> str:
-    return "cuda" if torch.cuda.is_available() and name != "cpu" else "cpu"
+    return device_for(name)
 
 
 @pytest.fixture(params=NAMES)

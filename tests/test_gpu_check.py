@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import pytest
@@ -26,7 +27,8 @@ def _parse(argv):
 
 def test_arguments():
     args = _parse([])
-    assert args.out == "results" and not args.static_only and args.budget_s == 1200
+    assert args.out == "results" and not args.static_only and args.budget_s is None and not args.quick
+    assert gpu_check.DEFAULT_BUDGET_S == 1200 and gpu_check.QUICK_BUDGET_S == 240
     assert gpu_check.parse_steps(args.steps) == list(gpu_check.ALL_STEPS)
     args = _parse(["--out", "x", "--steps", "versions,memcheck", "--static-only", "--budget-s", "60"])
     assert gpu_check.parse_steps(args.steps) == ["versions", "memcheck"] and args.static_only
@@ -94,8 +96,12 @@ def test_memcheck_skips_with_a_reason_without_compute_sanitizer(tmp_path, monkey
     assert result.status == "skipped" and "compute-sanitizer" in result.summary
 
 
+CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
 def test_a_pytest_step_where_everything_skipped_fails(tmp_path, monkeypatch):
     """A check that cannot fail is no check: zero tests run counts as a failed step."""
+    monkeypatch.setitem(gpu_check._tree, "root", CHECKOUT)  # set by `run` (which this test does not call)
     xml = tmp_path / "gpu_tests.xml"
 
     def fake_subprocess(name, argv, limit_s, env=None, log_path=None):
@@ -109,6 +115,8 @@ def test_a_pytest_step_where_everything_skipped_fails(tmp_path, monkeypatch):
 
 def test_benchmarks_step_with_nothing_measured_fails(tmp_path, monkeypatch):
     """Every benchmark skipped (no measurement) is a failed step; measured rows are collected."""
+    monkeypatch.setitem(gpu_check._tree, "root", CHECKOUT)
+    monkeypatch.setitem(gpu_check._mode, "quick", False)
     written = []
 
     def fake_subprocess(name, argv, limit_s, env=None, log_path=None):
@@ -154,3 +162,72 @@ def test_an_installed_package_without_tests_skips_the_tree_steps_and_says_why(tm
     assert gpu_check.find_test_tree(checkout) == checkout
     monkeypatch.setenv("GSPO_KERNELS_TESTS", checkout)
     assert gpu_check.find_test_tree() == checkout
+
+
+def test_quick_mode_fits_four_minutes_and_selects_the_gpu_tests_in_parallel(tmp_path, monkeypatch):
+    """``--quick``: its steps' own limits add up to its 240 s budget; the GPU-test step runs the gpu-marked tests
+    and the kernel files (not the static report) in pytest-xdist processes when xdist is installed; memcheck
+    runs the one-loss-type workload; files whose peer is missing are left out with the reason in the summary."""
+    steps = gpu_check.make_steps(gpu_check.QUICK_STEPS, quick=True)
+    assert [s.name for s in steps] == ["versions", "verify", "gpu-tests", "memcheck", "benchmarks"]
+    assert sum(s.limit_s for s in steps) <= gpu_check.QUICK_BUDGET_S
+    seen = {}
+
+    def fake_subprocess(name, argv, limit_s, env=None, log_path=None):
+        seen[name] = list(argv)
+        return StepResult(name, "ok", 1.0, "exit status 0")
+
+    monkeypatch.setattr(gpu_check, "_subprocess", fake_subprocess)
+    monkeypatch.setitem(gpu_check._tree, "root", CHECKOUT)
+    monkeypatch.setitem(gpu_check._mode, "quick", True)
+    monkeypatch.setattr(gpu_check, "xdist_workers", lambda: 15)
+    monkeypatch.setattr(gpu_check, "left_out_test_files", lambda root: {"tests/test_verl.py": "verl not installed"})
+    result = gpu_check.step_gpu_tests(str(tmp_path), 90)
+    argv = seen["gpu-tests"]
+    k = argv[argv.index("-k") + 1]
+    assert "gpu" in k and "test_triton_logits" in k and "test_triton_linear" in k and "not h100_static_report" in k
+    assert argv[argv.index("-n") + 1] == "15" and "--ignore=tests/test_verl.py" in argv
+    assert "left out: test_verl.py (verl not installed)" in result.summary and "15 processes" in result.summary
+    monkeypatch.setattr(gpu_check, "compute_sanitizer", lambda: "/usr/bin/compute-sanitizer")
+    gpu_check.step_memcheck(str(tmp_path), 30)
+    assert "--workload-quick" in seen["memcheck"]
+
+
+def test_left_out_test_files_names_the_missing_peer(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "verl" else real(name, *a))
+    left_out = gpu_check.left_out_test_files(CHECKOUT)
+    assert "tests/test_verl.py" in left_out and "verl not installed" in left_out["tests/test_verl.py"]
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())
+    assert gpu_check.left_out_test_files(CHECKOUT) == {}
+
+
+def test_quick_benchmarks_run_bench_gpu_when_it_exists(tmp_path, monkeypatch):
+    """With ``gspo_kernels.tools.bench_gpu`` present, --quick's benchmarks step is ``bench --gpu`` within the step's
+    time (its results and targets in the report); without it, the benchmark files' headline cases."""
+    seen = {}
+
+    def fake_subprocess(name, argv, limit_s, env=None, log_path=None):
+        seen["argv"] = list(argv)
+        if "--gpu" in argv:
+            prefix = argv[argv.index("--out") + 1]
+            with open(prefix + ".json", "w") as f:
+                json.dump({"results": [{"case": "hidden", "impl": "fused_linear_gspo_loss", "ms": 113.3}],
+                           "targets": [{"target": "x plain", "value": 0.98, "limit": "<= 1", "status": "met"}]}, f)
+        return StepResult(name, "ok", 1.0, "exit status 0")
+
+    monkeypatch.setattr(gpu_check, "_subprocess", fake_subprocess)
+    monkeypatch.setitem(gpu_check._tree, "root", CHECKOUT)
+    monkeypatch.setitem(gpu_check._mode, "quick", True)
+    monkeypatch.setattr(gpu_check, "has_bench_gpu", lambda: True)
+    result = gpu_check.step_benchmarks(str(tmp_path), 60)
+    argv = seen["argv"]
+    assert argv[argv.index("bench") + 1] == "--gpu" and float(argv[argv.index("--budget-s") + 1]) < 60
+    assert result.status == "ok" and result.data["rows"][0]["ms"] == 113.3
+    md = gpu_check.format_markdown([result])
+    assert "## Measurements" in md and "## Targets (bench --gpu)" in md and "| x plain | 0.98 |" in md
+    monkeypatch.setattr(gpu_check, "has_bench_gpu", lambda: False)
+    gpu_check.step_benchmarks(str(tmp_path), 60)
+    assert "benchmarks/test_gpu_logits.py" in seen["argv"] and "-k" in seen["argv"]

@@ -15,12 +15,12 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import gspo_kernels as gk
 from gspo_kernels import backends, checks, reference
-from tests.support import RTOL, rel_err
+from tests.support import RTOL, TRITON_DEVICE, capture_cuda_graph, rel_err
 
 pytestmark = pytest.mark.skipif(backends.load("triton") is None or not backends.load("triton").supports(
-    torch.device("cuda" if torch.cuda.is_available() else "cpu")), reason="triton backend unavailable here")
+    torch.device(TRITON_DEVICE)), reason="triton backend unavailable here")
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DEVICE = TRITON_DEVICE
 _GEMMS = {"mm", "addmm", "addmm_", "bmm", "baddbmm", "baddbmm_"}
 
 
@@ -252,28 +252,38 @@ def test_garbage_in_rows_without_gradient_never_reaches_dw_when_capturing(monkey
 
 @pytest.mark.gpu
 def test_a_loss_step_captures_in_a_cuda_graph():
-    """GPU only: ``fused_linear_gspo_loss`` forward + backward (padded layout, tensor ``num_items``) captured in
-    a ``torch.cuda.CUDAGraph`` after a warm-up, replayed, equal to the eager step."""
+    """GPU only: ``fused_linear_gspo_loss`` forward + backward (bf16, padded layout) captured in a
+    ``torch.cuda.CUDAGraph`` (``tests.support.capture_cuda_graph``: side-stream warm-up, no eager graph alive,
+    ``set_sync_debug_mode("error")`` during the capture, so no host read happens there), then replayed with
+    other advantages written into the captured tensor: half the responses at zero advantage, first one half,
+    then the other. Captured, the step cannot count the rows with gradient on the host, so every row goes
+    through the GEMMs (zero rows as zeros): each replay equals the eager step on the same advantages, the
+    zero-advantage responses get exactly zero ``dH``, the others not."""
     hidden, weight, labels, adv, old = _problem(B=16, T=32, H=256, V=4096, dtype=torch.bfloat16)
     cfg = gk.GSPOConfig(importance_sampling_level="sequence")
+    # A > 0 everywhere it is not zero: the weights (~e^-4, far below the band) are then unclipped, so every
+    # response with a nonzero advantage carries gradient.
+    even = torch.arange(16, device=DEVICE) % 2 == 0
+    adv = adv.abs() + 0.1
+    patterns = [(torch.where(even, 0.0, adv), even), (torch.where(even, adv, 0.0), ~even)]
+    static_adv = patterns[1][0].clone()  # captured with the other pattern than the first replay's
 
     def step():
-        out = gk.fused_linear_gspo_loss(hidden, weight, labels, adv, old, config=cfg, backend="triton")
+        out = gk.fused_linear_gspo_loss(hidden, weight, labels, static_adv, old, config=cfg, backend="triton")
         return (out.loss, *torch.autograd.grad(out.loss, (hidden, weight)))
 
-    eager = [t.clone() for t in step()]
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()  # warm-up: compiles the kernels, probes the fp32-output GEMM
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static = step()
-    graph.replay()
-    torch.cuda.synchronize()
-    for a, b in zip(eager, static):
-        assert rel_err(b, a) < 1e-3
+    graph, static = capture_cuda_graph(step)
+    for advantages, zero in patterns:
+        static_adv.copy_(advantages)
+        graph.replay()
+        torch.cuda.synchronize()
+        replayed = [t.detach().clone() for t in static]
+        eager = [t.detach() for t in step()]
+        for a, b in zip(eager, replayed):
+            assert rel_err(b, a) < 1e-3
+        dh = replayed[1].float()
+        assert torch.all(dh[zero] == 0)
+        assert bool((dh[~zero].abs().amax(dim=(1, 2)) > 0).all())
 
 
 def test_no_gradient_work_without_grad_mode():

@@ -19,6 +19,7 @@ from gspo_kernels import reference
 from tests.support import (
     RTOL,
     check_against_reference,
+    device_for,
     linear_loss_vs_reference,
     logits_loss_vs_reference,
     make_case,
@@ -111,8 +112,9 @@ def test_cispo_gradient_is_the_detached_capped_weight_times_the_advantage(name):
     logp, old, adv = _token_problem()
     cap = 1.1
     cfg = gk.GSPOConfig(loss_type="cispo", importance_sampling_level="token", epsilon_high=cap)
-    x = logp.float().clone().requires_grad_()
-    out = gk.policy_loss(x, adv.float(), old.float(), config=cfg, backend=name)
+    dev = device_for(name)
+    x = logp.float().to(dev).requires_grad_()
+    out = gk.policy_loss(x, adv.float().to(dev), old.float().to(dev), config=cfg, backend=name)
     (grad,) = torch.autograd.grad(out.loss, x)
     r = torch.exp(logp - old)
     expected = -torch.clamp(r, max=cap) * adv[:, None] / logp.numel()
@@ -123,8 +125,9 @@ def test_cispo_gradient_is_the_detached_capped_weight_times_the_advantage(name):
     # the band variant (verl): clamp(r, 1 - eps_low, 1 + eps_high)
     cfg = gk.GSPOConfig(loss_type="cispo", cispo_clip="band", importance_sampling_level="token", epsilon_low=0.1,
                         epsilon_high=0.15, aggregation="bnpo")
-    x = logp.float().clone().requires_grad_()
-    (grad,) = torch.autograd.grad(gk.policy_loss(x, adv.float(), old.float(), config=cfg, backend=name).loss, x)
+    x = logp.float().to(dev).requires_grad_()
+    (grad,) = torch.autograd.grad(gk.policy_loss(x, adv.float().to(dev), old.float().to(dev), config=cfg,
+                                                 backend=name).loss, x)
     assert rel_err(grad, -torch.clamp(r, 0.9, 1.15) * adv[:, None] / logp.numel()) < RTOL
 
 
@@ -135,8 +138,9 @@ def test_sapo_gradient_is_the_soft_gate_derivative(name):
     logp, old, adv = _token_problem(spread=0.8)
     S, T = logp.shape
     cfg = gk.GSPOConfig(loss_type="sapo", importance_sampling_level="token")
-    x = logp.float().clone().requires_grad_()
-    out = gk.policy_loss(x, adv.float(), old.float(), config=cfg, backend=name)
+    dev = device_for(name)
+    x = logp.float().to(dev).requires_grad_()
+    out = gk.policy_loss(x, adv.float().to(dev), old.float().to(dev), config=cfg, backend=name)
     (grad,) = torch.autograd.grad(out.loss, x)
     r = torch.exp(logp - old)
     tau = torch.where(adv > 0, 1.0, 1.05).double()[:, None]
@@ -152,8 +156,9 @@ def test_vespo_gradient_is_the_detached_gamma_weight(name):
     ((2, 3) for ``A >= 0``, (3, 2) otherwise), ``dL/dlogp_t = -phi_i A_i / N``."""
     logp, old, adv = _token_problem(spread=0.1)
     cfg = gk.GSPOConfig(loss_type="vespo", importance_sampling_level="token")
-    x = logp.float().clone().requires_grad_()
-    out = gk.policy_loss(x, adv.float(), old.float(), config=cfg, backend=name)
+    dev = device_for(name)
+    x = logp.float().to(dev).requires_grad_()
+    out = gk.policy_loss(x, adv.float().to(dev), old.float().to(dev), config=cfg, backend=name)
     (grad,) = torch.autograd.grad(out.loss, x)
     w = torch.exp((logp - old).sum(1))
     k = torch.where(adv >= 0, 2.0, 3.0).double()
@@ -183,12 +188,13 @@ def test_dual_clip_bounds_the_negative_advantage_loss(name):
     adv = torch.tensor([-1.0])
     cfg = gk.GSPOConfig(importance_sampling_level="token", epsilon_low=0.2, epsilon_high=0.2, clip_ratio_c=c,
                         loss_type="bnpo")
-    x = logp.clone().requires_grad_()
-    out = gk.policy_loss(x, adv, old, config=cfg, backend=name)
+    dev = device_for(name)
+    x = logp.to(dev).requires_grad_()
+    out = gk.policy_loss(x, adv.to(dev), old.to(dev), config=cfg, backend=name)
     (grad,) = torch.autograd.grad(out.loss, x)
     # -min(rA, clip(r)A) = 1, 2, 1.2; the dual clip caps the middle one at 1.5
     assert abs(out.loss.item() - (1 + 1.5 + 1.2) / 3) < 1e-6
-    torch.testing.assert_close(grad, torch.tensor([[1.0, 0.0, 1.2]]) / 3, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(grad.cpu(), torch.tensor([[1.0, 0.0, 1.2]]) / 3, rtol=1e-6, atol=1e-7)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -471,8 +477,10 @@ def test_nan_rollout_logprob_is_an_unscored_token(name):
     with_nan, agreeing = rollout.clone(), rollout.clone()
     with_nan[0, 2] = float("nan")
     agreeing[0, 2] = old[0, 2]
-    logp, adv, old = logp.float(), adv.float(), old.float()
-    a = gk.policy_loss(logp, adv, old, rollout_logprobs=with_nan.float(), config=cfg, check_finite=True, backend=name)
-    b = gk.policy_loss(logp, adv, old, rollout_logprobs=agreeing.float(), config=cfg, backend=name)
+    dev = device_for(name)
+    logp, adv, old = logp.float().to(dev), adv.float().to(dev), old.float().to(dev)
+    a = gk.policy_loss(logp, adv, old, rollout_logprobs=with_nan.float().to(dev), config=cfg, check_finite=True,
+                       backend=name)
+    b = gk.policy_loss(logp, adv, old, rollout_logprobs=agreeing.float().to(dev), config=cfg, backend=name)
     assert torch.isfinite(a.loss) and a.loss.item() == b.loss.item()
     assert float(a.metrics["rollout/kl"]) == float(b.metrics["rollout/kl"])

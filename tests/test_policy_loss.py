@@ -14,7 +14,7 @@ import torch
 import gspo_kernels as gk
 from gspo_kernels import reference
 from gspo_kernels.layout import prepare_loss_inputs
-from tests.support import check_against_reference, configs
+from tests.support import check_against_reference, configs, on_device
 
 LENGTHS = (5, 1, 0, 7, 4)
 BACKENDS = ("torch", "cpu", "triton")
@@ -48,12 +48,15 @@ def _case(packed: bool, per_token_adv: bool):
 
 
 def _run(backend, c, config):
+    """``policy_loss(backend=...)`` on the CPU case ``c`` moved to the backend's device (``tests.support.device_for``);
+    the gradients come back on the CPU."""
+    c = on_device(c, backend)
     lp = c["logp"].clone().requires_grad_()
     ent = c["entropy"].clone().requires_grad_()
     out = gk.policy_loss(lp, c["adv"], c["old"], mask=c["mask"], cu_seqlens=c["cu"], ref_logprobs=c["ref"],
                          is_ratio=c["is_ratio"], entropy=ent, num_items_in_batch=11, config=config, backend=backend)
     grads = torch.autograd.grad(out.loss, (lp, ent), allow_unused=True, materialize_grads=True)
-    return out, grads
+    return out, [g.cpu() for g in grads]
 
 
 def _oracle(c, config):
@@ -144,7 +147,6 @@ def test_policy_loss_on_cuda_runs_the_fused_sequence_stage(packed):
     for config in CONFIGS:
         c = _case(packed, per_token_adv=config.loss_type in ("bnpo", "dapo"))
         expected, ref_grads = _oracle(c, config)
-        c = {k: None if v is None else v.cuda() for k, v in c.items()}
         out, grads = _run("auto", c, config)
         assert out.loss.is_cuda
-        check_against_reference(out, expected, [g.cpu() for g in grads], ref_grads)
+        check_against_reference(out, expected, grads, ref_grads)

@@ -30,8 +30,9 @@ from gspo_kernels.backends.triton.logits import (  # noqa: E402
 from gspo_kernels.config import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, GSPOConfig  # noqa: E402
 from gspo_kernels.layout import LossInputs, TokenBatch  # noqa: E402
 from gspo_kernels.testing import gradient_tolerance, rel_err  # noqa: E402
+from tests.support import TRITON_DEVICE, capture_cuda_graph  # noqa: E402
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DEVICE = TRITON_DEVICE
 if DEVICE == "cpu" and not interpreter_active():
     pytest.skip("no GPU and the Triton interpreter is off (TRITON_INTERPRET=1 must be set before importing triton)",
                 allow_module_level=True)
@@ -361,6 +362,45 @@ def test_gpu_peak_memory(inplace):
         assert extra <= logits_bytes + token_bytes, extra
 
 
+@pytest.mark.gpu
+def test_a_logits_loss_step_captures_in_a_cuda_graph():
+    """GPU only: ``gspo_loss`` from a model's ``[B, T + 1, V][:, :-1]`` bf16 logits, forward + backward, captured
+    in a ``torch.cuda.CUDAGraph`` (``tests.support.capture_cuda_graph``: side-stream warm-up, no eager graph
+    alive, ``set_sync_debug_mode("error")`` during the capture: no host read), a vocabulary that is not a
+    multiple of the block, a mask. Replayed with other advantages written into the captured tensor (half the
+    responses at zero advantage, then the other half): each replay equals the eager step on the same inputs,
+    zero-advantage responses get exactly zero gradient, and the last position (outside the view) stays 0."""
+    B, T, V = 8, 33, 4099
+    leaf = (torch.randn(B, T + 1, V, device="cuda") * 3).bfloat16().requires_grad_(True)
+    labels = torch.randint(0, V, (B, T), device="cuda")
+    mask = torch.ones(B, T, device="cuda")
+    mask[1, 20:] = 0
+    with torch.no_grad():
+        old = gk.token_logprobs(leaf[:, :-1], labels, backend="triton") - 1e-4 * torch.rand(B, 1, device="cuda")
+    even = torch.arange(B, device="cuda") % 2 == 0
+    adv = torch.randn(B, device="cuda")
+    patterns = [(torch.where(even, 0.0, adv), even), (torch.where(even, adv, 0.0), ~even)]
+    static_adv = patterns[1][0].clone()
+    config = GSPOConfig(importance_sampling_level="sequence")
+
+    def step():
+        out = gk.gspo_loss(leaf[:, :-1], labels, static_adv, old, mask=mask, config=config, backend="triton")
+        return (out.loss, *torch.autograd.grad(out.loss, (leaf,)))
+
+    graph, static = capture_cuda_graph(step)
+    for advantages, zero in patterns:
+        static_adv.copy_(advantages)
+        graph.replay()
+        torch.cuda.synchronize()
+        replayed = [t.detach().clone() for t in static]
+        eager = [t.detach() for t in step()]
+        for a, b in zip(eager, replayed):
+            assert rel_err(b, a) <= 1e-6
+        grad = replayed[1].float()
+        assert torch.all(grad[zero] == 0) and torch.all(grad[:, -1] == 0)
+        assert bool((grad[~zero].abs().amax(dim=(1, 2)) > 0).all())
+
+
 # --- Edge inputs (issues 12 and 13): each test below failed before its fix. ------------------------------------
 
 
@@ -449,7 +489,7 @@ def test_precision_huge_offsets_and_tiny_temperature(case):
         x, temperature = torch.randn(N, V, device=DEVICE) + 1e4, 1.0
     else:
         x, temperature = torch.randn(N, V, device=DEVICE), 1e-6
-        x[0, :2] = x[0].max() + torch.tensor([0.0, 3e-7])  # two near-tied maxima: p far from one-hot
+        x[0, :2] = x[0].max() + torch.tensor([0.0, 3e-7], device=DEVICE)  # two near-tied maxima: p far from one-hot
     labels = torch.randint(0, V, (N,), device=DEVICE)
     labels[0] = 0
     g, h = torch.randn(N, device=DEVICE), torch.randn(N, device=DEVICE)

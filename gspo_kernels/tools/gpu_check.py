@@ -18,6 +18,16 @@ default, sized for an H100):
    backward at 100/50/25% active rows) and ``benchmarks/test_gpu_linear.py`` (TFLOP/s against 6NHV / 8NHV,
    the backward at 100/50/25% active rows, the peers).
 
+``--quick`` (about 4 minutes on one H100 / H200, compilation included; budget 240 s): ``versions``, ``verify``,
+``gpu-tests`` on a selection (every ``gpu``-marked test and the Triton kernel files, the static-report tests
+left out; in parallel processes with pytest-xdist when it is installed), ``memcheck`` over the small workload
+(one loss type), and ``benchmarks``: ``gspo-kernels bench --gpu`` within the step's time when that command
+exists (``gspo_kernels.tools.bench_gpu``), else the two benchmark files at a quick size.
+
+Test files that need a peer that is not installed (TRL and ``datasets`` for ``tests/test_trl_*.py``, verl for
+``tests/test_verl.py``) are left out of the pytest steps, and the step's summary says which and why
+(:func:`left_out_test_files`): ``make test`` is where the parity tests run, and never skip.
+
 Everything goes to ``<out>/gpu_check.json`` and ``<out>/gpu_check.md`` (rewritten after each step, so an
 interrupted run still leaves what it measured), next to each step's own files (``h100_report.json``,
 ``gpu_tests.xml``, ``triton_tests.xml``, ``benchmarks.json``, ``bench_linear.jsonl``, ``memcheck.log``).
@@ -46,6 +56,20 @@ from typing import Callable, Dict, List, Optional, Sequence
 # The directory holding the gspo_kernels package (the repository root in a checkout).
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEFAULT_BUDGET_S = 20 * 60
+QUICK_BUDGET_S = 4 * 60
+QUICK_STEPS = ("versions", "verify", "gpu-tests", "memcheck", "benchmarks")
+# --quick: each step's own limit (seconds); they add up to the budget.
+QUICK_LIMITS_S = {"versions": 20, "verify": 45, "gpu-tests": 95, "memcheck": 35, "benchmarks": 45}
+# Test files and the peers (importable modules) they need at import time.
+PEER_TEST_FILES = {
+    "tests/test_trl_integration.py": ("trl", "datasets"),
+    "tests/test_trl_objectives.py": ("trl", "datasets"),
+    "tests/test_trl_training.py": ("trl", "datasets"),
+    "tests/test_verl.py": ("verl",),
+}
+# The kernel test files of the quick selection (with every ``gpu``-marked test of the suite).
+QUICK_TEST_FILES = ("tests/test_triton_logits.py", "tests/test_triton_linear.py", "tests/test_hidden_path_gemm.py")
+_mode: Dict[str, bool] = {"quick": False}
 STATIC_STEPS = ("versions", "h100-report")
 ALL_STEPS = ("versions", "h100-report", "verify", "gpu-tests", "triton-tests", "memcheck", "benchmarks")
 # The steps that run the repository's test files (tests/, benchmarks/): they need a source tree (a checkout,
@@ -81,12 +105,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"comma-separated steps to run, in order (default: all: {','.join(ALL_STEPS)})")
     parser.add_argument("--static-only", action="store_true",
                         help="run only the steps that need no GPU (versions, h100-report), on any machine")
-    parser.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S,
-                        help="time budget of the whole check in seconds (default 1200)")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help=f"time budget of the whole check in seconds (default {DEFAULT_BUDGET_S}, "
+                             f"{QUICK_BUDGET_S} with --quick)")
     parser.add_argument("--tests-dir", default=None,
                         help="a source tree holding tests/ and benchmarks/ (default: $GSPO_KERNELS_TESTS, the checkout "
                              "this package runs from, or the current directory)")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"about 4 minutes: {', '.join(QUICK_STEPS)} on a selection of tests, one loss type under "
+                             f"memcheck, the headline benchmarks (budget {QUICK_BUDGET_S} s unless --budget-s)")
     parser.add_argument("--workload", action="store_true", help=argparse.SUPPRESS)  # the memcheck target
+    parser.add_argument("--workload-quick", action="store_true", help=argparse.SUPPRESS)
 
 
 def find_test_tree(explicit: Optional[str] = None) -> Optional[str]:
@@ -220,10 +249,40 @@ def _junit_counts(path: str) -> Dict[str, int]:
     return counts
 
 
-def _pytest_step(name: str, out_dir: str, limit_s: float, args: Sequence[str], xml_name: str) -> StepResult:
+def left_out_test_files(root: str) -> Dict[str, str]:
+    """``{test file: why}`` for the files of :data:`PEER_TEST_FILES` (present under ``root``) whose peers are
+    not importable here: they would fail at import (a missing peer is an error in ``make test``, on purpose)."""
+    import importlib.util
+
+    out = {}
+    for path, modules in PEER_TEST_FILES.items():
+        missing = [m for m in modules if importlib.util.find_spec(m) is None]
+        if missing and os.path.exists(os.path.join(root, path)):
+            out[path] = f"{', '.join(missing)} not installed (a parity test: `make test` runs it)"
+    return out
+
+
+def xdist_workers() -> int:
+    """Worker processes for pytest-xdist (``-n``): up to 16, the CPU count less one; 0 without pytest-xdist."""
+    import importlib.util
+
+    if importlib.util.find_spec("xdist") is None:
+        return 0
+    return max(1, min(16, (os.cpu_count() or 2) - 1))
+
+
+def _pytest_step(name: str, out_dir: str, limit_s: float, args: Sequence[str], xml_name: str,
+                 parallel: bool = False) -> StepResult:
     xml = os.path.join(out_dir, xml_name)
-    result = _subprocess(name, [sys.executable, "-m", "pytest", *args, "-q", "-rs", "-p", "no:cacheprovider",
-                                f"--junitxml={xml}"], limit_s)
+    left_out = left_out_test_files(_tree["root"] or os.getcwd())
+    extra = [f"--ignore={path}" for path in left_out]
+    workers = xdist_workers() if parallel else 0
+    if workers:
+        extra += ["-n", str(workers)]
+    result = _subprocess(name, [sys.executable, "-m", "pytest", *args, *extra, "-q", "-rs", "-p",
+                                "no:cacheprovider", f"--junitxml={xml}"], limit_s)
+    result.data["left_out"] = left_out
+    result.data["xdist_workers"] = workers
     if os.path.exists(xml):
         counts = _junit_counts(xml)
         result.data.update(counts, file=xml)
@@ -232,6 +291,10 @@ def _pytest_step(name: str, out_dir: str, limit_s: float, args: Sequence[str], x
         if result.status == "ok" and counts["tests"] == counts["skipped"]:
             result.status = "failed"  # nothing ran: a check that cannot fail is no check
             result.summary += " (every test skipped)"
+    if workers:
+        result.summary += f"; {workers} processes"
+    if left_out:
+        result.summary += "; left out: " + "; ".join(f"{os.path.basename(p)} ({why})" for p, why in left_out.items())
     return result
 
 
@@ -244,8 +307,19 @@ def step_verify(out_dir: str, limit_s: float) -> StepResult:
 
 
 def step_gpu_tests(out_dir: str, limit_s: float) -> StepResult:
-    return _needs_tree("gpu-tests") or _pytest_step("gpu-tests", out_dir, limit_s, ["-m", "gpu", "tests"],
-                                                    "gpu_tests.xml")
+    """``pytest -m gpu tests``; with ``--quick`` also the Triton kernel files (:data:`QUICK_TEST_FILES`: every
+    kernel against float64, compiled this time) without their static-report tests, in parallel processes."""
+    missing = _needs_tree("gpu-tests")
+    if missing:
+        return missing
+    if not _mode["quick"]:
+        return _pytest_step("gpu-tests", out_dir, limit_s, ["-m", "gpu", "tests"], "gpu_tests.xml")
+    files = [f for f in QUICK_TEST_FILES if os.path.exists(os.path.join(_tree["root"], f))]
+    # -k matches marks and module names: the gpu-marked tests of every file (and tests named "gpu"), every test
+    # of the kernel files; not the static report (it needs no GPU; `make test` and h100-report run it)
+    modules = " or ".join(["gpu"] + [os.path.basename(f)[:-3] for f in files])
+    return _pytest_step("gpu-tests", out_dir, limit_s, ["tests", "-k", f"({modules}) and not h100_static_report"],
+                        "gpu_tests.xml", parallel=True)
 
 
 def step_triton_tests(out_dir: str, limit_s: float) -> StepResult:
@@ -276,8 +350,9 @@ def step_memcheck(out_dir: str, limit_s: float) -> StepResult:
     env = _env()
     env["PYTORCH_NO_CUDA_MEMORY_CACHING"] = "1"  # every tensor its own allocation: overreads are caught
     log = os.path.join(out_dir, "memcheck.log")
+    workload_flag = "--workload-quick" if _mode["quick"] else "--workload"
     result = _subprocess("memcheck", [sanitizer, "--tool", "memcheck", "--error-exitcode", "3",
-                                      sys.executable, "-m", "gspo_kernels", "gpu-check", "--workload"],
+                                      sys.executable, "-m", "gspo_kernels", "gpu-check", workload_flag],
                          limit_s, env=env, log_path=log)
     result.data["file"] = log
     if "ERROR SUMMARY" in result.output_tail:
@@ -302,7 +377,39 @@ def _benchmark_rows(out_dir: str) -> List[dict]:
     return rows
 
 
+def has_bench_gpu() -> bool:
+    """Whether ``gspo-kernels bench --gpu`` exists in this copy of the library (``gspo_kernels.tools.bench_gpu``)."""
+    import importlib.util
+
+    return importlib.util.find_spec("gspo_kernels.tools.bench_gpu") is not None
+
+
+def step_bench_gpu(out_dir: str, limit_s: float) -> StepResult:
+    """``gspo-kernels bench --gpu --out <out>/bench_gpu --budget-s <the step's time less a margin>``: its result
+    rows (``results``) become the measurements table, its targets a second table."""
+    prefix = os.path.join(out_dir, "bench_gpu")
+    budget = max(10.0, limit_s - 15.0)  # the interpreter start and the report writing fit in the margin
+    result = _subprocess("benchmarks", [sys.executable, "-m", "gspo_kernels", "bench", "--gpu", "--out", prefix,
+                                        "--budget-s", f"{budget:.0f}"], limit_s,
+                         log_path=os.path.join(out_dir, "bench_gpu.log"))
+    rows: List[dict] = []
+    targets: List[dict] = []
+    if os.path.exists(prefix + ".json"):
+        with open(prefix + ".json") as f:
+            payload = json.load(f)
+        rows = [row for row in payload.get("results", []) if isinstance(row, dict)]
+        targets = [t for t in payload.get("targets", []) if isinstance(t, dict)]
+    result.data.update(rows=rows, targets=targets, file=prefix + ".json", command="gspo-kernels bench --gpu")
+    result.summary = (f"bench --gpu: {len(rows)} measurements" + ("" if result.status == "ok" else f"; {result.summary}"))
+    if result.status == "ok" and not rows:
+        result.status = "failed"
+        result.summary += " (nothing measured)"
+    return result
+
+
 def step_benchmarks(out_dir: str, limit_s: float) -> StepResult:
+    if _mode["quick"] and has_bench_gpu():
+        return step_bench_gpu(out_dir, limit_s)
     missing = _needs_tree("benchmarks")
     if missing:
         return missing
@@ -312,7 +419,11 @@ def step_benchmarks(out_dir: str, limit_s: float) -> StepResult:
         os.remove(env["GSPO_BENCH_JSON"])
     files = [f for f in ("benchmarks/test_gpu_logits.py", "benchmarks/test_gpu_linear.py")
              if os.path.exists(os.path.join(_tree["root"], f))]
-    result = _subprocess("benchmarks", [sys.executable, "-m", "pytest", *files, "-q", "-s", "-rs", "-p",
+    # --quick: the headline cases only (the logits loss at Qwen's vocabulary, the one-call hidden-state loss
+    # against plain PyTorch), not the sweeps and the peers
+    select = ["-k", "(test_triton_gspo_loss and not gpt2) or test_one_call_loss_against_plain_pytorch"] \
+        if _mode["quick"] else []
+    result = _subprocess("benchmarks", [sys.executable, "-m", "pytest", *files, *select, "-q", "-s", "-rs", "-p",
                                         "no:cacheprovider",
                                         f"--benchmark-json={os.path.join(out_dir, 'benchmarks.json')}"],
                          limit_s, env=env)
@@ -338,8 +449,9 @@ STEP_LIMITS_S = {"versions": 60, "h100-report": 300, "verify": 300, "gpu-tests":
                  "benchmarks": 600}
 
 
-def make_steps(names: Sequence[str]) -> List[Step]:
-    return [Step(name, STEP_FUNCTIONS[name], STEP_LIMITS_S[name]) for name in names]
+def make_steps(names: Sequence[str], quick: bool = False) -> List[Step]:
+    limits = QUICK_LIMITS_S if quick else STEP_LIMITS_S
+    return [Step(name, STEP_FUNCTIONS[name], limits.get(name, STEP_LIMITS_S[name])) for name in names]
 
 
 # --- running and reporting ---------------------------------------------------------------------------------
@@ -411,6 +523,12 @@ def format_markdown(results: Sequence[StepResult], header: Optional[Dict[str, ob
                   "|" + "---|" * len(columns)]
         for row in rows:
             lines.append("| " + " | ".join(_cell(row.get(c, "")) for c in columns) + " |")
+    targets = [t for r in results if r.name == "benchmarks" for t in r.data.get("targets", [])]
+    if targets:
+        lines += ["", "## Targets (bench --gpu)", "", "| target | value | limit | status |", "|---|---|---|---|"]
+        for t in targets:
+            lines.append(f"| {_cell(t.get('target', ''))} | {_cell(t.get('value', ''))} | {_cell(t.get('limit', ''))} "
+                         f"| {_cell(t.get('status', ''))} |")
     failing = [r for r in results if r.status in ("failed", "timeout") and r.output_tail]
     for r in failing:
         lines += ["", f"## {r.name}: last output", "", "```", r.output_tail[-2000:], "```"]
@@ -477,22 +595,28 @@ def workload(device: str = "cuda", vocab_size: int = 4099, linear_vocab_size: in
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.workload:
-        workload()
+    if args.workload or getattr(args, "workload_quick", False):
+        workload(loss_types=("grpo",) if not args.workload else None)
         print("gpu-check workload: done")
         return 0
     import torch
 
+    quick = bool(getattr(args, "quick", False))
+    _mode["quick"] = quick
+    if args.budget_s is None:
+        args.budget_s = QUICK_BUDGET_S if quick else DEFAULT_BUDGET_S
     try:
         names = parse_steps(args.steps)
     except ValueError as exc:
         print(f"gpu-check: {exc}", file=sys.stderr)
         return 2
+    if quick and args.steps == ",".join(ALL_STEPS):  # --quick without --steps: its own list
+        names = list(QUICK_STEPS)
     out_dir = args.out if os.path.isabs(args.out) else os.path.join(os.getcwd(), args.out)
     _tree["root"] = find_test_tree(getattr(args, "tests_dir", None))
     has_gpu = torch.cuda.is_available()
     header = {"command": f"gspo-kernels gpu-check --out {args.out} --steps {','.join(names)}"
-                         + (" --static-only" if args.static_only else ""),
+                         + (" --static-only" if args.static_only else "") + (" --quick" if quick else ""),
               "cuda_available": has_gpu, "budget_s": args.budget_s}
     if args.static_only:
         names = [n for n in names if n in STATIC_STEPS]
@@ -505,6 +629,7 @@ def run(args: argparse.Namespace) -> int:
         os.makedirs(out_dir, exist_ok=True)
         write_reports([StepResult(n, "not run", 0.0, "no CUDA device") for n in names], out_dir, header)
         return 2
-    results = run_steps(make_steps(names), out_dir, args.budget_s, header)
+    results = run_steps(make_steps(names, quick), out_dir, args.budget_s, header)
+    print(format_markdown(results, header))
     print(f"gpu-check: wrote {os.path.join(out_dir, 'gpu_check.json')} and gpu_check.md")
     return exit_status(results)
