@@ -56,6 +56,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # holds gspo_kernels/
 RESULT = "BENCH-GPU-CASE "
 SECTIONS = ("hidden", "logits", "trl-step", "torch-backend")
+PEERS = ("trl", "liger", "cce")  # the optional peers (--peers, hidden)
 DEFAULT_BUDGET_S = 215.0
 GIB = float(2**30)
 
@@ -95,7 +96,7 @@ TARGETS = (
 class _Ctx:
     """The section's device, shapes, deadline and the stream of case results."""
 
-    def __init__(self, device: str, tiny: bool, deadline: float):
+    def __init__(self, device: str, tiny: bool, deadline: float, peers: Sequence[str] = PEERS):
         import torch
 
         self.torch = torch
@@ -104,6 +105,9 @@ class _Ctx:
         self.tiny = tiny
         self.shape = SHAPES[tiny]
         self.deadline = deadline
+        self.peers = tuple(peers)
+        # A --tiny smoke run times fewer steps: it checks the code paths, not the numbers.
+        self.warmup, self.reps = (1, 2) if tiny else (2, 5)
 
     def left_s(self) -> float:
         return self.deadline - time.time()
@@ -141,11 +145,14 @@ def _brief(row: Dict) -> str:
 
 
 def time_steps(ctx: _Ctx, step: Callable[[], object], prepare: Optional[Callable[[], None]] = None,
-               warmup: int = 2, reps: int = 5) -> Dict:
+               warmup: Optional[int] = None, reps: Optional[int] = None) -> Dict:
     """Median ms of ``step()`` over ``reps`` calls after ``warmup`` (CUDA events on CUDA, the host clock
     with a synchronize otherwise), and the peak extra memory (CUDA: max allocated above the allocation at
     each timed step's start, after ``prepare()``; None on CPU)."""
     torch = ctx.torch
+    # Unset: 2 warm-ups + 5 timed; a --tiny run caps both at 1 + 2.
+    warmup = ctx.warmup if warmup is None else (min(warmup, ctx.warmup) if ctx.tiny else warmup)
+    reps = ctx.reps if reps is None else (min(reps, ctx.reps) if ctx.tiny else reps)
     times: List[float] = []
     peak = 0
     for i in range(warmup + reps):
@@ -283,10 +290,14 @@ def _environment(ctx: _Ctx) -> Dict:
     return env
 
 
-def _run_case(ctx: _Ctx, section: str, case: str, fn: Callable[[], Dict], need_s: float = 0.0) -> Optional[Dict]:
-    """Run one case's measurement ``fn`` (returns its fields), catching Skip and errors; emits the row."""
+def _run_case(ctx: _Ctx, section: str, case: str, fn: Callable[[], Dict], need_s: float = 0.0,
+              peer: Optional[str] = None) -> Optional[Dict]:
+    """Run one case's measurement ``fn`` (returns its fields), catching Skip and errors; emits the row.
+    ``peer``: the optional peer the case measures (skipped unless selected)."""
     from gspo_kernels.tools.bench import Skip
 
+    if peer is not None and peer not in ctx.peers:
+        return ctx.emit(section, case, status="skipped", reason=f"peer {peer!r} not selected (--peers)")
     if need_s and ctx.left_s() < need_s:
         return ctx.emit(section, case, status="skipped", reason=f"time budget: {ctx.left_s():.0f} s left, "
                         f"needs ~{need_s:.0f} s")
@@ -452,7 +463,7 @@ def section_hidden(ctx: _Ctx) -> None:
         zero_grads()
         return r
 
-    _run_case(ctx, "hidden", "TRL ChunkedLogProbFunction + GSPO formula, all rows", trl_fwd_bwd)
+    _run_case(ctx, "hidden", "TRL ChunkedLogProbFunction + GSPO formula, all rows", trl_fwd_bwd, peer="trl")
 
     def cce():
         if not ctx.cuda:
@@ -469,7 +480,7 @@ def section_hidden(ctx: _Ctx) -> None:
         zero_grads()
         return r
 
-    _run_case(ctx, "hidden", "Cut Cross-Entropy linear_cross_entropy + GSPO formula", cce)
+    _run_case(ctx, "hidden", "Cut Cross-Entropy linear_cross_entropy + GSPO formula", cce, peer="cce")
 
     # The two-pass forward (no grad): the old / reference log-prob pass.
     def fwd_ours():
@@ -482,7 +493,7 @@ def section_hidden(ctx: _Ctx) -> None:
             return time_steps(ctx, lambda: trl_logp(fn, chunk))
 
     _run_case(ctx, "hidden", "forward: ours linear_logprobs (no grad)", fwd_ours)
-    _run_case(ctx, "hidden", "forward: TRL ChunkedLogProbFunction (no grad)", fwd_trl)
+    _run_case(ctx, "hidden", "forward: TRL ChunkedLogProbFunction (no grad)", fwd_trl, peer="trl")
 
     def liger():
         cls = _peer("liger_kernel.chunked_loss", "LigerFusedLinearGRPOLoss")
@@ -500,7 +511,7 @@ def section_hidden(ctx: _Ctx) -> None:
         return r
 
     _run_case(ctx, "hidden", "Liger LigerFusedLinearGRPOLoss (sequence), all rows", liger,
-              need_s=0 if ctx.tiny else 20.0)
+              need_s=0 if ctx.tiny else 20.0, peer="liger")
 
 
 # --- the logits section ------------------------------------------------------------------------------------
@@ -604,7 +615,7 @@ def _logits_vocab(ctx: _Ctx, V: int, tb_s: Optional[float]) -> None:
 
     _run_case(ctx, "logits", f"ours gspo_loss, V={V}", ours)
     _run_case(ctx, "logits", f"plain PyTorch, V={V}", plain)
-    _run_case(ctx, "logits", f"Liger triton_grpo_loss (sequence), V={V}", liger)
+    _run_case(ctx, "logits", f"Liger triton_grpo_loss (sequence), V={V}", liger, peer="liger")
 
 
 # --- backend="torch" on CUDA ------------------------------------------------------------------------------
@@ -690,7 +701,7 @@ def _section_main() -> None:
     ``spec["sections"]``: the sections to run in this process, in order (one on a GPU; all of them in a
     ``--tiny`` smoke run, which saves the interpreter starts)."""
     spec = json.loads(sys.stdin.read())
-    ctx = _Ctx(spec["device"], spec["tiny"], spec["deadline"])
+    ctx = _Ctx(spec["device"], spec["tiny"], spec["deadline"], spec.get("peers", PEERS))
     for section in spec["sections"]:
         SECTION_FUNCS[section](ctx)
         ctx.clean()
@@ -721,10 +732,11 @@ def _parse_rows(stdout) -> List[Dict]:
     return rows
 
 
-def run_section(section: str, device: str, tiny: bool, limit_s: float, group: Sequence[str] = ()) -> Dict:
+def run_section(section: str, device: str, tiny: bool, limit_s: float, group: Sequence[str] = (),
+                peers: Sequence[str] = PEERS) -> Dict:
     """``section`` (and the sections of ``group`` after it) in a fresh process: the rows, the exit status
     and the seconds (on a timeout, the rows streamed so far)."""
-    spec = json.dumps(dict(sections=[section, *group], device=device, tiny=tiny,
+    spec = json.dumps(dict(sections=[section, *group], device=device, tiny=tiny, peers=list(peers),
                            deadline=time.time() + limit_s - 5.0))
     cmd = [sys.executable, "-c", "from gspo_kernels.tools.bench_gpu import _section_main; _section_main()"]
     start = time.time()
@@ -978,6 +990,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--sections", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S, help=argparse.SUPPRESS)
+    parser.add_argument("--peers", default=",".join(PEERS), help=argparse.SUPPRESS)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -1004,6 +1017,10 @@ def run(args: argparse.Namespace) -> int:
         if unknown:
             print(f"--sections: unknown {unknown}; choose among {list(SECTIONS)}", file=sys.stderr)
             return 2
+    peers = tuple(p.strip() for p in str(getattr(args, "peers", ",".join(PEERS))).split(",") if p.strip())
+    if any(p not in PEERS for p in peers):
+        print(f"--peers: choose among {list(PEERS)}; got {list(peers)}", file=sys.stderr)
+        return 2
     budget = float(getattr(args, "budget_s", DEFAULT_BUDGET_S))
     start = time.time()
     command = "gspo-kernels " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["bench"] else "gspo-kernels bench --gpu"
@@ -1044,7 +1061,8 @@ def run(args: argparse.Namespace) -> int:
         if section == "trl-step":
             result = run_trl_step(device, tiny, limit)
         else:
-            result = run_section(section, device, tiny, limit, group=grouped[1:] if section in grouped else ())
+            result = run_section(section, device, tiny, limit, group=grouped[1:] if section in grouped else (),
+                                 peers=peers)
         runs.append(result)
         rows.extend(result["rows"])
         print(f"[{section}] {result['status']} in {result['seconds']:.0f} s", flush=True)
