@@ -88,6 +88,24 @@ TARGETS = (
 )
 
 
+class Skip(Exception):
+    """This case cannot run here (the message says why)."""
+
+
+def gspo_formula(logp, old, advantages, mask, eps_low: float = 3e-4, eps_high: float = 4e-4):
+    """GSPO (sequence level, ``"grpo"`` aggregation) in PyTorch on ``[B, T]`` fp32 log-probs, as TRL computes it:
+    what plain PyTorch and the peers that give log-probs only are completed with. (bench.py has the same
+    formula; this module does not import bench.py, which imports it.)"""
+    import torch
+
+    lengths = mask.sum(-1).clamp(min=1.0)
+    seq_log_ratio = ((logp - old) * mask).sum(-1) / lengths
+    w = torch.exp(seq_log_ratio)[:, None]
+    a = advantages[:, None]
+    per_token = -torch.min(w * a, torch.clamp(w, 1 - eps_low, 1 + eps_high) * a)
+    return ((per_token * mask).sum(-1) / lengths).mean()
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Measuring (in a section's subprocess).
 # ---------------------------------------------------------------------------------------------------------
@@ -303,7 +321,6 @@ def _run_case(ctx: _Ctx, section: str, case: str, fn: Callable[[], Dict], need_s
               peer: Optional[str] = None) -> Optional[Dict]:
     """Run one case's measurement ``fn`` (returns its fields), catching Skip and errors; emits the row.
     ``peer``: the optional peer the case measures (skipped unless selected)."""
-    from gspo_kernels.tools.bench import Skip
 
     if peer is not None and peer not in ctx.peers:
         return ctx.emit(section, case, status="skipped", reason=f"peer {peer!r} not selected (--peers)")
@@ -326,7 +343,6 @@ def _peer(module: str, what: str):
     """Import ``what`` from ``module`` or raise Skip naming the missing package."""
     import importlib
 
-    from gspo_kernels.tools.bench import Skip
 
     try:
         return getattr(importlib.import_module(module), what)
@@ -344,7 +360,6 @@ def _rel_err(a, b) -> float:
 
 def section_hidden(ctx: _Ctx) -> None:
     import gspo_kernels as gk
-    from gspo_kernels.tools.bench import Skip, gspo_formula
 
     torch, s, dev = ctx.torch, ctx.shape, ctx.device
     dtype = torch.bfloat16 if ctx.cuda else torch.float32
@@ -565,7 +580,6 @@ def section_logits(ctx: _Ctx) -> None:
 def _logits_vocab(ctx: _Ctx, V: int, tb_s: Optional[float]) -> None:
     """The logits section's cases at one vocabulary size."""
     import gspo_kernels as gk
-    from gspo_kernels.tools.bench import Skip, gspo_formula
 
     B, T = ctx.shape["B"], ctx.shape["T"]
     logits, labels, adv, old, mask = _logits_inputs(ctx, B, T, V)
@@ -640,7 +654,6 @@ def section_torch_backend(ctx: _Ctx) -> None:
 
 def _torch_backend_logits(ctx: _Ctx) -> None:
     import gspo_kernels as gk
-    from gspo_kernels.tools.bench import gspo_formula
 
     sl = ctx.shape["torch_logits"]
     logits, labels, adv, old, mask = _logits_inputs(ctx, sl["B"], sl["T"], sl["V"], seed=1)
@@ -668,7 +681,6 @@ def _torch_backend_logits(ctx: _Ctx) -> None:
 
 def _torch_backend_hidden(ctx: _Ctx) -> None:
     import gspo_kernels as gk
-    from gspo_kernels.tools.bench import gspo_formula
 
     torch = ctx.torch
     sh = ctx.shape["torch_hidden"]
