@@ -493,9 +493,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--timeout", type=float, default=None, help="seconds per implementation and case")
     parser.add_argument("--out", default="results/bench", help="prefix of the .json and .png outputs")
+    parser.add_argument("--gpu", action="store_true", help="the GPU measurements of issue 26 in one run (ratios "
+                        "against the peers, the issue's targets) -> results/bench_gpu.{json,md}; see bench_gpu.py")
+    from gspo_kernels.tools import bench_gpu
+
+    bench_gpu.add_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "gpu", False):
+        from gspo_kernels.tools import bench_gpu
+
+        return bench_gpu.run(args)
     import torch
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
