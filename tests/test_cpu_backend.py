@@ -13,6 +13,7 @@ import os
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import gspo_kernels as gk
 from gspo_kernels import backends, reference
@@ -90,6 +91,99 @@ def test_logits_op_inplace_backward_writes_every_row():
     assert x.grad.data_ptr() == x.data_ptr()  # no [N, V] gradient buffer
     assert rel_err(x.grad, ref_grad) < RTOL
     assert torch.all(x.grad[2] == 0)  # a row without gradient is overwritten with zeros, not left as logits
+
+
+class LogitsSizedAllocations(TorchDispatchMode):
+    """Counts, at torch's dispatcher, every op and every *new* tensor (storage not aliasing an input) of at least
+    ``min_numel`` elements: ``empty``, ``zeros``, ``new_empty`` and the outputs of the custom operators alike."""
+
+    def __init__(self, min_numel: int):
+        super().__init__()
+        self.min_numel = min_numel
+        self.ops = []
+        self.big = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+        inputs = {t.untyped_storage().data_ptr() for t in leaves if isinstance(t, torch.Tensor)}
+        self.ops.append(str(func))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.numel() >= self.min_numel and \
+                    t.untyped_storage().data_ptr() not in inputs:
+                self.big.append((str(func), tuple(t.shape)))
+        return out
+
+
+@pytest.mark.parametrize("inplace", [False, True], ids=["out_of_place", "inplace"])
+def test_shifted_logits_write_the_base_gradient_once(inplace):
+    """Issue 29: ``gspo_loss(model_out[:, :-1], ...)`` on a model's (non-leaf) ``[B, T + 1, V]`` output. Counted
+    at the dispatcher during the backward: one new logits-sized tensor out of place (the gradient), none with
+    ``inplace_backward`` (written into the model output); autograd's ``slice_backward`` (a zero-filled second
+    ``[B, T + 1, V]`` buffer) never runs. The gradient is float64's, zeros at the last position, and the same
+    bits as the one of an unshifted contiguous copy of the view (rows never depend on their neighbours)."""
+    B, T, V = 3, 5, 2100  # V: one full 2048-wide chunk and a partial one
+    base = torch.randn(B, T + 1, V) * 3
+    labels = torch.randint(0, V, (B, T))
+    adv = torch.tensor([1.0, -0.5, 0.3])
+    config = gk.GSPOConfig(entropy_coef=0.01, importance_sampling_level="token")
+    leaf = base.clone().requires_grad_(True)
+    model_out = leaf * 1.0  # a non-leaf, like a model's output
+    out = gk.gspo_loss(model_out[:, :-1], labels, adv, config=config, backend="cpu", inplace_backward=inplace)
+    with LogitsSizedAllocations(min_numel=B * T * V) as allocations:
+        (grad,) = torch.autograd.grad(out.loss, model_out)
+    assert "aten.slice_backward.default" not in allocations.ops, allocations.ops
+    assert len(allocations.big) == (0 if inplace else 1), allocations.big
+    if inplace:
+        assert grad.data_ptr() == model_out.data_ptr()
+    assert grad.shape == (B, T + 1, V) and torch.equal(grad[:, -1], torch.zeros(B, V))
+
+    x64 = base.double().requires_grad_(True)
+    ref = gk.gspo_loss(x64[:, :-1], labels, adv.double(), config=config, backend="torch")
+    ref.loss.backward()
+    assert rel_err(grad, x64.grad) < RTOL
+
+    rows = base[:, :-1].contiguous().requires_grad_(True)  # not a view: the plain path
+    plain = gk.gspo_loss(rows, labels, adv, config=config, backend="cpu")
+    plain.loss.backward()
+    assert torch.equal(grad[:, :-1], rows.grad)
+    assert torch.equal(out.loss.detach(), plain.loss.detach())
+
+
+@pytest.mark.parametrize("inplace", [False, True], ids=["out_of_place", "inplace"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_shifted_logits_op_level_softcap_entropy_and_leaf_base(inplace, dtype):
+    """The shifted view through the backend function with a soft cap, the entropy's gradient, inactive rows and
+    a *leaf* base: the base receives the gradient (``.grad`` of ``[B, T + 1, V]``), bit for bit that of the
+    unshifted path, zeros at the last position. Views that are not a plain ``[:, :-1]`` keep their own gradient."""
+    B, T, V = 2, 4, 1500
+    full = (torch.randn(B, T + 1, V) * 5).to(dtype)
+    labels = torch.randint(0, V, (B * T,))
+    active = torch.rand(B * T) > 0.25
+    g, ge = torch.randn(B * T), torch.randn(B * T)
+    kwargs = dict(active=active, temperature=0.8, return_entropy=True, softcap=7.0)
+    leaf = full.clone().requires_grad_(True)
+    logp, entropy = cpu_backend.logits_logprobs(leaf[:, :-1], labels, inplace_backward=inplace, **kwargs)
+    ((g * logp).sum() + (ge * entropy).sum()).backward()
+    rows = full[:, :-1].contiguous().requires_grad_(True)
+    logp_ref, entropy_ref = cpu_backend.logits_logprobs(rows, labels, **kwargs)
+    ((g * logp_ref).sum() + (ge * entropy_ref).sum()).backward()
+    assert torch.equal(logp, logp_ref) and torch.equal(entropy, entropy_ref)
+    assert leaf.grad.shape == (B, T + 1, V)
+    assert torch.equal(leaf.grad[:, :-1], rows.grad) and torch.equal(leaf.grad[:, -1], torch.zeros(B, V, dtype=dtype))
+    if inplace:
+        assert leaf.grad.data_ptr() == leaf.data_ptr()
+    for take in (lambda t: t[:, 1:], lambda t: t[:, :-2], lambda t: t[:, :-1, : V - 3]):
+        base = full.float().clone().requires_grad_(True)
+        view = take(base)
+        n = view.shape[0] * view.shape[1]
+        lab = torch.randint(0, view.shape[-1], (n,))
+        lp, _ = cpu_backend.logits_logprobs(view, lab)
+        (grad,) = torch.autograd.grad(lp.sum(), base)
+        b64 = base.detach().double().requires_grad_(True)
+        total, _, _ = objective64(take(b64).reshape(n, -1), lab, torch.ones(n), torch.zeros(n), 1.0)
+        (ref,) = torch.autograd.grad(total, b64)
+        assert rel_err(grad, ref) < RTOL
 
 
 

@@ -46,7 +46,7 @@ import torch
 from torch import Tensor
 
 from gspo_kernels.backends import DEFAULT_MEMORY_BUDGET, Backend, cpu_build
-from gspo_kernels.backends.tiling import as_rows
+from gspo_kernels.backends.tiling import as_rows, next_token_base
 
 logger = logging.getLogger("gspo_kernels")
 
@@ -96,17 +96,19 @@ def _register_fakes() -> None:
     lib = "gspo_kernels::"
 
     @torch.library.register_fake(lib + "logits_fwd")
-    def _(logits, labels, active, temperature, return_entropy, inplace_backward, softcap=0.0):
+    def _(logits, labels, active, temperature, return_entropy, inplace_backward, softcap=0.0, extra_position=False):
         n = labels.shape[0]
         f32 = dict(dtype=torch.float32)
         return logits.new_empty((n,), **f32), logits.new_empty((n,), **f32), logits.new_empty((2, n), **f32)
 
     @torch.library.register_fake(lib + "logits_bwd")
-    def _(grad_logp, grad_entropy, logits, labels, active, stats, entropy, temperature, softcap=0.0):
-        return logits.new_empty(logits.shape)
+    def _(grad_logp, grad_entropy, logits, labels, active, stats, entropy, temperature, softcap=0.0,
+          extra_position=False):
+        return logits.new_empty(logits.shape)  # the base's shape with extra_position
 
     @torch.library.register_fake(lib + "logits_bwd_")
-    def _(logits, grad_logp, grad_entropy, labels, active, stats, entropy, temperature, softcap=0.0):
+    def _(logits, grad_logp, grad_entropy, labels, active, stats, entropy, temperature, softcap=0.0,
+          extra_position=False):
         return None
 
     @torch.library.register_fake(lib + "linear_fwd")
@@ -135,27 +137,30 @@ def _register_autograd() -> None:
     ops = torch.ops.gspo_kernels
 
     def logits_setup(ctx, inputs, output):
-        logits, labels, active, temperature, _return_entropy, inplace_backward, *softcap = inputs
+        # inputs carry every argument, defaults filled in (softcap, extra_position)
+        logits, labels, active, temperature, _return_entropy, inplace_backward, softcap, extra_position = inputs
         _logp, entropy, stats = output
         ctx.set_materialize_grads(False)  # no zero-filled gradients for unused outputs
         ctx.save_for_backward(logits, labels, active, stats, entropy)
         ctx.temperature = temperature
-        ctx.softcap = softcap[0] if softcap and softcap[0] > 0 else None
+        ctx.softcap = softcap if softcap > 0 else None
         ctx.inplace = inplace_backward
+        ctx.extra_position = bool(extra_position)
 
     def logits_backward(ctx, grad_logp, grad_entropy, _grad_stats):
         logits, labels, active, stats, entropy = ctx.saved_tensors
         if grad_logp is None:
             grad_logp = torch.zeros_like(entropy)
+        extra = dict(extra_position=True) if ctx.extra_position else {}
         if ctx.inplace and not torch.compiler.is_compiling():
-            target = logits.detach()
+            target = logits.detach()  # with extra_position the [B, T + 1, V] base: its last position is zeroed
             ops.logits_bwd_(target, grad_logp, grad_entropy, labels, active, stats, entropy, ctx.temperature,
-                            *_cap_arg(ctx.softcap))
+                            *_cap_arg(ctx.softcap), **extra)
             grad = target
         else:
             grad = ops.logits_bwd(grad_logp, grad_entropy, logits, labels, active, stats, entropy, ctx.temperature,
-                                  *_cap_arg(ctx.softcap))
-        return grad, None, None, None, None, None, None
+                                  *_cap_arg(ctx.softcap), **extra)
+        return grad, None, None, None, None, None, None, None
 
     torch.library.register_autograd(
         "gspo_kernels::logits_fwd", logits_backward, setup_context=logits_setup
@@ -230,6 +235,12 @@ def logits_logprobs(
     ``torch`` backend's fp64 math). Any strides with a unit last stride are read in place (e.g.
     ``logits[:, :-1]``); other layouts are copied once. With ``inplace_backward`` the gradient is
     written into the logits' storage. ``softcap``: see the backend contract (the cap is computed in fp32).
+
+    A model's ``[B, T + 1, V]`` output read as ``logits[:, :-1]`` is recognised
+    (:func:`gspo_kernels.backends.tiling.next_token_base`, as the Triton backend does): the operators take the
+    base, read its first ``T`` positions, and the backward writes the base's gradient itself (zeros at the last
+    position), so autograd's ``slice_backward`` never allocates and zero-fills a second ``[B, T + 1, V]``
+    buffer: one logits-sized allocation out of place, none with ``inplace_backward``. Same bits either way.
     """
     if logits.dtype == torch.float64:
         return _fp64_fallback("logits").logits_logprobs(
@@ -241,8 +252,11 @@ def logits_logprobs(
     if logits.shape[-1] > 1 and logits.stride(-1) != 1:
         logits = logits.contiguous()
     labels, active = _flags(labels, active)
+    base = next_token_base(logits) if torch.is_grad_enabled() and not torch.compiler.is_compiling() else None
+    extra = dict(extra_position=True) if base is not None else {}
     logp, entropy, _lse = torch.ops.gspo_kernels.logits_fwd(
-        logits, labels, active, float(temperature), bool(return_entropy), bool(inplace_backward), *_cap_arg(softcap)
+        logits if base is None else base, labels, active, float(temperature), bool(return_entropy),
+        bool(inplace_backward), *_cap_arg(softcap), **extra,
     )
     return logp, (entropy if return_entropy else None)
 

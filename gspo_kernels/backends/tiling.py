@@ -1,8 +1,9 @@
-"""Row tiling shared by the CPU-side backends: views of ``[..., D]`` tensors as row blocks, never copies."""
+"""Row tiling shared by the backends: views of ``[..., D]`` tensors as row blocks, never copies, and the
+recognition of a model's ``[B, T + 1, V]`` output read as ``[:, :-1]`` (:func:`next_token_base`)."""
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 from torch import Tensor
 
@@ -38,3 +39,28 @@ def row_blocks(x: Tensor, block: int, balanced: bool = False) -> Sequence[tuple]
         for r0, r1, view in row_blocks(x[b], block, balanced):
             out.append((b * T + r0, b * T + r1, view))
     return out
+
+
+def next_token_base(logits: Tensor) -> Optional[Tensor]:
+    """The ``[B, T + 1, V]`` tensor ``base`` when ``logits`` is exactly ``base[:, :-1]`` in autograd's eyes.
+
+    True when ``logits`` requires grad, is a 3-D view of a 3-D ``base`` with the same strides and start, and
+    was produced from ``base`` by one slice (its ``grad_fn`` is a ``SliceBackward0`` whose input is
+    ``base``'s own node). A backend (triton, cpu) then takes ``base`` as its input and writes the gradient for all
+    ``T + 1`` positions (zeros at the last), so autograd's ``slice_backward`` does not allocate a second
+    ``[B, T + 1, V]`` buffer. Returns None in every other case (the view is then used as it is).
+    """
+    base = getattr(logits, "_base", None)
+    if base is None or not logits.requires_grad or logits.dim() != 3 or base.dim() != 3:
+        return None
+    if tuple(base.shape) != (logits.shape[0], logits.shape[1] + 1, logits.shape[2]):
+        return None
+    if base.stride() != logits.stride() or base.storage_offset() != logits.storage_offset():
+        return None
+    node = logits.grad_fn
+    if node is None or type(node).__name__ != "SliceBackward0" or not node.next_functions:
+        return None
+    parent = node.next_functions[0][0]
+    if base.grad_fn is not None:
+        return base if parent is base.grad_fn else None
+    return base if getattr(parent, "variable", None) is base else None

@@ -13,6 +13,10 @@
 // whose label is outside [0, V) reads nothing outside its row and gets a NaN log-prob.
 // Every row is computed by one thread in a fixed order: results are the same bits on every run
 // and do not depend on the other rows.
+// Extra position (extra_position = true): the tensor passed is the [B, T + 1, V] base of a model's
+// output read as base[:, :-1]; the ops read its first T positions, and the backward writes the
+// gradient of the whole base (zeros at position T), so autograd's slice_backward never allocates and
+// zero-fills a second [B, T + 1, V] buffer (gspo_kernels/backends/cpu.py recognises the view).
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -44,6 +48,25 @@ struct RowIndex {
   }
   int64_t offset(int64_t r) const { return (r / T) * sb + (r % T) * st; }
 };
+
+// The [B, T, V] rows read by the kernels: base[:, :-1] of a [B, T + 1, V] base with extra_position.
+at::Tensor read_rows(const at::Tensor& logits, bool extra_position) {
+  if (!extra_position) return logits;
+  TORCH_CHECK(logits.dim() == 3 && logits.size(1) >= 1,
+              "extra_position needs [B, T + 1, V] logits with T + 1 >= 1, got ", logits.sizes());
+  return logits.slice(1, 0, logits.size(1) - 1);
+}
+
+// Zero position T of every sequence of a [B, T + 1, V] gradient (the extra position has no token).
+void zero_extra_position(at::Tensor& out) {
+  const int64_t B = out.size(0), last = out.size(1) - 1, V = out.size(2);
+  const int64_t bytes = V * static_cast<int64_t>(out.element_size());
+  char* base = static_cast<char*>(out.data_ptr());
+  const int64_t sb = out.stride(0) * out.element_size(), st = out.stride(1) * out.element_size();
+  at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) std::memset(base + b * sb + last * st, 0, bytes);
+  });
+}
 
 void check_logits_inputs(const at::Tensor& logits, const at::Tensor& labels, const c10::optional<at::Tensor>& active) {
   TORCH_CHECK(logits.device().is_cpu(), "gspo_kernels cpu ops need CPU tensors, got logits on ", logits.device());
@@ -134,10 +157,11 @@ void backward_rows(const T* in, const RowIndex& in_rows, T* out, const RowIndex&
   });
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> logits_fwd(const at::Tensor& logits, const at::Tensor& labels,
+std::tuple<at::Tensor, at::Tensor, at::Tensor> logits_fwd(const at::Tensor& input, const at::Tensor& labels,
                                                           const c10::optional<at::Tensor>& active, double temperature,
                                                           bool return_entropy, bool /*inplace_backward*/,
-                                                          double softcap) {
+                                                          double softcap, bool extra_position) {
+  const at::Tensor logits = read_rows(input, extra_position);
   check_logits_inputs(logits, labels, active);
   const int64_t N = labels.size(0);
   auto opts = logits.options().dtype(at::kFloat);
@@ -200,18 +224,24 @@ void run_backward(const at::Tensor& grad_logp, const c10::optional<at::Tensor>& 
 }
 
 at::Tensor logits_bwd(const at::Tensor& grad_logp, const c10::optional<at::Tensor>& grad_entropy,
-                      const at::Tensor& logits, const at::Tensor& labels, const c10::optional<at::Tensor>& active,
-                      const at::Tensor& stats, const at::Tensor& entropy, double temperature, double softcap) {
-  at::Tensor out = at::empty(logits.sizes(), logits.options().memory_format(at::MemoryFormat::Contiguous));
-  advise_huge_pages(out.data_ptr(), out.nbytes());
+                      const at::Tensor& input, const at::Tensor& labels, const c10::optional<at::Tensor>& active,
+                      const at::Tensor& stats, const at::Tensor& entropy, double temperature, double softcap,
+                      bool extra_position) {
+  const at::Tensor logits = read_rows(input, extra_position);
+  at::Tensor full = at::empty(input.sizes(), input.options().memory_format(at::MemoryFormat::Contiguous));
+  advise_huge_pages(full.data_ptr(), full.nbytes());
+  at::Tensor out = read_rows(full, extra_position);
   run_backward(grad_logp, grad_entropy, logits, out, labels, active, stats, entropy, temperature, softcap);
-  return out;
+  if (extra_position) zero_extra_position(full);
+  return full;
 }
 
-void logits_bwd_(at::Tensor& logits, const at::Tensor& grad_logp, const c10::optional<at::Tensor>& grad_entropy,
+void logits_bwd_(at::Tensor& input, const at::Tensor& grad_logp, const c10::optional<at::Tensor>& grad_entropy,
                  const at::Tensor& labels, const c10::optional<at::Tensor>& active, const at::Tensor& stats,
-                 const at::Tensor& entropy, double temperature, double softcap) {
+                 const at::Tensor& entropy, double temperature, double softcap, bool extra_position) {
+  at::Tensor logits = read_rows(input, extra_position);
   run_backward(grad_logp, grad_entropy, logits, logits, labels, active, stats, entropy, temperature, softcap);
+  if (extra_position) zero_extra_position(input);
 }
 
 }  // namespace

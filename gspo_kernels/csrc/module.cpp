@@ -10,18 +10,20 @@ TORCH_LIBRARY(gspo_kernels, m) {
   // row max and log-sum-exp offset, saved for the backward). inplace_backward is only recorded for
   // the autograd formula. Labels outside [0, V) are not read: that row's logp is NaN. softcap > 0: the
   // logits are soft-capped, z -> softcap * tanh(z / softcap), before the temperature (0: no cap); the
-  // backward ops take the same value.
+  // backward ops take the same value. extra_position: logits is the [B, T + 1, V] base of a model's output
+  // read as logits[:, :-1] (labels etc. have N = B * T); the ops read its first T positions and the
+  // backward ops write the gradient of the whole base, zeros at position T.
   m.def(
       "logits_fwd(Tensor logits, Tensor labels, Tensor? active, float temperature, bool return_entropy, "
-      "bool inplace_backward, float softcap=0.) -> (Tensor, Tensor, Tensor)");
+      "bool inplace_backward, float softcap=0., bool extra_position=False) -> (Tensor, Tensor, Tensor)");
   // Gradient of sum(grad_logp * logp + grad_entropy * entropy) w.r.t. logits, in logits' dtype.
   m.def(
       "logits_bwd(Tensor grad_logp, Tensor? grad_entropy, Tensor logits, Tensor labels, Tensor? active, "
-      "Tensor stats, Tensor entropy, float temperature, float softcap=0.) -> Tensor");
+      "Tensor stats, Tensor entropy, float temperature, float softcap=0., bool extra_position=False) -> Tensor");
   // Same, written into logits' own storage.
   m.def(
       "logits_bwd_(Tensor(a!) logits, Tensor grad_logp, Tensor? grad_entropy, Tensor labels, Tensor? active, "
-      "Tensor stats, Tensor entropy, float temperature, float softcap=0.) -> ()");
+      "Tensor stats, Tensor entropy, float temperature, float softcap=0., bool extra_position=False) -> ()");
   // hidden [N, H], weight [V, H], bias [V]; logits = hidden @ weight.T + bias, never materialized in
   // full. The 4th output keeps the first save_cols vocabulary columns of the logits (without bias)
   // of the active rows for the backward: [N * save_cols] fp32, vocabulary tile v0 stored at offset
