@@ -63,6 +63,7 @@ class LaunchStub:
     """Stands in for a ``@triton.jit`` kernel: ``kernel[grid](*args, **kwargs)`` counts and returns."""
 
     launches = Counter()
+    first_forward_launch = None  # perf_counter() at the first logprobs_fwd_kernel launch since reset
 
     def __init__(self, name):
         self.name = name
@@ -70,6 +71,8 @@ class LaunchStub:
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
             LaunchStub.launches[self.name] += 1
+            if self.name == "logprobs_fwd_kernel" and LaunchStub.first_forward_launch is None:
+                LaunchStub.first_forward_launch = time.perf_counter()
 
         return launch
 
@@ -89,6 +92,7 @@ class HostReadSpy:
     def __init__(self):
         self.count = Counter()
         self.saved = {}
+        self.last = None  # perf_counter() when the last read returned
 
     def __enter__(self):
         for name in ("tolist", "item", "__bool__", "__int__", "__float__"):
@@ -97,7 +101,9 @@ class HostReadSpy:
 
             def spy(t, *a, _original=original, _name=name, **k):
                 self.count[_name] += 1
-                return _original(t, *a, **k)
+                value = _original(t, *a, **k)
+                self.last = time.perf_counter()
+                return value
 
             setattr(torch.Tensor, name, spy)
         return self
@@ -165,6 +171,16 @@ def measure(shape_name, device, repeat):
 
     fwd_ms = timed(fwd)
     total_ms = timed(fwd_bwd)
+    to_launch, read_to_launch = [], []
+    if device.type == "cpu":  # the part of the host work the GPU waits for: up to the forward kernel's launch
+        with HostReadSpy() as spy:
+            for _ in range(repeat):
+                base.grad = None
+                LaunchStub.first_forward_launch = None
+                t0 = time.perf_counter()
+                one_call(base, labels, adv, old, mask)
+                to_launch.append(LaunchStub.first_forward_launch - t0)
+                read_to_launch.append(LaunchStub.first_forward_launch - spy.last)
     return {
         "shape": f"{shape_name} B,T,V={shape}",
         "aten ops fwd": sum(fwd_ops.ops.values()),
@@ -174,6 +190,9 @@ def measure(shape_name, device, repeat):
         "host reads (tolist/item/bool)": dict(spy.count),
         "fwd ms (median, min)": fwd_ms,
         "fwd+bwd ms (median, min)": total_ms,
+        "start -> fwd launch ms": (1e3 * statistics.median(to_launch), 1e3 * min(to_launch)) if to_launch else "n/a",
+        "host read -> fwd launch ms": ((1e3 * statistics.median(read_to_launch), 1e3 * min(read_to_launch))
+                                       if read_to_launch else "n/a"),
         "fwd ops": dict(fwd_ops.ops.most_common()),
         "bwd ops": dict(bwd_ops.ops.most_common()),
     }
