@@ -918,3 +918,23 @@ def fused_objective(logp: Tensor, entropy: Optional[Tensor], inputs: LossInputs,
     if config.beta > 0:
         metrics["kl"] = out[O_KL.value]
     return LossOutput(loss.to(logp.dtype), metrics)
+
+
+def fused_objective_gradient(logp: Tensor, entropy: Optional[Tensor], inputs: LossInputs,
+                             config: GSPOConfig) -> Tuple[Tensor, Optional[Tensor]]:
+    """``(dL/dlogp [N], dL/dentropy [N] or None)`` of :func:`fused_objective`'s loss at ``(logp, entropy)``, for
+    an incoming loss gradient of 1: bit for bit what ``torch.autograd.grad(fused_objective(...).loss, ...)``
+    returns (``coef * (1 * scale) == coef * scale``), without the autograd engine: no graph, no ``ones_like``,
+    no 0-dim product, no hop to the engine's device thread; the two launches and one multiplication per
+    gradient. For callers that need the gradient inside a forward (the hidden-state path's per-chunk
+    gradients). ``dL/dentropy`` is None when ``config.entropy_coef == 0`` (the loss does not depend on the
+    entropy then). Dtypes: those of ``logp`` / ``entropy`` (fp32, or fp64 for fp64 inputs).
+    """
+    if entropy is None and config.entropy_coef != 0:
+        raise ValueError("entropy is required when config.entropy_coef != 0")
+    coef, out, _ = _sequence_stage(logp, entropy, inputs, config)
+    grad_logp = (coef * out[O_SCALE_LOGP.value]).to(logp.dtype)
+    grad_entropy = None
+    if config.entropy_coef != 0:
+        grad_entropy = (inputs.batch.mask * out[O_SCALE_ENTROPY.value]).to(entropy.dtype)
+    return grad_logp, grad_entropy
