@@ -232,7 +232,7 @@ def check_labels(
             lambda: f"labels must lie in [0, {vocab_size}) (the vocabulary size){where}; flat position "
             f"{first_true(out_of_range)} holds {int(flat[first_true(out_of_range)])}",
         )
-    return flat if counted is None else torch.where(counted, flat, torch.zeros_like(flat))
+    return flat if counted is None else torch.where(counted, flat, 0)  # one op: a scalar 0, no zeros tensor
 
 
 def check_num_items(value: Union[None, int, float, Tensor], device: torch.device, checks: ValueChecks) -> Optional[Tensor]:

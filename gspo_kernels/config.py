@@ -217,10 +217,17 @@ def _finite(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+_DEFAULT_CONFIG: Optional[GSPOConfig] = None
+
+
 def check_config(config: Optional[GSPOConfig]) -> GSPOConfig:
-    """``config`` as given, or the defaults for None; anything else is refused naming ``config``."""
+    """``config`` as given, or the defaults for None (one shared instance: the dataclass is frozen, so sharing
+    it is safe, and a call does not re-run its validation); anything else is refused naming ``config``."""
+    global _DEFAULT_CONFIG
     if config is None:
-        return GSPOConfig()
+        if _DEFAULT_CONFIG is None:
+            _DEFAULT_CONFIG = GSPOConfig()
+        return _DEFAULT_CONFIG
     if not isinstance(config, GSPOConfig):
         raise TypeError(f"config must be a GSPOConfig, got {type(config).__name__}")
     return config

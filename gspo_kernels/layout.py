@@ -168,6 +168,8 @@ def _token_mask(mask: Optional[Tensor], shape: tuple, device: torch.device, chec
     if mask.dtype.is_complex:
         raise TypeError(f"mask must be bool, integer or float (0/1), got {mask.dtype}")
     mask = mask.detach()
+    if mask.dtype == torch.bool:  # True / False are exactly 1.0 / 0.0: one cast, no compare
+        return mask.to(torch.float32)
     if mask.dtype != torch.bool:
         not_binary = (mask != 0) & (mask != 1)  # NaN included
         checks.add(

@@ -15,7 +15,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 import triton
@@ -69,8 +69,16 @@ def interpreter_active() -> bool:
     """True when the Triton kernels of this library run in the Triton interpreter (CPU tensors).
 
     Reads the kernel objects (what ``TRITON_INTERPRET`` was when ``triton`` decorated them), not the
-    environment now, so it cannot disagree with how the kernels actually run.
+    environment now, so it cannot disagree with how the kernels actually run. The answer cannot change
+    while the process runs (the kernels are decorated once, at import): it is read once and kept, since
+    every launch asks.
     """
-    from triton.runtime.interpreter import InterpretedFunction
+    global _INTERPRETER_ACTIVE
+    if _INTERPRETER_ACTIVE is None:
+        from triton.runtime.interpreter import InterpretedFunction
 
-    return isinstance(grouped_tile, InterpretedFunction)
+        _INTERPRETER_ACTIVE = isinstance(grouped_tile, InterpretedFunction)
+    return _INTERPRETER_ACTIVE
+
+
+_INTERPRETER_ACTIVE: Optional[bool] = None

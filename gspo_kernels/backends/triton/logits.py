@@ -68,6 +68,7 @@ storage (the caller's logits are consumed).
 
 from __future__ import annotations
 
+import functools
 from typing import Optional, Tuple
 
 import torch
@@ -391,6 +392,14 @@ def softcap_value(softcap) -> Optional[float]:
     return check_softcap(softcap, "softcap")
 
 
+@functools.lru_cache(maxsize=256)
+def _tiles(vocab_size: int, element_size: int, vec: int) -> Tuple[int, int]:
+    """``(BLOCK_V, EDGE_V)`` of a launch: pure functions of the row length, the element size and the vector
+    width, computed once per combination (a call would otherwise recompute them for every launch)."""
+    block_v = logits_block_v(vocab_size, element_size)
+    return block_v, logits_edge_v(block_v, vec)
+
+
 def vector_width(t: Tensor, stride_v: int) -> int:
     """Elements per 16 bytes when ``t``'s rows are contiguous (``stride_v == 1``), else 1 (no aligned body)."""
     return max(1, 16 // t.element_size()) if stride_v == 1 else 1
@@ -450,11 +459,13 @@ def logprobs_forward(
         logp, entropy, row_stats = out
     if n_rows == 0:
         return logp, entropy, row_stats
-    labels = labels.reshape(-1)
+    if labels.dim() != 1:
+        labels = labels.reshape(-1)
     if labels.dtype != torch.int64:
         labels = labels.to(torch.int64)
     rows_per_batch, stride_b, stride_t, stride_v = row_strides(logits, "logits")
-    block_v, vec = logits_block_v(vocab_size, logits.element_size()), vector_width(logits, stride_v)
+    vec = vector_width(logits, stride_v)
+    block_v, edge_v = _tiles(vocab_size, logits.element_size(), vec)
     with device_guard(logits):
         logprobs_fwd_kernel[(n_rows,)](
             logits,
@@ -472,7 +483,7 @@ def logprobs_forward(
             1.0 / float(temperature),
             1.0 if softcap is None else float(softcap),
             BLOCK_V=block_v,
-            EDGE_V=logits_edge_v(block_v, vec),
+            EDGE_V=edge_v,
             VEC=vec,
             HAS_ACTIVE=active is not None,
             HAS_ENTROPY=return_entropy,
@@ -560,7 +571,7 @@ def logprobs_backward(
             vocab_size,
             1.0 / float(temperature),
             1.0 if softcap is None else float(softcap),
-            BLOCK_V=logits_block_v(vocab_size, logits.element_size()),
+            BLOCK_V=_tiles(vocab_size, logits.element_size(), vec)[0],
             VEC=vec,
             DST_ALIGNED=vec > 1 and vector_width(out, dstride_v) == vec and same_alignment(
                 logits, out, (stride_b, stride_t), (dstride_b, dstride_t), vec),
@@ -585,11 +596,15 @@ class TritonLogitsLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, labels, active, temperature, return_entropy, inplace_backward, extra_position=False,
                 softcap=None):
-        labels = labels.reshape(-1)
+        # Grad mode is off inside forward: the views below record nothing (no detach needed). The usual inputs
+        # (flat int64 labels, flat bool mask) pass through without an op.
+        if labels.dim() != 1:
+            labels = labels.reshape(-1)
         if labels.dtype != torch.int64:
             labels = labels.to(torch.int64)
-        active = None if active is None else active.reshape(-1).to(torch.bool).contiguous()
-        rows = logits.detach()[:, :-1] if extra_position else logits.detach()
+        if active is not None and not (active.dtype == torch.bool and active.dim() == 1 and active.is_contiguous()):
+            active = active.reshape(-1).to(torch.bool).contiguous()
+        rows = logits[:, :-1] if extra_position else logits
         logp, entropy, row_stats = logprobs_forward(
             rows, labels, active=active, temperature=temperature, return_entropy=return_entropy, softcap=softcap
         )

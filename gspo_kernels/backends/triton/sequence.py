@@ -622,11 +622,13 @@ def _ratio(values, cols, c, units):
 
 @triton.jit
 def gspo_reduce_kernel(
-    partials_ptr, num_items_ptr, out_ptr, num_seqs, grpo_denominator, dr_grpo_denominator, entropy_coef,
+    partials_ptr, num_items_ptr, out_ptr, loss_ptr, num_seqs, grpo_denominator, dr_grpo_denominator, entropy_coef,
     LOSS_TYPE: tl.constexpr, HAS_NUM_ITEMS: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     """Reduce the ``[S, PARTIALS_STRIDE]`` partials (sum; min / max for the ``*_MIN`` / ``*_MAX`` columns) in a
-    fixed order, then write the ``O_*`` slots. ``LOSS_TYPE``: the aggregation's code (``AGGREGATION_CODES``)."""
+    fixed order, then write the ``O_*`` slots, and the loss once more at ``loss_ptr`` (a 0-dim tensor of its
+    own: the autograd output, no copy of ``out[O_LOSS]`` on the host's side). ``LOSS_TYPE``: the aggregation's
+    code (``AGGREGATION_CODES``)."""
     rows_in = tl.arange(0, BLOCK_S)
     cols = tl.arange(0, PARTIALS_STRIDE)
     is_min = (cols == P_W_MIN) | (cols == P_RW_MIN)
@@ -662,7 +664,9 @@ def gspo_reduce_kernel(
     high = _ratio(values, cols, P_HIGH, P_CLIP_UNITS)
     some = _column(values, cols, P_UNITS) > 0
     rollout_some = _column(values, cols, P_RW_UNITS) > 0
-    tl.store(out_ptr + O_LOSS, _column(values, cols, P_LOSS) / denominator - entropy_coef * entropy_mean)
+    loss = _column(values, cols, P_LOSS) / denominator - entropy_coef * entropy_mean
+    tl.store(out_ptr + O_LOSS, loss)
+    tl.store(loss_ptr, loss)
     tl.store(out_ptr + O_SCALE_LOGP, 1.0 / denominator)
     tl.store(out_ptr + O_SCALE_ENTROPY, -entropy_coef / token_mean)
     tl.store(out_ptr + O_LOW, low)
@@ -682,9 +686,89 @@ def gspo_reduce_kernel(
 
 
 def _f32(x: Optional[Tensor]) -> Optional[Tensor]:
+    """``x`` as a flat contiguous fp32 tensor; ``x`` itself when it already is one (the usual case: the layout
+    has flattened and upcast every per-token input), so a call dispatches no op for it."""
     if x is None:
         return None
+    if x.dtype == torch.float32 and x.dim() == 1 and x.is_contiguous():
+        return x
     return x.detach().reshape(-1).to(torch.float32).contiguous()
+
+
+# The launch arguments that depend only on the config and on which inputs are present, per config object:
+# ``{id(config): (config, {flags: constants})}``. The entry holds the config itself, so an id found here is the
+# same live object (a frozen dataclass: its fields cannot have changed); never keyed by equality, so two equal
+# configs whose floats differ in the sign of a zero never share constants. Bounded: cleared when full.
+_LAUNCH_CONSTANTS: dict = {}
+_LAUNCH_CONSTANTS_MAX = 64
+
+
+def _launch_constants(config: GSPOConfig, flags: Tuple[bool, ...]):
+    """``(sequence scalars, sequence keyword arguments, reduction keyword arguments, dr_grpo factor)`` of the
+    two launches for ``config`` and ``flags = (has_old, has_entropy, has_is_ratio, per_token_adv, has_rollout,
+    has_items)``. Computed once per (config object, flags)."""
+    entry = _LAUNCH_CONSTANTS.get(id(config))
+    if entry is None or entry[0] is not config:
+        if len(_LAUNCH_CONSTANTS) >= _LAUNCH_CONSTANTS_MAX:
+            _LAUNCH_CONSTANTS.clear()
+        entry = (config, {})
+        _LAUNCH_CONSTANTS[id(config)] = entry
+    constants = entry[1].get(flags)
+    if constants is None:
+        constants = entry[1][flags] = _compute_launch_constants(config, *flags)
+    return constants
+
+
+def _compute_launch_constants(config: GSPOConfig, has_old: bool, has_entropy: bool, has_is_ratio: bool,
+                              per_token_adv: bool, has_rollout: bool, has_items: bool):
+    objective = config.objective
+    lo, hi = config.rollout_bounds
+    scalars = (
+        float(config.epsilon_low),
+        float(config.epsilon_high),
+        float(config.delta) if config.delta is not None else 0.0,
+        float(config.beta),
+        float(config.log_ratio_clamp) if config.log_ratio_clamp is not None else 0.0,
+    )
+    sequence_kwargs = dict(
+        LEVEL=LEVEL_CODES[config.importance_sampling_level],
+        HAS_OLD=has_old,
+        HAS_ENTROPY=has_entropy,
+        HAS_KL=config.beta > 0,
+        BIAS_CORRECTION_KL=bool(config.use_bias_correction_kl),
+        HAS_IS_RATIO=has_is_ratio,
+        HAS_DELTA=config.delta is not None,
+        ADV_PER_TOKEN=per_token_adv,
+        SEQ_MEAN=config.effective_aggregation == "grpo",
+        BLOCK_T=SEQUENCE_BLOCK_T,
+        HAS_CLAMP=config.log_ratio_clamp is not None,
+        clip_ratio_c=float(config.clip_ratio_c or 0.0),
+        tau_pos=float(config.sapo_temperature_pos),
+        tau_neg=float(config.sapo_temperature_neg),
+        k_pos=float(config.vespo_k_pos),
+        lam_pos=float(config.vespo_lambda_pos),
+        k_neg=float(config.vespo_k_neg),
+        lam_neg=float(config.vespo_lambda_neg),
+        rc_lo=float("-inf") if lo is None else float(lo),
+        rc_hi=float("inf") if hi is None else float(hi),
+        opsm_threshold=float(config.off_policy_mask_threshold or 0.0),
+        OBJECTIVE=OBJECTIVE_CODES[objective],
+        CISPO_BAND=config.cispo_clip == "band",
+        HAS_DUAL=config.clip_ratio_c is not None,
+        HAS_ROLLOUT=has_rollout,
+        ROLLOUT=ROLLOUT_CODES[config.rollout_correction],
+        HAS_OPSM=config.off_policy_mask_threshold is not None,
+        SEQ_UNITS=objective in ("vespo", "gmpo") or (config.importance_sampling_level == "sequence"
+                                                    and not per_token_adv),
+        num_warps=SEQUENCE_NUM_WARPS,
+    )
+    reduce_kwargs = dict(
+        LOSS_TYPE=AGGREGATION_CODES[config.effective_aggregation],
+        HAS_NUM_ITEMS=has_items,
+        BLOCK_S=SEQUENCE_BLOCK_S,
+        num_warps=SEQUENCE_NUM_WARPS,
+    )
+    return scalars, sequence_kwargs, reduce_kwargs, float(config.max_completion_length or 1), float(config.entropy_coef)
 
 
 def sequence_stage(
@@ -703,29 +787,39 @@ def sequence_stage(
         ``coef [N]`` fp32, ``dL/dlogp_t = coef_t * out[O_SCALE_LOGP]``, and ``out [NUM_OUTPUTS]`` fp32
         (loss, gradient scales and metrics at the ``O_*`` slots).
     """
+    coef, out, _ = _sequence_stage(logp, entropy, inputs, config)
+    return coef, out
+
+
+def _sequence_stage(logp: Tensor, entropy: Optional[Tensor], inputs: LossInputs, config: GSPOConfig):
+    """:func:`sequence_stage`, also returning the loss as a 0-dim fp32 tensor of its own (written by the
+    reduction kernel next to ``out[O_LOSS]``). Per call: three allocations, two launches, no other op when the
+    inputs are already flat fp32 (what the layout gives); everything taken from the config is computed once per
+    config object (:func:`_launch_constants`)."""
     batch = inputs.batch
     device = logp.device
     n_tokens = logp.numel()
     num_seqs = batch.cu_seqlens.numel() - 1
-    has_kl = config.beta > 0
-    if has_kl and inputs.ref_logprobs is None:
+    if config.beta > 0 and inputs.ref_logprobs is None:
         raise ValueError("ref_logprobs is required when beta > 0")
     rollout = getattr(inputs, "rollout_logprobs", None)
     if config.rollout_correction is not None and rollout is None:
         raise ValueError("rollout_logprobs is required when config.rollout_correction is set")
-    coef = torch.empty(n_tokens, device=device, dtype=torch.float32)
-    partials = torch.empty((max(num_seqs, 1), PARTIALS_STRIDE.value), device=device, dtype=torch.float32)
-    out = torch.empty(NUM_OUTPUTS, device=device, dtype=torch.float32)
+    items = inputs.num_items_in_batch
     logp32 = _f32(logp)
     entropy32 = _f32(entropy)
     old32, ref32, ratio32 = _f32(inputs.old_logprobs), _f32(inputs.ref_logprobs), _f32(inputs.is_ratio)
     rollout32 = _f32(rollout)
-    adv32 = _f32(inputs.advantages)
-    mask32 = _f32(batch.mask)
-    cu = batch.cu_seqlens.contiguous()
-    objective = config.objective
     per_token_adv = bool(inputs.advantages_per_token)
-    lo, hi = config.rollout_bounds
+    scalars, sequence_kwargs, reduce_kwargs, dr_grpo_factor, entropy_coef = _launch_constants(
+        config, (old32 is not None, entropy32 is not None, ratio32 is not None, per_token_adv,
+                 rollout32 is not None, items is not None))
+    coef = torch.empty(n_tokens, device=device, dtype=torch.float32)
+    partials = torch.empty((max(num_seqs, 1), PARTIALS_STRIDE.value), device=device, dtype=torch.float32)
+    out = torch.empty(NUM_OUTPUTS, device=device, dtype=torch.float32)
+    loss = torch.empty((), device=device, dtype=torch.float32)
+    if items is not None:
+        items = items.detach().reshape(1).to(device=device, dtype=torch.float32)
     with device_guard(logp):
         if num_seqs > 0:
             gspo_sequence_kernel[(num_seqs,)](
@@ -733,67 +827,29 @@ def sequence_stage(
                 entropy32 if entropy32 is not None else logp32,
                 old32 if old32 is not None else logp32,
                 ref32 if ref32 is not None else logp32,
-                adv32,
+                _f32(inputs.advantages),
                 ratio32 if ratio32 is not None else logp32,
-                mask32,
-                cu,
+                _f32(batch.mask),
+                batch.cu_seqlens.contiguous(),
                 coef,
                 partials,
-                float(config.epsilon_low),
-                float(config.epsilon_high),
-                float(config.delta) if config.delta is not None else 0.0,
-                float(config.beta),
-                float(config.log_ratio_clamp) if config.log_ratio_clamp is not None else 0.0,
-                LEVEL=LEVEL_CODES[config.importance_sampling_level],
-                HAS_OLD=old32 is not None,
-                HAS_ENTROPY=entropy32 is not None,
-                HAS_KL=has_kl,
-                BIAS_CORRECTION_KL=bool(config.use_bias_correction_kl),
-                HAS_IS_RATIO=ratio32 is not None,
-                HAS_DELTA=config.delta is not None,
-                ADV_PER_TOKEN=per_token_adv,
-                SEQ_MEAN=config.effective_aggregation == "grpo",
-                BLOCK_T=SEQUENCE_BLOCK_T,
-                HAS_CLAMP=config.log_ratio_clamp is not None,
+                *scalars,
                 rollout_ptr=rollout32 if rollout32 is not None else logp32,
-                clip_ratio_c=float(config.clip_ratio_c or 0.0),
-                tau_pos=float(config.sapo_temperature_pos),
-                tau_neg=float(config.sapo_temperature_neg),
-                k_pos=float(config.vespo_k_pos),
-                lam_pos=float(config.vespo_lambda_pos),
-                k_neg=float(config.vespo_k_neg),
-                lam_neg=float(config.vespo_lambda_neg),
-                rc_lo=float("-inf") if lo is None else float(lo),
-                rc_hi=float("inf") if hi is None else float(hi),
-                opsm_threshold=float(config.off_policy_mask_threshold or 0.0),
-                OBJECTIVE=OBJECTIVE_CODES[objective],
-                CISPO_BAND=config.cispo_clip == "band",
-                HAS_DUAL=config.clip_ratio_c is not None,
-                HAS_ROLLOUT=rollout32 is not None,
-                ROLLOUT=ROLLOUT_CODES[config.rollout_correction],
-                HAS_OPSM=config.off_policy_mask_threshold is not None,
-                SEQ_UNITS=objective in ("vespo", "gmpo")
-                or (config.importance_sampling_level == "sequence" and not per_token_adv),
-                num_warps=SEQUENCE_NUM_WARPS,
+                **sequence_kwargs,
             )
         grpo_denominator = float(max(num_seqs, 1))
-        dr_grpo_denominator = grpo_denominator * float(config.max_completion_length or 1)
-        items = inputs.num_items_in_batch
-        items = None if items is None else items.detach().reshape(1).to(device=device, dtype=torch.float32)
         gspo_reduce_kernel[(1,)](
             partials,
             items if items is not None else out,
             out,
+            loss,
             num_seqs,
             grpo_denominator,
-            dr_grpo_denominator,
-            float(config.entropy_coef),
-            LOSS_TYPE=AGGREGATION_CODES[config.effective_aggregation],
-            HAS_NUM_ITEMS=items is not None,
-            BLOCK_S=SEQUENCE_BLOCK_S,
-            num_warps=SEQUENCE_NUM_WARPS,
+            grpo_denominator * dr_grpo_factor,
+            entropy_coef,
+            **reduce_kwargs,
         )
-    return coef, out
+    return coef, out, loss
 
 
 def metric_slots(config: GSPOConfig, has_rollout: bool):
@@ -821,15 +877,15 @@ class TritonSequenceObjective(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logp, entropy, inputs: LossInputs, config: GSPOConfig):
-        batch = inputs.batch
-        coef, out = sequence_stage(logp.detach(), None if entropy is None else entropy.detach(), inputs, config)
-        ctx.save_for_backward(coef, out, batch.mask)
+        # Grad mode is off inside forward: nothing below is recorded, so logp / entropy need no detach.
+        coef, out, loss = _sequence_stage(logp, entropy, inputs, config)
+        ctx.save_for_backward(coef, out, inputs.batch.mask)
         ctx.logp_dtype = logp.dtype
         ctx.entropy_dtype = None if entropy is None else entropy.dtype
         ctx.entropy_coef = config.entropy_coef
         ctx.mark_non_differentiable(out)
         ctx.set_materialize_grads(False)
-        return out[O_LOSS.value].clone(), out
+        return loss, out
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_out):
@@ -862,3 +918,23 @@ def fused_objective(logp: Tensor, entropy: Optional[Tensor], inputs: LossInputs,
     if config.beta > 0:
         metrics["kl"] = out[O_KL.value]
     return LossOutput(loss.to(logp.dtype), metrics)
+
+
+def fused_objective_gradient(logp: Tensor, entropy: Optional[Tensor], inputs: LossInputs,
+                             config: GSPOConfig) -> Tuple[Tensor, Optional[Tensor]]:
+    """``(dL/dlogp [N], dL/dentropy [N] or None)`` of :func:`fused_objective`'s loss at ``(logp, entropy)``, for
+    an incoming loss gradient of 1: bit for bit what ``torch.autograd.grad(fused_objective(...).loss, ...)``
+    returns (``coef * (1 * scale) == coef * scale``), without the autograd engine: no graph, no ``ones_like``,
+    no 0-dim product, no hop to the engine's device thread; the two launches and one multiplication per
+    gradient. For callers that need the gradient inside a forward (the hidden-state path's per-chunk
+    gradients). ``dL/dentropy`` is None when ``config.entropy_coef == 0`` (the loss does not depend on the
+    entropy then). Dtypes: those of ``logp`` / ``entropy`` (fp32, or fp64 for fp64 inputs).
+    """
+    if entropy is None and config.entropy_coef != 0:
+        raise ValueError("entropy is required when config.entropy_coef != 0")
+    coef, out, _ = _sequence_stage(logp, entropy, inputs, config)
+    grad_logp = (coef * out[O_SCALE_LOGP.value]).to(logp.dtype)
+    grad_entropy = None
+    if config.entropy_coef != 0:
+        grad_entropy = (inputs.batch.mask * out[O_SCALE_ENTROPY.value]).to(entropy.dtype)
+    return grad_logp, grad_entropy
