@@ -63,7 +63,7 @@ else
     CHECK_ARGS=(--budget-s 250)  # a gpu-check without --quick: its full step list under this budget
 fi
 echo "== gspo-kernels gpu-check ${CHECK_ARGS[*]} --out $CHECK_DIR"
-timeout -k 10 270 python3 -m gspo_kernels gpu-check "${CHECK_ARGS[@]}" --out "$CHECK_DIR" 2>&1 | tee "$OUT/gpu_check.log"
+timeout -k 10 ${GPU_CHECK_TIMEOUT:-270} python3 -m gspo_kernels gpu-check "${CHECK_ARGS[@]}" --out "$CHECK_DIR" 2>&1 | tee "$OUT/gpu_check.log"
 echo "gpu-check exit status ${PIPESTATUS[0]}" | tee -a "$OUT/gpu_check.log"
 for f in gpu_check.json gpu_check.md; do
     [ -f "$CHECK_DIR/$f" ] && cp "$CHECK_DIR/$f" "$OUT/$f"
