@@ -150,6 +150,37 @@ def test_shifted_logits_write_the_base_gradient_once(inplace):
     assert torch.equal(out.loss.detach(), plain.loss.detach())
 
 
+def test_out_of_place_gradient_reuses_its_memory_only_when_free():
+    """Issue 29: the out-of-place logits gradient (>= 4 MiB) is written into the previous gradient's memory once
+    nothing holds it (no fresh pages, faults or zero-fill per step), never while the caller still holds it (its
+    bits stay), and every element is rewritten (equal to a gradient computed into fresh memory)."""
+    N, V = 64, 16384  # 4 MiB of fp32
+    logits = torch.randn(N, V) * 2
+    labels = torch.randint(0, V, (N,))
+    g1, g2 = torch.randn(N), torch.randn(N)
+    g2[::3] = 0.0  # rows the backward only zero-fills
+
+    def grad_of(g):
+        x = logits.clone().requires_grad_(True)
+        logp, _ = cpu_backend.logits_logprobs(x, labels)
+        return torch.autograd.grad((g * logp).sum(), x)[0]
+
+    cpu_backend.release_buffers()
+    first = grad_of(g1)
+    kept = first.clone()
+    second = grad_of(g2)  # the first is still held: fresh memory, the first untouched
+    assert second.data_ptr() != first.data_ptr()
+    assert torch.equal(first, kept)
+    ptr, want = second.data_ptr(), second.clone()
+    del first, second
+    third = grad_of(g2)  # the kept (second) buffer is free now: reused, fully rewritten
+    assert third.data_ptr() == ptr
+    assert torch.equal(third, want)
+    fourth = grad_of(g1)  # the third is held: fresh again
+    assert fourth.data_ptr() != third.data_ptr() and torch.equal(fourth, kept)
+    cpu_backend.release_buffers()
+
+
 @pytest.mark.parametrize("inplace", [False, True], ids=["out_of_place", "inplace"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_shifted_logits_op_level_softcap_entropy_and_leaf_base(inplace, dtype):

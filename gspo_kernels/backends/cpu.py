@@ -7,7 +7,8 @@ implementations, so ``torch.compile(fullgraph=True)`` traces through them, and a
 
 * logits path: one pass over each row (OpenMP over rows), fp32 math from fp16/bf16/fp32 logits;
   the backward reads the logits once more from the saved row statistics and skips rows without
-  gradient.
+  gradient. A ``model_output[:, :-1]`` view gets the base's gradient directly (no ``slice_backward``);
+  the out-of-place gradient reuses the previous one's memory once it is free (:func:`release_buffers`).
 * hidden-state path: logits tiles produced by fp32 GEMMs and folded in one pass; the backward
   recomputes tiles for the rows with gradient only, dH/dW in fp32. By default the two threads share
   out the vocabulary tiles, each tile's GEMMs single-threaded through oneDNN (AVX-512 where the CPU
@@ -259,6 +260,20 @@ def logits_logprobs(
         bool(inplace_backward), *_cap_arg(softcap), **extra,
     )
     return logp, (entropy if return_entropy else None)
+
+
+def release_buffers() -> None:
+    """Free the memory of the logits path's out-of-place gradient that the backend keeps between backward calls.
+
+    The backward of :func:`logits_logprobs` (``inplace_backward=False``) writes each gradient into the storage of
+    the previous one once nothing else holds it (fresh memory on every step cost page faults, zero-filling and,
+    in a VM that reports free pages to its host, host faults: steps of the same inputs varied up to 4x; see
+    ``docs/cpu_backends.md``). That keeps one gradient-sized buffer (``[B, T, V]`` or ``[B, T + 1, V]`` in the
+    logits' dtype) allocated between steps; this frees it. ``GSPO_KERNELS_CPU_KEEP_GRADIENT=0`` in the
+    environment (read once per process) never keeps it.
+    """
+    _load_extension()
+    torch.ops.gspo_kernels.release_buffers()
 
 
 def blocks(rows: int, hidden_size: int, vocab: int, batch_invariant: bool) -> Tuple[int, int, int]:

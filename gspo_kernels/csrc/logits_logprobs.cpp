@@ -23,9 +23,12 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <mutex>
 #include <tuple>
+#include <vector>
 
 #include "gspo_cpu.h"
 
@@ -66,6 +69,64 @@ void zero_extra_position(at::Tensor& out) {
   at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) std::memset(base + b * sb + last * st, 0, bytes);
   });
+}
+
+// The out-of-place gradient's memory, kept from one backward to the next. A fresh logits-sized buffer is new
+// memory on every step: its first touch costs page faults and the kernel's zero-fill, and where the OS returns
+// freed memory to a hypervisor (free page reporting in a VM, as on the development machine), the next fresh
+// buffer often lands on pages the host has discarded, whose first touch costs host faults as well: a step of
+// the same inputs then took 1x to 4x as long from process to process and step to step (docs/cpu_backends.md,
+// "A steady out-of-place backward"). So the backward keeps the storage of the last gradient it returned and
+// writes the next gradient into it when nothing else holds it any more (the caller dropped the previous
+// gradient, e.g. zero_grad(set_to_none=True) or the LM head's backward consumed it) and it is large enough
+// (and at most twice the size needed); otherwise it allocates a fresh one, which becomes the kept one.
+// Every element of the gradient is written, so the old contents never show. Memory: one gradient buffer stays
+// allocated between steps (released by release_buffers(), never kept with GSPO_KERNELS_CPU_KEEP_GRADIENT=0).
+constexpr size_t kKeepMinBytes = size_t(4) << 20;  // smaller buffers come from malloc's heap anyway
+
+struct KeptGradient {
+  std::mutex mu;
+  c10::Storage storage;
+};
+
+KeptGradient& kept_gradient() {
+  static KeptGradient kept;
+  return kept;
+}
+
+bool keep_gradient_enabled() {
+  static const bool enabled = [] {
+    const char* v = std::getenv("GSPO_KERNELS_CPU_KEEP_GRADIENT");
+    return v == nullptr || std::strcmp(v, "0") != 0;
+  }();
+  return enabled;
+}
+
+// A contiguous tensor shaped like `like`, on the kept storage when it is free and fits, else fresh.
+at::Tensor gradient_buffer(const at::Tensor& like) {
+  const auto opts = like.options().memory_format(at::MemoryFormat::Contiguous);
+  const size_t bytes = static_cast<size_t>(like.numel()) * like.element_size();
+  if (bytes < kKeepMinBytes || !keep_gradient_enabled()) return at::empty(like.sizes(), opts);
+  KeptGradient& kept = kept_gradient();
+  std::lock_guard<std::mutex> lock(kept.mu);
+  if (kept.storage && kept.storage.use_count() == 1 && kept.storage.nbytes() >= bytes &&
+      kept.storage.nbytes() / 2 <= bytes) {
+    std::vector<int64_t> strides(like.dim(), 1);
+    for (int64_t d = like.dim() - 2; d >= 0; --d) strides[d] = strides[d + 1] * std::max<int64_t>(like.size(d + 1), 1);
+    at::Tensor out = at::empty({0}, opts);
+    out.set_(kept.storage, 0, like.sizes(), strides);
+    return out;
+  }
+  at::Tensor out = at::empty(like.sizes(), opts);
+  advise_huge_pages(out.data_ptr(), out.nbytes());
+  kept.storage = out.storage();  // the previous one is freed once its holder drops it
+  return out;
+}
+
+void release_buffers() {
+  KeptGradient& kept = kept_gradient();
+  std::lock_guard<std::mutex> lock(kept.mu);
+  kept.storage = c10::Storage();
 }
 
 void check_logits_inputs(const at::Tensor& logits, const at::Tensor& labels, const c10::optional<at::Tensor>& active) {
@@ -228,8 +289,7 @@ at::Tensor logits_bwd(const at::Tensor& grad_logp, const c10::optional<at::Tenso
                       const at::Tensor& stats, const at::Tensor& entropy, double temperature, double softcap,
                       bool extra_position) {
   const at::Tensor logits = read_rows(input, extra_position);
-  at::Tensor full = at::empty(input.sizes(), input.options().memory_format(at::MemoryFormat::Contiguous));
-  advise_huge_pages(full.data_ptr(), full.nbytes());
+  at::Tensor full = gradient_buffer(input);
   at::Tensor out = read_rows(full, extra_position);
   run_backward(grad_logp, grad_entropy, logits, out, labels, active, stats, entropy, temperature, softcap);
   if (extra_position) zero_extra_position(full);
@@ -252,3 +312,5 @@ TORCH_LIBRARY_IMPL(gspo_kernels, CPU, m) {
   m.impl("logits_bwd", &gspo::logits_bwd);
   m.impl("logits_bwd_", &gspo::logits_bwd_);
 }
+
+TORCH_LIBRARY_IMPL(gspo_kernels, CatchAll, m) { m.impl("release_buffers", &gspo::release_buffers); }

@@ -20,6 +20,8 @@ TORCH_LIBRARY(gspo_kernels, m) {
   m.def(
       "logits_bwd(Tensor grad_logp, Tensor? grad_entropy, Tensor logits, Tensor labels, Tensor? active, "
       "Tensor stats, Tensor entropy, float temperature, float softcap=0., bool extra_position=False) -> Tensor");
+  // Frees the gradient memory logits_bwd keeps from one call to the next (logits_logprobs.cpp).
+  m.def("release_buffers() -> ()");
   // Same, written into logits' own storage.
   m.def(
       "logits_bwd_(Tensor(a!) logits, Tensor grad_logp, Tensor? grad_entropy, Tensor labels, Tensor? active, "

@@ -2,7 +2,8 @@
 
 For each case, each implementation runs in a fresh subprocess: it builds the inputs, runs one
 warm-up step (fwd + bwd; this includes any compilation), then ``--repeats`` timed steps. Reported:
-median forward, backward and total milliseconds, the throughput, and the peak extra memory of the
+median forward, backward and total milliseconds, the spread of the timed steps' totals (min / median / max,
+so a row whose steps swing shows it), the throughput, and the peak extra memory of the
 timed steps (CPU: peak RSS above the RSS measured just before them, after resetting the kernel's
 high-water mark through ``/proc/self/clear_refs``; CUDA: ``torch.cuda.max_memory_allocated`` above
 the allocation before them).
@@ -287,8 +288,10 @@ def measure(name: str, case: Dict, repeats: int, device_name: str) -> Dict:
     else:
         peak = _rss_bytes("VmHWM") - base if reset_ok else None
         how = "peak RSS (VmHWM after clear_refs) above the RSS before the timed steps"
+    totals = [a + b for a, b in zip(fwd, bwd)]
     return dict(fwd_s=fwd, bwd_s=bwd, fwd_ms=1e3 * statistics.median(fwd), bwd_ms=1e3 * statistics.median(bwd),
-                total_ms=1e3 * statistics.median([a + b for a, b in zip(fwd, bwd)]), peak_extra_bytes=peak,
+                total_ms=1e3 * statistics.median(totals), min_ms=1e3 * min(totals), max_ms=1e3 * max(totals),
+                peak_extra_bytes=peak,
                 memory_method=how, loss=loss_value, threads=torch.get_num_threads())
 
 
@@ -376,6 +379,13 @@ def _fmt_mb(value: Optional[float]) -> str:
     return "n/a" if value is None else f"{value / 2**20:.0f}"
 
 
+def _spread(r: Dict) -> str:
+    """``min/median/max`` of the timed steps' totals (ms): a row whose steps swing (e.g. bimodal) shows it."""
+    if "min_ms" not in r:
+        return "-"
+    return f"{r['min_ms']:.0f}/{r['total_ms']:.0f}/{r['max_ms']:.0f}"
+
+
 def print_table(results: List[Dict], cases: Dict[str, Dict]) -> None:
     for case_name, case in cases.items():
         rows = [r for r in results if r["case"] == case_name]
@@ -385,8 +395,8 @@ def print_table(results: List[Dict], cases: Dict[str, Dict]) -> None:
         shape = ", ".join(f"{k}={v}" for k, v in case.items() if k != "path")
         print(f"\n{case_name} ({case['path']} path: {shape}); x base = total / {BASELINE[case['path']]}'s, "
               f"x plain = total / {PLAIN}'s")
-        print(f"  {'implementation':<18} {'fwd ms':>9} {'bwd ms':>9} {'total ms':>9} {unit:>8} {'peak MB':>8} "
-              f"{'x base':>7} {'x plain':>7}")
+        print(f"  {'implementation':<18} {'fwd ms':>9} {'bwd ms':>9} {'total ms':>9} {'min/med/max ms':>16} {unit:>8} "
+              f"{'peak MB':>8} {'x base':>7} {'x plain':>7}")
         for r in rows:
             if r["status"] != "ok":
                 print(f"  {r['impl']:<18} {r['status']}: {r['reason']}")
@@ -394,8 +404,8 @@ def print_table(results: List[Dict], cases: Dict[str, Dict]) -> None:
             rate = amount / (r["total_ms"] / 1e3) / 1e9
             ratio = f"{r['total_ms'] / base['total_ms']:.2f}" if base else "-"
             to_plain = f"{r['total_ms'] / plain['total_ms']:.2f}" if plain else "-"
-            print(f"  {r['impl']:<18} {r['fwd_ms']:9.0f} {r['bwd_ms']:9.0f} {r['total_ms']:9.0f} {rate:8.1f} "
-                  f"{_fmt_mb(r['peak_extra_bytes']):>8} {ratio:>7} {to_plain:>7}")
+            print(f"  {r['impl']:<18} {r['fwd_ms']:9.0f} {r['bwd_ms']:9.0f} {r['total_ms']:9.0f} {_spread(r):>16} "
+                  f"{rate:8.1f} {_fmt_mb(r['peak_extra_bytes']):>8} {ratio:>7} {to_plain:>7}")
 
 
 def targets(results: List[Dict], quick: bool = False) -> List[Dict]:
