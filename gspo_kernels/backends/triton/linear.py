@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 
 from gspo_kernels import checks
-from gspo_kernels.backends.triton import configs, linear_invariant
+from gspo_kernels.backends.triton import configs, linear_invariant, sequence
 from gspo_kernels.backends.triton.linear_invariant import kernel_bias
 from gspo_kernels.backends.triton.logits import logprobs_backward, logprobs_forward, softcap_value
 from gspo_kernels.precision import compute_dtype
@@ -208,7 +208,12 @@ class VendorLinearLogprobs(torch.autograd.Function):
     tensors."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, active, temperature, memory_budget, softcap=None):
+    def forward(ctx, hidden, weight, bias, labels, active, temperature, memory_budget, softcap=None, operands=None):
+        # operands: the tensors the GEMMs multiply (detached), when the inputs are the caller's tensors before the
+        # precision policy's cast; the gradients then go to the inputs directly, in their dtypes
+        ctx.leaves = [None if t is None else (t.shape, t.dtype) for t in (hidden, weight, bias)]
+        if operands is not None:
+            hidden, weight, bias = operands
         rows, w, b = _operands(hidden.detach(), weight.detach(), None if bias is None else bias.detach(), softcap)
         n, vocab = rows.shape[0], w.shape[0]
         acc = compute_dtype(w.dtype)
@@ -223,7 +228,8 @@ class VendorLinearLogprobs(torch.autograd.Function):
             _chunk_statistics(z, labels[r0:r1], None if active is None else active[r0:r1], temperature,
                               logp[r0:r1], entropy[r0:r1], row_stats[:, r0:r1], softcap)
         computed = torch.ones(n, device=rows.device, dtype=torch.bool) if active is None else active
-        ctx.save_for_backward(hidden, weight, bias, labels, computed, row_stats, entropy)
+        ctx.save_for_backward(hidden.detach(), weight.detach(), None if bias is None else bias.detach(), labels,
+                              computed, row_stats, entropy)
         ctx.temperature, ctx.memory_budget, ctx.softcap = temperature, memory_budget, softcap
         ctx.set_materialize_grads(False)
         return logp, entropy
@@ -233,7 +239,7 @@ class VendorLinearLogprobs(torch.autograd.Function):
         hidden, weight, bias, labels, computed, row_stats, entropy = ctx.saved_tensors
         need_dh, need_dw, need_db = ctx.needs_input_grad[:3]
         if grad_logp is None and grad_entropy is None:
-            return (None,) * 8
+            return (None,) * 9
         rows, w, b = _operands(hidden.detach(), weight.detach(), None if bias is None else bias.detach(),
                                ctx.softcap)
         n, vocab = rows.shape[0], w.shape[0]
@@ -284,9 +290,8 @@ class VendorLinearLogprobs(torch.autograd.Function):
             store.flush(rows, w, dh, dw)
         if dw is not None and (store is None or store.flushes == 0):
             dw.zero_()
-        return (None if dh is None else dh.reshape(hidden.shape).to(hidden.dtype),
-                None if dw is None else dw.to(weight.dtype),
-                None if db is None else db.to(bias.dtype), None, None, None, None, None)
+        grads = [None if g is None else g.reshape(leaf[0]).to(leaf[1]) for g, leaf in zip((dh, dw, db), ctx.leaves)]
+        return (*grads, None, None, None, None, None, None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -592,7 +597,13 @@ def _long_response(objective, rows, w, b, labels, valid, t0, t1, chunk, n_carryi
 
 def _chunk_gradient(objective, logp, entropy, stand_in, sl, inputs, config) -> Tuple[Tensor, Optional[Tensor]]:
     """``dL/dlogp`` (and ``dL/dentropy`` when the loss has an entropy term) for the tokens ``sl``: the stage on
-    the whole batch, the chunk's values in place, the other tokens at their stand-ins."""
+    the whole batch, the chunk's values in place, the other tokens at their stand-ins (the Triton stage's gradient
+    without the autograd engine: no graph, no host-side work between its launches)."""
+    if objective is sequence.fused_objective:
+        lp = stand_in.clone()
+        lp[sl] = logp[sl]
+        g, ge = sequence.fused_objective_gradient(lp, entropy, inputs, config)
+        return g[sl], (None if ge is None else ge[sl])
     with torch.enable_grad():
         lp = stand_in.clone()
         lp[sl] = logp[sl]
@@ -625,9 +636,14 @@ def linear_logprobs(
     memory_budget: Optional[int] = None,
     batch_invariant: bool = False,
     softcap: Optional[float] = None,
+    leaves: Optional[Tuple[Tensor, Tensor, Optional[Tensor]]] = None,
 ) -> Tuple[Tensor, Optional[Tensor]]:
     """The backend contract's ``linear_logprobs``: the vendor GEMMs (this module) by default; the batch-invariant
     Triton GEMMs (:mod:`.linear_invariant`) with ``batch_invariant=True``.
+
+    ``leaves``: the caller's ``(hidden, weight, bias)`` that the precision policy cast into the operands; the
+    vendor path then returns the gradients to them directly in their dtypes (an fp32 weight gets the fp32 ``dW``
+    accumulator itself: no rounding to the operand dtype and back, no second ``[V, H]`` copy).
 
     ``hidden [N, H]`` / ``[B, T, H]``, ``weight [V, H]`` in one dtype (the precision policy has cast them);
     fp64 runs in fp64 here (cuBLAS's fp64 GEMM; fp32 in the invariant path). Returns fp32 ``(logp, entropy)``
@@ -639,6 +655,10 @@ def linear_logprobs(
         return linear_invariant.linear_logprobs(hidden, weight, bias, labels, active=active, temperature=temperature,
                                                 return_entropy=return_entropy, memory_budget=memory_budget,
                                                 softcap=softcap)
-    logp, entropy = VendorLinearLogprobs.apply(hidden, weight, bias, labels.reshape(-1).to(torch.int64), active,
-                                               float(temperature), memory_budget, softcap)
+    args = (labels.reshape(-1).to(torch.int64), active, float(temperature), memory_budget, softcap)
+    if leaves is None or (leaves[2] is None) != (bias is None):
+        logp, entropy = VendorLinearLogprobs.apply(hidden, weight, bias, *args)
+    else:
+        operands = (hidden.detach(), weight.detach(), None if bias is None else bias.detach())
+        logp, entropy = VendorLinearLogprobs.apply(*leaves, *args, operands)
     return logp, (entropy if return_entropy else None)
