@@ -113,13 +113,15 @@ def test_no_host_read_or_sort_per_chunk(monkeypatch):
 
 
 def test_ops_grow_with_chunks_only(monkeypatch):
-    """Kernels per chunk are a small constant: 4x the chunks adds at most 16 kernel ops (ops other than views
-    and host scalars) per added chunk, forward and backward together (it was ~50 with the per-chunk selection)."""
+    """Kernels per chunk are a small constant: 4x the chunks adds at most 18 kernel ops (ops other than views
+    and host scalars) per added chunk, forward and backward together (it was ~50 with the per-chunk selection).
+    Two of the 18 are the bf16 -> fp32 conversions into scratch that CPU tensors need (no softmax kernel reads
+    half rows there; on CUDA, where one does, they are not made)."""
     small, _, c_small, _ = count_call(monkeypatch, B=4, T=64, rows_per_chunk=64)
     large, _, c_large, _ = count_call(monkeypatch, B=4, T=64, rows_per_chunk=16)
     assert (c_small, c_large) == (4, 16)
     per_chunk = (len(kernels(large)) - len(kernels(small))) / (c_large - c_small)
-    assert 0 < per_chunk <= 16, per_chunk
+    assert 0 < per_chunk <= 18, per_chunk
 
 
 def test_gpu_shape_takes_few_chunks():

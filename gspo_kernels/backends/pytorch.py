@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from gspo_kernels.backends import DEFAULT_MEMORY_BUDGET, Backend
-from gspo_kernels.backends.tiling import as_rows, row_blocks
+from gspo_kernels.backends.tiling import as_rows, next_token_base, row_blocks
 from gspo_kernels.checks import host_reads_allowed
 from gspo_kernels.precision import compute_dtype
 
@@ -170,6 +170,37 @@ def _logits_block_rows(V: int, device: torch.device, tiles: int, itemsize: int) 
     return max(1, budget // (tiles * max(V, 1) * itemsize))
 
 
+_half_softmax_ok: dict = {}  # (device type, dtype) -> whether ATen's softmax reads half rows into fp32 itself
+
+
+def _half_softmax(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``aten::_softmax(x, dim, half_to_float=True)`` runs for ``dtype`` rows on ``device`` (one pass: reads
+    the half rows, writes fp32). CUDA has it for fp16; bf16 only where the installed PyTorch added it; CPU never.
+    Probed once per (device type, dtype) on a ``[1, 2]`` tensor."""
+    key = (device.type, dtype)
+    if key not in _half_softmax_ok:
+        ok = False
+        if dtype in (torch.float16, torch.bfloat16):
+            try:
+                out = torch.ops.aten._softmax(torch.zeros(1, 2, dtype=dtype, device=device), 1, True)
+                ok = out.dtype == torch.float32 and bool(torch.all(out == 0.5))
+            except (RuntimeError, NotImplementedError, TypeError):
+                ok = False
+        _half_softmax_ok[key] = ok
+    return _half_softmax_ok[key]
+
+
+def _softmax_rows(x: Tensor, cdt: torch.dtype, ws: "_Workspace", out: Tensor) -> Tensor:
+    """``out = softmax(x)`` (rows) in ``cdt`` on the accelerator route: one pass from half rows where the kernel
+    reads them (:func:`_half_softmax`), else the rows converted into the input scratch tile first (the pass that
+    ``torch.softmax(x, dtype=cdt)`` makes into a fresh tensor, made into the workspace instead)."""
+    if x.dtype == cdt:
+        return torch.softmax(x, 1, out=out)
+    if _half_softmax(x.device, x.dtype) and cdt == torch.float32:
+        return torch.ops.aten._softmax.out(x, 1, True, out=out)
+    return torch.softmax(ws.input_tile(*x.shape).copy_(x), 1, out=out)
+
+
 def _to_host(mask: Tensor) -> Tensor:
     """``mask [N]`` bool on the CPU: the one host read of a forward call on an accelerator (free on CPU)."""
     return mask if mask.device.type == "cpu" else mask.to("cpu")
@@ -271,35 +302,59 @@ def _rows_forward(x: Tensor, col: Tensor, inside: Tensor, cdt: torch.dtype, ws: 
     (26 bytes per logit in all for fp32 scratch, against 38 for the CPU's form); on CPU, where ``entr`` is not
     vectorized, ``log p`` clamped to a floor where ``exp`` is exactly 0, ``exp``, a product and a row sum.
     """
+    if _accelerated(x.device):
+        return _rows_forward_accelerated(x, col, inside, cdt, ws, return_entropy)
     lp, p = ws.tiles(*x.shape)
     torch.log_softmax(x, 1, dtype=cdt, out=lp)
     picked = lp.gather(1, col[:, None])[:, 0]
     logp = torch.where(inside, picked, float("nan"))  # a label outside [0, V) is never read
     if not return_entropy:
         return logp, None
-    if _accelerated(x.device):
-        torch.exp(lp, out=p)
-        return logp, torch.special.entr(p, out=p).sum(dim=1)
     lp.clamp_(min=_log_p_floor(cdt))  # exp is exactly 0 there: -inf logits add 0, not 0 * -inf
     torch.exp(lp, out=p)
     return logp, -p.mul_(lp).sum(dim=1)
 
 
+def _rows_forward_accelerated(x: Tensor, col: Tensor, inside: Tensor, cdt: torch.dtype, ws: _Workspace,
+                              return_entropy: bool) -> Tuple[Tensor, Optional[Tensor]]:
+    """:func:`_rows_forward` on the accelerator route, in fewer bytes per logit: the row max and its column
+    (``max``, one read of the rows in their own dtype), ``p = softmax(x)`` (one fused pass, from half rows directly
+    where the kernel reads them, else after one conversion into scratch), then ``log p_y = (x_y - m) - log s`` with
+    ``log s = -log p[argmax]`` (``p`` at the max is ``1/s``, never below ``1/V``: no underflow; ``m`` and ``log s``
+    stay apart) and the entropy ``sum entr(p)`` (``entr``, a row sum). bf16 rows, no direct half read: 2 + 6 + 8 + 8
+    + 4 = 28 bytes per logit (20 with it), where log_softmax + exp + entr + sum read and wrote 34."""
+    arg = x.argmax(dim=1)
+    p = ws.tiles(*x.shape)[1]
+    _softmax_rows(x, cdt, ws, p)
+    ends = x.gather(1, torch.stack((col, arg), dim=1)).to(cdt)  # (x_y, m) of each row
+    logp = (ends[:, 0] - ends[:, 1]).add_(torch.log(p.gather(1, arg[:, None])[:, 0]))
+    # (a label outside [0, V) is never read: the caller sets its row's log-prob to NaN, once per call)
+    if not return_entropy:
+        return logp, None
+    return logp, torch.special.entr(p, out=p).sum(dim=1)
+
+
 def _rows_backward(x: Tensor, col: Tensor, inside: Tensor, g: Tensor, ge: Optional[Tensor], ent: Optional[Tensor],
-                   tau: float, cdt: torch.dtype, ws: _Workspace, slope: Optional[Tensor], out: Tensor) -> None:
+                   tau: float, cdt: torch.dtype, ws: _Workspace, slope: Optional[Tensor], out: Tensor,
+                   pre: Optional[Tuple[Tensor, Tensor]] = None) -> None:
     """Write ``dL/dlogits`` of the rows into ``out [r, V]`` (the logits' dtype, possibly their own storage:
     ``x`` is read before ``out`` is written): ``(g/tau)(onehot - p) - (ge/tau) p (log p + H)``, times the
     soft cap's ``slope`` when given. Formed in the compute dtype and rounded once when stored.
 
     Without an entropy gradient: ``p = softmax(x)``, ``p_y -= 1`` (a ``scatter_add``: no sort, no host read),
-    then one multiply by ``-g/tau`` written straight into ``out``: two passes over the rows.
+    then one multiply by ``-g/tau`` written straight into ``out``: two passes over the rows. ``pre``: the rows'
+    ``(-1 where inside else 0, -g/tau)`` in ``cdt``, formed once per call by the caller (the accelerator route).
     """
     lp, p = ws.tiles(*x.shape)
     col = col[:, None]
     if ge is None:
-        torch.softmax(x, 1, dtype=cdt, out=p)
-        p.scatter_add_(1, col, torch.where(inside, -1.0, 0.0).to(cdt)[:, None])  # p - onehot
-        coef = (-g / tau)[:, None]
+        if _accelerated(x.device):
+            _softmax_rows(x, cdt, ws, p)
+        else:
+            torch.softmax(x, 1, dtype=cdt, out=p)
+        minus_one, coef = pre if pre is not None else (torch.where(inside, -1.0, 0.0).to(cdt), -g / tau)
+        p.scatter_add_(1, col, minus_one[:, None])  # p - onehot
+        coef = coef[:, None]
         if slope is None:
             torch.mul(p, coef, out=out)
         else:
@@ -331,7 +386,12 @@ class _LogitsLogprobs(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits, labels, active, temperature, return_entropy, inplace_backward, softcap):
+    def forward(ctx, logits, labels, active, temperature, return_entropy, inplace_backward, softcap,
+                extra_position=False):
+        ctx.extra = extra_position  # ``logits`` is the [B, T + 1, V] base of the rows read (its [:, :-1])
+        source = logits
+        if extra_position:
+            logits = logits[:, :-1]
         V = logits.shape[-1]
         n = labels.shape[0]
         cdt = compute_dtype(logits.dtype)
@@ -354,7 +414,9 @@ class _LogitsLogprobs(torch.autograd.Function):
             _store(logp, r0, r1, sel, lp_rows)
             if return_entropy:
                 _store(entropy, r0, r1, sel, ent_rows)
-        ctx.save_for_backward(logits, labels, entropy)
+        if _accelerated(device):  # the rows' forward leaves this to one op per call
+            logp = torch.where(inside, logp, float("nan"))
+        ctx.save_for_backward(source, labels, entropy)
         ctx.active = active
         ctx.plan, ctx.rows = plan, R
         ctx.temperature = temperature
@@ -372,7 +434,12 @@ class _LogitsLogprobs(torch.autograd.Function):
         cdt = entropy.dtype
         device = logits.device
         source = logits.detach()
-        grad = source if ctx.inplace else torch.empty_like(logits, memory_format=torch.contiguous_format)
+        full = source if ctx.inplace else torch.empty_like(logits, memory_format=torch.contiguous_format)
+        grad = full
+        if ctx.extra:  # the base's gradient: 0 at the last position, the rows' gradient written into the others
+            full[:, -1].zero_()
+            source, grad = source[:, :-1], full[:, :-1]
+            V = source.shape[-1]
         g_all = grad_logp if grad_logp is not None else torch.zeros_like(entropy)
         plan = ctx.plan
         if host_reads_allowed():  # skip every row without gradient: one host read of the mask (none on CPU)
@@ -382,6 +449,9 @@ class _LogitsLogprobs(torch.autograd.Function):
             plan = _row_plan([(r0, r1) for r0, r1, _ in plan], carries, device)
         col, inside = _label_columns(labels, V)
         ws = _Workspace(ctx.rows, V, cdt, device)
+        pre = None
+        if _accelerated(device) and grad_entropy is None:  # per call, not per block
+            pre = (torch.where(inside, -1.0, 0.0).to(cdt), -g_all / tau)
         for r0, r1, sel in plan:
             target = _row_view(grad, r0, r1)
             if sel is _SKIP:
@@ -395,13 +465,14 @@ class _LogitsLogprobs(torch.autograd.Function):
             out = torch.empty(x.shape, dtype=grad.dtype, device=device) if index else target
             ge = None if grad_entropy is None else _pick(grad_entropy, r0, r1, sel)
             _rows_backward(x, _pick(col, r0, r1, sel), _pick(inside, r0, r1, sel), _pick(g_all, r0, r1, sel), ge,
-                           _pick(entropy, r0, r1, sel), tau, cdt, ws, slope, out)
+                           _pick(entropy, r0, r1, sel), tau, cdt, ws, slope, out,
+                           None if pre is None else (_pick(pre[0], r0, r1, sel), _pick(pre[1], r0, r1, sel)))
             if index:
                 target.zero_()
                 target.index_copy_(0, sel, out)
             elif sel is not None:  # a device mask (no host read allowed): the other rows are exactly 0
                 target.masked_fill_(~sel[:, None], 0)
-        return grad, None, None, None, None, None, None
+        return full, None, None, None, None, None, None, None
 
 
 def _row_view(x: Tensor, r0: int, r1: int) -> Tensor:
@@ -534,8 +605,11 @@ def logits_logprobs(
     results replaced by 0). ``softcap``: see the backend contract.
     """
     cap = None if softcap is None else float(softcap)
-    logp, entropy = _LogitsLogprobs.apply(logits, labels, active, float(temperature), return_entropy, inplace_backward,
-                                          cap)
+    base = None
+    if _accelerated(logits.device) and torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        base = next_token_base(logits)  # [B, T + 1, V] read as [:, :-1]: its gradient written here, no slice_backward
+    logp, entropy = _LogitsLogprobs.apply(logits if base is None else base, labels, active, float(temperature),
+                                          return_entropy, inplace_backward, cap, base is not None)
     return logp, (entropy if return_entropy else None)
 
 
