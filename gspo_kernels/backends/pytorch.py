@@ -52,13 +52,19 @@ class _Workspace:
 
     def __init__(self, rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> None:
         self.size, self.dtype, self.device = rows * cols, dtype, device
-        self.a = torch.empty(self.size, dtype=dtype, device=device)
+        self.a: Optional[Tensor] = None  # allocated when first needed (a softmax alone uses only b)
         self.b = torch.empty(self.size, dtype=dtype, device=device)
         self.x: Optional[Tensor] = None
         self.s: Optional[Tensor] = None  # the soft cap's sech^2 tile (allocated when first needed)
 
     def tiles(self, r: int, c: int) -> Tuple[Tensor, Tensor]:
+        if self.a is None:
+            self.a = torch.empty(self.size, dtype=self.dtype, device=self.device)
         return self.a[: r * c].view(r, c), self.b[: r * c].view(r, c)
+
+    def second(self, r: int, c: int) -> Tensor:
+        """The second work tile alone."""
+        return self.b[: r * c].view(r, c)
 
     def input_tile(self, r: int, c: int) -> Tensor:
         if self.x is None:
@@ -324,7 +330,7 @@ def _rows_forward_accelerated(x: Tensor, col: Tensor, inside: Tensor, cdt: torch
     stay apart) and the entropy ``sum entr(p)`` (``entr``, a row sum). bf16 rows, no direct half read: 2 + 6 + 8 + 8
     + 4 = 28 bytes per logit (20 with it), where log_softmax + exp + entr + sum read and wrote 34."""
     arg = x.argmax(dim=1)
-    p = ws.tiles(*x.shape)[1]
+    p = ws.second(*x.shape)
     _softmax_rows(x, cdt, ws, p)
     ends = x.gather(1, torch.stack((col, arg), dim=1)).to(cdt)  # (x_y, m) of each row
     logp = (ends[:, 0] - ends[:, 1]).add_(torch.log(p.gather(1, arg[:, None])[:, 0]))
@@ -345,9 +351,9 @@ def _rows_backward(x: Tensor, col: Tensor, inside: Tensor, g: Tensor, ge: Option
     then one multiply by ``-g/tau`` written straight into ``out``: two passes over the rows. ``pre``: the rows'
     ``(-1 where inside else 0, -g/tau)`` in ``cdt``, formed once per call by the caller (the accelerator route).
     """
-    lp, p = ws.tiles(*x.shape)
     col = col[:, None]
     if ge is None:
+        p = ws.second(*x.shape)
         if _accelerated(x.device):
             _softmax_rows(x, cdt, ws, p)
         else:
@@ -360,6 +366,7 @@ def _rows_backward(x: Tensor, col: Tensor, inside: Tensor, g: Tensor, ge: Option
         else:
             torch.mul(p.mul_(coef), slope, out=out)
         return
+    lp, p = ws.tiles(*x.shape)
     torch.log_softmax(x, 1, dtype=cdt, out=lp)
     lp.clamp_(min=_log_p_floor(cdt))  # p = 0 there, and p * (log p + H) stays 0
     torch.exp(lp, out=p)
@@ -486,9 +493,227 @@ def _row_view(x: Tensor, r0: int, r1: int) -> Tensor:
         return x[r0 // T, r0 % T : r0 % T + (r1 - r0)]
 
 
+_mm_fp32_out_ok: dict = {}  # (device type, dtype) -> whether mm / addmm take out_dtype=float32 with out=
+
+
+def _mm_fp32_out(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``torch.mm`` / ``torch.addmm`` multiply ``dtype`` (fp16/bf16) operands into a given fp32 tensor
+    (``out_dtype=torch.float32, out=``): CUDA on current PyTorch; not CPU. Probed once per (device type, dtype)."""
+    key = (device.type, dtype)
+    if key not in _mm_fp32_out_ok:
+        try:
+            a = torch.ones(1, 1, dtype=dtype, device=device)
+            c = torch.empty(1, 1, dtype=torch.float32, device=device)
+            torch.mm(a, a, out_dtype=torch.float32, out=c)
+            torch.addmm(c, a, a, out_dtype=torch.float32, out=c)
+            ok = True
+        except (RuntimeError, TypeError, NotImplementedError):
+            ok = False
+        _mm_fp32_out_ok[key] = ok
+    return _mm_fp32_out_ok[key]
+
+
+class _Gemms:
+    """The accelerator route's three GEMMs with operands in their dtype ``op`` and results in ``cdt``: for
+    fp16/bf16 operands one GEMM writing fp32 (``out_dtype``) where torch has it; elsewhere (CPU tensors, older
+    torch) the operands converted to ``cdt`` first (exact; the weight once per call: ``V*H*4`` bytes more)."""
+
+    def __init__(self, weight: Tensor, op: torch.dtype, cdt: torch.dtype) -> None:
+        self.op, self.cdt = op, cdt
+        self.native = op == cdt or _mm_fp32_out(weight.device, op)
+        self.w = weight.to(op) if self.native else weight.to(cdt)
+
+    def _up(self, t: Tensor) -> Tensor:
+        return t if self.native else t.to(self.cdt)
+
+    def logits(self, h: Tensor, out: Tensor) -> None:
+        """``out [c, V] cdt = h @ W.T``."""
+        if self.op == self.cdt or not self.native:
+            torch.mm(self._up(h), self.w.t(), out=out)
+        else:
+            torch.mm(h, self.w.t(), out_dtype=self.cdt, out=out)
+
+    def d_hidden(self, dz: Tensor, out: Tensor) -> None:
+        """``out [c, H] = dz @ W`` (``out`` in the hidden states' dtype: written straight into its rows)."""
+        if self.native and out.dtype == self.op:
+            torch.mm(dz, self.w, out=out)
+        else:
+            out.copy_(torch.mm(self._up(dz), self.w))
+
+    def d_weight(self, dw: Tensor, dz: Tensor, h: Tensor, first: bool) -> None:
+        """``dw [V, H] cdt (+)= dz.T @ h`` (``first``: written, nothing read)."""
+        a, b = self._up(dz).t(), self._up(h)
+        if self.op == self.cdt or not self.native:
+            torch.mm(a, b, out=dw) if first else dw.addmm_(a, b)
+        elif first:
+            torch.mm(a, b, out_dtype=self.cdt, out=dw)
+        else:
+            torch.addmm(dw, a, b, out_dtype=self.cdt, out=dw)
+
+
+def _active_index(active: Optional[Tensor], device: torch.device) -> Optional[Tensor]:
+    """The ``[k]`` int64 rows of ``active`` on ``device`` (one host read), or None: every row (``active`` None or
+    all True), or no host read allowed (the caller then computes every row and zeroes the others)."""
+    if active is None or not host_reads_allowed():
+        return None
+    host = _to_host(active)
+    if bool(host.all()):
+        return None
+    index = torch.nonzero(host)[:, 0]
+    return index.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else index.to(device)
+
+
+def _linear_rows(n: int, V: int, cdt: torch.dtype, tiles: int, memory_budget: Optional[int]) -> int:
+    """Rows per chunk of the accelerator route: ``tiles`` ``[rows, V]`` tiles in ``cdt`` fill the budget."""
+    budget = DEFAULT_MEMORY_BUDGET if memory_budget is None else memory_budget
+    item = torch.empty((), dtype=cdt).element_size()
+    return max(1, min(max(n, 1), budget // (tiles * max(V, 1) * item)))
+
+
+def _scale_logits(z: Tensor, bias: Optional[Tensor], tau: float, cap: Optional[float],
+                  slope: Optional[Tensor]) -> None:
+    """In place: ``z = (c tanh((z + b) / c)) / tau`` (or ``(z + b) / tau``), with the cap's ``sech^2`` in ``slope``."""
+    if bias is not None:
+        z.add_(bias)
+    if cap is None:
+        if tau != 1.0:
+            z.div_(tau)
+        return
+    z.div_(cap)
+    if slope is not None:
+        torch.cosh(z, out=slope).pow_(-2)
+    z.tanh_().mul_(cap / tau)
+
+
+def _linear_forward_accelerated(ctx, hidden, weight, bias, labels, active, tau, return_entropy, cap, memory_budget):
+    """Row chunks sized from the budget, no vocabulary tiles: per chunk one GEMM into an fp32 ``[c, V]`` tile,
+    then the logits path's argmax + softmax + entr + sum (:func:`_rows_forward_accelerated`). One host read (the
+    ``active`` rows, compacted) at most; nothing saved but the inputs (the backward recomputes the logits)."""
+    rows_all = as_rows(hidden)
+    n, V = labels.shape[0], weight.shape[0]
+    cdt = compute_dtype(hidden.dtype)
+    device = hidden.device
+    op = hidden.dtype if hidden.dtype == weight.dtype else cdt
+    gemms = _Gemms(weight, op, cdt)
+    shifted = _shifted_bias(bias, cdt, cap)
+    index = _active_index(active, device)
+    h_all = rows_all if index is None else rows_all.index_select(0, index)
+    lab = labels if index is None else labels.index_select(0, index)
+    m = h_all.shape[0]
+    col, inside = _label_columns(lab, V)
+    C = _linear_rows(m, V, cdt, 2, memory_budget)
+    ws = _Workspace(C, V, cdt, device)  # a: the logits tile, b: p
+    logp_c = torch.empty(m, dtype=cdt, device=device)
+    ent_c = torch.empty(m, dtype=cdt, device=device)
+    for r0 in range(0, m, C):
+        r1 = min(r0 + C, m)
+        z = ws.tiles(r1 - r0, V)[0]
+        gemms.logits(h_all[r0:r1].to(op), z)
+        _scale_logits(z, shifted, tau, cap, None)
+        lp, ent = _rows_forward_accelerated(z, col[r0:r1], inside[r0:r1], cdt, ws, return_entropy)
+        logp_c[r0:r1] = lp
+        if return_entropy:
+            ent_c[r0:r1] = ent
+    logp_c = torch.where(inside, logp_c, float("nan"))
+    if not return_entropy:
+        ent_c.zero_()
+    if index is None:
+        logp, entropy = logp_c, ent_c
+        if active is not None:  # no host read allowed: every row computed, the others' results 0
+            logp = torch.where(active, logp, 0.0)
+            entropy = torch.where(active, entropy, 0.0)
+    else:
+        logp = torch.zeros(n, dtype=cdt, device=device).index_copy_(0, index, logp_c)
+        entropy = torch.zeros(n, dtype=cdt, device=device).index_copy_(0, index, ent_c)
+    ctx.save_for_backward(hidden, weight, bias if bias is not None else torch.empty(0), labels, entropy,
+                          index if index is not None else torch.empty(0, dtype=torch.long),
+                          active if active is not None else torch.empty(0, dtype=torch.bool))
+    ctx.accelerated, ctx.compacted, ctx.has_active = True, index is not None, active is not None
+    ctx.memory_budget = memory_budget
+    return logp, entropy
+
+
+def _linear_backward_accelerated(ctx, grad_logp, grad_entropy):
+    """Per row chunk: the logits recomputed (one GEMM), ``dZ`` formed in fp32 and cast once to the operand dtype
+    (into the logits tile's own storage), ``dH = dZ @ W`` written into its rows, ``dW += dZ.T @ h`` into one fp32
+    accumulator (the first chunk writes it). No host read: rows without gradient (of log-prob or entropy, or
+    inactive) go through as zero rows, their hidden rows zeroed first so that NaN padding cannot reach ``dW``."""
+    hidden, weight, bias, labels, entropy, index, active = ctx.saved_tensors
+    bias = bias if ctx.has_bias else None
+    tau, cap = ctx.temperature, ctx.softcap
+    n = labels.shape[0]
+    V, H = weight.shape
+    cdt = entropy.dtype
+    device = hidden.device
+    op = hidden.dtype if hidden.dtype == weight.dtype else cdt
+    gemms = _Gemms(weight, op, cdt)
+    shifted = _shifted_bias(bias, cdt, cap)
+    rows_all = as_rows(hidden)
+    carries = _carries_gradient(grad_logp, grad_entropy, n, device)
+    if ctx.has_active and not ctx.compacted:
+        carries &= active
+    g_all = grad_logp if grad_logp is not None else torch.zeros_like(entropy)
+    g_all = torch.where(carries, g_all, 0.0)
+    ge_all = None if grad_entropy is None else torch.where(carries, grad_entropy, 0.0)
+    sel = (lambda t: t) if not ctx.compacted else (lambda t: t.index_select(0, index))
+    h_all, g_all, carries, ent_all = sel(rows_all), sel(g_all), sel(carries), sel(entropy)
+    ge_all = None if ge_all is None else sel(ge_all)
+    col, inside = _label_columns(sel(labels), V)
+    m = h_all.shape[0]
+    tiles = 2 + (ge_all is not None) + (cap is not None)
+    C = _linear_rows(m, V, cdt, tiles, ctx.memory_budget)
+    ws = _Workspace(C, V, cdt, device)  # the logits tile (then dZ in its storage), p, and lp / the cap's slope
+    z_buf = torch.empty(C * V, dtype=cdt, device=device)
+    dz_buf = z_buf.view(op) if op != cdt else z_buf
+    pre = None if ge_all is not None else (torch.where(inside, -1.0, 0.0).to(cdt), -g_all / tau)
+    want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    want_b = bias is not None and ctx.needs_input_grad[2]
+    dh = torch.empty(m, H, dtype=hidden.dtype, device=device) if want_h else None
+    dw = torch.zeros(V, H, dtype=cdt, device=device) if m == 0 and want_w else None
+    db = torch.zeros(V, dtype=cdt, device=device) if want_b else None
+    for r0 in range(0, m, C):
+        r1 = min(r0 + C, m)
+        c = r1 - r0
+        h = torch.where(carries[r0:r1, None], h_all[r0:r1], 0).to(op)
+        z = z_buf[: c * V].view(c, V)
+        gemms.logits(h, z)
+        slope = ws.slope_tile(c, V) if cap is not None else None
+        _scale_logits(z, shifted, tau, cap, slope)
+        dz = dz_buf[: c * V].view(c, V)  # the logits tile's own storage: z is not read after its softmax
+        _rows_backward(z, col[r0:r1], inside[r0:r1], g_all[r0:r1], None if ge_all is None else ge_all[r0:r1],
+                       ent_all[r0:r1], tau, cdt, ws, slope, dz,
+                       None if pre is None else (pre[0][r0:r1], pre[1][r0:r1]))
+        if want_h:
+            gemms.d_hidden(dz, dh[r0:r1])
+        if want_w:
+            if dw is None:
+                dw = torch.empty(V, H, dtype=cdt, device=device)
+                gemms.d_weight(dw, dz, h, first=True)
+            else:
+                gemms.d_weight(dw, dz, h, first=False)
+        if want_b:
+            db += dz.sum(dim=0, dtype=cdt)
+    grad_hidden = None
+    if want_h:
+        if ctx.compacted:
+            dh = torch.zeros(n, H, dtype=hidden.dtype, device=device).index_copy_(0, index, dh)
+        grad_hidden = dh.reshape(hidden.shape)
+    grad_weight = dw.to(weight.dtype) if want_w else None
+    grad_bias = db.to(bias.dtype) if want_b else None
+    return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
+
+
 class _LinearLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, active, temperature, return_entropy, softcap):
+    def forward(ctx, hidden, weight, bias, labels, active, temperature, return_entropy, softcap, memory_budget=None):
+        ctx.has_bias = bias is not None
+        ctx.temperature = temperature
+        ctx.softcap = softcap
+        ctx.set_materialize_grads(False)  # an unused entropy gets grad None, not a zero-filled tensor
+        ctx.accelerated = False
+        if _accelerated(hidden.device):
+            return _linear_forward_accelerated(ctx, hidden, weight, bias, labels, active, temperature, return_entropy,
+                                               softcap, memory_budget)
         rows_all = as_rows(hidden)
         n = labels.shape[0]
         V = weight.shape[0]
@@ -517,6 +742,8 @@ class _LinearLogprobs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
+        if ctx.accelerated:
+            return _linear_backward_accelerated(ctx, grad_logp, grad_entropy)
         hidden, weight, bias, labels, stats, entropy = ctx.saved_tensors
         bias = bias if ctx.has_bias else None
         tau, cap = ctx.temperature, ctx.softcap
@@ -553,7 +780,7 @@ class _LinearLogprobs(torch.autograd.Function):
         grad_hidden = d_hidden.to(hidden.dtype).reshape(hidden.shape) if ctx.needs_input_grad[0] else None
         grad_weight = d_weight.to(weight.dtype) if ctx.needs_input_grad[1] else None
         grad_bias = d_bias.to(bias.dtype) if d_bias is not None and ctx.needs_input_grad[2] else None
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
 
 
 def _shifted_bias(bias: Optional[Tensor], cdt: torch.dtype, cap: Optional[float] = None) -> Optional[Tensor]:
@@ -640,7 +867,7 @@ def linear_logprobs(
                          "matmuls round a row depending on the batch's shape")
     cap = None if softcap is None else float(softcap)
     logp, entropy = _LinearLogprobs.apply(hidden, weight, bias, labels, active, float(temperature), return_entropy,
-                                          cap)
+                                          cap, memory_budget)
     return logp, (entropy if return_entropy else None)
 
 
