@@ -8,7 +8,12 @@ accelerator (CUDA) the scratch blocks fill ``DEFAULT_MEMORY_BUDGET`` (bf16 [1638
 ~15 kernels each, where 55-row blocks made 304). Rows to compute (the forward's ``active``, the backward's rows
 with gradient) are read to the host once per call, never per block; no op sorts (``scatter_add``, not
 ``index_put(accumulate=True)``); ``tests/test_torch_backend_launches.py`` counts both.
-Hidden-state path: rows x vocabulary tiles, an online softmax (running max ``m``,
+On an accelerator (CUDA) the logits path's forward is argmax + one softmax + entr + sum (log p_y from the max's
+column, :func:`_rows_forward_accelerated`) and a ``[B, T + 1, V]`` base read as ``[:, :-1]`` takes its gradient
+directly. The hidden-state path there: row chunks sized from ``memory_budget``, one GEMM per chunk with fp32 output,
+no vocabulary tiles, dZ cast once, dW in one fp32 accumulator, one host read per call
+(:func:`_linear_forward_accelerated`, :func:`_linear_backward_accelerated`).
+Hidden-state path on CPU: rows x vocabulary tiles, an online softmax (running max ``m``,
 ``s = sum e^(x-m)``, ``a = sum e^(x-m)(x-m)``) with the label's logit and the entropy folded in;
 one ``[rows, vocab_block]`` logits tile exists at a time.
 Both keep the row max and ``log s`` apart (never one fp32 ``lse = m + log s``): log-probs and the
@@ -857,10 +862,14 @@ def linear_logprobs(
 
     ``softcap``: see the backend contract. ``batch_invariant=True`` is refused: the BLAS this backend calls picks its kernels by shape.
     fp16/bf16/fp32 inputs: converted to fp32 exactly (exact products), fp32 accumulation and outputs;
-    fp64 inputs: fp64 math and outputs. ``memory_budget`` is accepted for the backend contract and
-    ignored: this backend keeps no logits between forward and backward (it recomputes every tile).
-    Extra memory: ``O(N)`` plus a few ``[1024, 4096]`` tiles; the backward adds accumulators for
-    ``dW`` (``V*H*4`` bytes), ``dH`` (``N*H*4``) and ``dbias`` (``V*4``).
+    fp64 inputs: fp64 math and outputs. No logits are kept between forward and backward (recomputed).
+    CPU tensors: ``memory_budget`` is ignored; extra memory ``O(N)`` plus a few ``[1024, 4096]`` tiles; the
+    backward adds accumulators for ``dW`` (``V*H*4`` bytes), ``dH`` (``N*H*4``) and ``dbias`` (``V*4``).
+    Accelerators: ``[rows, V]`` fp32 tiles filling ``memory_budget`` (None: ``DEFAULT_MEMORY_BUDGET``; 2 tiles in
+    the forward, 2 in the backward, 3 with an entropy gradient, one more with a soft cap), plus the fp32 ``dW``
+    accumulator (``V*H*4``), ``dH`` in the hidden states' dtype, and, where the GEMMs cannot write fp32 from half
+    operands (no ``out_dtype``), an fp32 copy of the weight. One host read per forward with ``active``, none in the
+    backward.
     """
     if batch_invariant:
         raise ValueError("batch_invariant=True needs backend='triton' or backend='cpu': the 'torch' backend's "
