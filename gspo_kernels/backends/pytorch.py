@@ -8,7 +8,12 @@ accelerator (CUDA) the scratch blocks fill ``DEFAULT_MEMORY_BUDGET`` (bf16 [1638
 ~15 kernels each, where 55-row blocks made 304). Rows to compute (the forward's ``active``, the backward's rows
 with gradient) are read to the host once per call, never per block; no op sorts (``scatter_add``, not
 ``index_put(accumulate=True)``); ``tests/test_torch_backend_launches.py`` counts both.
-Hidden-state path: rows x vocabulary tiles, an online softmax (running max ``m``,
+On an accelerator (CUDA) the logits path's forward is argmax + one softmax + entr + sum (log p_y from the max's
+column, :func:`_rows_forward_accelerated`) and a ``[B, T + 1, V]`` base read as ``[:, :-1]`` takes its gradient
+directly. The hidden-state path there: row chunks sized from ``memory_budget``, one GEMM per chunk with fp32 output,
+no vocabulary tiles, dZ cast once, dW in one fp32 accumulator, one host read per call
+(:func:`_linear_forward_accelerated`, :func:`_linear_backward_accelerated`).
+Hidden-state path on CPU: rows x vocabulary tiles, an online softmax (running max ``m``,
 ``s = sum e^(x-m)``, ``a = sum e^(x-m)(x-m)``) with the label's logit and the entropy folded in;
 one ``[rows, vocab_block]`` logits tile exists at a time.
 Both keep the row max and ``log s`` apart (never one fp32 ``lse = m + log s``): log-probs and the
@@ -31,7 +36,7 @@ import torch
 from torch import Tensor
 
 from gspo_kernels.backends import DEFAULT_MEMORY_BUDGET, Backend
-from gspo_kernels.backends.tiling import as_rows, row_blocks
+from gspo_kernels.backends.tiling import as_rows, next_token_base, row_blocks
 from gspo_kernels.checks import host_reads_allowed
 from gspo_kernels.precision import compute_dtype
 
@@ -52,13 +57,19 @@ class _Workspace:
 
     def __init__(self, rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> None:
         self.size, self.dtype, self.device = rows * cols, dtype, device
-        self.a = torch.empty(self.size, dtype=dtype, device=device)
+        self.a: Optional[Tensor] = None  # allocated when first needed (a softmax alone uses only b)
         self.b = torch.empty(self.size, dtype=dtype, device=device)
         self.x: Optional[Tensor] = None
         self.s: Optional[Tensor] = None  # the soft cap's sech^2 tile (allocated when first needed)
 
     def tiles(self, r: int, c: int) -> Tuple[Tensor, Tensor]:
+        if self.a is None:
+            self.a = torch.empty(self.size, dtype=self.dtype, device=self.device)
         return self.a[: r * c].view(r, c), self.b[: r * c].view(r, c)
+
+    def second(self, r: int, c: int) -> Tensor:
+        """The second work tile alone."""
+        return self.b[: r * c].view(r, c)
 
     def input_tile(self, r: int, c: int) -> Tensor:
         if self.x is None:
@@ -170,6 +181,37 @@ def _logits_block_rows(V: int, device: torch.device, tiles: int, itemsize: int) 
     return max(1, budget // (tiles * max(V, 1) * itemsize))
 
 
+_half_softmax_ok: dict = {}  # (device type, dtype) -> whether ATen's softmax reads half rows into fp32 itself
+
+
+def _half_softmax(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``aten::_softmax(x, dim, half_to_float=True)`` runs for ``dtype`` rows on ``device`` (one pass: reads
+    the half rows, writes fp32). CUDA has it for fp16; bf16 only where the installed PyTorch added it; CPU never.
+    Probed once per (device type, dtype) on a ``[1, 2]`` tensor."""
+    key = (device.type, dtype)
+    if key not in _half_softmax_ok:
+        ok = False
+        if dtype in (torch.float16, torch.bfloat16):
+            try:
+                out = torch.ops.aten._softmax(torch.zeros(1, 2, dtype=dtype, device=device), 1, True)
+                ok = out.dtype == torch.float32 and bool(torch.all(out == 0.5))
+            except (RuntimeError, NotImplementedError, TypeError):
+                ok = False
+        _half_softmax_ok[key] = ok
+    return _half_softmax_ok[key]
+
+
+def _softmax_rows(x: Tensor, cdt: torch.dtype, ws: "_Workspace", out: Tensor) -> Tensor:
+    """``out = softmax(x)`` (rows) in ``cdt`` on the accelerator route: one pass from half rows where the kernel
+    reads them (:func:`_half_softmax`), else the rows converted into the input scratch tile first (the pass that
+    ``torch.softmax(x, dtype=cdt)`` makes into a fresh tensor, made into the workspace instead)."""
+    if x.dtype == cdt:
+        return torch.softmax(x, 1, out=out)
+    if _half_softmax(x.device, x.dtype) and cdt == torch.float32:
+        return torch.ops.aten._softmax.out(x, 1, True, out=out)
+    return torch.softmax(ws.input_tile(*x.shape).copy_(x), 1, out=out)
+
+
 def _to_host(mask: Tensor) -> Tensor:
     """``mask [N]`` bool on the CPU: the one host read of a forward call on an accelerator (free on CPU)."""
     return mask if mask.device.type == "cpu" else mask.to("cpu")
@@ -271,40 +313,65 @@ def _rows_forward(x: Tensor, col: Tensor, inside: Tensor, cdt: torch.dtype, ws: 
     (26 bytes per logit in all for fp32 scratch, against 38 for the CPU's form); on CPU, where ``entr`` is not
     vectorized, ``log p`` clamped to a floor where ``exp`` is exactly 0, ``exp``, a product and a row sum.
     """
+    if _accelerated(x.device):
+        return _rows_forward_accelerated(x, col, inside, cdt, ws, return_entropy)
     lp, p = ws.tiles(*x.shape)
     torch.log_softmax(x, 1, dtype=cdt, out=lp)
     picked = lp.gather(1, col[:, None])[:, 0]
     logp = torch.where(inside, picked, float("nan"))  # a label outside [0, V) is never read
     if not return_entropy:
         return logp, None
-    if _accelerated(x.device):
-        torch.exp(lp, out=p)
-        return logp, torch.special.entr(p, out=p).sum(dim=1)
     lp.clamp_(min=_log_p_floor(cdt))  # exp is exactly 0 there: -inf logits add 0, not 0 * -inf
     torch.exp(lp, out=p)
     return logp, -p.mul_(lp).sum(dim=1)
 
 
+def _rows_forward_accelerated(x: Tensor, col: Tensor, inside: Tensor, cdt: torch.dtype, ws: _Workspace,
+                              return_entropy: bool) -> Tuple[Tensor, Optional[Tensor]]:
+    """:func:`_rows_forward` on the accelerator route, in fewer bytes per logit: the row max and its column
+    (``max``, one read of the rows in their own dtype), ``p = softmax(x)`` (one fused pass, from half rows directly
+    where the kernel reads them, else after one conversion into scratch), then ``log p_y = (x_y - m) - log s`` with
+    ``log s = -log p[argmax]`` (``p`` at the max is ``1/s``, never below ``1/V``: no underflow; ``m`` and ``log s``
+    stay apart) and the entropy ``sum entr(p)`` (``entr``, a row sum). bf16 rows, no direct half read: 2 + 6 + 8 + 8
+    + 4 = 28 bytes per logit (20 with it), where log_softmax + exp + entr + sum read and wrote 34."""
+    arg = x.argmax(dim=1)
+    p = ws.second(*x.shape)
+    _softmax_rows(x, cdt, ws, p)
+    ends = x.gather(1, torch.stack((col, arg), dim=1)).to(cdt)  # (x_y, m) of each row
+    logp = (ends[:, 0] - ends[:, 1]).add_(torch.log(p.gather(1, arg[:, None])[:, 0]))
+    # (a label outside [0, V) is never read: the caller sets its row's log-prob to NaN, once per call)
+    if not return_entropy:
+        return logp, None
+    return logp, torch.special.entr(p, out=p).sum(dim=1)
+
+
 def _rows_backward(x: Tensor, col: Tensor, inside: Tensor, g: Tensor, ge: Optional[Tensor], ent: Optional[Tensor],
-                   tau: float, cdt: torch.dtype, ws: _Workspace, slope: Optional[Tensor], out: Tensor) -> None:
+                   tau: float, cdt: torch.dtype, ws: _Workspace, slope: Optional[Tensor], out: Tensor,
+                   pre: Optional[Tuple[Tensor, Tensor]] = None) -> None:
     """Write ``dL/dlogits`` of the rows into ``out [r, V]`` (the logits' dtype, possibly their own storage:
     ``x`` is read before ``out`` is written): ``(g/tau)(onehot - p) - (ge/tau) p (log p + H)``, times the
     soft cap's ``slope`` when given. Formed in the compute dtype and rounded once when stored.
 
     Without an entropy gradient: ``p = softmax(x)``, ``p_y -= 1`` (a ``scatter_add``: no sort, no host read),
-    then one multiply by ``-g/tau`` written straight into ``out``: two passes over the rows.
+    then one multiply by ``-g/tau`` written straight into ``out``: two passes over the rows. ``pre``: the rows'
+    ``(-1 where inside else 0, -g/tau)`` in ``cdt``, formed once per call by the caller (the accelerator route).
     """
-    lp, p = ws.tiles(*x.shape)
     col = col[:, None]
     if ge is None:
-        torch.softmax(x, 1, dtype=cdt, out=p)
-        p.scatter_add_(1, col, torch.where(inside, -1.0, 0.0).to(cdt)[:, None])  # p - onehot
-        coef = (-g / tau)[:, None]
+        p = ws.second(*x.shape)
+        if _accelerated(x.device):
+            _softmax_rows(x, cdt, ws, p)
+        else:
+            torch.softmax(x, 1, dtype=cdt, out=p)
+        minus_one, coef = pre if pre is not None else (torch.where(inside, -1.0, 0.0).to(cdt), -g / tau)
+        p.scatter_add_(1, col, minus_one[:, None])  # p - onehot
+        coef = coef[:, None]
         if slope is None:
             torch.mul(p, coef, out=out)
         else:
             torch.mul(p.mul_(coef), slope, out=out)
         return
+    lp, p = ws.tiles(*x.shape)
     torch.log_softmax(x, 1, dtype=cdt, out=lp)
     lp.clamp_(min=_log_p_floor(cdt))  # p = 0 there, and p * (log p + H) stays 0
     torch.exp(lp, out=p)
@@ -331,7 +398,12 @@ class _LogitsLogprobs(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits, labels, active, temperature, return_entropy, inplace_backward, softcap):
+    def forward(ctx, logits, labels, active, temperature, return_entropy, inplace_backward, softcap,
+                extra_position=False):
+        ctx.extra = extra_position  # ``logits`` is the [B, T + 1, V] base of the rows read (its [:, :-1])
+        source = logits
+        if extra_position:
+            logits = logits[:, :-1]
         V = logits.shape[-1]
         n = labels.shape[0]
         cdt = compute_dtype(logits.dtype)
@@ -354,7 +426,9 @@ class _LogitsLogprobs(torch.autograd.Function):
             _store(logp, r0, r1, sel, lp_rows)
             if return_entropy:
                 _store(entropy, r0, r1, sel, ent_rows)
-        ctx.save_for_backward(logits, labels, entropy)
+        if _accelerated(device):  # the rows' forward leaves this to one op per call
+            logp = torch.where(inside, logp, float("nan"))
+        ctx.save_for_backward(source, labels, entropy)
         ctx.active = active
         ctx.plan, ctx.rows = plan, R
         ctx.temperature = temperature
@@ -372,7 +446,12 @@ class _LogitsLogprobs(torch.autograd.Function):
         cdt = entropy.dtype
         device = logits.device
         source = logits.detach()
-        grad = source if ctx.inplace else torch.empty_like(logits, memory_format=torch.contiguous_format)
+        full = source if ctx.inplace else torch.empty_like(logits, memory_format=torch.contiguous_format)
+        grad = full
+        if ctx.extra:  # the base's gradient: 0 at the last position, the rows' gradient written into the others
+            full[:, -1].zero_()
+            source, grad = source[:, :-1], full[:, :-1]
+            V = source.shape[-1]
         g_all = grad_logp if grad_logp is not None else torch.zeros_like(entropy)
         plan = ctx.plan
         if host_reads_allowed():  # skip every row without gradient: one host read of the mask (none on CPU)
@@ -382,6 +461,9 @@ class _LogitsLogprobs(torch.autograd.Function):
             plan = _row_plan([(r0, r1) for r0, r1, _ in plan], carries, device)
         col, inside = _label_columns(labels, V)
         ws = _Workspace(ctx.rows, V, cdt, device)
+        pre = None
+        if _accelerated(device) and grad_entropy is None:  # per call, not per block
+            pre = (torch.where(inside, -1.0, 0.0).to(cdt), -g_all / tau)
         for r0, r1, sel in plan:
             target = _row_view(grad, r0, r1)
             if sel is _SKIP:
@@ -395,13 +477,14 @@ class _LogitsLogprobs(torch.autograd.Function):
             out = torch.empty(x.shape, dtype=grad.dtype, device=device) if index else target
             ge = None if grad_entropy is None else _pick(grad_entropy, r0, r1, sel)
             _rows_backward(x, _pick(col, r0, r1, sel), _pick(inside, r0, r1, sel), _pick(g_all, r0, r1, sel), ge,
-                           _pick(entropy, r0, r1, sel), tau, cdt, ws, slope, out)
+                           _pick(entropy, r0, r1, sel), tau, cdt, ws, slope, out,
+                           None if pre is None else (_pick(pre[0], r0, r1, sel), _pick(pre[1], r0, r1, sel)))
             if index:
                 target.zero_()
                 target.index_copy_(0, sel, out)
             elif sel is not None:  # a device mask (no host read allowed): the other rows are exactly 0
                 target.masked_fill_(~sel[:, None], 0)
-        return grad, None, None, None, None, None, None
+        return full, None, None, None, None, None, None, None
 
 
 def _row_view(x: Tensor, r0: int, r1: int) -> Tensor:
@@ -415,9 +498,227 @@ def _row_view(x: Tensor, r0: int, r1: int) -> Tensor:
         return x[r0 // T, r0 % T : r0 % T + (r1 - r0)]
 
 
+_mm_fp32_out_ok: dict = {}  # (device type, dtype) -> whether mm / addmm take out_dtype=float32 with out=
+
+
+def _mm_fp32_out(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``torch.mm`` / ``torch.addmm`` multiply ``dtype`` (fp16/bf16) operands into a given fp32 tensor
+    (``out_dtype=torch.float32, out=``): CUDA on current PyTorch; not CPU. Probed once per (device type, dtype)."""
+    key = (device.type, dtype)
+    if key not in _mm_fp32_out_ok:
+        try:
+            a = torch.ones(1, 1, dtype=dtype, device=device)
+            c = torch.empty(1, 1, dtype=torch.float32, device=device)
+            torch.mm(a, a, out_dtype=torch.float32, out=c)
+            torch.addmm(c, a, a, out_dtype=torch.float32, out=c)
+            ok = True
+        except (RuntimeError, TypeError, NotImplementedError):
+            ok = False
+        _mm_fp32_out_ok[key] = ok
+    return _mm_fp32_out_ok[key]
+
+
+class _Gemms:
+    """The accelerator route's three GEMMs with operands in their dtype ``op`` and results in ``cdt``: for
+    fp16/bf16 operands one GEMM writing fp32 (``out_dtype``) where torch has it; elsewhere (CPU tensors, older
+    torch) the operands converted to ``cdt`` first (exact; the weight once per call: ``V*H*4`` bytes more)."""
+
+    def __init__(self, weight: Tensor, op: torch.dtype, cdt: torch.dtype) -> None:
+        self.op, self.cdt = op, cdt
+        self.native = op == cdt or _mm_fp32_out(weight.device, op)
+        self.w = weight.to(op) if self.native else weight.to(cdt)
+
+    def _up(self, t: Tensor) -> Tensor:
+        return t if self.native else t.to(self.cdt)
+
+    def logits(self, h: Tensor, out: Tensor) -> None:
+        """``out [c, V] cdt = h @ W.T``."""
+        if self.op == self.cdt or not self.native:
+            torch.mm(self._up(h), self.w.t(), out=out)
+        else:
+            torch.mm(h, self.w.t(), out_dtype=self.cdt, out=out)
+
+    def d_hidden(self, dz: Tensor, out: Tensor) -> None:
+        """``out [c, H] = dz @ W`` (``out`` in the hidden states' dtype: written straight into its rows)."""
+        if self.native and out.dtype == self.op:
+            torch.mm(dz, self.w, out=out)
+        else:
+            out.copy_(torch.mm(self._up(dz), self.w))
+
+    def d_weight(self, dw: Tensor, dz: Tensor, h: Tensor, first: bool) -> None:
+        """``dw [V, H] cdt (+)= dz.T @ h`` (``first``: written, nothing read)."""
+        a, b = self._up(dz).t(), self._up(h)
+        if self.op == self.cdt or not self.native:
+            torch.mm(a, b, out=dw) if first else dw.addmm_(a, b)
+        elif first:
+            torch.mm(a, b, out_dtype=self.cdt, out=dw)
+        else:
+            torch.addmm(dw, a, b, out_dtype=self.cdt, out=dw)
+
+
+def _active_index(active: Optional[Tensor], device: torch.device) -> Optional[Tensor]:
+    """The ``[k]`` int64 rows of ``active`` on ``device`` (one host read), or None: every row (``active`` None or
+    all True), or no host read allowed (the caller then computes every row and zeroes the others)."""
+    if active is None or not host_reads_allowed():
+        return None
+    host = _to_host(active)
+    if bool(host.all()):
+        return None
+    index = torch.nonzero(host)[:, 0]
+    return index.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else index.to(device)
+
+
+def _linear_rows(n: int, V: int, cdt: torch.dtype, tiles: int, memory_budget: Optional[int]) -> int:
+    """Rows per chunk of the accelerator route: ``tiles`` ``[rows, V]`` tiles in ``cdt`` fill the budget."""
+    budget = DEFAULT_MEMORY_BUDGET if memory_budget is None else memory_budget
+    item = torch.empty((), dtype=cdt).element_size()
+    return max(1, min(max(n, 1), budget // (tiles * max(V, 1) * item)))
+
+
+def _scale_logits(z: Tensor, bias: Optional[Tensor], tau: float, cap: Optional[float],
+                  slope: Optional[Tensor]) -> None:
+    """In place: ``z = (c tanh((z + b) / c)) / tau`` (or ``(z + b) / tau``), with the cap's ``sech^2`` in ``slope``."""
+    if bias is not None:
+        z.add_(bias)
+    if cap is None:
+        if tau != 1.0:
+            z.div_(tau)
+        return
+    z.div_(cap)
+    if slope is not None:
+        torch.cosh(z, out=slope).pow_(-2)
+    z.tanh_().mul_(cap / tau)
+
+
+def _linear_forward_accelerated(ctx, hidden, weight, bias, labels, active, tau, return_entropy, cap, memory_budget):
+    """Row chunks sized from the budget, no vocabulary tiles: per chunk one GEMM into an fp32 ``[c, V]`` tile,
+    then the logits path's argmax + softmax + entr + sum (:func:`_rows_forward_accelerated`). One host read (the
+    ``active`` rows, compacted) at most; nothing saved but the inputs (the backward recomputes the logits)."""
+    rows_all = as_rows(hidden)
+    n, V = labels.shape[0], weight.shape[0]
+    cdt = compute_dtype(hidden.dtype)
+    device = hidden.device
+    op = hidden.dtype if hidden.dtype == weight.dtype else cdt
+    gemms = _Gemms(weight, op, cdt)
+    shifted = _shifted_bias(bias, cdt, cap)
+    index = _active_index(active, device)
+    h_all = rows_all if index is None else rows_all.index_select(0, index)
+    lab = labels if index is None else labels.index_select(0, index)
+    m = h_all.shape[0]
+    col, inside = _label_columns(lab, V)
+    C = _linear_rows(m, V, cdt, 2, memory_budget)
+    ws = _Workspace(C, V, cdt, device)  # a: the logits tile, b: p
+    logp_c = torch.empty(m, dtype=cdt, device=device)
+    ent_c = torch.empty(m, dtype=cdt, device=device)
+    for r0 in range(0, m, C):
+        r1 = min(r0 + C, m)
+        z = ws.tiles(r1 - r0, V)[0]
+        gemms.logits(h_all[r0:r1].to(op), z)
+        _scale_logits(z, shifted, tau, cap, None)
+        lp, ent = _rows_forward_accelerated(z, col[r0:r1], inside[r0:r1], cdt, ws, return_entropy)
+        logp_c[r0:r1] = lp
+        if return_entropy:
+            ent_c[r0:r1] = ent
+    logp_c = torch.where(inside, logp_c, float("nan"))
+    if not return_entropy:
+        ent_c.zero_()
+    if index is None:
+        logp, entropy = logp_c, ent_c
+        if active is not None:  # no host read allowed: every row computed, the others' results 0
+            logp = torch.where(active, logp, 0.0)
+            entropy = torch.where(active, entropy, 0.0)
+    else:
+        logp = torch.zeros(n, dtype=cdt, device=device).index_copy_(0, index, logp_c)
+        entropy = torch.zeros(n, dtype=cdt, device=device).index_copy_(0, index, ent_c)
+    ctx.save_for_backward(hidden, weight, bias if bias is not None else torch.empty(0), labels, entropy,
+                          index if index is not None else torch.empty(0, dtype=torch.long),
+                          active if active is not None else torch.empty(0, dtype=torch.bool))
+    ctx.accelerated, ctx.compacted, ctx.has_active = True, index is not None, active is not None
+    ctx.memory_budget = memory_budget
+    return logp, entropy
+
+
+def _linear_backward_accelerated(ctx, grad_logp, grad_entropy):
+    """Per row chunk: the logits recomputed (one GEMM), ``dZ`` formed in fp32 and cast once to the operand dtype
+    (into the logits tile's own storage), ``dH = dZ @ W`` written into its rows, ``dW += dZ.T @ h`` into one fp32
+    accumulator (the first chunk writes it). No host read: rows without gradient (of log-prob or entropy, or
+    inactive) go through as zero rows, their hidden rows zeroed first so that NaN padding cannot reach ``dW``."""
+    hidden, weight, bias, labels, entropy, index, active = ctx.saved_tensors
+    bias = bias if ctx.has_bias else None
+    tau, cap = ctx.temperature, ctx.softcap
+    n = labels.shape[0]
+    V, H = weight.shape
+    cdt = entropy.dtype
+    device = hidden.device
+    op = hidden.dtype if hidden.dtype == weight.dtype else cdt
+    gemms = _Gemms(weight, op, cdt)
+    shifted = _shifted_bias(bias, cdt, cap)
+    rows_all = as_rows(hidden)
+    carries = _carries_gradient(grad_logp, grad_entropy, n, device)
+    if ctx.has_active and not ctx.compacted:
+        carries &= active
+    g_all = grad_logp if grad_logp is not None else torch.zeros_like(entropy)
+    g_all = torch.where(carries, g_all, 0.0)
+    ge_all = None if grad_entropy is None else torch.where(carries, grad_entropy, 0.0)
+    sel = (lambda t: t) if not ctx.compacted else (lambda t: t.index_select(0, index))
+    h_all, g_all, carries, ent_all = sel(rows_all), sel(g_all), sel(carries), sel(entropy)
+    ge_all = None if ge_all is None else sel(ge_all)
+    col, inside = _label_columns(sel(labels), V)
+    m = h_all.shape[0]
+    tiles = 2 + (ge_all is not None) + (cap is not None)
+    C = _linear_rows(m, V, cdt, tiles, ctx.memory_budget)
+    ws = _Workspace(C, V, cdt, device)  # the logits tile (then dZ in its storage), p, and lp / the cap's slope
+    z_buf = torch.empty(C * V, dtype=cdt, device=device)
+    dz_buf = z_buf.view(op) if op != cdt else z_buf
+    pre = None if ge_all is not None else (torch.where(inside, -1.0, 0.0).to(cdt), -g_all / tau)
+    want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    want_b = bias is not None and ctx.needs_input_grad[2]
+    dh = torch.empty(m, H, dtype=hidden.dtype, device=device) if want_h else None
+    dw = torch.zeros(V, H, dtype=cdt, device=device) if m == 0 and want_w else None
+    db = torch.zeros(V, dtype=cdt, device=device) if want_b else None
+    for r0 in range(0, m, C):
+        r1 = min(r0 + C, m)
+        c = r1 - r0
+        h = torch.where(carries[r0:r1, None], h_all[r0:r1], 0).to(op)
+        z = z_buf[: c * V].view(c, V)
+        gemms.logits(h, z)
+        slope = ws.slope_tile(c, V) if cap is not None else None
+        _scale_logits(z, shifted, tau, cap, slope)
+        dz = dz_buf[: c * V].view(c, V)  # the logits tile's own storage: z is not read after its softmax
+        _rows_backward(z, col[r0:r1], inside[r0:r1], g_all[r0:r1], None if ge_all is None else ge_all[r0:r1],
+                       ent_all[r0:r1], tau, cdt, ws, slope, dz,
+                       None if pre is None else (pre[0][r0:r1], pre[1][r0:r1]))
+        if want_h:
+            gemms.d_hidden(dz, dh[r0:r1])
+        if want_w:
+            if dw is None:
+                dw = torch.empty(V, H, dtype=cdt, device=device)
+                gemms.d_weight(dw, dz, h, first=True)
+            else:
+                gemms.d_weight(dw, dz, h, first=False)
+        if want_b:
+            db += dz.sum(dim=0, dtype=cdt)
+    grad_hidden = None
+    if want_h:
+        if ctx.compacted:
+            dh = torch.zeros(n, H, dtype=hidden.dtype, device=device).index_copy_(0, index, dh)
+        grad_hidden = dh.reshape(hidden.shape)
+    grad_weight = dw.to(weight.dtype) if want_w else None
+    grad_bias = db.to(bias.dtype) if want_b else None
+    return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
+
+
 class _LinearLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, active, temperature, return_entropy, softcap):
+    def forward(ctx, hidden, weight, bias, labels, active, temperature, return_entropy, softcap, memory_budget=None):
+        ctx.has_bias = bias is not None
+        ctx.temperature = temperature
+        ctx.softcap = softcap
+        ctx.set_materialize_grads(False)  # an unused entropy gets grad None, not a zero-filled tensor
+        ctx.accelerated = False
+        if _accelerated(hidden.device):
+            return _linear_forward_accelerated(ctx, hidden, weight, bias, labels, active, temperature, return_entropy,
+                                               softcap, memory_budget)
         rows_all = as_rows(hidden)
         n = labels.shape[0]
         V = weight.shape[0]
@@ -446,6 +747,8 @@ class _LinearLogprobs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
+        if ctx.accelerated:
+            return _linear_backward_accelerated(ctx, grad_logp, grad_entropy)
         hidden, weight, bias, labels, stats, entropy = ctx.saved_tensors
         bias = bias if ctx.has_bias else None
         tau, cap = ctx.temperature, ctx.softcap
@@ -482,7 +785,7 @@ class _LinearLogprobs(torch.autograd.Function):
         grad_hidden = d_hidden.to(hidden.dtype).reshape(hidden.shape) if ctx.needs_input_grad[0] else None
         grad_weight = d_weight.to(weight.dtype) if ctx.needs_input_grad[1] else None
         grad_bias = d_bias.to(bias.dtype) if d_bias is not None and ctx.needs_input_grad[2] else None
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
 
 
 def _shifted_bias(bias: Optional[Tensor], cdt: torch.dtype, cap: Optional[float] = None) -> Optional[Tensor]:
@@ -534,8 +837,11 @@ def logits_logprobs(
     results replaced by 0). ``softcap``: see the backend contract.
     """
     cap = None if softcap is None else float(softcap)
-    logp, entropy = _LogitsLogprobs.apply(logits, labels, active, float(temperature), return_entropy, inplace_backward,
-                                          cap)
+    base = None
+    if _accelerated(logits.device) and torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        base = next_token_base(logits)  # [B, T + 1, V] read as [:, :-1]: its gradient written here, no slice_backward
+    logp, entropy = _LogitsLogprobs.apply(logits if base is None else base, labels, active, float(temperature),
+                                          return_entropy, inplace_backward, cap, base is not None)
     return logp, (entropy if return_entropy else None)
 
 
@@ -556,17 +862,21 @@ def linear_logprobs(
 
     ``softcap``: see the backend contract. ``batch_invariant=True`` is refused: the BLAS this backend calls picks its kernels by shape.
     fp16/bf16/fp32 inputs: converted to fp32 exactly (exact products), fp32 accumulation and outputs;
-    fp64 inputs: fp64 math and outputs. ``memory_budget`` is accepted for the backend contract and
-    ignored: this backend keeps no logits between forward and backward (it recomputes every tile).
-    Extra memory: ``O(N)`` plus a few ``[1024, 4096]`` tiles; the backward adds accumulators for
-    ``dW`` (``V*H*4`` bytes), ``dH`` (``N*H*4``) and ``dbias`` (``V*4``).
+    fp64 inputs: fp64 math and outputs. No logits are kept between forward and backward (recomputed).
+    CPU tensors: ``memory_budget`` is ignored; extra memory ``O(N)`` plus a few ``[1024, 4096]`` tiles; the
+    backward adds accumulators for ``dW`` (``V*H*4`` bytes), ``dH`` (``N*H*4``) and ``dbias`` (``V*4``).
+    Accelerators: ``[rows, V]`` fp32 tiles filling ``memory_budget`` (None: ``DEFAULT_MEMORY_BUDGET``; 2 tiles in
+    the forward, 2 in the backward, 3 with an entropy gradient, one more with a soft cap), plus the fp32 ``dW``
+    accumulator (``V*H*4``), ``dH`` in the hidden states' dtype, and, where the GEMMs cannot write fp32 from half
+    operands (no ``out_dtype``), an fp32 copy of the weight. One host read per forward with ``active``, none in the
+    backward.
     """
     if batch_invariant:
         raise ValueError("batch_invariant=True needs backend='triton' or backend='cpu': the 'torch' backend's "
                          "matmuls round a row depending on the batch's shape")
     cap = None if softcap is None else float(softcap)
     logp, entropy = _LinearLogprobs.apply(hidden, weight, bias, labels, active, float(temperature), return_entropy,
-                                          cap)
+                                          cap, memory_budget)
     return logp, (entropy if return_entropy else None)
 
 
