@@ -119,8 +119,11 @@ def test_bf16_default_first_minibatch_is_on_policy(policy_dir, tmp_path, policy_
 def test_fp32_twenty_steps_match_trl(policy_dir, tmp_path):
     """fp32 (bf16=False): 20 steps of ours and stock TRL from the same weights and seed, step by step.
 
-    Tolerances: loss within 1e-6 absolute (the losses are O(0.1 - 1); the two heads differ only in
-    summation order, ~1e-7 per token); grad_norm within 1e-4 and entropy within 1e-5 relative (after a
+    Tolerances: loss within 1e-6 absolute over the first generation (the losses are O(0.1 - 1); the two heads
+    differ only in summation order, ~1e-7 per token), then ``1e-6 sqrt(step / 4)``: from the second update on,
+    the two runs' weights differ by rounding, and those independent per-step differences (2e-7 to 5e-7 in the
+    loss at one step, measured) add up like a random walk (measured here with torch 2.13 / TRL 1.16: 1.01e-6 at
+    step 19, where a fixed 1e-6 fails by chance); grad_norm within 1e-4 and entropy within 1e-5 relative (after a
     dozen updates the weights differ by fp32 rounding: entropy 2.8478467 vs 2.8478453 at step 13); clip
     ratios and rewards equal to 1e-6 (a clip decision that flipped, or a sampled token that changed,
     would show up as >= 1/16).
@@ -134,7 +137,8 @@ def test_fp32_twenty_steps_match_trl(policy_dir, tmp_path):
     assert len(theirs) == len(ours) == 20
     clipped = 0
     for step, (t, o) in enumerate(zip(theirs, ours), start=1):
-        assert o["loss"] == pytest.approx(t["loss"], abs=1e-6), f"step {step}: {o['loss']} vs {t['loss']}"
+        drift = 1e-6 * max(1.0, math.sqrt(step / 4))
+        assert o["loss"] == pytest.approx(t["loss"], abs=drift), f"step {step}: {o['loss']} vs {t['loss']}"
         assert o["grad_norm"] == pytest.approx(t["grad_norm"], rel=1e-4), f"step {step}"
         assert ("reward" in o) == ("reward" in t) == (step % 4 == 1)  # logged once per generation
         if "reward" in t:
