@@ -87,7 +87,9 @@ def _syncs(prepare, step):
         with warnings.catch_warnings():
             warnings.simplefilter("always")
             warnings.showwarning = show
-            torch.cuda.set_sync_debug_mode("warn")
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                torch.cuda.set_sync_debug_mode("warn")  # its own warning about the mode is not a sync of the step
             try:
                 step()
             finally:

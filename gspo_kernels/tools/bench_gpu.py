@@ -274,13 +274,15 @@ def sync_count(ctx: _Ctx, step: Callable[[], object], prepare: Optional[Callable
     if prepare is not None:
         prepare()
     torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.cuda.set_sync_debug_mode("warn")  # it warns once itself, about the mode: not a sync of the step
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
             out = step()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     del out
     return sum(1 for w in caught if "synchroniz" in str(w.message).lower())
