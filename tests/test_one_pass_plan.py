@@ -158,3 +158,25 @@ def test_gradients_return_in_the_callers_dtype_without_a_round_trip():
     out = gk.fused_linear_gspo_loss(hidden, weight, labels, adv, old, mask=mask, config=cfg, backend="triton")
     grads = _against_reference(out, (hidden, weight), labels, adv, old, mask, cu, cfg, RTOL)
     assert all(g.dtype == torch.float32 for g in grads)
+
+
+def test_chunk_rule_without_and_with_a_memory_budget():
+    """``configs.one_pass_chunk_rows``: an explicit ``memory_budget`` is the bytes of both buffers exactly (fp32
+    logits and operand-dtype ``dZ`` for ``C = K`` rows); without one, 1024 / 4096 rows (two-pass backward:
+    512 / 2048) scaled down together below ``max(1 GiB, free / 4)``, never more rows than the call has."""
+    from gspo_kernels.backends.triton import configs
+
+    V, bf16 = 151936, torch.bfloat16
+    for budget in (1 << 28, 1 << 30, 3 << 30):
+        c, k = configs.one_pass_chunk_rows(16384, V, bf16, budget)
+        assert c == k and c * V * (4 + 2) <= budget < (c + configs.GEMM_ROW_MULTIPLE) * V * (4 + 2)
+    big = 64 << 30
+    assert configs.one_pass_chunk_rows(16384, V, bf16, None, big) == (1024, 4096)
+    assert configs.one_pass_chunk_rows(16384, V, bf16, None, big, two_pass=True) == (512, 2048)
+    assert configs.one_pass_chunk_rows(16384, V, torch.float32, None, big) == (4096, 4096)
+    for free in (None, 2 << 30):  # the cap: 1 GiB (free unknown, or a quarter of 2 GiB is less)
+        c, k = configs.one_pass_chunk_rows(16384, V, bf16, None, free)
+        assert k == 4 * c and c * V * 4 + k * V * 2 <= 1 << 30 and c < 1024
+    c, k = configs.one_pass_chunk_rows(16384, V, bf16, None, 12 << 30)  # 3 GiB cap: the full sizes fit
+    assert (c, k) == (1024, 4096)
+    assert configs.one_pass_chunk_rows(300, V, bf16, None, big) == (300, 300)

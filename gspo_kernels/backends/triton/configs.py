@@ -45,16 +45,22 @@ def gemm_chunk_rows(n_rows: int, V: int, operand: torch.dtype, memory_budget: Op
 # 36 ms in 16 accumulations, 28.5 ms in 4).
 ONE_PASS_LOGITS_ROWS = 1024
 ONE_PASS_STORE_ROWS = 4096
+# The two-pass backward (``linear_logprobs`` + autograd: the TRL drop-in's head, old / reference passes) holds
+# half of that: it runs inside a model's backward, beside the model's own gradients and activations (measured
+# on an H200 with the one-pass sizes: the drop-in's step at 1.42x stock TRL's peak memory for the same time).
+TWO_PASS_LOGITS_ROWS = 512
+TWO_PASS_STORE_ROWS = 2048
 
 
 def one_pass_chunk_rows(n_rows: int, V: int, operand: torch.dtype, memory_budget: Optional[int],
-                        free_bytes: Optional[int] = None) -> "tuple[int, int]":
+                        free_bytes: Optional[int] = None, *, two_pass: bool = False) -> "tuple[int, int]":
     """``(C, K)``: rows of the fp32 logits buffer and rows of the ``dZ`` store of the one-pass loss.
 
     ``memory_budget`` given: its exact meaning, the bytes of both buffers: ``C = K`` rows of ``V`` logits in the
     compute dtype plus ``V`` gradients in the operand dtype (:func:`gemm_chunk_rows` with ``need_dz``).
-    None: ``C = ONE_PASS_LOGITS_ROWS`` and ``K = ONE_PASS_STORE_ROWS`` (``K = C`` for fp32 / fp64 operands, whose
-    ``dZ`` is written over the logits), both scaled down together when their bytes would pass
+    None: ``C = ONE_PASS_LOGITS_ROWS`` and ``K = ONE_PASS_STORE_ROWS`` (``TWO_PASS_*`` with ``two_pass``, the
+    two-pass backward's; ``K = C`` for fp32 / fp64 operands, whose ``dZ`` is written over the logits), both
+    scaled down together when their bytes would pass
     ``max(DEFAULT_MEMORY_BUDGET, free_bytes / 4)`` (``free_bytes``: the device's free memory, None: not known).
     Neither is ever more than ``n_rows`` rows (at least 1).
     """
@@ -65,14 +71,12 @@ def one_pass_chunk_rows(n_rows: int, V: int, operand: torch.dtype, memory_budget
     op = torch.empty((), dtype=operand).element_size()
     separate = op != acc
     cap = DEFAULT_MEMORY_BUDGET if free_bytes is None else max(DEFAULT_MEMORY_BUDGET, int(free_bytes) // 4)
-    if separate:
-        ratio = ONE_PASS_STORE_ROWS // ONE_PASS_LOGITS_ROWS
-        c = min(ONE_PASS_LOGITS_ROWS, cap // max(V * (acc + ratio * op), 1))
-        k = ratio * c
-    else:
-        c = k = min(ONE_PASS_STORE_ROWS, cap // max(V * acc, 1))
+    logits_rows, store_rows = ((TWO_PASS_LOGITS_ROWS, TWO_PASS_STORE_ROWS) if two_pass
+                               else (ONE_PASS_LOGITS_ROWS, ONE_PASS_STORE_ROWS))
+    ratio = store_rows // logits_rows if separate else 1
+    c = min(logits_rows if separate else store_rows, cap // max(V * (acc + ratio * op if separate else acc), 1))
     c = max(GEMM_MIN_CHUNK_ROWS, c // GEMM_ROW_MULTIPLE * GEMM_ROW_MULTIPLE)
-    k = max(c, k // GEMM_ROW_MULTIPLE * GEMM_ROW_MULTIPLE)
+    k = ratio * c
     n = max(int(n_rows), 1)
     return min(c, n), min(k, n)
 

@@ -257,7 +257,7 @@ class VendorLinearLogprobs(torch.autograd.Function):
         free = None
         if ctx.memory_budget is None and w.is_cuda and checks.host_reads_allowed():
             free = torch.cuda.mem_get_info(w.device)[0]
-        chunk, store_rows = configs.one_pass_chunk_rows(n, vocab, w.dtype, ctx.memory_budget, free)
+        chunk, store_rows = configs.one_pass_chunk_rows(n, vocab, w.dtype, ctx.memory_budget, free, two_pass=True)
         separate = w.dtype != acc
         buffers = _Buffers(min(chunk, n), vocab, w.dtype, w.device, need_dz=not separate) if n else None
         # no host read: every row goes through the GEMMs, those without gradient as zero rows (masked in the store)
