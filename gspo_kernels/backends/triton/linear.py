@@ -303,24 +303,24 @@ class _GradientsKnown(torch.autograd.Function):
     """``loss`` whose gradients with respect to ``inputs`` were computed in the forward (``grads``).
 
     The backward scales them by the incoming gradient in place and hands them over (no second copy of ``dW``
-    or ``dH``): they can be handed over once. A second backward through the same graph (``retain_graph=True``)
-    raises ``RuntimeError`` instead of a wrong or missing gradient."""
+    or ``dH``): they are handed over once. A second backward through the same graph (``retain_graph=True``)
+    gets them from ``again()``, which runs the pass once more on the same operands (the same gradients, at the
+    cost of the pass, paid only by a second backward)."""
 
     @staticmethod
-    def forward(ctx, loss, grads, *inputs):
-        ctx.grads = grads
+    def forward(ctx, loss, grads, again, *inputs):
+        ctx.grads, ctx.again = grads, again
         return loss.detach().clone()
 
     @staticmethod
     def backward(ctx, grad_loss):
-        if ctx.grads is None:
-            raise RuntimeError(
-                "fused_linear_gspo_loss computed its gradients during the forward and handed them to the first "
-                "backward; a second backward through the same loss (retain_graph=True) cannot have them again. "
-                "Call the loss again for a second backward, or use the two-pass form (linear_logprobs + the "
-                "sequence stage, e.g. gspo_kernels.policy_loss), whose graph can be kept.")
         grads, ctx.grads = ctx.grads, None
-        return (None, None, *[None if g is None else g.mul_(grad_loss.to(g.dtype)) for g in grads])
+        if grads is None:
+            if ctx.again is None:
+                raise RuntimeError("fused_linear_gspo_loss: the gradients of this loss were already handed over "
+                                   "and cannot be formed again; call the loss again for another backward")
+            grads = ctx.again()
+        return (None, None, None, *[None if g is None else g.mul_(grad_loss.to(g.dtype)) for g in grads])
 
 
 def response_chunks(cu: List[int], chunk_rows: int) -> List[Tuple[int, int, bool]]:
@@ -470,14 +470,38 @@ def fused_linear_loss(
         return None  # no gradient wanted (evaluation, torch.no_grad): the forward alone is the two-pass form's
     if inputs.host is None and len(inputs.batch.token_shape) != 2:
         return None  # packed layout with no boundaries on the host (capture): the two-pass form
+    free = None
+    if memory_budget is None and weight.is_cuda and checks.host_reads_allowed():
+        free = torch.cuda.mem_get_info(weight.device)[0]
+    sizes = configs.one_pass_chunk_rows(hidden.reshape(-1, hidden.shape[-1]).shape[0], weight.shape[0], weight.dtype,
+                                        memory_budget, free)
+    out, grads = _one_pass(objective, hidden, weight, bias, inputs, config, sizes, need, softcap)
+    present = tuple(leaf for leaf in leaves if leaf is not None)
+    # what a second pass needs (not the operands themselves: an fp32 head's bf16 copy is not kept for it)
+    shapes = [(leaf.shape, leaf.dtype) for leaf in present]
+    casts = [(t.shape, t.dtype) for t in (hidden, weight, bias) if t is not None]
+
+    def leaf_grads(grads):
+        grads = [g for g, leaf in zip(grads, leaves) if leaf is not None]
+        return [None if g is None else g.reshape(shape).to(dtype) for g, (shape, dtype) in zip(grads, shapes)]
+
+    def again():  # a second backward through the loss: the same pass on the same operands and sizes
+        ops = [leaf.detach().to(dtype).reshape(shape) for leaf, (shape, dtype) in zip(present, casts)]
+        ops += [None] * (3 - len(ops))
+        return leaf_grads(_one_pass(objective, *ops, inputs, config, sizes, need, softcap)[1])
+
+    loss = _GradientsKnown.apply(out.loss, leaf_grads(grads), again, *present)
+    return type(out)(loss, out.metrics)
+
+
+def _one_pass(objective, hidden, weight, bias, inputs, config, sizes, need, softcap):
+    """The pass of :func:`fused_linear_loss`: ``(LossOutput with its metrics, [dH, dW, dB])`` (fp32 / operand
+    dtypes; None where ``need`` says no), over chunks of ``sizes = (C, K)`` rows."""
     rows, w, b = _operands(hidden.detach(), weight.detach(), None if bias is None else bias.detach(), softcap)
     n, vocab = rows.shape[0], w.shape[0]
     acc = compute_dtype(w.dtype)
     separate = w.dtype != acc
-    free = None
-    if memory_budget is None and w.is_cuda and checks.host_reads_allowed():
-        free = torch.cuda.mem_get_info(w.device)[0]
-    chunk, store_rows = configs.one_pass_chunk_rows(n, vocab, w.dtype, memory_budget, free)
+    chunk, store_rows = sizes
     plan = _RowPlan(inputs, config, chunk)
     labels, valid = inputs.labels, inputs.batch.mask > 0
     temperature = config.temperature
@@ -561,14 +585,7 @@ def fused_linear_loss(
         out = objective(logp, entropy, inputs, config)
     metrics = dict(out.metrics)
     metrics["fused_linear/two_pass_tokens"] = logp.new_full((), float(two_pass_tokens), dtype=torch.float32)
-    grads = []
-    for grad, leaf, used in zip((dh, dw, db), leaves, need):
-        if leaf is None:
-            continue
-        grads.append(grad.reshape(leaf.shape).to(leaf.dtype) if used else None)
-    present = tuple(leaf for leaf in leaves if leaf is not None)
-    loss = _GradientsKnown.apply(out.loss, grads, *present)
-    return type(out)(loss, metrics)
+    return type(out)(out.loss, metrics), [dh, dw, db]
 
 
 def _long_response(objective, rows, w, b, labels, valid, t0, t1, chunk, n_carrying, logp, entropy, row_stats,
