@@ -25,6 +25,7 @@ from tests.support import (
     assert_bf16_within_fp32_math_plus_rounding,
     check_against_reference,
     configs,
+    device_for,
     linear_loss_vs_reference,
     logits_loss_vs_reference,
     rel_err,
@@ -283,7 +284,9 @@ def _vp_worker(rank: int, world: int, port: int) -> None:
         vp = gk.VocabParallel(None, s, e)
         V, H = vp.vocab_size, 16
         for backend_name in ("cpu", "torch", "triton"):
-            gen = torch.Generator().manual_seed(7)  # the same inputs on every rank
+            device = device_for(backend_name)  # CUDA tensors for triton / torch where CUDA exists
+            torch.set_default_device(device)
+            gen = torch.Generator(device=device).manual_seed(7)  # the same inputs on every rank
             labels = torch.randint(0, V, (3, 5), generator=gen)
             w1, w2 = torch.randn(3, 5, generator=gen), torch.randn(3, 5, generator=gen)
             logits = torch.randn(3, 5, V, generator=gen) * 3
@@ -320,6 +323,7 @@ def _vp_worker(rank: int, world: int, port: int) -> None:
             assert rel_err(grads[0], ref_grads[0]) < RTOL, name
             assert rel_err(grads[1], ref_grads[1][s:e]) < RTOL and rel_err(grads[2], ref_grads[2][s:e]) < RTOL, name
     finally:
+        torch.set_default_device(None)
         dist.destroy_process_group()
 
 

@@ -22,7 +22,7 @@ if not torch.cuda.is_available():  # the children import triton after this line
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import gspo_kernels as gk  # noqa: E402
-from tests.support import configs, rel_err  # noqa: E402
+from tests.support import configs, device_for, rel_err  # noqa: E402
 
 V, H = 37, 16
 RANGES = {2: [(0, 15), (15, 37)], 3: [(22, 37), (0, 7), (7, 22)]}  # uneven; 3 ranks out of order
@@ -229,10 +229,13 @@ def _worker(rank: int, world: int, port: int) -> None:
         vp = gk.VocabParallel(None, lo, hi)
         assert vp.vocab_size == V
         for backend in BACKENDS:
+            device = device_for(backend)  # CUDA tensors for triton / torch where CUDA exists (gloo reduces them)
             for packed in (False, True):
-                gen = torch.Generator().manual_seed(1000 * packed + BACKENDS.index(backend))  # same on every rank
-                _check_logprob_functions(vp, backend, packed, gen)
-                _check_losses(vp, backend, packed, gen)
+                # the same inputs on every rank: one seed, a generator on the device the tensors are made on
+                gen = torch.Generator(device=device).manual_seed(1000 * packed + BACKENDS.index(backend))
+                with torch.device(device):
+                    _check_logprob_functions(vp, backend, packed, gen)
+                    _check_losses(vp, backend, packed, gen)
         _check_verl_megatron_head(rank, world)
         _check_bad_input(rank, world)
     finally:
