@@ -5,24 +5,29 @@ CUDA, with fp32 accumulation; fp32 operands take cuBLAS's fp32 path and follow
 ``torch.backends.cuda.matmul.allow_tf32``). Triton does only the memory-bound part, in place on the
 chunk's fp32 logits buffer, with the logits path's kernels (:mod:`.logits`): the online log-sum-exp,
 the label's logit and the entropy in the forward, and ``dZ = dL/dZ`` in the backward. The ``[N, V]`` logits
-never exist: one chunk of ``C`` rows does, ``C`` set by the memory budget (:func:`configs.gemm_chunk_rows`).
+never exist: one chunk of ``C`` rows does (:func:`configs.one_pass_chunk_rows`).
 
 Per chunk of rows ``r``:
 
-* forward: ``Z = H[r] @ W.T + b`` (fp32 out), ``logprobs_forward(Z)`` -> ``logp, entropy, row_stats``;
-* backward (only the rows whose incoming gradient is not zero): ``Z`` again, ``dZ = logprobs_backward(Z)``
-  written in the operand dtype (one rounding), ``dH[r] = dZ @ W``, ``dW += dZ.T @ H[r]`` into an fp32
-  accumulator (the GEMM's beta on CUDA; see :func:`accumulate_dw`), ``db += sum_r dZ``.
+* forward: ``Z = H[r] @ W.T + b`` (fp32, written by the GEMM into the chunk's buffer), ``logprobs_forward(Z)``
+  -> ``logp, entropy, row_stats``;
+* backward: ``Z`` again, ``dZ = logprobs_backward(Z)`` written in the operand dtype (one rounding) into a store
+  of ``K`` rows; once per full store ``dH[rows] = dZ @ W`` and ``dW += dZ.T @ H[rows]`` into an fp32 accumulator
+  (the GEMM's beta on CUDA, 0 for the first; see :func:`accumulate_dw`), so the ``[V, H]`` accumulator is read
+  and written once per ``K`` rows, not once per chunk; ``db += sum_r dZ``.
 
 That is ``8 N H V`` FLOPs for a forward and a backward (the logits are computed twice). The one-call loss
 (:func:`fused_linear_loss`) needs the gradient while the chunk's logits are still there: it runs over
 chunks of *whole responses*, so that the sequence stage can produce ``dL/dlogp`` for the chunk's tokens
-before ``dZ`` is formed, and does ``6 N H V`` (``2 N H V`` plus ``4 H V`` per row that carries a gradient).
+before ``dZ`` is formed, and does ``6 N H V`` (``2 N H V`` per counted row plus ``4 H V`` per row that carries
+a gradient).
 
-Rows whose gradient is zero (masked, clipped, zero advantage) enter no backward GEMM: they are compacted
-away (``torch.nonzero``: one host read of the count per chunk). Inside CUDA-graph capture (and
-``torch.compile``) nothing is read back: every row of the chunk goes through the GEMMs (zero rows give zero
-products), so a step can be captured.
+Host reads: none here. The one-call loss plans its rows from ``inputs.host`` (read with the value checks, once
+per call): masked rows enter no GEMM, rows of responses without a gradient enter no backward GEMM, rows found
+clipped in the forward enter them as zero rows. The two-pass backward visits every row, those without gradient
+as zero rows (their hidden rows zeroed, so garbage such as NaN padding cannot reach ``dW``). Inside CUDA-graph
+capture (and ``torch.compile``) there is no host layout: every row of a chunk goes through the GEMMs, so a step
+can be captured.
 
 Results are deterministic run to run but not batch invariant (cuBLAS picks its kernels by shape): a row's
 bits may depend on how many rows share its GEMM. ``batch_invariant=True`` selects :mod:`.linear_invariant`.
