@@ -138,12 +138,6 @@ class _Buffers:
         if need_dz:
             self.dz = self.logits if operand == acc else torch.empty((rows, vocab), device=device, dtype=operand)
 
-    @classmethod
-    def over(cls, logits: Tensor, dz: Tensor) -> "_Buffers":
-        """Buffers made of existing tensors."""
-        buffers = cls.__new__(cls)
-        buffers.logits, buffers.dz = logits, dz
-        return buffers
 
 
 def _chunk_statistics(z: Tensor, labels: Tensor, active: Optional[Tensor], temperature: float, logp: Tensor,
@@ -154,51 +148,6 @@ def _chunk_statistics(z: Tensor, labels: Tensor, active: Optional[Tensor], tempe
     logprobs_forward(z, labels, active=active, temperature=temperature, return_entropy=True,
                      out=(logp, entropy, stats), softcap=softcap)
     row_stats.copy_(stats)
-
-
-def backward_rows(
-    rows: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, row_stats: Tensor, entropy: Optional[Tensor],
-    grad_logp: Optional[Tensor], grad_entropy: Optional[Tensor], temperature: float, buffers: _Buffers,
-    dh: Optional[Tensor], dw: Optional[Tensor], db: Optional[Tensor], index: Optional[Tensor], logits: Optional[Tensor],
-    softcap: Optional[float] = None, first: bool = False,
-) -> None:
-    """The backward of one chunk: ``dZ`` from the chunk's logits (recomputed unless ``logits`` is given),
-    then the two GEMMs. ``rows``, ``labels``, ... are the chunk's (``row_stats [2, n]``); ``index``: the rows to
-    visit, as indices (the others are skipped), or as a bool mask (no host read: every row is multiplied, the
-    others as zero rows, so that garbage in rows without gradient, e.g. NaN padding, cannot reach ``dW``)."""
-    if index is not None and index.dtype == torch.bool:
-        rows = torch.where(index[:, None], rows, torch.zeros((), device=rows.device, dtype=rows.dtype))
-        index = None
-    if index is not None and index.numel() == rows.shape[0]:
-        index = None  # every row carries a gradient: no gather
-    if index is not None:
-        if index.numel() == 0:
-            return
-        pick = lambda t: None if t is None else t.index_select(-1, index)  # noqa: E731
-        rows = rows.index_select(0, index)
-        labels, row_stats, entropy = pick(labels), pick(row_stats), pick(entropy)
-        grad_logp, grad_entropy = pick(grad_logp), pick(grad_entropy)
-        logits = None if logits is None else logits.index_select(0, index)
-    n = rows.shape[0]
-    row_stats = row_stats.contiguous()  # the kernel reads a dense [2, n] block
-    z = logits if logits is not None else chunk_logits(rows, weight, bias, buffers.logits)
-    if db is not None:  # dZ in fp32 first (the bias gradient sums it), then one rounding to the operand dtype
-        logprobs_backward(z, labels, row_stats, entropy, grad_logp, grad_entropy, temperature=temperature,
-                          inplace=True, softcap=softcap)
-        db.add_(z.sum(0, dtype=db.dtype))
-        dz = buffers.dz[:n]
-        if dz.data_ptr() != z.data_ptr():
-            dz.copy_(z)
-    else:
-        dz = logprobs_backward(z, labels, row_stats, entropy, grad_logp, grad_entropy, temperature=temperature,
-                               out=buffers.dz[:n], softcap=softcap)
-    if dh is not None:
-        if index is None:
-            torch.mm(dz, weight, out=dh)
-        else:
-            dh.index_copy_(0, index, dz @ weight)
-    if dw is not None:
-        accumulate_dw(dw, dz, rows, first=first)
 
 
 def _operands(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], softcap: Optional[float] = None):
@@ -266,31 +215,15 @@ class VendorLinearLogprobs(torch.autograd.Function):
         separate = w.dtype != acc
         buffers = _Buffers(min(chunk, n), vocab, w.dtype, w.device, need_dz=not separate) if n else None
         # no host read: every row goes through the GEMMs, those without gradient as zero rows (masked in the store)
-        store = _GradientStore(max(store_rows, chunk) if separate else chunk, vocab, buffers, w.dtype, w.device,
-                               masked=True) if n else None
+        store = _GradientStore(max(store_rows, chunk) if separate else chunk, vocab, buffers, w.dtype,
+                               w.device) if n else None
         for r0 in range(0, n, chunk):
-            r1 = min(n, r0 + chunk)
-            sl = slice(r0, r1)
-            k = r1 - r0
-            if store.used + k > store.rows:
-                store.flush(rows, w, dh, dw)
-            dz = store.add(k, None, r0, carries[sl])
+            sl = slice(r0, min(n, r0 + chunk))
             z = chunk_logits(rows[sl], w, b, buffers.logits)
-            g = None if grad_logp is None else grad_logp[sl]
-            ge = None if grad_entropy is None else grad_entropy[sl]
-            stats = row_stats[:, sl].contiguous()  # the kernel reads a dense [2, n] block
-            if db is not None or not separate:  # dZ in fp32 first (the bias gradient sums it), then one rounding
-                logprobs_backward(z, labels[sl], stats, entropy[sl], g, ge, temperature=ctx.temperature,
-                                  inplace=True, softcap=ctx.softcap)
-                if db is not None:
-                    db.add_(z.sum(0, dtype=db.dtype))
-                if dz.data_ptr() != z.data_ptr():
-                    dz.copy_(z)
-            else:
-                logprobs_backward(z, labels[sl], stats, entropy[sl], g, ge, temperature=ctx.temperature, out=dz,
-                                  softcap=ctx.softcap)
-            if not separate:
-                store.flush(rows, w, dh, dw)
+            store.backward(z, None, r0, carries[sl], labels[sl], row_stats[:, sl].contiguous(), entropy[sl],
+                           None if grad_logp is None else grad_logp[sl],
+                           None if grad_entropy is None else grad_entropy[sl], ctx.temperature, ctx.softcap, db,
+                           (rows, w, dh, dw))
         if store is not None:
             store.flush(rows, w, dh, dw)
         if dw is not None and (store is None or store.flushes == 0):
@@ -387,25 +320,51 @@ class _RowPlan:
 
 class _GradientStore:
     """``dZ`` rows (operand dtype) waiting for the ``dH`` / ``dW`` GEMMs, with the token index of each; flushed
-    when full and at the end, so that the fp32 ``dW`` accumulator is read and written once per store."""
+    when full and at the end, so that the fp32 ``dW`` accumulator is read and written once per store.
 
-    def __init__(self, rows: int, vocab: int, buffers: _Buffers, operand: torch.dtype, device: torch.device,
-                 masked: bool):
-        separate = buffers.dz is None  # else dZ is written over the logits buffer (fp32 / fp64 operands)
-        self.dz = torch.empty((rows, vocab), device=device, dtype=operand) if separate else buffers.dz
+    Rows added with a ``keep`` mask (rows whose plan is not known on the host) enter the GEMMs with their hidden
+    rows zeroed where ``keep`` is False: garbage there (e.g. NaN padding) cannot reach ``dW``."""
+
+    def __init__(self, rows: int, vocab: int, buffers: _Buffers, operand: torch.dtype, device: torch.device):
+        self.separate = buffers.dz is None  # else dZ is written over the logits buffer (fp32 / fp64 operands)
+        self.dz = torch.empty((rows, vocab), device=device, dtype=operand) if self.separate else buffers.dz
         self.index = torch.empty(rows, device=device, dtype=torch.int64)
-        # masked: rows not planned on the host; those without gradient (maybe garbage, e.g. NaN padding) enter the
-        # GEMMs as zero rows
-        self.keep = torch.empty(rows, device=device, dtype=torch.bool) if masked else None
+        self.keep = torch.empty(rows, device=device, dtype=torch.bool)
+        self.masked = False  # some row of the store came with a keep mask
         self.rows, self.used, self.flushes = rows, 0, 0
         self.span: Optional[Tuple[int, int]] = None  # (first token, count) while the rows are one token range
 
+    def backward(self, z: Tensor, index: Optional[Tensor], t0: int, keep: Optional[Tensor], labels: Tensor,
+                 stats: Tensor, entropy: Tensor, g: Optional[Tensor], ge: Optional[Tensor], temperature: float,
+                 softcap: Optional[float], db: Optional[Tensor], gemms) -> None:
+        """``dZ`` of the logits ``z`` (``n`` rows: tokens ``index``, or ``t0, t0 + 1, ...``) into the store, the
+        store's GEMMs first when it is full (``gemms``: ``flush``'s arguments), and at once when ``dZ`` is
+        written over the logits (which the next chunk needs)."""
+        n = z.shape[0]
+        if self.used + n > self.rows:
+            self.flush(*gemms)
+        dz = self.add(n, index, t0, keep)
+        if db is not None or not self.separate:  # dZ in fp32 first (the bias gradient sums it), then one rounding
+            logprobs_backward(z, labels, stats, entropy, g, ge, temperature=temperature, inplace=True,
+                              softcap=softcap)
+            if db is not None:
+                db.add_(z.sum(0, dtype=db.dtype))
+            if dz.data_ptr() != z.data_ptr():
+                dz.copy_(z)
+        else:
+            logprobs_backward(z, labels, stats, entropy, g, ge, temperature=temperature, out=dz, softcap=softcap)
+        if not self.separate:
+            self.flush(*gemms)
+
     def add(self, n: int, index: Optional[Tensor], t0: int, keep: Optional[Tensor] = None) -> Tensor:
         """Reserve ``n`` rows for tokens ``index`` (None: ``t0, t0 + 1, ...``; ``keep``: which of them carry a
-        gradient, when the store is masked); returns their ``dZ`` rows."""
+        gradient, None: all); returns their ``dZ`` rows."""
         k = self.used
-        if self.keep is not None:
+        if keep is None:
+            self.keep[k:k + n].fill_(True)
+        else:
             self.keep[k:k + n].copy_(keep)
+            self.masked = True
         if index is None:
             if self.span is not None and self.span[0] + self.span[1] == t0 and k == self.span[1]:
                 self.span = (self.span[0], k + n)
@@ -419,7 +378,6 @@ class _GradientStore:
             self.index[k:k + n].copy_(index)
         self.used = k + n
         return self.dz[k:k + n]
-
     def flush(self, rows: Tensor, weight: Tensor, dh: Optional[Tensor], dw: Optional[Tensor]) -> None:
         k = self.used
         if k == 0:
@@ -436,10 +394,10 @@ class _GradientStore:
             if dh is not None:
                 dh.index_copy_(0, index, dz @ weight)
         if dw is not None:
-            if self.keep is not None:
+            if self.masked:
                 h = torch.where(self.keep[:k, None], h, torch.zeros((), device=h.device, dtype=h.dtype))
             accumulate_dw(dw, dz, h, first=self.flushes == 0)
-        self.used, self.span = 0, None
+        self.used, self.span, self.masked = 0, None, False
         self.flushes += 1
 
 
@@ -518,8 +476,8 @@ def _one_pass(objective, hidden, weight, bias, inputs, config, sizes, need, soft
     row_stats = torch.zeros((2, n), device=w.device, dtype=acc)
     stand_in = torch.zeros_like(logp) if inputs.old_logprobs is None else inputs.old_logprobs.to(acc).clone()
     buffers = _Buffers(min(chunk, n), vocab, w.dtype, w.device, need_dz=not separate) if n else None
-    store = _GradientStore(max(store_rows, chunk) if separate else chunk, vocab, buffers, w.dtype, w.device,
-                           masked=not plan.known) if n else None
+    store = _GradientStore(max(store_rows, chunk) if separate else chunk, vocab, buffers, w.dtype,
+                           w.device) if n else None
     two_pass_tokens = 0
     for t0, t1, whole, n_counted, n_carrying in plan.chunks:
         sl = slice(t0, t1)
@@ -567,21 +525,9 @@ def _one_pass(objective, hidden, weight, bias, inputs, config, sizes, need, soft
             g = torch.where(valid[sl], g, 0)
             ge = None if ge is None else torch.where(valid[sl], ge, 0)
             keep = (g != 0) if ge is None else ((g != 0) | (ge != 0))
-        if store.used + k > store.rows:
-            store.flush(rows, w, dh, dw)
-        dz = store.add(k, None if order is None else order[:k] + t0, t0, keep)
-        zk, statk = z[:k], (stats if k == m else stats[:, :k].contiguous())
-        entk = c_ent[:k]
-        if db is not None or not separate:  # dZ in fp32 first (the bias gradient sums it), then one rounding
-            logprobs_backward(zk, lab[:k], statk, entk, g, ge, temperature=temperature, inplace=True, softcap=softcap)
-            if db is not None:
-                db.add_(zk.sum(0, dtype=db.dtype))
-            if dz.data_ptr() != zk.data_ptr():
-                dz.copy_(zk)
-        else:
-            logprobs_backward(zk, lab[:k], statk, entk, g, ge, temperature=temperature, out=dz, softcap=softcap)
-        if not separate:  # dZ was written over the logits, which the next chunk needs: its GEMMs now
-            store.flush(rows, w, dh, dw)
+        store.backward(z[:k], None if order is None else order[:k] + t0, t0, keep, lab[:k],
+                       stats if k == m else stats[:, :k].contiguous(), c_ent[:k], g, ge, temperature, softcap, db,
+                       (rows, w, dh, dw))
     if store is not None:
         store.flush(rows, w, dh, dw)
     if dw is not None and (store is None or store.flushes == 0):
@@ -606,15 +552,11 @@ def _long_response(objective, rows, w, b, labels, valid, t0, t1, chunk, n_carryi
     if n_carrying == 0:
         return
     g, ge = _chunk_gradient(objective, logp, entropy, stand_in, slice(t0, t1), inputs, config)
-    store.flush(rows, w, dh, dw)
-    buffers = _Buffers.over(buffers.logits, store.dz)  # dZ of each part in the (empty) store's rows
     for s0, s1 in parts:
         local = slice(s0 - t0, s1 - t0)
-        backward_rows(rows[s0:s1], w, b, labels[s0:s1], row_stats[:, s0:s1], entropy[s0:s1], g[local],
-                      None if ge is None else ge[local], temperature, buffers,
-                      None if dh is None else dh[s0:s1], dw, db, valid[s0:s1], None, softcap,
-                      first=store.flushes == 0)
-        store.flushes += 1
+        z = chunk_logits(rows[s0:s1], w, b, buffers.logits)
+        store.backward(z, None, s0, valid[s0:s1], labels[s0:s1], row_stats[:, s0:s1].contiguous(), entropy[s0:s1],
+                       g[local], None if ge is None else ge[local], temperature, softcap, db, (rows, w, dh, dw))
 
 
 def _chunk_gradient(objective, logp, entropy, stand_in, sl, inputs, config) -> Tuple[Tensor, Optional[Tensor]]:
