@@ -398,6 +398,8 @@ def _run(head, tokens: Tensor, advantages: Tensor, old_logprobs: Optional[Tensor
         if output is None:
             logp, entropy = head.logprobs(impl, inputs.labels, counted, config.temperature, True,
                                           config.final_logit_softcapping)
+            if entropy is None and config.entropy_coef != 0:  # given log-probs only: the other heads give it
+                raise ValueError("entropy is required when config.entropy_coef != 0")
             output = objective(logp, entropy, inputs, config)
     (loss,) = first_order_only(output.loss)
     return LossOutput(loss, output.metrics)

@@ -781,7 +781,7 @@ def sequence_stage(
         inputs: the validated per-token inputs (mask, ``cu_seqlens``, advantages ``[S]`` or ``[N]``, optional
             old / reference / rollout log-probs, ``is_ratio``, ``num_items_in_batch``).
         config: the loss options (``beta > 0`` needs ``inputs.ref_logprobs``, ``rollout_correction`` needs
-            ``inputs.rollout_logprobs``).
+            ``inputs.rollout_logprobs``: :func:`gspo_kernels.layout.prepare_loss_inputs` checked both).
 
     Returns:
         ``coef [N]`` fp32, ``dL/dlogp_t = coef_t * out[O_SCALE_LOGP]``, and ``out [NUM_OUTPUTS]`` fp32
@@ -800,16 +800,11 @@ def _sequence_stage(logp: Tensor, entropy: Optional[Tensor], inputs: LossInputs,
     device = logp.device
     n_tokens = logp.numel()
     num_seqs = batch.cu_seqlens.numel() - 1
-    if config.beta > 0 and inputs.ref_logprobs is None:
-        raise ValueError("ref_logprobs is required when beta > 0")
-    rollout = getattr(inputs, "rollout_logprobs", None)
-    if config.rollout_correction is not None and rollout is None:
-        raise ValueError("rollout_logprobs is required when config.rollout_correction is set")
     items = inputs.num_items_in_batch
     logp32 = _f32(logp)
     entropy32 = _f32(entropy)
     old32, ref32, ratio32 = _f32(inputs.old_logprobs), _f32(inputs.ref_logprobs), _f32(inputs.is_ratio)
-    rollout32 = _f32(rollout)
+    rollout32 = _f32(inputs.rollout_logprobs)
     per_token_adv = bool(inputs.advantages_per_token)
     scalars, sequence_kwargs, reduce_kwargs, dr_grpo_factor, entropy_coef = _launch_constants(
         config, (old32 is not None, entropy32 is not None, ratio32 is not None, per_token_adv,
@@ -906,12 +901,10 @@ def fused_objective(logp: Tensor, entropy: Optional[Tensor], inputs: LossInputs,
     """The backend's ``objective``: :func:`gspo_kernels.objective.gspo_objective` computed by the fused kernels.
 
     ``logp``, ``entropy``: ``[N]`` (fp32). ``entropy`` may be None only when ``config.entropy_coef == 0``
-    (the ``entropy`` metric is then omitted). Metrics are detached 0-dim fp32 tensors.
+    (the ``entropy`` metric is then omitted; the loss pipeline checked it). Metrics are detached 0-dim fp32 tensors.
     """
-    if entropy is None and config.entropy_coef != 0:
-        raise ValueError("entropy is required when config.entropy_coef != 0")
     loss, out = TritonSequenceObjective.apply(logp, entropy, inputs, config)
-    has_rollout = getattr(inputs, "rollout_logprobs", None) is not None
+    has_rollout = inputs.rollout_logprobs is not None
     metrics = {name: out[index] for name, index in metric_slots(config, has_rollout)}
     if entropy is not None:
         metrics["entropy"] = out[O_ENTROPY.value]
@@ -930,8 +923,6 @@ def fused_objective_gradient(logp: Tensor, entropy: Optional[Tensor], inputs: Lo
     gradients). ``dL/dentropy`` is None when ``config.entropy_coef == 0`` (the loss does not depend on the
     entropy then). Dtypes: those of ``logp`` / ``entropy`` (fp32, or fp64 for fp64 inputs).
     """
-    if entropy is None and config.entropy_coef != 0:
-        raise ValueError("entropy is required when config.entropy_coef != 0")
     coef, out, _ = _sequence_stage(logp, entropy, inputs, config)
     grad_logp = (coef * out[O_SCALE_LOGP.value]).to(logp.dtype)
     grad_entropy = None
