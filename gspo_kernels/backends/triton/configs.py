@@ -17,6 +17,7 @@ import triton
 from gspo_kernels.backends import DEFAULT_MEMORY_BUDGET as BACKEND_DEFAULT_MEMORY_BUDGET
 from gspo_kernels.backends.triton.launch import ELEMENT_SIZES, interpreter_active
 from gspo_kernels.config import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, OBJECTIVES, ROLLOUT_CORRECTIONS
+from gspo_kernels.precision import compute_dtype
 
 # The vendor-GEMM hidden-state path (linear.py): rows per chunk of the fp32 logits buffer.
 GEMM_MIN_CHUNK_ROWS = 16  # never fewer rows per GEMM than this, whatever the budget (tiny GEMMs waste the GPU)
@@ -28,8 +29,8 @@ def gemm_chunk_rows(n_rows: int, V: int, operand: torch.dtype, memory_budget: Op
     (None: ``DEFAULT_MEMORY_BUDGET``): per row, ``V`` logits in the compute dtype (fp32, fp64 for fp64) and,
     with ``need_dz``, ``V`` gradient elements in the operand dtype (none extra when it is the compute dtype)."""
     budget = DEFAULT_MEMORY_BUDGET if memory_budget is None else int(memory_budget)
-    acc = 8 if operand == torch.float64 else 4
-    op = torch.empty((), dtype=operand).element_size()
+    acc = compute_dtype(operand).itemsize
+    op = operand.itemsize
     per_row = V * (acc + (op if need_dz and op != acc else 0))
     rows = max(GEMM_MIN_CHUNK_ROWS, budget // max(per_row, 1))
     rows = max(GEMM_MIN_CHUNK_ROWS, rows // GEMM_ROW_MULTIPLE * GEMM_ROW_MULTIPLE)
@@ -60,8 +61,8 @@ def one_pass_chunk_rows(n_rows: int, V: int, operand: torch.dtype, memory_budget
     if memory_budget is not None:
         rows = gemm_chunk_rows(n_rows, V, operand, memory_budget, need_dz=True)
         return rows, rows
-    acc = 8 if operand == torch.float64 else 4
-    op = torch.empty((), dtype=operand).element_size()
+    acc = compute_dtype(operand).itemsize
+    op = operand.itemsize
     separate = op != acc
     cap = DEFAULT_MEMORY_BUDGET if free_bytes is None else max(DEFAULT_MEMORY_BUDGET, int(free_bytes) // 4)
     if separate:

@@ -86,6 +86,7 @@ from gspo_kernels.backends.triton.configs import (
 )
 from gspo_kernels.backends.triton.launch import device_guard, interpreter_active, row_strides
 from gspo_kernels.checks import check_softcap
+from gspo_kernels.precision import compute_dtype
 
 # A finite "minus infinity": the running max starts there (exp2((_NEG_BIG - m) k) is 0, no -inf - -inf), and the
 # log2-domain exponents are clamped to it where they multiply a probability (0 * _NEG_BIG is 0, 0 * -inf is NaN).
@@ -451,7 +452,7 @@ def logprobs_forward(
     if logits.numel() // max(vocab_size, 1) != n_rows and logits.numel() != 0:
         raise ValueError(f"logits {tuple(logits.shape)} do not hold one row per label ({n_rows} labels)")
     if out is None:
-        acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
+        acc = compute_dtype(logits.dtype)
         logp = torch.empty(n_rows, device=logits.device, dtype=acc)
         entropy = torch.empty_like(logp) if return_entropy else None
         row_stats = torch.empty((2, n_rows), device=logits.device, dtype=acc)
