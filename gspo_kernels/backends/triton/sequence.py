@@ -43,16 +43,18 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from gspo_kernels.backends.triton.configs import SEQUENCE_BLOCK_S, SEQUENCE_BLOCK_T, SEQUENCE_NUM_WARPS
-from gspo_kernels.backends.triton.launch import device_guard
-from gspo_kernels.config import (
-    AGGREGATIONS,
-    IMPORTANCE_SAMPLING_LEVELS,
-    LOSS_TYPES,
-    OBJECTIVES,
-    ROLLOUT_CORRECTIONS,
-    GSPOConfig,
+from gspo_kernels.backends.triton.configs import (  # noqa: F401 (LOSS_TYPE_CODES: part of the table, read by tests)
+    AGGREGATION_CODES,
+    LEVEL_CODES,
+    LOSS_TYPE_CODES,
+    OBJECTIVE_CODES,
+    ROLLOUT_CODES,
+    SEQUENCE_BLOCK_S,
+    SEQUENCE_BLOCK_T,
+    SEQUENCE_NUM_WARPS,
 )
+from gspo_kernels.backends.triton.launch import device_guard
+from gspo_kernels.config import GSPOConfig
 from gspo_kernels.layout import LossInputs
 from gspo_kernels.objective import VESPO_LOG_MAX, VESPO_LOG_MIN, LossOutput
 
@@ -79,9 +81,9 @@ P_RW_MIN = tl.constexpr(16)
 P_RW_MAX = tl.constexpr(17)
 P_RW_UNITS = tl.constexpr(18)
 P_COUNT = tl.constexpr(19)  # the columns written; the rest of the row is never read
-# Columns the reduction takes the minimum / maximum of (the others are summed).
-MIN_COLUMNS = (P_W_MIN.value, P_RW_MIN.value)
-MAX_COLUMNS = (P_W_MAX.value, P_RW_MAX.value)
+# Columns the reduction takes the minimum / maximum of (the others are summed); kernel constants.
+MIN_COLUMNS = tl.constexpr((P_W_MIN.value, P_RW_MIN.value))
+MAX_COLUMNS = tl.constexpr((P_W_MAX.value, P_RW_MAX.value))
 
 # Slots of the reduction kernel's output ``out [NUM_OUTPUTS]`` (on the host: ``out[O_LOSS.value]``).
 O_LOSS = tl.constexpr(0)
@@ -103,11 +105,6 @@ O_RW_MEAN = tl.constexpr(15)
 O_RW_MAX = tl.constexpr(16)
 NUM_OUTPUTS = 17
 
-LEVEL_CODES = {name: code for code, name in enumerate(IMPORTANCE_SAMPLING_LEVELS)}
-LOSS_TYPE_CODES = {name: code for code, name in enumerate(LOSS_TYPES)}
-AGGREGATION_CODES = {name: code for code, name in enumerate(AGGREGATIONS)}  # LOSS_TYPE_CODES, then seq_sum
-OBJECTIVE_CODES = {name: code for code, name in enumerate(OBJECTIVES)}
-ROLLOUT_CODES = {None: 0, **{name: code + 1 for code, name in enumerate(ROLLOUT_CORRECTIONS)}}  # 0: metrics only
 # The codes as kernel constants (the kernels branch on these names, never on literal numbers).
 LEVEL_SEQUENCE = tl.constexpr(LEVEL_CODES["sequence"])
 LEVEL_SEQUENCE_TOKEN = tl.constexpr(LEVEL_CODES["sequence_token"])
@@ -631,8 +628,8 @@ def gspo_reduce_kernel(
     code (``AGGREGATION_CODES``)."""
     rows_in = tl.arange(0, BLOCK_S)
     cols = tl.arange(0, PARTIALS_STRIDE)
-    is_min = (cols == P_W_MIN) | (cols == P_RW_MIN)
-    is_max = (cols == P_W_MAX) | (cols == P_RW_MAX)
+    is_min = (cols == MIN_COLUMNS[0]) | (cols == MIN_COLUMNS[1])
+    is_max = (cols == MAX_COLUMNS[0]) | (cols == MAX_COLUMNS[1])
     pad = tl.where(is_min, float("inf"), tl.where(is_max, float("-inf"), 0.0))
     acc = tl.zeros([BLOCK_S, PARTIALS_STRIDE], tl.float32) + pad[None, :]
     for s0 in range(0, num_seqs, BLOCK_S):
