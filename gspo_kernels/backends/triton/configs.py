@@ -14,7 +14,7 @@ from typing import Dict, List, Optional
 import torch
 import triton
 
-from gspo_kernels.backends import DEFAULT_MEMORY_BUDGET as BACKEND_DEFAULT_MEMORY_BUDGET
+from gspo_kernels.backends import DEFAULT_MEMORY_BUDGET
 from gspo_kernels.backends.triton.launch import ELEMENT_SIZES, interpreter_active
 from gspo_kernels.config import AGGREGATIONS, IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, OBJECTIVES, ROLLOUT_CORRECTIONS
 from gspo_kernels.precision import compute_dtype
@@ -145,9 +145,6 @@ INTERPRETER_BWD_CONFIG: Dict[str, Dict[str, int]] = {
     "dh": {"BLOCK_N": 16, "BLOCK_H": 16, "BLOCK_V": 32, "GROUP": 2, "num_warps": 4, "num_stages": 1},
     "dw": {"BLOCK_V": 32, "BLOCK_H": 16, "BLOCK_K": 16, "GROUP": 2, "num_warps": 4, "num_stages": 1},
 }
-# Bytes of the chunk buffers when the caller gives no memory_budget: the one default of every backend
-# (the public functions validate the value; the backend only uses it).
-DEFAULT_MEMORY_BUDGET = BACKEND_DEFAULT_MEMORY_BUDGET
 
 
 def linear_fwd_config(dtype: torch.dtype, config: Optional[Dict[str, int]] = None) -> Dict[str, int]:
