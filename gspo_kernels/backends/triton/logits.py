@@ -84,7 +84,7 @@ from gspo_kernels.backends.triton.configs import (
     logits_block_v,
     logits_edge_v,
 )
-from gspo_kernels.backends.triton.launch import device_guard, interpreter_active, row_strides
+from gspo_kernels.backends.triton.launch import device_guard, interpreter_active, row_offsets, row_strides
 from gspo_kernels.checks import check_softcap
 from gspo_kernels.precision import compute_dtype
 
@@ -220,8 +220,7 @@ def logprobs_fwd_kernel(
     else:
         is_active = True
     if is_active:
-        row64 = row.to(tl.int64)
-        row_off = (row64 // rows_per_batch) * stride_b + (row64 % rows_per_batch) * stride_t
+        row_off = row_offsets(row, rows_per_batch, stride_b, stride_t)
         cols = tl.arange(0, BLOCK_V)
         acc_dtype = logp_ptr.dtype.element_ty  # fp32 (fp64 for fp64 logits)
         k = tl.full([], _LOG2E, acc_dtype) * inv_temperature
