@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from gspo_kernels.precision import upcast
+
 
 def group_advantages(rewards: Tensor, group_size: int, *, eps: float = 1e-4) -> Tensor:
     """``A_i = (r_i - mean_group(r)) / (std_group(r) + eps)`` with the unbiased std (TRL; verl uses eps=1e-6).
@@ -23,8 +25,7 @@ def group_advantages(rewards: Tensor, group_size: int, *, eps: float = 1e-4) -> 
         raise ValueError(f"group_size must be a positive int, got {group_size!r}")
     if rewards.numel() % group_size:
         raise ValueError(f"rewards has {rewards.numel()} entries, not a multiple of group_size={group_size}")
-    dtype = torch.float64 if rewards.dtype == torch.float64 else torch.float32
-    grouped = rewards.to(dtype).reshape(-1, group_size)
+    grouped = upcast(rewards).reshape(-1, group_size)  # fp32, fp64 kept
     centered = grouped - grouped.mean(dim=1, keepdim=True)
     if group_size == 1:
         return centered.reshape(-1)

@@ -143,14 +143,14 @@ def check_same_device(**tensors: Optional[Tensor]) -> torch.device:
     return device
 
 
+def is_finite_number(value: object) -> bool:
+    """Whether ``value`` is a finite Python ``int`` or ``float`` (a bool is not a number here)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def check_temperature(temperature: object, name: str = "temperature") -> float:
     """The softmax temperature: a finite number > 0 (``GSPOConfig`` and the log-prob functions alike)."""
-    if (
-        not isinstance(temperature, (int, float))
-        or isinstance(temperature, bool)
-        or not math.isfinite(temperature)
-        or temperature <= 0
-    ):
+    if not is_finite_number(temperature) or temperature <= 0:
         raise ValueError(f"{name} must be a finite number > 0, got {temperature!r}")
     return float(temperature)
 

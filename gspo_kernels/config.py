@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional
 
-from gspo_kernels.checks import check_softcap, check_temperature
+from gspo_kernels.checks import check_softcap, check_temperature, is_finite_number
 
 IMPORTANCE_SAMPLING_LEVELS = ("sequence", "sequence_token", "token")
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")  # the aggregations (TRL's names)
@@ -126,16 +125,16 @@ class GSPOConfig:
             raise ValueError(f"aggregation must be None or one of {AGGREGATIONS}, got {self.aggregation!r}")
         for name in ("epsilon_low", "epsilon_high"):
             value = getattr(self, name)
-            if not _finite(value) or value < 0:
+            if not is_finite_number(value) or value < 0:
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
         if self.epsilon_low >= 1:
             raise ValueError(f"epsilon_low must be < 1 (the band's low edge is 1 - epsilon_low), got {self.epsilon_low!r}")
-        if self.delta is not None and (not _finite(self.delta) or self.delta <= 1):
+        if self.delta is not None and (not is_finite_number(self.delta) or self.delta <= 1):
             raise ValueError(f"delta must be None or a finite number > 1, got {self.delta!r}")
-        if not _finite(self.beta) or self.beta < 0:
+        if not is_finite_number(self.beta) or self.beta < 0:
             raise ValueError(f"beta must be a finite number >= 0, got {self.beta!r}")
         check_temperature(self.temperature)
-        if not _finite(self.entropy_coef):
+        if not is_finite_number(self.entropy_coef):
             raise ValueError(f"entropy_coef must be a finite number, got {self.entropy_coef!r}")
         if self.max_completion_length is not None and (
             isinstance(self.max_completion_length, bool)
@@ -147,7 +146,7 @@ class GSPOConfig:
             )
         if self.effective_aggregation == "dr_grpo" and self.max_completion_length is None:
             raise ValueError("max_completion_length is required when loss_type='dr_grpo' (or aggregation='dr_grpo')")
-        if self.log_ratio_clamp is not None and (not _finite(self.log_ratio_clamp) or self.log_ratio_clamp <= 0):
+        if self.log_ratio_clamp is not None and (not is_finite_number(self.log_ratio_clamp) or self.log_ratio_clamp <= 0):
             raise ValueError(f"log_ratio_clamp must be None or a finite number > 0, got {self.log_ratio_clamp!r}")
         if not isinstance(self.use_bias_correction_kl, bool):
             raise ValueError(f"use_bias_correction_kl must be a bool, got {self.use_bias_correction_kl!r}")
@@ -159,7 +158,7 @@ class GSPOConfig:
         objective = self.objective
         for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
             value = getattr(self, name)
-            if not _finite(value) or value <= 0:
+            if not is_finite_number(value) or value <= 0:
                 raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
         if self.cispo_clip not in CISPO_CLIPS:
             raise ValueError(f"cispo_clip must be one of {CISPO_CLIPS}, got {self.cispo_clip!r}")
@@ -171,14 +170,14 @@ class GSPOConfig:
             )
         for name in ("vespo_k_pos", "vespo_k_neg"):
             value = getattr(self, name)
-            if not _finite(value) or value < 0:
+            if not is_finite_number(value) or value < 0:
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
         for name in ("vespo_lambda_pos", "vespo_lambda_neg"):
             value = getattr(self, name)
-            if not _finite(value) or value < 1e-4:
+            if not is_finite_number(value) or value < 1e-4:
                 raise ValueError(f"{name} must be a finite number >= 1e-4 (TRL's floor), got {value!r}")
         if self.clip_ratio_c is not None:
-            if not _finite(self.clip_ratio_c) or self.clip_ratio_c <= 1:
+            if not is_finite_number(self.clip_ratio_c) or self.clip_ratio_c <= 1:
                 raise ValueError(f"clip_ratio_c must be None or a finite number > 1, got {self.clip_ratio_c!r}")
             if objective != "clip":
                 raise ValueError(f"clip_ratio_c (the dual clip) applies to the clipped surrogate only "
@@ -187,16 +186,16 @@ class GSPOConfig:
             raise ValueError(f"delta (two-sided clipping) applies to the clipped surrogate only "
                              f"(loss_type in {LOSS_TYPES + ('luspo',)}), not loss_type={self.loss_type!r}")
         threshold = self.off_policy_mask_threshold
-        if threshold is not None and (not _finite(threshold) or threshold < 0):
+        if threshold is not None and (not is_finite_number(threshold) or threshold < 0):
             raise ValueError(f"off_policy_mask_threshold must be None or a finite number >= 0, got {threshold!r}")
 
     def _check_rollout_correction(self) -> None:
         mode, lo, hi = self.rollout_correction, self.rollout_correction_min, self.rollout_correction_max
         if mode is not None and mode not in ROLLOUT_CORRECTIONS:
             raise ValueError(f"rollout_correction must be None or one of {ROLLOUT_CORRECTIONS}, got {mode!r}")
-        if hi is not None and (not _finite(hi) or hi <= 0):
+        if hi is not None and (not is_finite_number(hi) or hi <= 0):
             raise ValueError(f"rollout_correction_max must be None or a finite number > 0, got {hi!r}")
-        if lo is not None and (not _finite(lo) or lo < 0):
+        if lo is not None and (not is_finite_number(lo) or lo < 0):
             raise ValueError(f"rollout_correction_min must be None or a finite number >= 0, got {lo!r}")
         if lo is not None and hi is not None and lo > hi:
             raise ValueError(f"rollout_correction_min ({lo!r}) must be <= rollout_correction_max ({hi!r})")
@@ -211,10 +210,6 @@ class GSPOConfig:
                 f"loss_type='vespo' folds the rollout correction into its sequence weight token by token (TRL): "
                 f"rollout_correction must be 'token_truncate', 'token_mask' or 'icepop', got {mode!r}"
             )
-
-
-def _finite(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 _DEFAULT_CONFIG: Optional[GSPOConfig] = None

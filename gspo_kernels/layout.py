@@ -28,6 +28,7 @@ from gspo_kernels.checks import (
     check_tensor,
     first_true,
 )
+from gspo_kernels.precision import upcast
 
 
 @dataclass(frozen=True)
@@ -188,12 +189,7 @@ def _per_token(name: str, value: Optional[Tensor], batch: TokenBatch) -> Optiona
     value = check_float(name, value)
     if tuple(value.shape) != tuple(batch.token_shape):
         raise ValueError(f"{name} must have the token shape {tuple(batch.token_shape)}, got {tuple(value.shape)}")
-    return _upcast(value.detach().reshape(-1))
-
-
-def _upcast(x: Tensor) -> Tensor:
-    """fp16 / bf16 -> fp32; fp32 and fp64 are kept (the float64 oracle keeps full precision)."""
-    return x if x.dtype in (torch.float32, torch.float64) else x.to(torch.float32)
+    return upcast(value.detach().reshape(-1))
 
 
 def prepare_loss_inputs(
@@ -249,7 +245,7 @@ def prepare_loss_inputs(
             f"advantages must be [S] = ({S},) (one per response) or the token shape "
             f"{tuple(batch.token_shape)} (one per token), got {tuple(advantages.shape)}"
         )
-    adv = _upcast(advantages.detach().reshape(-1))
+    adv = upcast(advantages.detach().reshape(-1))
 
     old = _per_token("old_logprobs", old_logprobs, batch)
     ref = _per_token("ref_logprobs", ref_logprobs, batch)
@@ -268,9 +264,9 @@ def prepare_loss_inputs(
     if is_ratio is not None:
         is_ratio = check_float("is_ratio", is_ratio)
         if tuple(is_ratio.shape) == tuple(batch.token_shape):
-            ratio = _upcast(is_ratio.detach().reshape(-1))
+            ratio = upcast(is_ratio.detach().reshape(-1))
         elif tuple(is_ratio.shape) in ((S,), (S, 1)):
-            ratio = _upcast(is_ratio.detach().reshape(-1))[batch.seq_index]
+            ratio = upcast(is_ratio.detach().reshape(-1))[batch.seq_index]
         else:
             raise ValueError(
                 f"is_ratio must be per token {tuple(batch.token_shape)} or per response ({S},), "

@@ -36,7 +36,7 @@ from gspo_kernels.config import GSPOConfig, check_config
 from gspo_kernels.layout import prepare_loss_inputs
 from gspo_kernels.objective import LossOutput, gspo_objective
 from gspo_kernels.parallel import VocabParallel, check_vocab_parallel
-from gspo_kernels.precision import apply_precision, backend_context
+from gspo_kernels.precision import apply_precision, backend_context, upcast
 
 Scalar = Union[None, int, float, Tensor]
 
@@ -357,8 +357,8 @@ class _GivenLogprobs(_Head):
             if tuple(entropy.shape) != shape:
                 raise ValueError(f"entropy must have logprobs' shape {shape}, got {tuple(entropy.shape)}")
         self.device = check_same_device(logprobs=logprobs, entropy=entropy)
-        self.logp = _upcast_half(logprobs.reshape(-1))
-        self.entropy = None if entropy is None else _upcast_half(entropy.reshape(-1))
+        self.logp = upcast(logprobs.reshape(-1))
+        self.entropy = None if entropy is None else upcast(entropy.reshape(-1))
 
     def check_finite(self, labels: Optional[Tensor], checks: ValueChecks, counted: Optional[Tensor]) -> None:
         check_finite_values("logprobs", self.logp, checks, counted)
@@ -398,6 +398,8 @@ def _run(head, tokens: Tensor, advantages: Tensor, old_logprobs: Optional[Tensor
         if output is None:
             logp, entropy = head.logprobs(impl, inputs.labels, counted, config.temperature, True,
                                           config.final_logit_softcapping)
+            if entropy is None and config.entropy_coef != 0:  # given log-probs only: the other heads give it
+                raise ValueError("entropy is required when config.entropy_coef != 0")
             output = objective(logp, entropy, inputs, config)
     (loss,) = first_order_only(output.loss)
     return LossOutput(loss, output.metrics)
@@ -428,10 +430,6 @@ def _softcap_kwargs(softcap: Optional[float]) -> dict:
     """The backend contract's ``softcap`` keyword, passed only when a cap is set (an uncapped call is the
     same call as before the keyword existed)."""
     return {} if softcap is None else {"softcap": float(softcap)}
-
-
-def _upcast_half(x: Tensor) -> Tensor:
-    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
 
 
 class GSPOLoss(nn.Module):

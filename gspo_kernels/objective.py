@@ -158,12 +158,10 @@ def gspo_objective(
     loss = _aggregate(per_token, denom, num_tokens, inputs, config)
 
     token_mean = num_tokens.clamp(min=1)
-    if entropy is not None:
+    if entropy is not None:  # None only when entropy_coef == 0 (the loss pipeline checked it)
         entropy_mean = torch.where(valid, entropy, zero).sum() / token_mean
         if config.entropy_coef != 0:
             loss = loss - config.entropy_coef * entropy_mean
-    elif config.entropy_coef != 0:
-        raise ValueError("entropy is required when config.entropy_coef != 0")
 
     with torch.no_grad():
         if unit_w is not None:  # VESPO, GMPO: one weight per response

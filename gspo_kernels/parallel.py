@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from gspo_kernels.checks import tracing
+from gspo_kernels.precision import upcast
 
 
 class VocabParallel:
@@ -199,7 +200,7 @@ def _capped(z: Tensor, softcap: Optional[float]) -> Tuple[Tensor, Optional[Tenso
     fp32, fp64 for fp64 input); ``(z, None)`` unchanged without a cap."""
     if softcap is None:
         return z, None
-    u = z.to(torch.float64 if z.dtype == torch.float64 else torch.float32) / softcap
+    u = upcast(z) / softcap
     return softcap * torch.tanh(u), torch.cosh(u).pow(-2)
 
 

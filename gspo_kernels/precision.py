@@ -62,6 +62,13 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def upcast(x: Tensor) -> Tensor:
+    """``x`` in :func:`compute_dtype` of its dtype: fp16 / bf16 -> fp32 (exact); fp32 and fp64 returned as is
+    (the same tensor, so the float64 oracle keeps full precision). Shape unchanged."""
+    dtype = compute_dtype(x.dtype)
+    return x if x.dtype == dtype else x.to(dtype)
+
+
 def apply_precision(
     hidden: Tensor, weight: Tensor, bias: Optional[Tensor], *, fp32_head: bool = False
 ) -> Tuple[Tensor, Tensor, Optional[Tensor]]:

@@ -213,7 +213,7 @@ def sequence_loss(logp: Tensor, entropy: Optional[Tensor], inputs: Any, config: 
         logp, inputs.advantages, inputs.old_logprobs, mask=batch.mask, cu_seqlens=batch.cu_seqlens,
         ref_logprobs=inputs.ref_logprobs, is_ratio=inputs.is_ratio, entropy=entropy,
         num_items_in_batch=inputs.num_items_in_batch, config=config,
-        rollout_logprobs=getattr(inputs, "rollout_logprobs", None),
+        rollout_logprobs=inputs.rollout_logprobs,
     )
 
 

@@ -33,6 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from gspo_kernels.advantages import group_advantages
+from gspo_kernels.checks import is_finite_number
 from gspo_kernels.config import GSPOConfig
 from gspo_kernels.loss import fused_linear_gspo_loss, linear_logprobs
 
@@ -160,13 +161,13 @@ class GSPOTrainerConfig:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be an int >= 0 (0 disables it), got {self.top_k!r}")
-        if not _finite(self.top_p) or not 0 < self.top_p <= 1:
+        if not is_finite_number(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
-        if not _finite(self.learning_rate) or self.learning_rate < 0:
+        if not is_finite_number(self.learning_rate) or self.learning_rate < 0:
             raise ValueError(f"learning_rate must be a finite number >= 0, got {self.learning_rate!r}")
-        if not _finite(self.weight_decay) or self.weight_decay < 0:
+        if not is_finite_number(self.weight_decay) or self.weight_decay < 0:
             raise ValueError(f"weight_decay must be a finite number >= 0, got {self.weight_decay!r}")
-        if self.max_grad_norm is not None and (not _finite(self.max_grad_norm) or self.max_grad_norm <= 0):
+        if self.max_grad_norm is not None and (not is_finite_number(self.max_grad_norm) or self.max_grad_norm <= 0):
             raise ValueError(f"max_grad_norm must be None or a finite number > 0, got {self.max_grad_norm!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
@@ -188,10 +189,6 @@ class GSPOTrainerConfig:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "loss_options"}
         out.update(self.loss_options)
         return out
-
-
-def _finite(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 # ------------------------------------------------------------------------------------------- model access

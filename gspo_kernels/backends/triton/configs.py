@@ -14,9 +14,18 @@ from typing import Dict, List, Optional
 import torch
 import triton
 
-from gspo_kernels.backends import DEFAULT_MEMORY_BUDGET as BACKEND_DEFAULT_MEMORY_BUDGET
+from gspo_kernels.backends import DEFAULT_MEMORY_BUDGET
 from gspo_kernels.backends.triton.launch import ELEMENT_SIZES, interpreter_active
-from gspo_kernels.config import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, OBJECTIVES, ROLLOUT_CORRECTIONS
+from gspo_kernels.config import AGGREGATIONS, IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, OBJECTIVES, ROLLOUT_CORRECTIONS
+from gspo_kernels.precision import compute_dtype
+
+# The option codes the sequence kernels branch on (``sequence.py`` makes its kernel constants from these, the
+# launcher passes them, ``H100_CONFIGS`` below compiles with them): one table, plain Python, no kernel import.
+LEVEL_CODES = {name: code for code, name in enumerate(IMPORTANCE_SAMPLING_LEVELS)}
+LOSS_TYPE_CODES = {name: code for code, name in enumerate(LOSS_TYPES)}
+AGGREGATION_CODES = {name: code for code, name in enumerate(AGGREGATIONS)}  # LOSS_TYPE_CODES, then seq_sum
+OBJECTIVE_CODES = {name: code for code, name in enumerate(OBJECTIVES)}
+ROLLOUT_CODES = {None: 0, **{name: code + 1 for code, name in enumerate(ROLLOUT_CORRECTIONS)}}  # 0: metrics only
 
 # The vendor-GEMM hidden-state path (linear.py): rows per chunk of the fp32 logits buffer.
 GEMM_MIN_CHUNK_ROWS = 16  # never fewer rows per GEMM than this, whatever the budget (tiny GEMMs waste the GPU)
@@ -28,8 +37,8 @@ def gemm_chunk_rows(n_rows: int, V: int, operand: torch.dtype, memory_budget: Op
     (None: ``DEFAULT_MEMORY_BUDGET``): per row, ``V`` logits in the compute dtype (fp32, fp64 for fp64) and,
     with ``need_dz``, ``V`` gradient elements in the operand dtype (none extra when it is the compute dtype)."""
     budget = DEFAULT_MEMORY_BUDGET if memory_budget is None else int(memory_budget)
-    acc = 8 if operand == torch.float64 else 4
-    op = torch.empty((), dtype=operand).element_size()
+    acc = compute_dtype(operand).itemsize
+    op = operand.itemsize
     per_row = V * (acc + (op if need_dz and op != acc else 0))
     rows = max(GEMM_MIN_CHUNK_ROWS, budget // max(per_row, 1))
     rows = max(GEMM_MIN_CHUNK_ROWS, rows // GEMM_ROW_MULTIPLE * GEMM_ROW_MULTIPLE)
@@ -67,8 +76,8 @@ def one_pass_chunk_rows(n_rows: int, V: int, operand: torch.dtype, memory_budget
     if memory_budget is not None:
         rows = gemm_chunk_rows(n_rows, V, operand, memory_budget, need_dz=True)
         return rows, rows
-    acc = 8 if operand == torch.float64 else 4
-    op = torch.empty((), dtype=operand).element_size()
+    acc = compute_dtype(operand).itemsize
+    op = operand.itemsize
     separate = op != acc
     cap = DEFAULT_MEMORY_BUDGET if free_bytes is None else max(DEFAULT_MEMORY_BUDGET, int(free_bytes) // 4)
     logits_rows, store_rows = ((TWO_PASS_LOGITS_ROWS, TWO_PASS_STORE_ROWS) if two_pass
@@ -141,9 +150,6 @@ INTERPRETER_BWD_CONFIG: Dict[str, Dict[str, int]] = {
     "dh": {"BLOCK_N": 16, "BLOCK_H": 16, "BLOCK_V": 32, "GROUP": 2, "num_warps": 4, "num_stages": 1},
     "dw": {"BLOCK_V": 32, "BLOCK_H": 16, "BLOCK_K": 16, "GROUP": 2, "num_warps": 4, "num_stages": 1},
 }
-# Bytes of the chunk buffers when the caller gives no memory_budget: the one default of every backend
-# (the public functions validate the value; the backend only uses it).
-DEFAULT_MEMORY_BUDGET = BACKEND_DEFAULT_MEMORY_BUDGET
 
 
 def linear_fwd_config(dtype: torch.dtype, config: Optional[Dict[str, int]] = None) -> Dict[str, int]:
@@ -329,10 +335,10 @@ _SEQUENCE_FLAG_NAMES = {"HAS_KL": "kl", "BIAS_CORRECTION_KL": "kl_bias_corr", "H
 
 def _sequence_h100(level: str, **flags: bool) -> dict:
     constexprs = {
-        "LEVEL": IMPORTANCE_SAMPLING_LEVELS.index(level), "HAS_OLD": True, "HAS_ENTROPY": True, "HAS_KL": False,
+        "LEVEL": LEVEL_CODES[level], "HAS_OLD": True, "HAS_ENTROPY": True, "HAS_KL": False,
         "BIAS_CORRECTION_KL": False, "HAS_IS_RATIO": False, "HAS_DELTA": False, "ADV_PER_TOKEN": False,
         "SEQ_MEAN": True, "BLOCK_T": SEQUENCE_BLOCK_T, "HAS_CLAMP": False,
-        "OBJECTIVE": 0, "CISPO_BAND": False, "HAS_DUAL": False, "HAS_ROLLOUT": False, "ROLLOUT": 0,
+        "OBJECTIVE": OBJECTIVE_CODES["clip"], "CISPO_BAND": False, "HAS_DUAL": False, "HAS_ROLLOUT": False, "ROLLOUT": ROLLOUT_CODES[None],
         "HAS_OPSM": False, "SEQ_UNITS": level == "sequence" and not flags.get("ADV_PER_TOKEN", False),
     }
     constexprs.update(flags)
@@ -379,20 +385,20 @@ H100_CONFIGS: List[dict] = [
     _sequence_h100("sequence_token", ADV_PER_TOKEN=True, HAS_IS_RATIO=True, HAS_CLAMP=True),
     # the other objectives, the dual clip, off-policy masking and rollout correction (one launch each)
     _sequence_h100("token", HAS_DUAL=True, HAS_OPSM=True, HAS_ROLLOUT=True,
-                   ROLLOUT=1 + ROLLOUT_CORRECTIONS.index("token_truncate")),
-    _sequence_h100("sequence", OBJECTIVE=OBJECTIVES.index("sapo"), HAS_ROLLOUT=True,
-                   ROLLOUT=1 + ROLLOUT_CORRECTIONS.index("sequence_mask")),
-    _sequence_h100("token", OBJECTIVE=OBJECTIVES.index("cispo"), CISPO_BAND=True, HAS_ROLLOUT=True,
-                   ROLLOUT=1 + ROLLOUT_CORRECTIONS.index("sequence_masked_tis")),
-    _sequence_h100("token", OBJECTIVE=OBJECTIVES.index("vespo"), SEQ_UNITS=True, HAS_KL=True, HAS_ROLLOUT=True,
-                   ROLLOUT=1 + ROLLOUT_CORRECTIONS.index("token_mask")),
-    _sequence_h100("sequence", OBJECTIVE=OBJECTIVES.index("gmpo"), SEQ_UNITS=True, ADV_PER_TOKEN=True,
+                   ROLLOUT=ROLLOUT_CODES["token_truncate"]),
+    _sequence_h100("sequence", OBJECTIVE=OBJECTIVE_CODES["sapo"], HAS_ROLLOUT=True,
+                   ROLLOUT=ROLLOUT_CODES["sequence_mask"]),
+    _sequence_h100("token", OBJECTIVE=OBJECTIVE_CODES["cispo"], CISPO_BAND=True, HAS_ROLLOUT=True,
+                   ROLLOUT=ROLLOUT_CODES["sequence_masked_tis"]),
+    _sequence_h100("token", OBJECTIVE=OBJECTIVE_CODES["vespo"], SEQ_UNITS=True, HAS_KL=True, HAS_ROLLOUT=True,
+                   ROLLOUT=ROLLOUT_CODES["token_mask"]),
+    _sequence_h100("sequence", OBJECTIVE=OBJECTIVE_CODES["gmpo"], SEQ_UNITS=True, ADV_PER_TOKEN=True,
                    HAS_IS_RATIO=True),
     {
         "name": "gspo_reduce[dapo]",
         "kernel": "sequence.gspo_reduce_kernel",
         "floats": ["grpo_denominator", "dr_grpo_denominator", "entropy_coef"],
-        "constexprs": {"LOSS_TYPE": LOSS_TYPES.index("dapo"), "HAS_NUM_ITEMS": True, "BLOCK_S": SEQUENCE_BLOCK_S},
+        "constexprs": {"LOSS_TYPE": AGGREGATION_CODES["dapo"], "HAS_NUM_ITEMS": True, "BLOCK_S": SEQUENCE_BLOCK_S},
         "num_warps": SEQUENCE_NUM_WARPS,
         "num_stages": 3,
     },

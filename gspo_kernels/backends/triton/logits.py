@@ -84,8 +84,9 @@ from gspo_kernels.backends.triton.configs import (
     logits_block_v,
     logits_edge_v,
 )
-from gspo_kernels.backends.triton.launch import device_guard, interpreter_active, row_strides
+from gspo_kernels.backends.triton.launch import device_guard, interpreter_active, row_offsets, row_strides
 from gspo_kernels.checks import check_softcap
+from gspo_kernels.precision import compute_dtype
 
 # A finite "minus infinity": the running max starts there (exp2((_NEG_BIG - m) k) is 0, no -inf - -inf), and the
 # log2-domain exponents are clamped to it where they multiply a probability (0 * _NEG_BIG is 0, 0 * -inf is NaN).
@@ -219,8 +220,7 @@ def logprobs_fwd_kernel(
     else:
         is_active = True
     if is_active:
-        row64 = row.to(tl.int64)
-        row_off = (row64 // rows_per_batch) * stride_b + (row64 % rows_per_batch) * stride_t
+        row_off = row_offsets(row, rows_per_batch, stride_b, stride_t)
         cols = tl.arange(0, BLOCK_V)
         acc_dtype = logp_ptr.dtype.element_ty  # fp32 (fp64 for fp64 logits)
         k = tl.full([], _LOG2E, acc_dtype) * inv_temperature
@@ -451,7 +451,7 @@ def logprobs_forward(
     if logits.numel() // max(vocab_size, 1) != n_rows and logits.numel() != 0:
         raise ValueError(f"logits {tuple(logits.shape)} do not hold one row per label ({n_rows} labels)")
     if out is None:
-        acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
+        acc = compute_dtype(logits.dtype)
         logp = torch.empty(n_rows, device=logits.device, dtype=acc)
         entropy = torch.empty_like(logp) if return_entropy else None
         row_stats = torch.empty((2, n_rows), device=logits.device, dtype=acc)

@@ -43,16 +43,18 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from gspo_kernels.backends.triton.configs import SEQUENCE_BLOCK_S, SEQUENCE_BLOCK_T, SEQUENCE_NUM_WARPS
-from gspo_kernels.backends.triton.launch import device_guard
-from gspo_kernels.config import (
-    AGGREGATIONS,
-    IMPORTANCE_SAMPLING_LEVELS,
-    LOSS_TYPES,
-    OBJECTIVES,
-    ROLLOUT_CORRECTIONS,
-    GSPOConfig,
+from gspo_kernels.backends.triton.configs import (  # noqa: F401 (LOSS_TYPE_CODES: part of the table, read by tests)
+    AGGREGATION_CODES,
+    LEVEL_CODES,
+    LOSS_TYPE_CODES,
+    OBJECTIVE_CODES,
+    ROLLOUT_CODES,
+    SEQUENCE_BLOCK_S,
+    SEQUENCE_BLOCK_T,
+    SEQUENCE_NUM_WARPS,
 )
+from gspo_kernels.backends.triton.launch import device_guard
+from gspo_kernels.config import GSPOConfig
 from gspo_kernels.layout import LossInputs
 from gspo_kernels.objective import VESPO_LOG_MAX, VESPO_LOG_MIN, LossOutput
 
@@ -79,9 +81,9 @@ P_RW_MIN = tl.constexpr(16)
 P_RW_MAX = tl.constexpr(17)
 P_RW_UNITS = tl.constexpr(18)
 P_COUNT = tl.constexpr(19)  # the columns written; the rest of the row is never read
-# Columns the reduction takes the minimum / maximum of (the others are summed).
-MIN_COLUMNS = (P_W_MIN.value, P_RW_MIN.value)
-MAX_COLUMNS = (P_W_MAX.value, P_RW_MAX.value)
+# Columns the reduction takes the minimum / maximum of (the others are summed); kernel constants.
+MIN_COLUMNS = tl.constexpr((P_W_MIN.value, P_RW_MIN.value))
+MAX_COLUMNS = tl.constexpr((P_W_MAX.value, P_RW_MAX.value))
 
 # Slots of the reduction kernel's output ``out [NUM_OUTPUTS]`` (on the host: ``out[O_LOSS.value]``).
 O_LOSS = tl.constexpr(0)
@@ -103,20 +105,13 @@ O_RW_MEAN = tl.constexpr(15)
 O_RW_MAX = tl.constexpr(16)
 NUM_OUTPUTS = 17
 
-LEVEL_CODES = {name: code for code, name in enumerate(IMPORTANCE_SAMPLING_LEVELS)}
-LOSS_TYPE_CODES = {name: code for code, name in enumerate(LOSS_TYPES)}
-AGGREGATION_CODES = {name: code for code, name in enumerate(AGGREGATIONS)}  # LOSS_TYPE_CODES, then seq_sum
-OBJECTIVE_CODES = {name: code for code, name in enumerate(OBJECTIVES)}
-ROLLOUT_CODES = {None: 0, **{name: code + 1 for code, name in enumerate(ROLLOUT_CORRECTIONS)}}  # 0: metrics only
 # The codes as kernel constants (the kernels branch on these names, never on literal numbers).
 LEVEL_SEQUENCE = tl.constexpr(LEVEL_CODES["sequence"])
 LEVEL_SEQUENCE_TOKEN = tl.constexpr(LEVEL_CODES["sequence_token"])
 LEVEL_TOKEN = tl.constexpr(LEVEL_CODES["token"])
-LOSS_GRPO = tl.constexpr(AGGREGATION_CODES["grpo"])
 LOSS_BNPO = tl.constexpr(AGGREGATION_CODES["bnpo"])
 LOSS_DR_GRPO = tl.constexpr(AGGREGATION_CODES["dr_grpo"])
 LOSS_DAPO = tl.constexpr(AGGREGATION_CODES["dapo"])
-LOSS_SEQ_SUM = tl.constexpr(AGGREGATION_CODES["seq_sum"])
 OBJ_CLIP = tl.constexpr(OBJECTIVE_CODES["clip"])
 OBJ_CISPO = tl.constexpr(OBJECTIVE_CODES["cispo"])
 OBJ_SAPO = tl.constexpr(OBJECTIVE_CODES["sapo"])
@@ -631,8 +626,8 @@ def gspo_reduce_kernel(
     code (``AGGREGATION_CODES``)."""
     rows_in = tl.arange(0, BLOCK_S)
     cols = tl.arange(0, PARTIALS_STRIDE)
-    is_min = (cols == P_W_MIN) | (cols == P_RW_MIN)
-    is_max = (cols == P_W_MAX) | (cols == P_RW_MAX)
+    is_min = (cols == MIN_COLUMNS[0]) | (cols == MIN_COLUMNS[1])
+    is_max = (cols == MAX_COLUMNS[0]) | (cols == MAX_COLUMNS[1])
     pad = tl.where(is_min, float("inf"), tl.where(is_max, float("-inf"), 0.0))
     acc = tl.zeros([BLOCK_S, PARTIALS_STRIDE], tl.float32) + pad[None, :]
     for s0 in range(0, num_seqs, BLOCK_S):
@@ -781,7 +776,7 @@ def sequence_stage(
         inputs: the validated per-token inputs (mask, ``cu_seqlens``, advantages ``[S]`` or ``[N]``, optional
             old / reference / rollout log-probs, ``is_ratio``, ``num_items_in_batch``).
         config: the loss options (``beta > 0`` needs ``inputs.ref_logprobs``, ``rollout_correction`` needs
-            ``inputs.rollout_logprobs``).
+            ``inputs.rollout_logprobs``: :func:`gspo_kernels.layout.prepare_loss_inputs` checked both).
 
     Returns:
         ``coef [N]`` fp32, ``dL/dlogp_t = coef_t * out[O_SCALE_LOGP]``, and ``out [NUM_OUTPUTS]`` fp32
@@ -800,16 +795,11 @@ def _sequence_stage(logp: Tensor, entropy: Optional[Tensor], inputs: LossInputs,
     device = logp.device
     n_tokens = logp.numel()
     num_seqs = batch.cu_seqlens.numel() - 1
-    if config.beta > 0 and inputs.ref_logprobs is None:
-        raise ValueError("ref_logprobs is required when beta > 0")
-    rollout = getattr(inputs, "rollout_logprobs", None)
-    if config.rollout_correction is not None and rollout is None:
-        raise ValueError("rollout_logprobs is required when config.rollout_correction is set")
     items = inputs.num_items_in_batch
     logp32 = _f32(logp)
     entropy32 = _f32(entropy)
     old32, ref32, ratio32 = _f32(inputs.old_logprobs), _f32(inputs.ref_logprobs), _f32(inputs.is_ratio)
-    rollout32 = _f32(rollout)
+    rollout32 = _f32(inputs.rollout_logprobs)
     per_token_adv = bool(inputs.advantages_per_token)
     scalars, sequence_kwargs, reduce_kwargs, dr_grpo_factor, entropy_coef = _launch_constants(
         config, (old32 is not None, entropy32 is not None, ratio32 is not None, per_token_adv,
@@ -906,12 +896,10 @@ def fused_objective(logp: Tensor, entropy: Optional[Tensor], inputs: LossInputs,
     """The backend's ``objective``: :func:`gspo_kernels.objective.gspo_objective` computed by the fused kernels.
 
     ``logp``, ``entropy``: ``[N]`` (fp32). ``entropy`` may be None only when ``config.entropy_coef == 0``
-    (the ``entropy`` metric is then omitted). Metrics are detached 0-dim fp32 tensors.
+    (the ``entropy`` metric is then omitted; the loss pipeline checked it). Metrics are detached 0-dim fp32 tensors.
     """
-    if entropy is None and config.entropy_coef != 0:
-        raise ValueError("entropy is required when config.entropy_coef != 0")
     loss, out = TritonSequenceObjective.apply(logp, entropy, inputs, config)
-    has_rollout = getattr(inputs, "rollout_logprobs", None) is not None
+    has_rollout = inputs.rollout_logprobs is not None
     metrics = {name: out[index] for name, index in metric_slots(config, has_rollout)}
     if entropy is not None:
         metrics["entropy"] = out[O_ENTROPY.value]
@@ -930,8 +918,6 @@ def fused_objective_gradient(logp: Tensor, entropy: Optional[Tensor], inputs: Lo
     gradients). ``dL/dentropy`` is None when ``config.entropy_coef == 0`` (the loss does not depend on the
     entropy then). Dtypes: those of ``logp`` / ``entropy`` (fp32, or fp64 for fp64 inputs).
     """
-    if entropy is None and config.entropy_coef != 0:
-        raise ValueError("entropy is required when config.entropy_coef != 0")
     coef, out, _ = _sequence_stage(logp, entropy, inputs, config)
     grad_logp = (coef * out[O_SCALE_LOGP.value]).to(logp.dtype)
     grad_entropy = None
