@@ -9,6 +9,7 @@ from typing import Optional
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from gspo_kernels import GSPOConfig
 from gspo_kernels.config import IMPORTANCE_SAMPLING_LEVELS as LEVELS
@@ -348,3 +349,39 @@ def capture_cuda_graph(step, warmups: int = 2):
         finally:
             torch.cuda.set_sync_debug_mode(0)
     return graph, outputs
+
+
+class NewTensors(TorchDispatchMode):
+    """Records, at torch's dispatcher, every op (``ops``) and every *new* tensor (storage not aliasing an input)
+    of at least ``min_numel`` elements (``big``: ``(op, shape)``): ``empty``, ``zeros``, ``new_empty`` and the
+    outputs of custom operators alike."""
+
+    def __init__(self, min_numel: int):
+        super().__init__()
+        self.min_numel = min_numel
+        self.ops = []
+        self.big = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+        inputs = {t.untyped_storage().data_ptr() for t in leaves if isinstance(t, torch.Tensor)}
+        self.ops.append(str(func))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.numel() >= self.min_numel and \
+                    t.untyped_storage().data_ptr() not in inputs:
+                self.big.append((str(func), tuple(t.shape)))
+        return out
+
+
+def record_host_reads(monkeypatch) -> list:
+    """From now until ``monkeypatch.undo()``: the name of every host read of a tensor value (``tolist``, ``item``,
+    ``bool()``, ``int()``, ``float()``, ``nonzero``, ``cpu``, ``numpy``), appended to the returned list."""
+    reads = []
+    for name in ("tolist", "item", "__bool__", "__int__", "__float__", "nonzero", "cpu", "numpy"):
+        original = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _n=name, _f=original, **k: (reads.append(_n),
+                                                                                             _f(self, *a, **k))[1])
+    real_nonzero = torch.nonzero
+    monkeypatch.setattr(torch, "nonzero", lambda *a, **k: (reads.append("torch.nonzero"), real_nonzero(*a, **k))[1])
+    return reads

@@ -13,11 +13,10 @@ import os
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import gspo_kernels as gk
 from gspo_kernels import backends, reference
-from tests.support import rel_err
+from tests.support import NewTensors, rel_err
 from tests.test_torch_backend import check_extreme_logits, check_minus_inf_columns, check_out_of_range_labels
 
 cpu_backend = pytest.importorskip("gspo_kernels.backends.cpu")
@@ -93,26 +92,7 @@ def test_logits_op_inplace_backward_writes_every_row():
     assert torch.all(x.grad[2] == 0)  # a row without gradient is overwritten with zeros, not left as logits
 
 
-class LogitsSizedAllocations(TorchDispatchMode):
-    """Counts, at torch's dispatcher, every op and every *new* tensor (storage not aliasing an input) of at least
-    ``min_numel`` elements: ``empty``, ``zeros``, ``new_empty`` and the outputs of the custom operators alike."""
-
-    def __init__(self, min_numel: int):
-        super().__init__()
-        self.min_numel = min_numel
-        self.ops = []
-        self.big = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        leaves = torch.utils._pytree.tree_leaves((args, kwargs))
-        inputs = {t.untyped_storage().data_ptr() for t in leaves if isinstance(t, torch.Tensor)}
-        self.ops.append(str(func))
-        for t in torch.utils._pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.numel() >= self.min_numel and \
-                    t.untyped_storage().data_ptr() not in inputs:
-                self.big.append((str(func), tuple(t.shape)))
-        return out
+LogitsSizedAllocations = NewTensors  # every new tensor of at least a logits' size, and every op
 
 
 @pytest.mark.parametrize("inplace", [False, True], ids=["out_of_place", "inplace"])

@@ -15,7 +15,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import gspo_kernels as gk
 from gspo_kernels import backends, checks, reference
-from tests.support import RTOL, TRITON_DEVICE, capture_cuda_graph, rel_err
+from tests.support import RTOL, TRITON_DEVICE, capture_cuda_graph, record_host_reads, rel_err
 
 pytestmark = pytest.mark.skipif(backends.load("triton") is None or not backends.load("triton").supports(
     torch.device(TRITON_DEVICE)), reason="triton backend unavailable here")
@@ -214,13 +214,7 @@ def test_no_host_reads_when_capturing(monkeypatch):
         return [t.detach() for t in outs]
 
     eager = losses()
-    reads = []
-    for name in ("tolist", "item", "__bool__", "__int__", "__float__", "nonzero", "cpu", "numpy"):
-        original = getattr(torch.Tensor, name)
-        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _n=name, _f=original, **k: (reads.append(_n),
-                                                                                             _f(self, *a, **k))[1])
-    real_nonzero = torch.nonzero
-    monkeypatch.setattr(torch, "nonzero", lambda *a, **k: (reads.append("torch.nonzero"), real_nonzero(*a, **k))[1])
+    reads = record_host_reads(monkeypatch)
     monkeypatch.setattr(checks, "cuda_graph_capturing", lambda: True)
     captured = losses()
     monkeypatch.undo()

@@ -11,7 +11,7 @@ import torch
 import gspo_kernels as gk
 from gspo_kernels import backends, reference
 from gspo_kernels.testing import gradient_tolerance
-from tests.support import RTOL, objective_configs, objective_id, rel_err
+from tests.support import RTOL, objective_configs, objective_id, record_host_reads, rel_err
 
 pytestmark = pytest.mark.skipif(backends.load("triton") is None or not backends.load("triton").supports(
     torch.device("cuda" if torch.cuda.is_available() else "cpu")), reason="triton backend unavailable here")
@@ -116,13 +116,7 @@ def test_one_host_read_per_call(monkeypatch):
     also brings the plan's per-response counts); nothing in the backward waits on the device."""
     hidden, weight, labels, adv, old, mask, cu = _case(5, packed=True)
     cfg = gk.GSPOConfig(importance_sampling_level="sequence")
-    reads = []
-    for name in ("tolist", "item", "__bool__", "__int__", "__float__", "nonzero", "cpu", "numpy"):
-        original = getattr(torch.Tensor, name)
-        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _n=name, _f=original, **k: (reads.append(_n),
-                                                                                             _f(self, *a, **k))[1])
-    real_nonzero = torch.nonzero
-    monkeypatch.setattr(torch, "nonzero", lambda *a, **k: (reads.append("torch.nonzero"), real_nonzero(*a, **k))[1])
+    reads = record_host_reads(monkeypatch)
     out = gk.fused_linear_gspo_loss(hidden, weight, labels, adv, old, mask=mask, cu_seqlens=cu, config=cfg,
                                     backend="triton")
     forward_reads = list(reads)

@@ -30,7 +30,7 @@ from gspo_kernels.backends.triton.logits import (  # noqa: E402
 from gspo_kernels.config import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, GSPOConfig  # noqa: E402
 from gspo_kernels.layout import LossInputs, TokenBatch  # noqa: E402
 from gspo_kernels.testing import gradient_tolerance, rel_err  # noqa: E402
-from tests.support import TRITON_DEVICE, capture_cuda_graph  # noqa: E402
+from tests.support import TRITON_DEVICE, NewTensors, capture_cuda_graph  # noqa: E402
 
 DEVICE = TRITON_DEVICE
 if DEVICE == "cpu" and not interpreter_active():
@@ -404,25 +404,6 @@ def test_a_logits_loss_step_captures_in_a_cuda_graph():
 # --- Edge inputs (issues 12 and 13): each test below failed before its fix. ------------------------------------
 
 
-class _Allocations(torch.utils._python_dispatch.TorchDispatchMode):
-    """Records every op and every *new* tensor (storage not aliasing an input) of at least ``min_numel``."""
-
-    def __init__(self, min_numel: int):
-        super().__init__()
-        self.min_numel = min_numel
-        self.ops = []
-        self.big = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        leaves = torch.utils._pytree.tree_leaves((args, kwargs))
-        inputs = {t.untyped_storage().data_ptr() for t in leaves if isinstance(t, torch.Tensor)}
-        self.ops.append(str(func))
-        for t in torch.utils._pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.numel() >= self.min_numel and \
-                    t.untyped_storage().data_ptr() not in inputs:
-                self.big.append((str(func), tuple(t.shape)))
-        return out
 
 
 def _softmax_stats64(x64, labels, temperature=1.0):
@@ -534,7 +515,7 @@ def test_shifted_logits_no_second_logits_sized_buffer(inplace):
     adv = torch.tensor([1.0, -0.5, 0.3], device=DEVICE)
     config = GSPOConfig(entropy_coef=0.01, importance_sampling_level="token")
     out = gk.gspo_loss(model_out[:, :-1], labels, adv, config=config, backend="triton", inplace_backward=inplace)
-    with _Allocations(min_numel=B * T * V) as allocations:
+    with NewTensors(min_numel=B * T * V) as allocations:
         (grad,) = torch.autograd.grad(out.loss, model_out)
     assert "aten.slice_backward.default" not in allocations.ops
     assert len(allocations.big) == (0 if inplace else 1), allocations.big
@@ -575,7 +556,7 @@ def test_logits_path_autograd_has_no_host_synchronization():
     inputs = _prepared(labels, adv, old, kwargs["mask"], config, V=base.shape[-1])
     syncs = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.is_nonzero.default",
              "aten.item.default", "aten.equal.default"}
-    with _Allocations(min_numel=1 << 60) as record:
+    with NewTensors(min_numel=1 << 60) as record:
         logp, entropy = logits_logprobs(x[:, :-1], inputs.labels, active=inputs.batch.mask > 0,
                                         temperature=config.temperature, return_entropy=True)
         loss = fused_objective(logp, entropy, inputs, config).loss

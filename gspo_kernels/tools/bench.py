@@ -37,6 +37,8 @@ import sys
 import time
 from typing import Callable, Dict, List, Optional, Tuple
 
+from gspo_kernels.tools.bench_gpu import gspo_formula  # the GSPO formula the peers are completed with
+
 # ---------------------------------------------------------------------------------------------
 # Cases: the issue's shapes, and small ones for --quick (a few minutes on 2 CPU cores).
 # ---------------------------------------------------------------------------------------------
@@ -106,18 +108,6 @@ def _current_logprobs(inputs: Dict, case: Dict):
     if case["path"] == "linear":
         return gk.linear_logprobs(inputs["hidden"], inputs["weight"], inputs["labels"])
     return gk.token_logprobs(inputs["logits"], inputs["labels"])
-
-
-def gspo_formula(logp, old, advantages, mask, eps_low: float = 3e-4, eps_high: float = 4e-4):
-    """GSPO (sequence level, ``"grpo"`` aggregation) on ``[B, T]`` log-probs, as TRL computes it."""
-    import torch
-
-    lengths = mask.sum(-1).clamp(min=1.0)
-    seq_log_ratio = ((logp - old) * mask).sum(-1) / lengths
-    w = torch.exp(seq_log_ratio)[:, None]
-    a = advantages[:, None]
-    per_token = -torch.min(w * a, torch.clamp(w, 1 - eps_low, 1 + eps_high) * a)
-    return ((per_token * mask).sum(-1) / lengths).mean()
 
 
 # ---------------------------------------------------------------------------------------------

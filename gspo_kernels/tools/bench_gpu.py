@@ -94,8 +94,8 @@ class Skip(Exception):
 
 def gspo_formula(logp, old, advantages, mask, eps_low: float = 3e-4, eps_high: float = 4e-4):
     """GSPO (sequence level, ``"grpo"`` aggregation) in PyTorch on ``[B, T]`` fp32 log-probs, as TRL computes it:
-    what plain PyTorch and the peers that give log-probs only are completed with. (bench.py has the same
-    formula; this module does not import bench.py, which imports it.)"""
+    what plain PyTorch and the peers that give log-probs only are completed with (here and in bench.py, which
+    imports it; this module does not import bench.py)."""
     import torch
 
     lengths = mask.sum(-1).clamp(min=1.0)
