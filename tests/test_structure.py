@@ -111,3 +111,32 @@ def test_one_definition_of_each_pipeline_part():
             counts[key] += text.count(key)
     assert counts == {"def _run(": 1, "def operand_dtype(": 1, "def gspo_objective(": 1, "def prepare_loss_inputs(": 1,
                       "def _operand_dtype(": 0}, counts
+
+
+def _slot_numbers(tree: ast.Module, prefix: str) -> dict:
+    """``{name: n}`` of the module-level ``NAME = tl.constexpr(n)`` assignments (a literal int) whose name starts
+    with ``prefix``."""
+    found = {}
+    for node in tree.body:
+        if (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
+                and node.targets[0].id.startswith(prefix) and isinstance(node.value, ast.Call)
+                and node.value.args and isinstance(node.value.args[0], ast.Constant)):
+            found[node.targets[0].id] = node.value.args[0].value
+    return found
+
+
+def test_metric_slots_are_one_table():
+    """The sequence kernels' partials columns (``P_*``) and output slots (``O_*``) are numbered 0, 1, ... once
+    each, without a gap; every metric's slot is named in ``METRICS`` and only there (no ``out[7]``)."""
+    path = PACKAGE / "backends" / "triton" / "sequence.py"
+    text = path.read_text()
+    tree = ast.parse(text)
+    for prefix in ("P_", "O_"):
+        numbers = _slot_numbers(tree, prefix)
+        assert sorted(numbers.values()) == list(range(len(numbers))), (prefix, numbers)
+    metrics = next(node.value for node in tree.body if isinstance(node, ast.Assign)
+                   and getattr(node.targets[0], "id", None) == "METRICS")
+    slots = {row.elts[1].id for row in metrics.elts}
+    assert slots <= set(_slot_numbers(tree, "O_")), slots
+    for name in ("\"rollout/kl\"", "\"importance_weight/mean\"", "\"cispo_clip_ratio\""):
+        assert text.count(name) == 1, name

@@ -54,7 +54,7 @@ from gspo_kernels.backends.triton.configs import (  # noqa: F401 (LOSS_TYPE_CODE
     SEQUENCE_NUM_WARPS,
 )
 from gspo_kernels.backends.triton.launch import device_guard
-from gspo_kernels.config import GSPOConfig
+from gspo_kernels.config import OBJECTIVES, GSPOConfig
 from gspo_kernels.layout import LossInputs
 from gspo_kernels.objective import VESPO_LOG_MAX, VESPO_LOG_MIN, LossOutput
 
@@ -80,12 +80,13 @@ P_RW_SUM = tl.constexpr(15)  # rollout weight sum, min, max, items
 P_RW_MIN = tl.constexpr(16)
 P_RW_MAX = tl.constexpr(17)
 P_RW_UNITS = tl.constexpr(18)
-P_COUNT = tl.constexpr(19)  # the columns written; the rest of the row is never read
+P_COUNT = tl.constexpr(P_RW_UNITS.value + 1)  # the columns written; the rest of the row is never read
 # Columns the reduction takes the minimum / maximum of (the others are summed); kernel constants.
 MIN_COLUMNS = tl.constexpr((P_W_MIN.value, P_RW_MIN.value))
 MAX_COLUMNS = tl.constexpr((P_W_MAX.value, P_RW_MAX.value))
 
-# Slots of the reduction kernel's output ``out [NUM_OUTPUTS]`` (on the host: ``out[O_LOSS.value]``).
+# Slots of the reduction kernel's output ``out [NUM_OUTPUTS]`` (on the host: ``out[O_LOSS.value]``); the metrics
+# they report are named in ``METRICS`` below. Both numberings run 0, 1, ... without a gap (tests/test_structure.py).
 O_LOSS = tl.constexpr(0)
 O_SCALE_LOGP = tl.constexpr(1)  # dL/dlogp = coef * O_SCALE_LOGP
 O_SCALE_ENTROPY = tl.constexpr(2)  # dL/dentropy = mask * O_SCALE_ENTROPY
@@ -103,7 +104,30 @@ O_ROLLOUT_MASKED = tl.constexpr(13)
 O_RW_MIN = tl.constexpr(14)
 O_RW_MEAN = tl.constexpr(15)
 O_RW_MAX = tl.constexpr(16)
-NUM_OUTPUTS = 17
+NUM_OUTPUTS = O_RW_MAX.value + 1
+
+# The metrics the output reports (TRL's names: those of ``objective.gspo_objective``), one row each: the name,
+# its ``O_*`` slot, and when it is reported: for the objectives named, or when the batch has rollout log-probs
+# ("rollout"), an entropy ("entropy"), a KL term ("kl"). The one table of the metric slots: :func:`metric_slots`
+# reads it, and nothing else names a slot of a metric.
+_CLIP_RATIO = ("clip", "gmpo")
+METRICS = (
+    ("clip_ratio/low_mean", O_LOW, _CLIP_RATIO),
+    ("clip_ratio/high_mean", O_HIGH, _CLIP_RATIO),
+    ("clip_ratio/region_mean", O_REGION, _CLIP_RATIO),
+    ("cispo_clip_ratio", O_HIGH, ("cispo",)),  # CISPO counts its clipped items in the high column
+    ("vespo/phi_seq_mean", O_PHI_MEAN, ("vespo",)),
+    ("importance_weight/mean", O_W_MEAN, OBJECTIVES),
+    ("importance_weight/min", O_W_MIN, OBJECTIVES),
+    ("importance_weight/max", O_W_MAX, OBJECTIVES),
+    ("rollout/kl", O_ROLLOUT_KL, "rollout"),
+    ("rollout/masked_fraction", O_ROLLOUT_MASKED, "rollout"),
+    ("rollout/weight_min", O_RW_MIN, "rollout"),
+    ("rollout/weight_mean", O_RW_MEAN, "rollout"),
+    ("rollout/weight_max", O_RW_MAX, "rollout"),
+    ("entropy", O_ENTROPY, "entropy"),
+    ("kl", O_KL, "kl"),
+)
 
 # The codes as kernel constants (the kernels branch on these names, never on literal numbers).
 LEVEL_SEQUENCE = tl.constexpr(LEVEL_CODES["sequence"])
@@ -842,24 +866,13 @@ def _sequence_stage(logp: Tensor, entropy: Optional[Tensor], inputs: LossInputs,
     return coef, out, loss
 
 
-def metric_slots(config: GSPOConfig, has_rollout: bool):
-    """``(name, O_* slot)`` of the metrics the objective of ``config`` reports (those of
-    :func:`gspo_kernels.objective.gspo_objective`)."""
-    names = []
-    if config.objective in ("clip", "gmpo"):
-        names += [("clip_ratio/low_mean", O_LOW.value), ("clip_ratio/high_mean", O_HIGH.value),
-                  ("clip_ratio/region_mean", O_REGION.value)]
-    elif config.objective == "cispo":
-        names.append(("cispo_clip_ratio", O_HIGH.value))
-    elif config.objective == "vespo":
-        names.append(("vespo/phi_seq_mean", O_PHI_MEAN.value))
-    names += [("importance_weight/mean", O_W_MEAN.value), ("importance_weight/min", O_W_MIN.value),
-              ("importance_weight/max", O_W_MAX.value)]
-    if has_rollout:
-        names += [("rollout/kl", O_ROLLOUT_KL.value), ("rollout/masked_fraction", O_ROLLOUT_MASKED.value),
-                  ("rollout/weight_min", O_RW_MIN.value), ("rollout/weight_mean", O_RW_MEAN.value),
-                  ("rollout/weight_max", O_RW_MAX.value)]
-    return names
+def metric_slots(config: GSPOConfig, has_rollout: bool, has_entropy: bool = False):
+    """``(name, O_* slot as an int)`` of the metrics the objective of ``config`` reports (those of
+    :func:`gspo_kernels.objective.gspo_objective`), read from ``METRICS``: with ``has_rollout`` the
+    ``rollout/*`` ones, with ``has_entropy`` the ``entropy``, with ``config.beta > 0`` the ``kl``."""
+    present = {"rollout": has_rollout, "entropy": has_entropy, "kl": config.beta > 0}
+    return [(name, slot.value) for name, slot, when in METRICS
+            if (present[when] if isinstance(when, str) else config.objective in when)]
 
 
 class TritonSequenceObjective(torch.autograd.Function):
@@ -899,12 +912,8 @@ def fused_objective(logp: Tensor, entropy: Optional[Tensor], inputs: LossInputs,
     (the ``entropy`` metric is then omitted; the loss pipeline checked it). Metrics are detached 0-dim fp32 tensors.
     """
     loss, out = TritonSequenceObjective.apply(logp, entropy, inputs, config)
-    has_rollout = inputs.rollout_logprobs is not None
-    metrics = {name: out[index] for name, index in metric_slots(config, has_rollout)}
-    if entropy is not None:
-        metrics["entropy"] = out[O_ENTROPY.value]
-    if config.beta > 0:
-        metrics["kl"] = out[O_KL.value]
+    slots = metric_slots(config, inputs.rollout_logprobs is not None, entropy is not None)
+    metrics = {name: out[index] for name, index in slots}
     return LossOutput(loss.to(logp.dtype), metrics)
 
 
