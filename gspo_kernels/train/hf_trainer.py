@@ -416,8 +416,13 @@ def build_minibatch(rollout: Rollout, rows: Tensor, layout: str, pad_token_id: i
                      None, None, width, rows)
 
 
-def completion_mask_of(completion_ids: Tensor, eos_token_ids: Sequence[int]) -> Tensor:
-    """1 up to and including the first end-of-sequence token of each row, 0 after it (``[S, C]`` fp32)."""
+def completion_mask_of(completion_ids: Tensor, eos_token_ids: Union[int, Sequence[int]]) -> Tensor:
+    """1 up to and including the first end-of-sequence token of each row, 0 after it (``[S, C]`` fp32).
+
+    ``completion_ids [S, C]`` integer; ``eos_token_ids``: one token id or several (any of them ends a row).
+    Both trainers' mask (``train/trainer.py`` imports it)."""
+    if isinstance(eos_token_ids, int):
+        eos_token_ids = [eos_token_ids]
     is_eos = torch.isin(completion_ids, torch.tensor(list(eos_token_ids), device=completion_ids.device))
     is_eos = is_eos.to(torch.int64)
     return ((is_eos.cumsum(dim=1) - is_eos) == 0).to(torch.float32)

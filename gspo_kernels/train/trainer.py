@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from gspo_kernels.config import GSPOConfig
+from gspo_kernels.train.hf_trainer import completion_mask_of
 from gspo_kernels.train.tasks import Task, ToyTokenizer, get_task
 
 LOSSES = ("reference", "torch", "cpu", "triton", "auto")
@@ -135,13 +136,17 @@ def is_moe(model) -> bool:
 
 
 @dataclass
-class Rollout:
+class ToyRollout:
     """One rollout batch of ``S = prompts x group_size`` responses (tensors on the policy's device).
 
     ``input_ids [S, P + C]`` (prompt then completion), ``attention_mask [S, P + C]``,
     ``completion_ids [S, C]``, ``completion_mask [S, C]`` (up to and including the first ``<eos>``),
     ``rewards [S]`` fp32, ``advantages [S]`` fp32; filled in later: ``old_logprobs`` and
     ``ref_logprobs [S, C]`` fp32, ``old_experts`` (MoE) a list per layer of ``[S, P + C, k]``.
+
+    Not ``hf_trainer.Rollout``: the toy tasks' prompts all have ``P`` tokens, so the batch is kept as the
+    padded ``[S, P + C]`` model input (and the MoE routing), where ``GSPOTrainer`` keeps texts and per-prompt ids
+    for its packed / padded mini-batches.
     """
 
     prompt_length: int
@@ -156,15 +161,8 @@ class Rollout:
     old_experts: Optional[List[Tensor]] = None
 
 
-def completion_mask_of(completion_ids: Tensor, eos_token_id: int) -> Tensor:
-    """1 up to and including the first ``eos`` of each row, 0 after it (``[S, C]`` fp32)."""
-    is_eos = (completion_ids == eos_token_id).to(torch.int64)
-    before_or_at_eos = (is_eos.cumsum(dim=1) - is_eos) == 0
-    return before_or_at_eos.to(torch.float32)
-
-
 @torch.no_grad()
-def rollout(model, task: Task, tok: ToyTokenizer, cfg: TrainConfig, step: int) -> Rollout:
+def rollout(model, task: Task, tok: ToyTokenizer, cfg: TrainConfig, step: int) -> ToyRollout:
     """Sample ``group_size`` completions per prompt; rewards and group advantages.
 
     Prompts and sampling depend only on ``(cfg.seed, step)`` and the model's weights, so two runs that
@@ -207,7 +205,7 @@ def rollout(model, task: Task, tok: ToyTokenizer, cfg: TrainConfig, step: int) -
     advantages = group_advantages(rewards, cfg.group_size)
     input_ids = torch.cat([prompts, completion], dim=1)
     attention_mask = torch.cat([torch.ones_like(prompts, dtype=torch.float32), mask], dim=1)
-    return Rollout(prompts.shape[1], input_ids, attention_mask, completion, mask, rewards, advantages)
+    return ToyRollout(prompts.shape[1], input_ids, attention_mask, completion, mask, rewards, advantages)
 
 
 def _repeat(items: Sequence, times: int) -> List:
@@ -274,7 +272,7 @@ def routing_change(old: List[Tensor], new: List[Tensor], mask: Tensor, prompt_le
 class TrainResult:
     model: object
     history: List[Dict[str, float]] = field(default_factory=list)
-    first_rollout: Optional[Rollout] = None
+    first_rollout: Optional[ToyRollout] = None
 
 
 def train(
@@ -357,7 +355,7 @@ def train(
     return result
 
 
-def _update(model, optimizer, weight, batch: Rollout, cfg: TrainConfig, loss_config: GSPOConfig, moe: bool,
+def _update(model, optimizer, weight, batch: ToyRollout, cfg: TrainConfig, loss_config: GSPOConfig, moe: bool,
             step: int) -> Dict[str, float]:
     """One AdamW step per mini-batch of the rollout batch; the mini-batch metrics, averaged."""
     S = batch.input_ids.shape[0]
