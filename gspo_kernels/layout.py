@@ -302,4 +302,5 @@ def prepare_loss_inputs(
         else:
             cu = checks.fetched["cu_seqlens"]
         host = HostLayout(cu, per[:S], per[S:], per_response)
-    return LossInputs(flat_labels, batch, adv, per_token, old, ref, ratio, items, rollout, host)
+    return LossInputs(labels=flat_labels, batch=batch, advantages=adv, advantages_per_token=per_token, old_logprobs=old,
+                      ref_logprobs=ref, is_ratio=ratio, num_items_in_batch=items, rollout_logprobs=rollout, host=host)

@@ -89,7 +89,8 @@ def gspo_objective(
         factor = None
     if config.off_policy_mask_threshold is not None:
         sampling = old_m if inputs.rollout_logprobs is None else inputs.rollout_logprobs.to(logp.dtype)
-        keep = off_policy_keep(logp_m.detach(), sampling, A, valid, seq, S, config.off_policy_mask_threshold)
+        keep = off_policy_keep(logp=logp_m.detach(), sampling=sampling, A=A, valid=valid, seq=seq, S=S,
+                               threshold=config.off_policy_mask_threshold)
         factor = keep if factor is None else factor * keep
     # A token whose factor is 0 contributes nothing whatever its importance weight: it takes the finite stand-in
     # weight, so an overflowing weight there is no inf * 0.

@@ -349,9 +349,11 @@ def logits_logprobs(impl, vp: VocabParallel, logits: Tensor, labels: Tensor, *, 
 
     lp_loc, ent_loc, z = _LogitsShard.apply(logits, local, float(temperature), run, softcap)
     ent_loc = ent_loc if return_entropy else None
-    lp_loc, ent_loc, z = _repair_stand_ins(logits, owned, active, temperature, lp_loc, ent_loc, z,
-                                           lambda x, lab: run(x, lab, False, None))
-    return _combine(vp, lp_loc, ent_loc, z, owned, active, return_entropy)
+    lp_loc, ent_loc, z = _repair_stand_ins(logits=logits, owned=owned, active=active, temperature=temperature,
+                                           lp_loc=lp_loc, ent_loc=ent_loc, z=z,
+                                           run=lambda x, lab: run(x, lab, False, None))
+    return _combine(vp=vp, lp_loc=lp_loc, ent_loc=ent_loc, z_loc=z, owned=owned, active=active,
+                    return_entropy=return_entropy)
 
 
 def linear_logprobs(impl, vp: VocabParallel, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor,
@@ -377,4 +379,5 @@ def linear_logprobs(impl, vp: VocabParallel, hidden: Tensor, weight: Tensor, bia
                                     return_entropy=return_entropy, **kwargs)
 
     lp_loc, ent_loc, z = _LinearShard.apply(hidden, weight, bias, local, float(temperature), run, softcap)
-    return _combine(vp, lp_loc, ent_loc if return_entropy else None, z, owned, active, return_entropy)
+    return _combine(vp=vp, lp_loc=lp_loc, ent_loc=ent_loc if return_entropy else None, z_loc=z, owned=owned,
+                    active=active, return_entropy=return_entropy)

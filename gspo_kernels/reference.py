@@ -126,8 +126,9 @@ def gspo_loss(
     if logits.shape[-1] < 1:
         raise ValueError("logits must have a vocabulary dimension V >= 1")
     rows = logits.reshape(-1, logits.shape[-1])
-    return _loss_from_rows(lambda idx: rows[idx], layout, labels, advantages, old_logprobs, ref_logprobs,
-                           is_ratio, num_items_in_batch, config, vocab_size=logits.shape[-1],
+    return _loss_from_rows(rows_of=lambda idx: rows[idx], layout=layout, labels=labels, advantages=advantages,
+                           old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, is_ratio=is_ratio,
+                           num_items_in_batch=num_items_in_batch, config=config, vocab_size=logits.shape[-1],
                            rollout_logprobs=rollout_logprobs)
 
 
@@ -156,9 +157,10 @@ def fused_linear_gspo_loss(
     _check_linear(hidden, weight, bias, labels)
     layout = _Layout.of(labels, mask, cu_seqlens)
     rows = hidden.reshape(-1, hidden.shape[-1])
-    return _loss_from_rows(lambda idx: _logits(rows[idx], weight, bias), layout, labels, advantages, old_logprobs,
-                           ref_logprobs, is_ratio, num_items_in_batch, config, vocab_size=weight.shape[0],
-                           rollout_logprobs=rollout_logprobs)
+    return _loss_from_rows(rows_of=lambda idx: _logits(rows[idx], weight, bias), layout=layout, labels=labels,
+                           advantages=advantages, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
+                           is_ratio=is_ratio, num_items_in_batch=num_items_in_batch, config=config,
+                           vocab_size=weight.shape[0], rollout_logprobs=rollout_logprobs)
 
 
 def policy_loss(
@@ -197,8 +199,9 @@ def policy_loss(
     for idx in layout.responses:
         lp = flat_logp[idx].double()
         per_response.append((lp, None if flat_entropy is None else flat_entropy[idx].double()))
-    return _objective(per_response, layout, advantages, old_logprobs, ref_logprobs, is_ratio, num_items_in_batch,
-                      config, with_entropy=flat_entropy is not None, rollout_logprobs=rollout_logprobs)
+    return _objective(per_response=per_response, layout=layout, advantages=advantages, old_logprobs=old_logprobs,
+                      ref_logprobs=ref_logprobs, is_ratio=is_ratio, num_items_in_batch=num_items_in_batch,
+                      config=config, with_entropy=flat_entropy is not None, rollout_logprobs=rollout_logprobs)
 
 
 def sequence_loss(logp: Tensor, entropy: Optional[Tensor], inputs: Any, config: GSPOConfig) -> LossOutput:
@@ -332,8 +335,9 @@ def _loss_from_rows(rows_of, layout: _Layout, labels: Tensor, advantages, old_lo
         _check_label_range(y, vocab_size, "labels (at unmasked positions)")
         per_response.append(_rows_logprobs(rows_of(idx), y, config.temperature,
                                            getattr(config, "final_logit_softcapping", None)))
-    return _objective(per_response, layout, advantages, old_logprobs, ref_logprobs, is_ratio, num_items_in_batch,
-                      config, with_entropy=True, rollout_logprobs=rollout_logprobs)
+    return _objective(per_response=per_response, layout=layout, advantages=advantages, old_logprobs=old_logprobs,
+                      ref_logprobs=ref_logprobs, is_ratio=is_ratio, num_items_in_batch=num_items_in_batch,
+                      config=config, with_entropy=True, rollout_logprobs=rollout_logprobs)
 
 
 def _objective(

@@ -140,7 +140,8 @@ def make_policy_loss(importance_sampling_level: str, *, loss_type: str = "clip",
         out = policy_loss(log_prob, advantages, old_log_prob, mask=mask, is_ratio=is_weights,
                           num_items_in_batch=num_items, config=GSPOConfig(**cfg), backend=backend)
         loss = out.loss * scale
-        metrics = _verl_metrics(out.metrics, log_prob, old_log_prob, advantages, mask, cfg, clip_c, loss_type)
+        metrics = _verl_metrics(library=out.metrics, log_prob=log_prob, old_log_prob=old_log_prob,
+                                advantages=advantages, mask=mask, cfg=cfg, clip_c=clip_c, loss_type=loss_type)
         return loss, metrics
 
     name = importance_sampling_level if loss_type == "clip" else loss_type

@@ -145,8 +145,9 @@ def check_case(backend: str, path: str, level: str, loss_type: str, dtype_name: 
     grad_err = max(rel_err(g.cpu(), r) for g, r in zip(grads, ref_grads))
     metric_err = max(abs(float(out.metrics[k]) - float(v)) for k, v in expected.metrics.items())
     grad_tol = gradient_tolerance(dtype_name, path)
-    return Row(backend, path, level, loss_type, dtype_name, "packed" if packed else "padded", loss_err, grad_err,
-               metric_err, FP32_RTOL, grad_tol, FP32_RTOL, seconds)
+    return Row(backend=backend, path=path, level=level, loss_type=loss_type, dtype=dtype_name,
+               layout="packed" if packed else "padded", loss_err=loss_err, grad_err=grad_err, metric_err=metric_err,
+               loss_tol=FP32_RTOL, grad_tol=grad_tol, metric_tol=FP32_RTOL, seconds=seconds)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -396,11 +396,11 @@ def build_minibatch(rollout: Rollout, rows: Tensor, layout: str, pad_token_id: i
             labels.extend(completion[:n])
             cu.append(cu[-1] + n)
         as_long = dict(dtype=torch.long, device=device)
-        return MiniBatch(
-            "packed", torch.tensor([ids], **as_long), torch.tensor([positions], **as_long), None,
-            torch.tensor(labels, **as_long), None, torch.tensor(cu, dtype=torch.int32, device=device),
-            torch.tensor(gather, **as_long), 0, rows,
-        )
+        return MiniBatch(layout="packed", input_ids=torch.tensor([ids], **as_long),
+                         position_ids=torch.tensor([positions], **as_long), attention_mask=None,
+                         labels=torch.tensor(labels, **as_long), mask=None,
+                         cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=device),
+                         gather=torch.tensor(gather, **as_long), prompt_width=0, rows=rows)
     width = max(len(p) for p in prompts)
     c = max(lengths)
     input_ids = torch.full((len(prompts), width + c - 1), pad_token_id, dtype=torch.long)
@@ -412,8 +412,9 @@ def build_minibatch(rollout: Rollout, rows: Tensor, layout: str, pad_token_id: i
     position_ids = (attention.cumsum(dim=1) - 1).clamp(min=0)
     labels = rollout.completion_ids[rows, :c]
     mask = rollout.completion_mask[rows, :c]
-    return MiniBatch("padded", input_ids.to(device), position_ids.to(device), attention.to(device), labels, mask,
-                     None, None, width, rows)
+    return MiniBatch(layout="padded", input_ids=input_ids.to(device), position_ids=position_ids.to(device),
+                     attention_mask=attention.to(device), labels=labels, mask=mask, cu_seqlens=None, gather=None,
+                     prompt_width=width, rows=rows)
 
 
 def completion_mask_of(completion_ids: Tensor, eos_token_ids: Union[int, Sequence[int]]) -> Tensor:
@@ -553,8 +554,8 @@ class GSPOTrainer:
         prompts = [q for q in queries for _ in range(g)]
         rewards = self._rewards(reward_fn, prompts, texts)
         advantages = group_advantages(rewards, g).to(torch.float32)
-        return Rollout(prompts, texts, prompt_ids, completion, mask, rewards.to(self.device),
-                       advantages.to(self.device))
+        return Rollout(prompts=prompts, completions=texts, prompt_ids=prompt_ids, completion_ids=completion,
+                       completion_mask=mask, rewards=rewards.to(self.device), advantages=advantages.to(self.device))
 
     @staticmethod
     def _rewards(reward_fn: RewardFn, prompts: List[str], completions: List[str]) -> Tensor:

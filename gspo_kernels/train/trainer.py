@@ -205,7 +205,8 @@ def rollout(model, task: Task, tok: ToyTokenizer, cfg: TrainConfig, step: int) -
     advantages = group_advantages(rewards, cfg.group_size)
     input_ids = torch.cat([prompts, completion], dim=1)
     attention_mask = torch.cat([torch.ones_like(prompts, dtype=torch.float32), mask], dim=1)
-    return ToyRollout(prompts.shape[1], input_ids, attention_mask, completion, mask, rewards, advantages)
+    return ToyRollout(prompt_length=prompts.shape[1], input_ids=input_ids, attention_mask=attention_mask,
+                      completion_ids=completion, completion_mask=mask, rewards=rewards, advantages=advantages)
 
 
 def _repeat(items: Sequence, times: int) -> List:
@@ -327,7 +328,8 @@ def train(
                         cfg.loss, ref_hidden, ref_model.get_output_embeddings().weight,
                         batch.completion_ids, cfg.temperature,
                     )
-            metrics = _update(model, optimizer, weight, batch, cfg, loss_config, moe, step)
+            metrics = _update(model=model, optimizer=optimizer, weight=weight, batch=batch, cfg=cfg,
+                              loss_config=loss_config, moe=moe, step=step)
             elapsed = time.perf_counter() - t0
             tokens = float(batch.completion_mask.sum())
             row = {

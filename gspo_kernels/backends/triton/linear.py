@@ -179,8 +179,9 @@ class VendorLinearLogprobs(torch.autograd.Function):
         for r0 in range(0, n, chunk):
             r1 = min(n, r0 + chunk)
             z = chunk_logits(rows[r0:r1], w, b, buffers.logits)
-            _chunk_statistics(z, labels[r0:r1], None if active is None else active[r0:r1], temperature,
-                              logp[r0:r1], entropy[r0:r1], row_stats[:, r0:r1], softcap)
+            _chunk_statistics(z=z, labels=labels[r0:r1], active=None if active is None else active[r0:r1],
+                              temperature=temperature, logp=logp[r0:r1], entropy=entropy[r0:r1],
+                              row_stats=row_stats[:, r0:r1], softcap=softcap)
         computed = torch.ones(n, device=rows.device, dtype=torch.bool) if active is None else active
         ctx.save_for_backward(hidden.detach(), weight.detach(), None if bias is None else bias.detach(), labels,
                               computed, row_stats, entropy)
@@ -220,10 +221,11 @@ class VendorLinearLogprobs(torch.autograd.Function):
         for r0 in range(0, n, chunk):
             sl = slice(r0, min(n, r0 + chunk))
             z = chunk_logits(rows[sl], w, b, buffers.logits)
-            store.backward(z, None, r0, carries[sl], labels[sl], row_stats[:, sl].contiguous(), entropy[sl],
-                           None if grad_logp is None else grad_logp[sl],
-                           None if grad_entropy is None else grad_entropy[sl], ctx.temperature, ctx.softcap, db,
-                           (rows, w, dh, dw))
+            store.backward(z=z, index=None, t0=r0, keep=carries[sl], labels=labels[sl],
+                           stats=row_stats[:, sl].contiguous(), entropy=entropy[sl],
+                           g=None if grad_logp is None else grad_logp[sl],
+                           ge=None if grad_entropy is None else grad_entropy[sl], temperature=ctx.temperature,
+                           softcap=ctx.softcap, db=db, gemms=(rows, w, dh, dw))
         if store is not None:
             store.flush(rows, w, dh, dw)
         if dw is not None and (store is None or store.flushes == 0):
@@ -438,7 +440,8 @@ def fused_linear_loss(
         free = torch.cuda.mem_get_info(weight.device)[0]
     sizes = configs.one_pass_chunk_rows(hidden.reshape(-1, hidden.shape[-1]).shape[0], weight.shape[0], weight.dtype,
                                         memory_budget, free)
-    out, grads = _one_pass(objective, hidden, weight, bias, inputs, config, sizes, need, softcap)
+    out, grads = _one_pass(objective=objective, hidden=hidden, weight=weight, bias=bias, inputs=inputs, config=config,
+                           sizes=sizes, need=need, softcap=softcap)
     present = tuple(leaf for leaf in leaves if leaf is not None)
     # what a second pass needs (not the operands themselves: an fp32 head's bf16 copy is not kept for it)
     shapes = [(leaf.shape, leaf.dtype) for leaf in present]
@@ -483,8 +486,10 @@ def _one_pass(objective, hidden, weight, bias, inputs, config, sizes, need, soft
         sl = slice(t0, t1)
         if not whole:  # one response longer than a chunk: in parts, the logits recomputed in the backward
             two_pass_tokens += t1 - t0
-            _long_response(objective, rows, w, b, labels, valid, t0, t1, chunk, n_carrying, logp, entropy, row_stats,
-                           stand_in, inputs, config, buffers, store, dh, dw, db, softcap)
+            _long_response(objective=objective, rows=rows, w=w, b=b, labels=labels, valid=valid, t0=t0, t1=t1,
+                           chunk=chunk, n_carrying=n_carrying, logp=logp, entropy=entropy, row_stats=row_stats,
+                           stand_in=stand_in, inputs=inputs, config=config, buffers=buffers, store=store, dh=dh, dw=dw,
+                           db=db, softcap=softcap)
             stand_in[sl] = logp[sl]
             continue
         order = None  # the chunk's rows to visit, carrying rows first (None: all, in token order)
@@ -512,7 +517,8 @@ def _one_pass(objective, hidden, weight, bias, inputs, config, sizes, need, soft
             logp.index_copy_(0, idx, c_logp)
             entropy.index_copy_(0, idx, c_ent)
             row_stats.index_copy_(1, idx, stats)
-        g, ge = _chunk_gradient(objective, logp, entropy, stand_in, sl, inputs, config)
+        g, ge = _chunk_gradient(objective=objective, logp=logp, entropy=entropy, stand_in=stand_in, sl=sl,
+                                inputs=inputs, config=config)
         stand_in[sl] = logp[sl]
         k = m if n_carrying is None else n_carrying
         if k == 0:
@@ -525,9 +531,9 @@ def _one_pass(objective, hidden, weight, bias, inputs, config, sizes, need, soft
             g = torch.where(valid[sl], g, 0)
             ge = None if ge is None else torch.where(valid[sl], ge, 0)
             keep = (g != 0) if ge is None else ((g != 0) | (ge != 0))
-        store.backward(z[:k], None if order is None else order[:k] + t0, t0, keep, lab[:k],
-                       stats if k == m else stats[:, :k].contiguous(), c_ent[:k], g, ge, temperature, softcap, db,
-                       (rows, w, dh, dw))
+        store.backward(z=z[:k], index=None if order is None else order[:k] + t0, t0=t0, keep=keep, labels=lab[:k],
+                       stats=stats if k == m else stats[:, :k].contiguous(), entropy=c_ent[:k], g=g, ge=ge,
+                       temperature=temperature, softcap=softcap, db=db, gemms=(rows, w, dh, dw))
     if store is not None:
         store.flush(rows, w, dh, dw)
     if dw is not None and (store is None or store.flushes == 0):
@@ -547,16 +553,19 @@ def _long_response(objective, rows, w, b, labels, valid, t0, t1, chunk, n_carryi
     parts = [(s, min(t1, s + chunk)) for s in range(t0, t1, chunk)]
     for s0, s1 in parts:
         z = chunk_logits(rows[s0:s1], w, b, buffers.logits)
-        _chunk_statistics(z, labels[s0:s1], valid[s0:s1], temperature, logp[s0:s1], entropy[s0:s1],
-                          row_stats[:, s0:s1], softcap)
+        _chunk_statistics(z=z, labels=labels[s0:s1], active=valid[s0:s1], temperature=temperature, logp=logp[s0:s1],
+                          entropy=entropy[s0:s1], row_stats=row_stats[:, s0:s1], softcap=softcap)
     if n_carrying == 0:
         return
-    g, ge = _chunk_gradient(objective, logp, entropy, stand_in, slice(t0, t1), inputs, config)
+    g, ge = _chunk_gradient(objective=objective, logp=logp, entropy=entropy, stand_in=stand_in, sl=slice(t0, t1),
+                            inputs=inputs, config=config)
     for s0, s1 in parts:
         local = slice(s0 - t0, s1 - t0)
         z = chunk_logits(rows[s0:s1], w, b, buffers.logits)
-        store.backward(z, None, s0, valid[s0:s1], labels[s0:s1], row_stats[:, s0:s1].contiguous(), entropy[s0:s1],
-                       g[local], None if ge is None else ge[local], temperature, softcap, db, (rows, w, dh, dw))
+        store.backward(z=z, index=None, t0=s0, keep=valid[s0:s1], labels=labels[s0:s1],
+                       stats=row_stats[:, s0:s1].contiguous(), entropy=entropy[s0:s1], g=g[local],
+                       ge=None if ge is None else ge[local], temperature=temperature, softcap=softcap, db=db,
+                       gemms=(rows, w, dh, dw))
 
 
 def _chunk_gradient(objective, logp, entropy, stand_in, sl, inputs, config) -> Tuple[Tensor, Optional[Tensor]]:

@@ -591,10 +591,13 @@ def linear_logprobs_backward(
                 num_warps=c_dz["num_warps"], num_stages=c_dz["num_stages"],
             )
             if compute_dh:
-                _launch_dh(dz, weight, order, count, dh, chunk_start, rows_here, inv_t, upcast, cfg["dh"])
+                _launch_dh(dz=dz, weight=weight, order=order, count=count, dh=dh, chunk_start=chunk_start,
+                           rows_here=rows_here, inv_t=inv_t, upcast=upcast, cfg=cfg["dh"])
             if compute_dw or compute_db:
-                _launch_dw(dz, hidden, order, count, db_part, dw if compute_dw else dummy, db if compute_db else dummy,
-                           chunk_start, rows_here, V, inv_t, upcast, cfg["dw"], c_dz["BLOCK_N"], compute_dw, compute_db)
+                _launch_dw(dz=dz, hidden=hidden, order=order, count=count, db_part=db_part,
+                           dw=dw if compute_dw else dummy, db=db if compute_db else dummy, chunk_start=chunk_start,
+                           rows_here=rows_here, V=V, inv_t=inv_t, upcast=upcast, cfg=cfg["dw"],
+                           dz_block_n=c_dz["BLOCK_N"], compute_dw=compute_dw, compute_db=compute_db)
     return dh, dw, db
 
 
@@ -661,12 +664,12 @@ class LinearLogprobsFunction(torch.autograd.Function):
             carries |= grad_entropy != 0
         order, count = compact_rows(carries & computed)
         h, w = _as_operands(hidden.detach(), weight.detach())
-        dh, dw, db = linear_logprobs_backward(
-            h, w, kernel_bias(None if bias is None else bias.detach(), ctx.softcap), labels, row_max, log_sum, entropy,
-            grad_logp, grad_entropy, order, count, ctx.temperature,
-            compute_dh=need_dh, compute_dw=need_dw, compute_db=need_db, memory_budget=ctx.memory_budget,
-            softcap=ctx.softcap,
-        )
+        dh, dw, db = linear_logprobs_backward(hidden=h, weight=w,
+                                              bias=kernel_bias(None if bias is None else bias.detach(), ctx.softcap),
+                                              labels=labels, row_max=row_max, log_sum=log_sum, entropy=entropy,
+                                              grad_logp=grad_logp, grad_entropy=grad_entropy, order=order, count=count,
+                                              temperature=ctx.temperature, compute_dh=need_dh, compute_dw=need_dw,
+                                              compute_db=need_db, memory_budget=ctx.memory_budget, softcap=ctx.softcap)
         dh = dh.reshape(hidden.shape).to(hidden.dtype) if dh is not None else None
         dw = dw.to(weight.dtype) if dw is not None else None
         db = db.to(bias.dtype) if db is not None else None
