@@ -385,3 +385,19 @@ def record_host_reads(monkeypatch) -> list:
     real_nonzero = torch.nonzero
     monkeypatch.setattr(torch, "nonzero", lambda *a, **k: (reads.append("torch.nonzero"), real_nonzero(*a, **k))[1])
     return reads
+
+
+def replays_against_eager(graph, static, step, static_adv, patterns, tol: float):
+    """Replay the captured ``graph`` once per ``(advantages, zero)`` of ``patterns``, the advantages written into
+    the captured ``static_adv``: each replay's outputs ``static`` within ``tol`` (relative) of the eager ``step()``
+    on the same inputs. Yields the replayed gradient (``static[1]``, fp32) and ``zero``, the responses at zero
+    advantage, for the caller's own checks."""
+    for advantages, zero in patterns:
+        static_adv.copy_(advantages)
+        graph.replay()
+        torch.cuda.synchronize()
+        replayed = [t.detach().clone() for t in static]
+        eager = [t.detach() for t in step()]
+        for a, b in zip(eager, replayed):
+            assert rel_err(b, a) < tol
+        yield replayed[1].float(), zero

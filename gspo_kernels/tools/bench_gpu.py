@@ -674,11 +674,14 @@ def _torch_backend_logits(ctx: _Ctx) -> None:
         loss.backward()
         return loss
 
-    shape_l = f"logits [{sl['B']}, {sl['T'] + 1}, {sl['V']}]"
-    _run_case(ctx, "torch-backend", f"ours backend='torch', {shape_l}",
-              lambda: dict(time_steps(ctx, ours_logits, zero_logits, warmup=1, reps=3), shape=shape_l))
-    _run_case(ctx, "torch-backend", f"plain PyTorch, {shape_l}",
-              lambda: dict(time_steps(ctx, plain_logits, zero_logits, warmup=1, reps=3), shape=shape_l))
+    _torch_backend_pair(ctx, f"logits [{sl['B']}, {sl['T'] + 1}, {sl['V']}]", ours_logits, plain_logits, zero_logits)
+
+
+def _torch_backend_pair(ctx: _Ctx, shape: str, ours: Callable, plain: Callable, prepare: Callable) -> None:
+    """``backend="torch"`` and plain PyTorch at one shape of the torch-backend section: one warm-up, 3 timed steps."""
+    for label, step in ((f"ours backend='torch', {shape}", ours), (f"plain PyTorch, {shape}", plain)):
+        _run_case(ctx, "torch-backend", label,
+                  lambda step=step: dict(time_steps(ctx, step, prepare, warmup=1, reps=3), shape=shape))
 
 
 def _torch_backend_hidden(ctx: _Ctx) -> None:
@@ -711,11 +714,7 @@ def _torch_backend_hidden(ctx: _Ctx) -> None:
         loss.backward()
         return loss
 
-    shape_h = f"hidden N={B * T}, H={H}, V={V}"
-    _run_case(ctx, "torch-backend", f"ours backend='torch', {shape_h}",
-              lambda: dict(time_steps(ctx, ours_hidden, zero_hidden, warmup=1, reps=3), shape=shape_h))
-    _run_case(ctx, "torch-backend", f"plain PyTorch, {shape_h}",
-              lambda: dict(time_steps(ctx, plain_hidden, zero_hidden, warmup=1, reps=3), shape=shape_h))
+    _torch_backend_pair(ctx, f"hidden N={B * T}, H={H}, V={V}", ours_hidden, plain_hidden, zero_hidden)
 
 
 SECTION_FUNCS = {"hidden": section_hidden, "logits": section_logits, "torch-backend": section_torch_backend}
