@@ -337,6 +337,20 @@ def check_memory_budget(memory_budget: Optional[int]) -> None:
         raise ValueError(f"memory_budget must be None or a number of bytes >= 0 (an int), got {memory_budget!r}")
 
 
+def check_logprobs_out(logprobs_out: Optional[Tensor], labels: Tensor) -> None:
+    """``logprobs_out``: None, or a contiguous floating tensor shaped like ``labels`` on their device."""
+    if logprobs_out is None:
+        return
+    if not isinstance(logprobs_out, Tensor) or not logprobs_out.is_floating_point():
+        got = logprobs_out.dtype if isinstance(logprobs_out, Tensor) else type(logprobs_out).__name__
+        raise TypeError(f"logprobs_out must be a floating-point tensor, got {got}")
+    if logprobs_out.shape != labels.shape or logprobs_out.device != labels.device:
+        raise ValueError(f"logprobs_out must have labels' shape {tuple(labels.shape)} on {labels.device}, got "
+                         f"{tuple(logprobs_out.shape)} on {logprobs_out.device}")
+    if not logprobs_out.is_contiguous() or logprobs_out.requires_grad:
+        raise ValueError("logprobs_out must be contiguous and not require grad (it receives detached values)")
+
+
 def check_bool(name: str, value: object) -> bool:
     """A flag option: exactly ``True`` or ``False``."""
     if not isinstance(value, bool):

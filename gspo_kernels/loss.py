@@ -27,6 +27,7 @@ from gspo_kernels.checks import (
     check_labels,
     check_linear,
     check_logits,
+    check_logprobs_out,
     check_memory_budget,
     check_same_device,
     check_softcap,
@@ -193,6 +194,7 @@ def fused_linear_gspo_loss(
     check_finite: bool = False,
     memory_budget: Optional[int] = None,
     batch_invariant: bool = False,
+    logprobs_out: Optional[Tensor] = None,
 ) -> LossOutput:
     """:func:`gspo_loss` of ``hidden @ weight.T + bias`` without ever forming the logits.
 
@@ -205,14 +207,18 @@ def fused_linear_gspo_loss(
             :func:`linear_logprobs`).
         memory_budget: bytes for saved logits / chunk buffers, as in :func:`linear_logprobs`.
         batch_invariant: bitwise batch invariance of the per-token results, as in :func:`linear_logprobs`.
+        logprobs_out: a floating tensor shaped like ``labels`` on their device that receives the per-token
+            log-probs the loss was computed from (detached; 0 where ``mask`` is 0), for a caller's metrics: the
+            one-pass loss forms them in its forward, and nothing else gives them without a second pass over
+            the lm_head. None (default): not kept.
     """
     check_linear(hidden, weight, bias, labels)
+    check_logprobs_out(logprobs_out, labels)
     head = _LinearHead(hidden, weight, bias, check_vocab_parallel(vocab_parallel), fp32_head=fp32_head,
                        memory_budget=memory_budget, batch_invariant=batch_invariant)
     return _run(head, labels, advantages, old_logprobs, mask=mask, cu_seqlens=cu_seqlens, ref_logprobs=ref_logprobs,
                 is_ratio=is_ratio, num_items_in_batch=num_items_in_batch, config=config, backend=backend,
-                rollout_logprobs=rollout_logprobs,
-                check_finite=check_finite)
+                rollout_logprobs=rollout_logprobs, check_finite=check_finite, logprobs_out=logprobs_out)
 
 
 def policy_loss(
@@ -266,7 +272,8 @@ def policy_loss(
 class _Head:
     """What the pipeline asks of a head; :meth:`fused_loss` returns None unless the head has a one-pass form."""
 
-    def fused_loss(self, impl: Backend, objective, inputs, config: GSPOConfig) -> Optional[LossOutput]:
+    def fused_loss(self, impl: Backend, objective, inputs, config: GSPOConfig,
+                   logprobs_out: Optional[Tensor] = None) -> Optional[LossOutput]:
         return None
 
     def plans_rows(self, impl: Backend) -> bool:
@@ -316,16 +323,18 @@ class _LinearHead(_Head):
     def plans_rows(self, impl: Backend) -> bool:
         return impl.fused_linear_loss is not None and self.vp is None and "batch_invariant" not in self.options
 
-    def fused_loss(self, impl: Backend, objective, inputs, config: GSPOConfig) -> Optional[LossOutput]:
+    def fused_loss(self, impl: Backend, objective, inputs, config: GSPOConfig,
+                   logprobs_out: Optional[Tensor] = None) -> Optional[LossOutput]:
         """The backend's one-pass loss (gradient formed in the forward) when it has one and the call allows it
         (no vocabulary split, no batch invariance asked). It gets the operands as the precision policy cast them
         and the caller's tensors (``inputs=``), to whose dtypes it returns the gradients directly."""
         if not self.plans_rows(impl):
             return None
         hidden = self.hidden.reshape(-1, self.hidden.shape[-1])
+        kept = {} if logprobs_out is None else {"logprobs_out": logprobs_out.view(-1)}
         return impl.fused_linear_loss(objective, hidden, self.weight, self.bias, inputs, config,
                                       memory_budget=self.options["memory_budget"], leaves=self.raw,
-                                      **_softcap_kwargs(config.final_logit_softcapping))
+                                      **_softcap_kwargs(config.final_logit_softcapping), **kept)
 
     def logprobs(self, impl: Backend, labels: Tensor, active: Optional[Tensor], temperature: float,
                  return_entropy: bool, softcap: Optional[float] = None) -> Tuple[Tensor, Optional[Tensor]]:
@@ -372,11 +381,12 @@ class _GivenLogprobs(_Head):
 
 def _run(head, tokens: Tensor, advantages: Tensor, old_logprobs: Optional[Tensor], *, mask, cu_seqlens, ref_logprobs,
          is_ratio, num_items_in_batch, config: Optional[GSPOConfig], backend: str, check_finite: bool,
-         rollout_logprobs: Optional[Tensor] = None) -> LossOutput:
+         rollout_logprobs: Optional[Tensor] = None, logprobs_out: Optional[Tensor] = None) -> LossOutput:
     """Validate, lay out, dispatch, apply the objective: the one order every loss follows.
 
     ``head`` computes the per-token log-probs and entropies (from logits, from hidden states, or given);
-    ``tokens`` is the tensor that carries the token layout (the labels, or the given log-probs).
+    ``tokens`` is the tensor that carries the token layout (the labels, or the given log-probs);
+    ``logprobs_out`` (checked by the caller) receives the detached per-token log-probs, 0 where not counted.
     """
     config = check_config(config)
     check_bool("check_finite", check_finite)
@@ -394,10 +404,12 @@ def _run(head, tokens: Tensor, advantages: Tensor, old_logprobs: Optional[Tensor
         checks.run()
     objective = impl.objective or gspo_objective
     with backend_context(head.device):
-        output = head.fused_loss(impl, objective, inputs, config)
+        output = head.fused_loss(impl, objective, inputs, config, logprobs_out)
         if output is None:
             logp, entropy = head.logprobs(impl, inputs.labels, counted, config.temperature, True,
                                           config.final_logit_softcapping)
+            if logprobs_out is not None:
+                logprobs_out.view(-1).copy_(torch.where(counted, logp.detach(), 0))
             if entropy is None and config.entropy_coef != 0:  # given log-probs only: the other heads give it
                 raise ValueError("entropy is required when config.entropy_coef != 0")
             output = objective(logp, entropy, inputs, config)

@@ -33,11 +33,13 @@ Labels outside ``[0, V)`` reach a backend only when the public checks are skippe
 ``objective`` (optional)
     a replacement for :func:`gspo_kernels.objective.gspo_objective` with the same signature.
 
-``fused_linear_loss(objective, hidden, weight, bias, inputs, config, *, memory_budget=None, softcap=None)``
-(optional)
+``fused_linear_loss(objective, hidden, weight, bias, inputs, config, *, memory_budget=None, softcap=None,
+leaves=None, logprobs_out=None)`` (optional)
     the whole loss of the hidden-state path in one call, its gradient formed during the forward (the
     one-pass form of :func:`gspo_kernels.fused_linear_gspo_loss`); returns a ``LossOutput``, or None when it
-    cannot run this input (the pipeline then runs ``linear_logprobs`` and the objective).
+    cannot run this input (the pipeline then runs ``linear_logprobs`` and the objective). ``leaves``: the
+    caller's tensors that the precision policy cast into the operands (the gradients go to them, in their
+    dtypes); ``logprobs_out [N]``: receives the detached per-token log-probs, 0 where the mask is 0.
 
 ``"auto"`` picks, for the tensors' device, the first available of: CUDA -> triton, torch;
 CPU -> cpu (the C++ kernels, compiled on first use: :mod:`gspo_kernels.backends.cpu_build`), torch. It logs

@@ -406,6 +406,7 @@ class _GradientStore:
 def fused_linear_loss(
     objective: Callable, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], inputs, config, *,
     memory_budget: Optional[int] = None, softcap: Optional[float] = None, leaves=None,
+    logprobs_out: Optional[Tensor] = None,
 ):
     """The loss of ``objective`` over ``hidden @ weight.T + bias`` with its gradient formed in the same pass.
 
@@ -426,7 +427,8 @@ def fused_linear_loss(
     layout under capture): the caller then runs the two-pass path. The gradients are computed here and held
     until the backward, in the dtypes of ``leaves`` (the caller's tensors, which the precision policy cast into
     ``hidden`` / ``weight`` / ``bias``; default: those) to which they are returned directly. ``softcap``: the
-    logits are capped, ``z -> c tanh(z / c)``, before the temperature (None: no cap).
+    logits are capped, ``z -> c tanh(z / c)``, before the temperature (None: no cap). ``logprobs_out [N]``
+    receives the per-token log-probs (0 where the mask is 0) when the pass runs (not when it returns None).
     """
     softcap = softcap_value(softcap)
     leaves = (hidden, weight, bias) if leaves is None else leaves
@@ -441,7 +443,7 @@ def fused_linear_loss(
     sizes = configs.one_pass_chunk_rows(hidden.reshape(-1, hidden.shape[-1]).shape[0], weight.shape[0], weight.dtype,
                                         memory_budget, free)
     out, grads = _one_pass(objective=objective, hidden=hidden, weight=weight, bias=bias, inputs=inputs, config=config,
-                           sizes=sizes, need=need, softcap=softcap)
+                           sizes=sizes, need=need, softcap=softcap, logprobs_out=logprobs_out)
     present = tuple(leaf for leaf in leaves if leaf is not None)
     # what a second pass needs (not the operands themselves: an fp32 head's bf16 copy is not kept for it)
     shapes = [(leaf.shape, leaf.dtype) for leaf in present]
@@ -460,9 +462,10 @@ def fused_linear_loss(
     return type(out)(loss, out.metrics)
 
 
-def _one_pass(objective, hidden, weight, bias, inputs, config, sizes, need, softcap):
+def _one_pass(objective, hidden, weight, bias, inputs, config, sizes, need, softcap, logprobs_out=None):
     """The pass of :func:`fused_linear_loss`: ``(LossOutput with its metrics, [dH, dW, dB])`` (fp32 / operand
-    dtypes; None where ``need`` says no), over chunks of ``sizes = (C, K)`` rows."""
+    dtypes; None where ``need`` says no), over chunks of ``sizes = (C, K)`` rows; the log-probs into
+    ``logprobs_out`` when given."""
     rows, w, b = _operands(hidden.detach(), weight.detach(), None if bias is None else bias.detach(), softcap)
     n, vocab = rows.shape[0], w.shape[0]
     acc = compute_dtype(w.dtype)
@@ -540,6 +543,8 @@ def _one_pass(objective, hidden, weight, bias, inputs, config, sizes, need, soft
         dw.zero_()
     with torch.no_grad():
         out = objective(logp, entropy, inputs, config)
+        if logprobs_out is not None:
+            logprobs_out.copy_(torch.where(valid, logp, 0))
     metrics = dict(out.metrics)
     metrics["fused_linear/two_pass_tokens"] = logp.new_full((), float(two_pass_tokens), dtype=torch.float32)
     return type(out)(out.loss, metrics), [dh, dw, db]
