@@ -96,9 +96,11 @@ def _inputs(model, gen: torch.Generator, *, with_old: bool, beta: float, tempera
     lengths = torch.tensor([C, 1, 3, C, 2, C])
     completion_mask = (torch.arange(C)[None] < lengths[:, None]).long()
     completion_ids = completion_ids.masked_fill(completion_mask == 0, 0)
+    device = model.device  # the CPU (use_cpu=True), or CUDA for the Triton backend where CUDA exists
     with torch.no_grad():
         ids = torch.cat([prompt_ids, completion_ids], 1)
-        logits = model(input_ids=ids, attention_mask=torch.cat([prompt_mask, completion_mask], 1)).logits
+        logits = model(input_ids=ids.to(device), attention_mask=torch.cat([prompt_mask, completion_mask], 1).to(device))
+        logits = logits.logits.cpu()
         logp = torch.log_softmax(logits[:, -C - 1 : -1].double() / temperature, -1).gather(-1, completion_ids[..., None])[..., 0]
     inputs = {
         "prompt_ids": prompt_ids,
@@ -115,7 +117,7 @@ def _inputs(model, gen: torch.Generator, *, with_old: bool, beta: float, tempera
     if beta > 0:
         inputs["ref_per_token_logps"] = ((logp + 0.2 * torch.randn(B, C, generator=gen, dtype=torch.float64))
                                          * completion_mask).float()
-    return inputs
+    return {key: value.to(device) for key, value in inputs.items()}
 
 
 def _loss_and_grads(trainer, inputs):
@@ -357,13 +359,18 @@ def test_memory_budget_reaches_the_head_and_keeps_the_bits(policy_dir, tmp_path,
     import gspo_kernels.integrations.trl as drop_in
 
     seen = []
-    real = drop_in.linear_logprobs
 
-    def spy(*args, **kwargs):
-        seen.append(kwargs["memory_budget"])
-        return real(*args, **kwargs)
+    def spy_on(name):  # the old log-probs go through linear_logprobs, the loss through fused_linear_gspo_loss
+        real = getattr(drop_in, name)
 
-    monkeypatch.setattr(drop_in, "linear_logprobs", spy)
+        def spy(*args, **kwargs):
+            seen.append(kwargs["memory_budget"])
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(drop_in, name, spy)
+
+    spy_on("linear_logprobs")
+    spy_on("fused_linear_gspo_loss")
     results = []
     for budget in ("default", None, 0, 1 << 20, 1 << 30):
         seen.clear()

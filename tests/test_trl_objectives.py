@@ -24,6 +24,7 @@ import trl
 
 from gspo_kernels.integrations.trl import GRPOTrainer
 from gspo_kernels.testing import FP32_RTOL, rel_err
+from tests.support import device_for
 from gspo_kernels.train.tasks import hf_tokenizer, trl_reward_function
 from tests.test_trl_integration import TASK, _config, _dataset, _inputs, policy_dir  # noqa: F401 (a fixture)
 
@@ -32,6 +33,9 @@ BANDS = {"token": (0.2, 0.28), "sequence": (3e-4, 4e-4)}
 
 def _pair(path, tmp_path, backend="torch", **config):
     from transformers import AutoModelForCausalLM
+
+    # both trainers on the backend's device: the Triton backend gets CUDA tensors where CUDA exists
+    config.setdefault("use_cpu", device_for(backend) == "cpu")
 
     def build(cls, **extra):
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -137,6 +141,43 @@ def test_every_loss_type_matches_trl(policy_dir, tmp_path, loss_type, level, opt
             setattr(theirs, name, 1.0 if name == "top_entropy_quantile" else None)
             assert rel_err(_step(theirs, inputs)[0], want[0]) > 1e-4, name
             setattr(theirs, name, options[name])
+
+
+ROUTES = [
+    ("triton", "grpo", "sequence", dict(beta=0.05), True),
+    ("triton", "dapo", "token", dict(off_policy_mask_threshold=0.1), True),
+    ("cpu", "luspo", "sequence", {}, True),
+    ("cpu", "sapo", "token", dict(top_entropy_quantile=0.5), False),
+    ("cpu", "grpo", "token", dict(entropy_coef=0.01), False),
+]
+
+
+@pytest.mark.parametrize("backend, loss_type, level, options, one_pass", ROUTES,
+                         ids=[f"{r[0]}-{r[1]}-{r[2]}-{'-'.join(r[3]) or 'plain'}" for r in ROUTES])
+def test_the_loss_runs_inside_the_forward_unless_it_needs_the_entropies_first(
+        policy_dir, tmp_path, monkeypatch, backend, loss_type, level, options, one_pass):  # noqa: F811
+    """The drop-in computes the loss inside the model's forward with ``fused_linear_gspo_loss`` (on the Triton
+    backend the one-pass loss, its gradient formed in the forward), except under TRL's top-entropy mask or
+    entropy bonus, which need the entropies before the loss; either way the loss, every gradient and the metrics
+    are stock TRL's."""
+    import gspo_kernels.integrations.trl as drop_in
+
+    calls = []
+    for name in ("fused_linear_gspo_loss", "linear_logprobs"):
+        real = getattr(drop_in, name)
+        spy = (lambda real, name: lambda *a, **k: (calls.append((name, torch.is_grad_enabled())), real(*a, **k))[1])
+        monkeypatch.setattr(drop_in, name, spy(real, name))
+    epsilon, epsilon_high = BANDS[level]
+    config = dict(loss_type=loss_type, importance_sampling_level=level, epsilon=epsilon, epsilon_high=epsilon_high,
+                  temperature=0.9, **options)
+    theirs, ours = _pair(policy_dir, tmp_path, backend=backend, **config)
+    inputs = _inputs(theirs.model, torch.Generator().manual_seed(6), with_old=True, beta=config.get("beta", 0.0),
+                     temperature=0.9, band=epsilon)
+    want = _step(theirs, inputs)
+    calls.clear()
+    _assert_same(_step(ours, inputs), want)
+    _assert_metrics_match(ours, theirs)
+    assert calls == ([("fused_linear_gspo_loss", True)] if one_pass else [("linear_logprobs", True)])
 
 
 def _trl_importance_ratio(old, sampling, mask, mode, clip_min, clip_max):

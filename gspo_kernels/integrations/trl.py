@@ -46,6 +46,7 @@ means from summed totals, min / max over the gathered per-response values): ``en
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import types
 from typing import Any, Dict, Optional
@@ -57,7 +58,7 @@ from trl.trainer.utils import FusedCausalLMOutput, maybe_gather_lm_head_ctx, nan
 from gspo_kernels import backends
 from gspo_kernels.checks import check_memory_budget, check_softcap
 from gspo_kernels.config import GSPOConfig
-from gspo_kernels.loss import linear_logprobs, policy_loss
+from gspo_kernels.loss import fused_linear_gspo_loss, linear_logprobs, policy_loss
 from gspo_kernels.objective import clip_flags
 
 # The head's memory_budget on CPU tensors when the caller gives none (bytes; see GRPOTrainer): the logits the cpu
@@ -180,6 +181,13 @@ class GRPOTrainer(trl.GRPOTrainer):
                            rollout_correction_min=self.vllm_importance_sampling_clip_min)
         return GSPOConfig(**options)
 
+    def _one_pass_loss(self) -> bool:
+        """Whether the loss runs inside the model's forward as :func:`gspo_kernels.fused_linear_gspo_loss` (its
+        gradient formed in the same pass over the lm_head: 6NHV instead of the 8NHV of log-probs, then the
+        loss, then a backward that recomputes the logits). Not when the loss needs the entropies before it can
+        start (TRL's top-entropy mask) or adds TRL's entropy bonus on its own terms."""
+        return self.top_entropy_quantile >= 1.0 and not self._entropy_bonus_enabled
+
     def _compute_loss(self, model, inputs: Dict[str, Any]) -> torch.Tensor:
         extra = [key for key in _MULTIMODAL_KEYS if inputs.get(key) is not None]
         if extra:
@@ -194,23 +202,9 @@ class GRPOTrainer(trl.GRPOTrainer):
         C = completion_ids.size(1)
         mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
 
-        # TRL's own call, through the (possibly wrapped) model: our head runs inside the model's forward
-        logp, entropies, aux_loss = self._get_per_token_logps_and_entropies(
-            model, input_ids, attention_mask, C, compute_entropy=True, compute_aux_loss=self.aux_loss_enabled
-        )
-
         advantages = inputs["advantages"]
         adv2d = advantages if advantages.dim() == 2 else advantages.unsqueeze(1)
         old = inputs.get("old_per_token_logps")
-        entropy_mask = None  # TRL's top-entropy token mask (0/1) on the policy term
-        if self.top_entropy_quantile < 1.0:
-            entropy_mask = self.get_high_entropy_mask(entropies, mask, 1 - self.top_entropy_quantile).to(logp.dtype)
-        loss_advantages = advantages
-        if entropy_mask is not None:
-            # each objective's policy term is linear in A at a fixed sign of A, so (A * m) drops a masked token's
-            # policy term for m in {0, 1}, while its log-ratio still counts in the sequence weight and the
-            # normalizers, as in TRL
-            loss_advantages = adv2d.to(logp.dtype) * entropy_mask
 
         # vLLM: the engine's log-probs. The library computes TRL's importance-sampling weights from them (the
         # mode and caps of vllm_importance_sampling_*; VESPO folds them into its sequence weight, as TRL does),
@@ -229,9 +223,32 @@ class GRPOTrainer(trl.GRPOTrainer):
             if mode == "train":
                 num_items = num_items * self.current_gradient_accumulation_steps / self.args.steps_per_generation
         ref = inputs.get("ref_per_token_logps") if self.beta != 0.0 else None
-        out = policy_loss(logp, loss_advantages, old, mask=mask, ref_logprobs=ref, is_ratio=is_ratio,
-                          entropy=entropies, rollout_logprobs=sampling, num_items_in_batch=num_items, config=config,
-                          backend=self.gspo_backend)
+        terms = dict(mask=mask, ref_logprobs=ref, is_ratio=is_ratio, rollout_logprobs=sampling,
+                     num_items_in_batch=num_items, config=config)
+        entropies = entropy_mask = None
+        if self._one_pass_loss():
+            # the loss inside the model's forward, its gradient formed there (fused_linear_gspo_loss)
+            request = LossRequest(completion_ids, advantages, old, terms)
+            model_inputs = dict(input_ids=input_ids, attention_mask=attention_mask)
+            if self.aux_loss_enabled:
+                model_inputs["output_router_logits"] = True
+            with self.accelerator.autocast():
+                outputs = model(**model_inputs, fused_lm_head=True, gspo_loss=request)
+            out, logp, aux_loss = request.output, outputs.log_probs, outputs.aux_loss
+        else:
+            # TRL's own call, through the (possibly wrapped) model: our head runs inside the model's forward
+            logp, entropies, aux_loss = self._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, C, compute_entropy=True, compute_aux_loss=self.aux_loss_enabled
+            )
+            loss_advantages = advantages
+            if self.top_entropy_quantile < 1.0:  # TRL's top-entropy token mask (0/1) on the policy term
+                entropy_mask = self.get_high_entropy_mask(entropies, mask, 1 - self.top_entropy_quantile)
+                entropy_mask = entropy_mask.to(logp.dtype)
+                # each objective's policy term is linear in A at a fixed sign of A, so (A * m) drops a masked
+                # token's policy term for m in {0, 1}, while its log-ratio still counts in the sequence weight and
+                # the normalizers, as in TRL
+                loss_advantages = adv2d.to(logp.dtype) * entropy_mask
+            out = policy_loss(logp, loss_advantages, old, entropy=entropies, backend=self.gspo_backend, **terms)
         detached_loss = out.loss.detach()
         loss = out.loss if config.effective_aggregation == "dapo" else out.loss / accumulation
         metrics = self._metrics[mode]
@@ -345,6 +362,18 @@ class GRPOTrainer(trl.GRPOTrainer):
         metrics["importance_weight/max"].append(wmax.item() if torch.isfinite(wmax) else 1.0)
 
 
+class LossRequest:
+    """What the model's forward needs to compute the loss itself (``model(..., gspo_loss=request)``): the
+    completions (the labels of the last ``C`` positions), the advantages, the old log-probs and the other
+    keywords of :func:`gspo_kernels.fused_linear_gspo_loss`. The forward leaves the ``LossOutput`` in
+    ``output``; it returns the loss and the detached per-token log-probs (0 where the mask is 0)."""
+
+    def __init__(self, completion_ids: torch.Tensor, advantages: torch.Tensor, old: Optional[torch.Tensor],
+                 terms: Dict[str, Any]) -> None:
+        self.completion_ids, self.advantages, self.old, self.terms = completion_ids, advantages, old, terms
+        self.output = None
+
+
 def install_head(model, *, temperature: float, fp32_head: bool, backend: str,
                  memory_budget: Optional[int] = None) -> None:
     """Make ``model(..., labels=labels, fused_lm_head=True)`` score the labels through the library.
@@ -364,8 +393,26 @@ def install_head(model, *, temperature: float, fp32_head: bool, backend: str,
     softcap = _softcap(text_config)
     cap = {} if softcap is None else {"final_logit_softcapping": softcap / scale}
 
+    def head_loss(hidden, head, request: LossRequest):
+        """The loss of ``request`` over the completion positions' hidden states, in the forward."""
+        labels = request.completion_ids
+        weight, bias = _gathered(head, hidden.shape[-1])
+        hidden = hidden[:, -labels.shape[1] - 1:-1].to(weight.device)
+        # the head's temperature and cap in the config, as linear_logprobs gets them on the other path
+        config = dataclasses.replace(request.terms["config"], temperature=temperature / scale,
+                                     final_logit_softcapping=cap.get("final_logit_softcapping"))
+        logp = torch.zeros(labels.shape, dtype=torch.float32, device=labels.device)
+        with maybe_gather_lm_head_ctx(head.weight, head.bias):
+            request.output = fused_linear_gspo_loss(
+                hidden, weight, labels, request.advantages, request.old, bias=bias, backend=backend,
+                fp32_head=fp32_head, memory_budget=head_memory_budget(memory_budget, hidden.device), logprobs_out=logp,
+                **{**request.terms, "config": config},
+            )
+        return request.output.loss, logp
+
     @functools.wraps(type(model).forward)
-    def forward(self, *args, fused_lm_head=False, labels=None, shift_labels=None, num_items_in_batch=None, **kwargs):
+    def forward(self, *args, fused_lm_head=False, labels=None, shift_labels=None, num_items_in_batch=None,
+                gspo_loss: Optional[LossRequest] = None, **kwargs):
         if not fused_lm_head:
             passed = dict(labels=labels, shift_labels=shift_labels, num_items_in_batch=num_items_in_batch)
             return previous(*args, **{k: v for k, v in passed.items() if v is not None}, **kwargs)
@@ -373,18 +420,17 @@ def install_head(model, *, temperature: float, fp32_head: bool, backend: str,
         if getattr(text_config, "output_router_logits", False):
             kwargs.setdefault("output_router_logits", True)
         backbone = self.base_model(*args, **kwargs)
+        head = self.get_output_embeddings()
+        _check_head(head)
+        aux_loss = _router_aux_loss(backbone, text_config, kwargs)
+        if gspo_loss is not None:
+            loss, log_probs = head_loss(backbone.last_hidden_state, head, gspo_loss)
+            return FusedCausalLMOutput(loss=loss, log_probs=log_probs, entropy=None, label_mask=None,
+                                       aux_loss=aux_loss)
         if shift_labels is None:
             hidden, labels = backbone.last_hidden_state[:, :-1], labels[:, 1:]
         else:
             hidden, labels = backbone.last_hidden_state, shift_labels
-        head = self.get_output_embeddings()
-        if type(head).__name__ == "FullyShardedDataParallel":
-            raise ValueError(_FSDP1_OWN_UNIT)
-        if not isinstance(head, torch.nn.Linear) or hasattr(head, "lora_A"):
-            raise ValueError(
-                "gspo_kernels' GRPOTrainer needs a plain linear lm_head (its weight is the projection), got "
-                f"{type(head).__name__}; keep lm_head out of the adapter's target modules"
-            )
         weight, bias = _gathered(head, hidden.shape[-1])
         hidden, labels = hidden.to(weight.device), labels.to(weight.device)
         mask = labels != -100
@@ -399,18 +445,32 @@ def install_head(model, *, temperature: float, fp32_head: bool, backend: str,
         entropy = entropy.new_zeros(mask.shape).masked_scatter(mask, entropy)
         count = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
         loss = -log_probs.sum() / count
-        aux_loss = None
-        if kwargs.get("output_router_logits"):
-            from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
-
-            aux_loss = load_balancing_loss_func(
-                backbone.router_logits, text_config.num_experts, text_config.num_experts_per_tok,
-                kwargs.get("attention_mask"),
-            )
+        if aux_loss is not None:
             loss = loss + getattr(text_config, "router_aux_loss_coef", 0.0) * aux_loss
         return FusedCausalLMOutput(loss=loss, log_probs=log_probs, entropy=entropy, label_mask=mask, aux_loss=aux_loss)
 
     model.forward = types.MethodType(forward, model)
+
+
+def _check_head(head) -> None:
+    """The lm_head the fused head can use: a plain ``nn.Linear`` that is not its own FSDP1 unit."""
+    if type(head).__name__ == "FullyShardedDataParallel":
+        raise ValueError(_FSDP1_OWN_UNIT)
+    if not isinstance(head, torch.nn.Linear) or hasattr(head, "lora_A"):
+        raise ValueError(
+            "gspo_kernels' GRPOTrainer needs a plain linear lm_head (its weight is the projection), got "
+            f"{type(head).__name__}; keep lm_head out of the adapter's target modules"
+        )
+
+
+def _router_aux_loss(backbone, text_config, kwargs) -> Optional[torch.Tensor]:
+    """The MoE load-balancing loss of the forward (as TRL's head computes it) when router logits were asked."""
+    if not kwargs.get("output_router_logits"):
+        return None
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    return load_balancing_loss_func(backbone.router_logits, text_config.num_experts, text_config.num_experts_per_tok,
+                                    kwargs.get("attention_mask"))
 
 
 def head_memory_budget(memory_budget: Optional[int], device: torch.device) -> Optional[int]:
