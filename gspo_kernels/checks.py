@@ -62,7 +62,8 @@ class ValueChecks:
         self.fetched: dict = {}
 
     def add(self, bad: Tensor, rule: str, detail: Optional[Callable[[], str]] = None) -> None:
-        self._checks.append((bad.reshape(()), rule, detail or (lambda: rule)))
+        # (not `detail or ...`: torch 2.11's dynamo cannot branch on a nested function's truth value)
+        self._checks.append((bad.reshape(()), rule, detail if detail is not None else (lambda: rule)))
 
     def fetch(self, name: str, values: Tensor) -> None:
         """Read the integer ``values`` (1-D) back with the same host sync as the checks; after :meth:`run` they are

@@ -273,7 +273,8 @@ def assert_bf16_within_fp32_math_plus_rounding(backend: str, path: str, softcap:
     """bf16 inputs through ``backend``'s public loss: the loss within the fp32 tolerance of the float64 oracle
     (on the same rounded inputs), gradients within :func:`gspo_kernels.testing.gradient_tolerance`
     (the fp32 error plus the roundings of a bf16 result, at most ``2^-6``). Never the plain bf16 path's error.
-    ``softcap``: with ``GSPOConfig(final_logit_softcapping=softcap)`` on both sides."""
+    ``softcap``: with ``GSPOConfig(final_logit_softcapping=softcap)`` on both sides. The inputs live on
+    :func:`device_for` ``(backend)``."""
     import gspo_kernels as gk
     from gspo_kernels import reference
     from gspo_kernels.testing import gradient_tolerance
@@ -290,10 +291,11 @@ def assert_bf16_within_fp32_math_plus_rounding(backend: str, path: str, softcap:
            - torch.randn(B, 1) * 2e-4).float()
     adv = torch.randn(B)
     config = GSPOConfig(final_logit_softcapping=softcap)
-    leaves = [x.clone().requires_grad_() for x in inputs]
+    device = device_for(backend)
+    leaves = [x.to(device).requires_grad_() for x in inputs]
     fn = gk.gspo_loss if path == "logits" else gk.fused_linear_gspo_loss
-    out = fn(*leaves, labels, adv, old, backend=backend, config=config)
-    grads = torch.autograd.grad(out.loss, leaves)
+    out = fn(*leaves, labels.to(device), adv.to(device), old.to(device), backend=backend, config=config)
+    grads = [g.cpu() for g in torch.autograd.grad(out.loss, leaves)]
     leaves64 = [x.double().requires_grad_() for x in inputs]
     expected = reference.gspo_loss(as_logits(leaves64), labels, adv, old, config=config)
     ref_grads = torch.autograd.grad(expected.loss, leaves64)

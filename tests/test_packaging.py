@@ -112,6 +112,7 @@ def _compiled_members(wheel: Path) -> list:
         return [n for n in whl.namelist() if n.endswith(COMPILED_SUFFIXES) or whl.read(n)[:4].startswith(BINARY_MAGIC)]
 
 
+@pytest.mark.network
 def test_wheel_is_pure_python_and_carries_the_cpp_sources(dist):
     assert _compiled_members(dist["wheel"]) == [], "compiled code in the wheel"
     with zipfile.ZipFile(dist["wheel"]) as whl:
@@ -132,6 +133,7 @@ def test_wheel_is_pure_python_and_carries_the_cpp_sources(dist):
     assert "gspo-kernels = gspo_kernels.tools.cli:main" in entry_points
 
 
+@pytest.mark.network
 def test_pip_wheel_of_the_checkout_is_pure_python(dist, tmp_path):
     """``pip wheel --no-deps <checkout>`` with pip's defaults (build isolation): no compiled code."""
     _run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", tmp_path, dist["src"]], cwd=tmp_path)
@@ -140,6 +142,7 @@ def test_pip_wheel_of_the_checkout_is_pure_python(dist, tmp_path):
     assert _compiled_members(wheel) == []
 
 
+@pytest.mark.network
 def test_sdist_carries_the_cpp_sources_and_no_binaries(dist):
     with tarfile.open(dist["sdist"]) as sdist:
         members = {m.name.split("/", 1)[1]: m for m in sdist.getmembers() if "/" in m.name and m.isfile()}
@@ -151,6 +154,7 @@ def test_sdist_carries_the_cpp_sources_and_no_binaries(dist):
     assert "setup.py" not in members
 
 
+@pytest.mark.network
 def test_wheel_installs_into_a_fresh_venv_and_runs(dist):
     """The wheel built from the sdist, installed with pip's default options; the C++ kernels come from the
     per-user cache (``make test`` built them for these very sources) or are compiled here."""
@@ -161,6 +165,7 @@ def test_wheel_installs_into_a_fresh_venv_and_runs(dist):
     assert re.search(r"C\+\+ CPU kernels: built, cached at .*_C\.so", version), version
 
 
+@pytest.mark.network
 def test_checkout_installs_with_default_pip_options_and_compiles_at_first_use(dist, tmp_path):
     """``pip install <checkout>`` (build isolation on) into a fresh venv, then the C++ kernels compiled from the
     installed sources into an empty cache on first use by the README's example, with the venv not activated and

@@ -221,15 +221,17 @@ def test_fp64_inputs_with_softcap(backend):
     """fp64 logits / hidden states: fp64 math (the cpu backend runs them through the torch backend). The Triton
     kernels' cap is a polynomial / exp2 formula built for fp32 accuracy: about 3e-11 relative in fp64."""
     tol = 1e-9 if backend == "triton" else 1e-12
+    dev = _device(backend)
     logits, labels = torch.randn(2, 5, 60, dtype=torch.float64) * 3, torch.randint(0, 60, (2, 5))
-    x = logits.clone().requires_grad_()
-    lp = gk.token_logprobs(x, labels, backend=backend, final_logit_softcapping=CAP)
+    x = logits.clone().to(dev).requires_grad_()
+    lp = gk.token_logprobs(x, labels.to(dev), backend=backend, final_logit_softcapping=CAP).cpu()
     rl = reference.token_logprobs(logits, labels, final_logit_softcapping=CAP)
     assert lp.dtype == torch.float64 and rel_err(lp, rl) < tol
     hidden, weight = torch.randn(2, 5, 8, dtype=torch.float64), torch.randn(60, 8, dtype=torch.float64)
-    h = hidden.clone().requires_grad_()
-    lp = gk.linear_logprobs(h, weight, labels, backend=backend, final_logit_softcapping=CAP)
+    h = hidden.clone().to(dev).requires_grad_()
+    lp = gk.linear_logprobs(h, weight.to(dev), labels.to(dev), backend=backend, final_logit_softcapping=CAP)
     (g,) = torch.autograd.grad(lp.sum(), h)
+    g = g.cpu()
     h64 = hidden.clone().requires_grad_()
     (rg,) = torch.autograd.grad(reference.linear_logprobs(h64, weight, labels, final_logit_softcapping=CAP).sum(), h64)
     assert rel_err(g, rg) < tol

@@ -76,6 +76,9 @@ def _full_grads(model, wrapped, setting):
 
 
 def _worker(rank, port, policy_dir, out_dir):
+    # CPU processes over gloo (use_cpu=True): on a machine with one GPU, the rank-1 process must not let accelerate /
+    # transformers pick cuda:1 (nothing has touched CUDA in this fresh process yet, so hiding it here holds)
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD))
     import torch.distributed as dist

@@ -235,7 +235,7 @@ def _row_plan(blocks, mask: Optional[Tensor], device: torch.device) -> list:
         return [(r0, r1, mask[r0:r1]) for r0, r1, *_ in blocks]
     host = _to_host(mask)
     csum = torch.cat((host.new_zeros(1, dtype=torch.int64), host.cumsum(0)))
-    bounds = torch.tensor([(r0, r1) for r0, r1, *_ in blocks], dtype=torch.int64).reshape(-1, 2)
+    bounds = torch.tensor([(r0, r1) for r0, r1, *_ in blocks], dtype=torch.int64, device="cpu").reshape(-1, 2)
     counts = (csum[bounds[:, 1]] - csum[bounds[:, 0]]).tolist()
     plan, parts = [], []
     for (r0, r1, *_), k in zip(blocks, counts):

@@ -27,6 +27,8 @@ def version_report() -> str:
     """Versions of the package, torch and triton, and the C++ CPU kernels' status (never builds them)."""
     import importlib.metadata as md
 
+    import torch
+
     import gspo_kernels
     from gspo_kernels.backends import cpu_build
 
@@ -38,7 +40,7 @@ def version_report() -> str:
 
     return "\n".join([
         f"gspo-kernels {gspo_kernels.__version__}",
-        f"torch {installed('torch')}",
+        f"torch {torch.__version__}",  # with its build tag (+cpu, +cu130), which the distribution's version lacks
         f"triton {installed('triton')}",
         f"C++ CPU kernels: {cpu_build.status()}",
     ])

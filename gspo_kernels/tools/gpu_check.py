@@ -17,6 +17,9 @@ default, sized for an H100):
 6. ``benchmarks``: ``benchmarks/test_gpu_logits.py`` (GB/s against the 3-pass floor, the peers, the
    backward at 100/50/25% active rows) and ``benchmarks/test_gpu_linear.py`` (TFLOP/s against 6NHV / 8NHV,
    the backward at 100/50/25% active rows, the peers).
+7. ``suite``: ``pytest tests``, the whole suite (about 4 minutes on 15 processes of an H200 machine), with the
+   parity tests of missing peers and, when ``pypi.org`` is unreachable, the ``network``-marked packaging tests
+   left out and named.
 
 ``--quick`` (about 4 minutes on one H100 / H200, compilation included; budget 240 s): ``versions``, ``verify``,
 ``gpu-tests`` on a selection (every ``gpu``-marked test and the Triton kernel files, the static-report tests
@@ -25,7 +28,7 @@ left out; in parallel processes with pytest-xdist when it is installed), ``memch
 exists (``gspo_kernels.tools.bench_gpu``), else the two benchmark files at a quick size.
 
 Test files that need a peer that is not installed (TRL and ``datasets`` for ``tests/test_trl_*.py``, verl for
-``tests/test_verl.py``) are left out of the pytest steps, and the step's summary says which and why
+``tests/test_verl.py`` and one test of ``tests/test_objectives.py``) are left out of the pytest steps, and the step's summary says which and why
 (:func:`left_out_test_files`): ``make test`` is where the parity tests run, and never skip.
 
 Everything goes to ``<out>/gpu_check.json`` and ``<out>/gpu_check.md`` (rewritten after each step, so an
@@ -60,21 +63,25 @@ QUICK_BUDGET_S = 4 * 60
 QUICK_STEPS = ("versions", "verify", "gpu-tests", "memcheck", "benchmarks")
 # --quick: each step's own limit (seconds); they add up to the budget.
 QUICK_LIMITS_S = {"versions": 20, "verify": 45, "gpu-tests": 95, "memcheck": 35, "benchmarks": 45}
-# Test files and the peers (importable modules) they need at import time.
+# Test files (or single tests, ``file::name``) and the peers (importable modules) they need.
 PEER_TEST_FILES = {
     "tests/test_trl_integration.py": ("trl", "datasets"),
     "tests/test_trl_objectives.py": ("trl", "datasets"),
     "tests/test_trl_training.py": ("trl", "datasets"),
+    "tests/test_trl_distributed.py": ("trl", "datasets"),
     "tests/test_verl.py": ("verl",),
+    "tests/test_objectives.py::test_matches_verl_policy_losses": ("verl",),
 }
+# Where the ``suite`` step checks that pip can reach the package index (the ``network``-marked tests need it).
+PACKAGE_INDEX = ("pypi.org", 443)
 # The kernel test files of the quick selection (with every ``gpu``-marked test of the suite).
 QUICK_TEST_FILES = ("tests/test_triton_logits.py", "tests/test_triton_linear.py", "tests/test_hidden_path_gemm.py")
 _mode: Dict[str, bool] = {"quick": False}
 STATIC_STEPS = ("versions", "h100-report")
-ALL_STEPS = ("versions", "h100-report", "verify", "gpu-tests", "triton-tests", "memcheck", "benchmarks")
+ALL_STEPS = ("versions", "h100-report", "verify", "gpu-tests", "triton-tests", "memcheck", "benchmarks", "suite")
 # The steps that run the repository's test files (tests/, benchmarks/): they need a source tree (a checkout,
 # or the unpacked sdist) found by :func:`find_test_tree`; the others run from the installed package alone.
-TREE_STEPS = ("gpu-tests", "triton-tests", "benchmarks")
+TREE_STEPS = ("gpu-tests", "triton-tests", "benchmarks", "suite")
 _tree: Dict[str, Optional[str]] = {"root": None}
 
 
@@ -250,16 +257,33 @@ def _junit_counts(path: str) -> Dict[str, int]:
 
 
 def left_out_test_files(root: str) -> Dict[str, str]:
-    """``{test file: why}`` for the files of :data:`PEER_TEST_FILES` (present under ``root``) whose peers are
-    not importable here: they would fail at import (a missing peer is an error in ``make test``, on purpose)."""
+    """``{test file or file::test: why}`` for the entries of :data:`PEER_TEST_FILES` (present under ``root``) whose
+    peers are not importable here: they would fail at import (a missing peer is an error in ``make test``, on
+    purpose)."""
     import importlib.util
 
     out = {}
     for path, modules in PEER_TEST_FILES.items():
         missing = [m for m in modules if importlib.util.find_spec(m) is None]
-        if missing and os.path.exists(os.path.join(root, path)):
+        if missing and os.path.exists(os.path.join(root, path.split("::")[0])):
             out[path] = f"{', '.join(missing)} not installed (a parity test: `make test` runs it)"
     return out
+
+
+def package_index_reachable(timeout_s: float = 3.0) -> bool:
+    """Whether a TCP connection to :data:`PACKAGE_INDEX` opens (the ``network``-marked tests install with pip)."""
+    import socket
+
+    try:
+        socket.create_connection(PACKAGE_INDEX, timeout=timeout_s).close()
+        return True
+    except OSError:
+        return False
+
+
+def _left_out_args(left_out: Dict[str, str]) -> List[str]:
+    """pytest arguments leaving ``left_out`` out: ``--ignore`` for a file, ``--deselect`` for one test."""
+    return [f"--deselect={p}" if "::" in p else f"--ignore={p}" for p in left_out]
 
 
 def xdist_workers() -> int:
@@ -275,7 +299,10 @@ def _pytest_step(name: str, out_dir: str, limit_s: float, args: Sequence[str], x
                  parallel: bool = False) -> StepResult:
     xml = os.path.join(out_dir, xml_name)
     left_out = left_out_test_files(_tree["root"] or os.getcwd())
-    extra = [f"--ignore={path}" for path in left_out]
+    extra = _left_out_args(left_out)
+    if "-m" not in args and not package_index_reachable():
+        args = [*args, "-m", "not network"]
+        left_out["network-marked tests"] = f"{PACKAGE_INDEX[0]} unreachable (they build and install with pip)"
     workers = xdist_workers() if parallel else 0
     if workers:
         extra += ["-n", str(workers)]
@@ -329,6 +356,16 @@ def step_triton_tests(out_dir: str, limit_s: float) -> StepResult:
     files = [f for f in ("tests/test_triton_logits.py", "tests/test_triton_linear.py", "tests/test_hidden_path_gemm.py")
              if os.path.exists(os.path.join(_tree["root"], f))]
     return _pytest_step("triton-tests", out_dir, limit_s, files, "triton_tests.xml")
+
+
+def step_suite(out_dir: str, limit_s: float) -> StepResult:
+    """``pytest tests``, the whole suite on this machine (the Triton tests on CUDA tensors, the interpreter off),
+    in parallel processes; the parity tests whose peer is missing and, without the package index, the
+    ``network``-marked tests are left out and named in the summary."""
+    missing = _needs_tree("suite")
+    if missing:
+        return missing
+    return _pytest_step("suite", out_dir, limit_s, ["tests"], "suite.xml", parallel=True)
 
 
 def compute_sanitizer() -> Optional[str]:
@@ -444,9 +481,10 @@ STEP_FUNCTIONS: Dict[str, Callable[[str, float], StepResult]] = {
     "triton-tests": step_triton_tests,
     "memcheck": step_memcheck,
     "benchmarks": step_benchmarks,
+    "suite": step_suite,
 }
 STEP_LIMITS_S = {"versions": 60, "h100-report": 300, "verify": 300, "gpu-tests": 300, "triton-tests": 300, "memcheck": 300,
-                 "benchmarks": 600}
+                 "benchmarks": 600, "suite": 600}
 
 
 def make_steps(names: Sequence[str], quick: bool = False) -> List[Step]:
