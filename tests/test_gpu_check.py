@@ -204,6 +204,31 @@ def test_left_out_test_files_names_the_missing_peer(monkeypatch):
     assert gpu_check.left_out_test_files(CHECKOUT) == {}
 
 
+@pytest.mark.parametrize("index_up", [True, False], ids=["index-reachable", "offline"])
+def test_suite_step_runs_every_test_but_what_this_machine_cannot(tmp_path, monkeypatch, index_up):
+    """``suite``: ``pytest tests`` in parallel; a missing peer's file is ignored and its single test deselected, and
+    without the package index the network-marked tests are left out, each named in the summary."""
+    seen = {}
+
+    def fake_subprocess(name, argv, limit_s, env=None, log_path=None):
+        seen[name] = list(argv)
+        return StepResult(name, "ok", 1.0, "exit status 0")
+
+    monkeypatch.setattr(gpu_check, "_subprocess", fake_subprocess)
+    monkeypatch.setitem(gpu_check._tree, "root", CHECKOUT)
+    monkeypatch.setattr(gpu_check, "xdist_workers", lambda: 15)
+    monkeypatch.setattr(gpu_check, "package_index_reachable", lambda timeout_s=3.0: index_up)
+    monkeypatch.setattr(gpu_check, "left_out_test_files", lambda root: {
+        "tests/test_verl.py": "verl not installed", "tests/test_objectives.py::test_matches_verl_policy_losses": "verl"})
+    result = gpu_check.step_suite(str(tmp_path), 600)
+    argv = seen["suite"]
+    assert argv[argv.index("pytest") + 1] == "tests" and argv[argv.index("-n") + 1] == "15"
+    assert "--ignore=tests/test_verl.py" in argv
+    assert "--deselect=tests/test_objectives.py::test_matches_verl_policy_losses" in argv
+    assert ("not network" in argv) is (not index_up)
+    assert ("network-marked tests" in result.summary) is (not index_up)
+
+
 def test_quick_benchmarks_run_bench_gpu_when_it_exists(tmp_path, monkeypatch):
     """With ``gspo_kernels.tools.bench_gpu`` present, --quick's benchmarks step is ``bench --gpu`` within the step's
     time (its results and targets in the report); without it, the benchmark files' headline cases."""
