@@ -189,8 +189,8 @@ def main() -> None:
     parser.add_argument("--backend", default="auto", help="gspo_kernels backend for the drop-in (default auto)")
     parser.add_argument("--precisions", default="fp32,bf16")
     parser.add_argument("--memory-budget", default="drop-in",
-                        help="the drop-in's gspo_memory_budget in bytes, 'none' for the library default, or 'drop-in' "
-                        "(the drop-in's own default)")
+                        help="the drop-in's gspo_memory_budget in bytes, or 'drop-in' / 'none' (not given: the drop-in's "
+                        "own default, 256 MiB on the CPU, 1 GiB on CUDA)")
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     parser.add_argument("--shape", choices=tuple(SHAPES), default="",
                         help="cpu, client or tiny (default: cpu on the CPU, client on CUDA)")

@@ -161,14 +161,20 @@ def test_gradients_return_in_the_callers_dtype_without_a_round_trip():
 
 def test_chunk_rule_without_and_with_a_memory_budget():
     """``configs.one_pass_chunk_rows``: an explicit ``memory_budget`` is the bytes of both buffers exactly (fp32
-    logits and operand-dtype ``dZ`` for ``C = K`` rows); without one, 1024 / 4096 rows (two-pass backward:
-    512 / 2048) scaled down together below ``max(1 GiB, free / 4)``, never more rows than the call has."""
+    logits for ``C`` rows and operand-dtype ``dZ`` for ``K = 4 C``, the default sizes' split; ``K = C`` for fp32
+    operands); without one, 1024 / 4096 rows (two-pass backward: 512 / 2048) scaled down together below
+    ``max(1 GiB, free / 4)``, never more rows than the call has."""
     from gspo_kernels.backends.triton import configs
 
     V, bf16 = 151936, torch.bfloat16
+    step = configs.GEMM_ROW_MULTIPLE
     for budget in (1 << 28, 1 << 30, 3 << 30):
         c, k = configs.one_pass_chunk_rows(16384, V, bf16, budget)
-        assert c == k and c * V * (4 + 2) <= budget < (c + configs.GEMM_ROW_MULTIPLE) * V * (4 + 2)
+        assert k == 4 * c and c * V * 4 + k * V * 2 <= budget < (c + step) * V * 4 + (k + 4 * step) * V * 2
+        c, k = configs.one_pass_chunk_rows(16384, V, torch.float32, budget)
+        assert c == k and c * V * 4 <= budget < (c + step) * V * 4
+    assert configs.one_pass_chunk_rows(16384, V, bf16, 0) == (configs.GEMM_MIN_CHUNK_ROWS,
+                                                             4 * configs.GEMM_MIN_CHUNK_ROWS)  # the floor
     big = 64 << 30
     assert configs.one_pass_chunk_rows(16384, V, bf16, None, big) == (1024, 4096)
     assert configs.one_pass_chunk_rows(16384, V, bf16, None, big, two_pass=True) == (512, 2048)

@@ -393,10 +393,12 @@ def test_memory_budget_reaches_the_head_and_keeps_the_bits(policy_dir, tmp_path,
         assert all(torch.equal(grads[name], grads0[name]) for name in grads0)
 
 
-def test_default_head_budget_is_the_library_default_off_the_cpu():
-    """On CUDA the drop-in leaves the budget to the library (it sizes the Triton backward's chunks there)."""
-    from gspo_kernels.integrations.trl import CPU_MEMORY_BUDGET, head_memory_budget
+def test_default_head_budget_on_the_cpu_and_on_cuda():
+    """The drop-in's own defaults: 256 MiB of saved logits on the CPU, 1 GiB of Triton chunk buffers on CUDA (not the
+    library's free-memory sizing: in a trainer they sit beside the model's activations); a given budget is kept."""
+    from gspo_kernels.integrations.trl import CPU_MEMORY_BUDGET, CUDA_MEMORY_BUDGET, head_memory_budget
 
+    assert CPU_MEMORY_BUDGET == 256 << 20 and CUDA_MEMORY_BUDGET == 1 << 30
     assert head_memory_budget(None, torch.device("cpu")) == CPU_MEMORY_BUDGET
-    assert head_memory_budget(None, torch.device("cuda", 1)) is None
+    assert head_memory_budget(None, torch.device("cuda", 1)) == CUDA_MEMORY_BUDGET
     assert head_memory_budget(0, torch.device("cuda")) == 0 and head_memory_budget(5, torch.device("cpu")) == 5

@@ -66,10 +66,15 @@ from gspo_kernels.objective import clip_flags
 # model's gradients (the lm_head's fp32 one alone is V*H*4 bytes, 0.54 GB for a 0.5B model) beside whatever the
 # head keeps. Measured by benchmarks/trl_step.py (hidden 896, vocabulary 151936, 2048 completion tokens, fp32,
 # single runs on 2 noisy cores): 256 MiB kept the peak at 0.43x stock TRL's where 1 GiB gave 0.60-0.61x; old pass
-# + loss step took 21.0-22.7 s with 256 MiB, 20.1-21.6 s with 1 GiB, 22.7-26.4 s with 0. On CUDA the library's
-# default stands: there the budget sizes the Triton backward's chunks, and smaller chunks mean more passes over
-# the fp32 dW accumulator.
+# + loss step took 21.0-22.7 s with 256 MiB, 20.1-21.6 s with 1 GiB, 22.7-26.4 s with 0.
 CPU_MEMORY_BUDGET = 256 << 20
+# On CUDA (the Triton one-pass loss, and the two-pass backward of the other route): the bytes of its chunk buffers,
+# fp32 logits of C rows and a dZ store of 4 C rows (configs.one_pass_chunk_rows), where the library alone would
+# size them from the device's free memory (1024 / 4096 rows: 1.9 GB at V = 151936). In a trainer they sit beside
+# the model's activations at the top of the forward; 1 GiB holds 576 / 2304 rows at V = 151936: one more pass of
+# the dW GEMM over the fp32 accumulator per 4096 rows than the free-memory sizes, for half their bytes
+# (`gspo-kernels bench --gpu`, trl-step, measures both).
+CUDA_MEMORY_BUDGET = 1 << 30
 _FSDP1_OWN_UNIT = (
     "an lm_head wrapped as its own FSDP (FullyShardedDataParallel) unit is not supported by gspo_kernels' "
     "GRPOTrainer; keep lm_head in the root FSDP unit (use_orig_params=True), or use FSDP2 (fully_shard) or DDP"
@@ -92,10 +97,11 @@ class GRPOTrainer(trl.GRPOTrainer):
     Args:
         *args, **kwargs: those of ``trl.GRPOTrainer``.
         gspo_backend: the library backend (``"auto"``, ``"triton"``, ``"cpu"``, ``"torch"``).
-        gspo_memory_budget: the head's ``memory_budget`` in bytes (see :func:`gspo_kernels.linear_logprobs`):
-            the logits the ``cpu`` backend keeps between the forward and the backward, the Triton backward's
-            chunk buffers. ``None`` (default): :data:`CPU_MEMORY_BUDGET` (256 MiB) on CPU tensors, the library's
-            default (1 GiB) on CUDA. 0 gives the least memory (the ``cpu`` backend recomputes every logits tile).
+        gspo_memory_budget: the head's ``memory_budget`` in bytes (see :func:`gspo_kernels.fused_linear_gspo_loss`):
+            the logits the ``cpu`` backend keeps between the forward and the backward, the Triton loss's chunk
+            buffers. ``None`` (default): :data:`CPU_MEMORY_BUDGET` (256 MiB) on CPU tensors,
+            :data:`CUDA_MEMORY_BUDGET` (1 GiB) on CUDA. 0 gives the least memory (the ``cpu`` backend recomputes
+            every logits tile).
     """
 
     def __init__(self, *args: Any, gspo_backend: str = "auto", gspo_memory_budget: Optional[int] = None,
@@ -474,11 +480,11 @@ def _router_aux_loss(backbone, text_config, kwargs) -> Optional[torch.Tensor]:
 
 
 def head_memory_budget(memory_budget: Optional[int], device: torch.device) -> Optional[int]:
-    """The ``memory_budget`` of a head call: the caller's, else :data:`CPU_MEMORY_BUDGET` on CPU and the
-    library's default (None) elsewhere."""
+    """The ``memory_budget`` of a head call: the caller's, else :data:`CPU_MEMORY_BUDGET` on CPU and
+    :data:`CUDA_MEMORY_BUDGET` elsewhere."""
     if memory_budget is not None:
         return memory_budget
-    return CPU_MEMORY_BUDGET if device.type == "cpu" else None
+    return CPU_MEMORY_BUDGET if device.type == "cpu" else CUDA_MEMORY_BUDGET
 
 
 def _gathered(head: torch.nn.Linear, hidden_size: int):

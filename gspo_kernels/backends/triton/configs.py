@@ -65,25 +65,32 @@ def one_pass_chunk_rows(n_rows: int, V: int, operand: torch.dtype, memory_budget
                         free_bytes: Optional[int] = None, *, two_pass: bool = False) -> "tuple[int, int]":
     """``(C, K)``: rows of the fp32 logits buffer and rows of the ``dZ`` store of the one-pass loss.
 
-    ``memory_budget`` given: its exact meaning, the bytes of both buffers: ``C = K`` rows of ``V`` logits in the
-    compute dtype plus ``V`` gradients in the operand dtype (:func:`gemm_chunk_rows` with ``need_dz``).
-    None: ``C = ONE_PASS_LOGITS_ROWS`` and ``K = ONE_PASS_STORE_ROWS`` (``TWO_PASS_*`` with ``two_pass``, the
-    two-pass backward's; ``K = C`` for fp32 / fp64 operands, whose ``dZ`` is written over the logits), both
-    scaled down together when their bytes would pass
-    ``max(DEFAULT_MEMORY_BUDGET, free_bytes / 4)`` (``free_bytes``: the device's free memory, None: not known).
+    Half-precision operands split their bytes as the default sizes do, ``K = r C`` (``r`` = store rows / logits
+    rows: 4), so that a byte buys store rows (each store of ``K`` rows is one pass of the ``dW`` GEMM over the fp32
+    accumulator) rather than logits rows (a GEMM of ``C`` rows already runs at the cuBLAS rate from a few hundred
+    rows); fp32 / fp64 operands write ``dZ`` over the logits, ``K = C``. The bytes of both buffers,
+    ``C V acc + K V op`` (``acc``: the compute dtype's size, ``op``: the operand's), are:
+
+    * ``memory_budget`` given: at most the budget, its exact meaning (``C`` the most rows that fit, a multiple of
+      ``GEMM_ROW_MULTIPLE``, at least ``GEMM_MIN_CHUNK_ROWS``);
+    * None: ``C = ONE_PASS_LOGITS_ROWS`` and ``K = ONE_PASS_STORE_ROWS`` (``TWO_PASS_*`` with ``two_pass``, the
+      two-pass backward's), scaled down together when their bytes would pass
+      ``max(DEFAULT_MEMORY_BUDGET, free_bytes / 4)`` (``free_bytes``: the device's free memory, None: not known).
+
     Neither is ever more than ``n_rows`` rows (at least 1).
     """
-    if memory_budget is not None:
-        rows = gemm_chunk_rows(n_rows, V, operand, memory_budget, need_dz=True)
-        return rows, rows
     acc = compute_dtype(operand).itemsize
     op = operand.itemsize
     separate = op != acc
-    cap = DEFAULT_MEMORY_BUDGET if free_bytes is None else max(DEFAULT_MEMORY_BUDGET, int(free_bytes) // 4)
     logits_rows, store_rows = ((TWO_PASS_LOGITS_ROWS, TWO_PASS_STORE_ROWS) if two_pass
                                else (ONE_PASS_LOGITS_ROWS, ONE_PASS_STORE_ROWS))
     ratio = store_rows // logits_rows if separate else 1
-    c = min(logits_rows if separate else store_rows, cap // max(V * (acc + ratio * op if separate else acc), 1))
+    per_c = V * (acc + ratio * op if separate else acc)  # bytes of one logits row and its r store rows
+    if memory_budget is not None:
+        c = int(memory_budget) // max(per_c, 1)
+    else:
+        cap = DEFAULT_MEMORY_BUDGET if free_bytes is None else max(DEFAULT_MEMORY_BUDGET, int(free_bytes) // 4)
+        c = min(logits_rows if separate else store_rows, cap // max(per_c, 1))
     c = max(GEMM_MIN_CHUNK_ROWS, c // GEMM_ROW_MULTIPLE * GEMM_ROW_MULTIPLE)
     k = ratio * c
     n = max(int(n_rows), 1)
