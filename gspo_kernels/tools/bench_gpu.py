@@ -468,6 +468,19 @@ def section_hidden(ctx: _Ctx) -> None:
     _run_case(ctx, "hidden", "plain PyTorch, half zero advantage", plain(adv_half, keep=False))
     _run_case(ctx, "hidden", "ours fused_linear_gspo_loss, half zero advantage", ours(adv_half, full=False))
 
+    _hidden_peers(ctx, hidden=hidden, weight=weight, labels=labels, mask=mask, old=old, adv_all=adv_all,
+                  zero_grads=zero_grads, with_rate=with_rate)
+
+
+def _hidden_peers(ctx: _Ctx, *, hidden, weight, labels, mask, old, adv_all, zero_grads, with_rate) -> None:
+    """The hidden-state section's peers on the same inputs (all rows counted): TRL's chunked log-probs,
+    Cut Cross-Entropy and Liger, each with the GSPO formula in PyTorch, and the no-grad forward pass."""
+    import gspo_kernels as gk
+
+    torch = ctx.torch
+    (B, T), H = labels.shape, hidden.shape[-1]
+    N = B * T
+
     def trl_chunk_size() -> int:
         try:
             from trl.trainer import utils as trl_utils
