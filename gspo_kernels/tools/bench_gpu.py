@@ -51,7 +51,7 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # holds gspo_kernels/
 RESULT = "BENCH-GPU-CASE "
@@ -583,6 +583,28 @@ def _logits_inputs(ctx: _Ctx, B: int, T: int, V: int, seed: int = 0):
     return logits, labels, adv, old, mask
 
 
+def _logits_steps(logits, labels, adv, old, mask, **loss_options) -> Tuple[Callable, Callable, Callable]:
+    """``(zero_grads, ours, plain)`` on logits ``[B, T + 1, V]`` (the last position dropped, as a model's
+    shifted output): one loss + backward step of ``gspo_loss`` (with ``loss_options``) and of plain PyTorch."""
+    import gspo_kernels as gk
+
+    def zero_grads():
+        logits.grad = None
+
+    def ours():
+        loss = gk.gspo_loss(logits[:, :-1], labels, adv, old, mask=mask, **loss_options).loss
+        loss.backward()
+        return loss
+
+    def plain():
+        logp = logits[:, :-1].float().log_softmax(-1).gather(-1, labels[..., None])[..., 0]
+        loss = gspo_formula(logp, old, adv, mask)
+        loss.backward()
+        return loss
+
+    return zero_grads, ours, plain
+
+
 def section_logits(ctx: _Ctx) -> None:
     s = ctx.shape
     copy = _run_case(ctx, "logits", "ceiling: device-to-device copy", lambda: _copy_bandwidth(ctx))
@@ -594,27 +616,13 @@ def section_logits(ctx: _Ctx) -> None:
 
 def _logits_vocab(ctx: _Ctx, V: int, tb_s: Optional[float]) -> None:
     """The logits section's cases at one vocabulary size."""
-    import gspo_kernels as gk
-
     B, T = ctx.shape["B"], ctx.shape["T"]
     logits, labels, adv, old, mask = _logits_inputs(ctx, B, T, V)
     itemsize = logits.element_size()
     floor_bytes = 3.0 * B * T * V * itemsize
     floor_ms = floor_bytes / (tb_s * 1e12) * 1e3 if tb_s else None
 
-    def zero_grads():
-        logits.grad = None
-
-    def ours_step():
-        loss = gk.gspo_loss(logits[:, :-1], labels, adv, old, mask=mask).loss
-        loss.backward()
-        return loss
-
-    def plain_step():
-        logp = logits[:, :-1].float().log_softmax(-1).gather(-1, labels[..., None])[..., 0]
-        loss = gspo_formula(logp, old, adv, mask)
-        loss.backward()
-        return loss
+    zero_grads, ours_step, plain_step = _logits_steps(logits, labels, adv, old, mask)
 
     def with_floor(r: Dict) -> Dict:
         r.update(floor_ms=floor_ms, floor_bytes=floor_bytes, V=V)
@@ -668,24 +676,10 @@ def section_torch_backend(ctx: _Ctx) -> None:
 
 
 def _torch_backend_logits(ctx: _Ctx) -> None:
-    import gspo_kernels as gk
-
     sl = ctx.shape["torch_logits"]
     logits, labels, adv, old, mask = _logits_inputs(ctx, sl["B"], sl["T"], sl["V"], seed=1)
 
-    def zero_logits():
-        logits.grad = None
-
-    def ours_logits():
-        loss = gk.gspo_loss(logits[:, :-1], labels, adv, old, mask=mask, backend="torch").loss
-        loss.backward()
-        return loss
-
-    def plain_logits():
-        logp = logits[:, :-1].float().log_softmax(-1).gather(-1, labels[..., None])[..., 0]
-        loss = gspo_formula(logp, old, adv, mask)
-        loss.backward()
-        return loss
+    zero_logits, ours_logits, plain_logits = _logits_steps(logits, labels, adv, old, mask, backend="torch")
 
     _torch_backend_pair(ctx, f"logits [{sl['B']}, {sl['T'] + 1}, {sl['V']}]", ours_logits, plain_logits, zero_logits)
 
