@@ -114,36 +114,12 @@ def gspo_objective(
         w_hat = cispo_weight(log_w.detach(), config)
         per_token = -w_hat * A_live * logp_m
     elif objective == "vespo":
-        log_w_seq = vespo_log_weight(log_ratio.detach(), fold, valid, seq, S)
-        phi = vespo_phi(log_w_seq[seq], A, config)
-        per_token = -phi * A_live * logp_m
-        unit_w = torch.exp(log_w_seq)
-        with torch.no_grad():
-            if inputs.advantages_per_token:
-                metrics["vespo/phi_seq_mean"] = (torch.where(valid, phi, zero).sum() / mask.sum().clamp(min=1)).float()
-            else:
-                counted = lengths > 0
-                phi_seq = vespo_phi(log_w_seq, adv, config)
-                metrics["vespo/phi_seq_mean"] = (torch.where(counted, phi_seq, zero).sum()
-                                                 / counted.sum().clamp(min=1)).float()
-    else:  # gmpo
-        clipped = torch.clamp(log_ratio, -config.epsilon_low, config.epsilon_high)
-        sign = torch.sign(A)
-        m = sign * torch.minimum(sign * log_ratio, sign * clipped)  # sign-aware clip of the token log-ratio
-        log_rho = segment_sum(m, seq, S) / denom
-        rho_seq = torch.exp(log_rho)
-        adv_seq = segment_sum(A, seq, S) / denom
-        per_token = torch.where(valid, -(adv_seq * rho_seq)[seq], zero)
-        if factor is not None:
-            per_token = torch.where(factor == 0, zero, per_token)
-        unit_w = rho_seq.detach()
-        with torch.no_grad():
-            moved = valid & (log_ratio != clipped)
-            n_tok = mask.sum().clamp(min=1)
-            low, high = moved & (A < 0), moved & (A > 0)
-            metrics["clip_ratio/low_mean"] = (low.sum() / n_tok).float()
-            metrics["clip_ratio/high_mean"] = (high.sum() / n_tok).float()
-            metrics["clip_ratio/region_mean"] = ((low | high).sum() / n_tok).float()
+        per_token, unit_w = _vespo_surrogate(log_ratio=log_ratio, fold=fold, A=A, A_live=A_live, adv=adv,
+                                             logp_m=logp_m, lengths=lengths, inputs=inputs, config=config,
+                                             metrics=metrics)
+    else:
+        per_token, unit_w = _gmpo_surrogate(log_ratio=log_ratio, A=A, factor=factor, denom=denom, inputs=inputs,
+                                            config=config, metrics=metrics)
     if factor is not None:
         per_token = per_token * factor
 
@@ -177,6 +153,53 @@ def gspo_objective(
         if kl is not None:
             metrics["kl"] = (torch.where(valid, kl.detach(), zero).sum() / token_mean).float()
     return LossOutput(loss, metrics)
+
+
+def _vespo_surrogate(*, log_ratio: Tensor, fold: Optional[Tensor], A: Tensor, A_live: Tensor, adv: Tensor,
+                     logp_m: Tensor, lengths: Tensor, inputs: LossInputs, config: GSPOConfig,
+                     metrics: Dict[str, Tensor]) -> Tuple[Tensor, Tensor]:
+    """VESPO: ``l_t = -phi(w_i) A_t logp_t`` with the response's weight ``w_i`` (its correction ``fold`` folded
+    in); ``(per-token loss [N], w_i [S])``, and ``vespo/phi_seq_mean`` into ``metrics``."""
+    batch = inputs.batch
+    valid, seq, S = batch.mask > 0, batch.seq_index, batch.num_seqs
+    zero = logp_m.new_zeros(())
+    log_w_seq = vespo_log_weight(log_ratio.detach(), fold, valid, seq, S)
+    phi = vespo_phi(log_w_seq[seq], A, config)
+    with torch.no_grad():
+        if inputs.advantages_per_token:
+            tokens = batch.mask.to(logp_m.dtype).sum().clamp(min=1)
+            metrics["vespo/phi_seq_mean"] = (torch.where(valid, phi, zero).sum() / tokens).float()
+        else:
+            counted = lengths > 0
+            phi_seq = vespo_phi(log_w_seq, adv, config)
+            metrics["vespo/phi_seq_mean"] = (torch.where(counted, phi_seq, zero).sum()
+                                             / counted.sum().clamp(min=1)).float()
+    return -phi * A_live * logp_m, torch.exp(log_w_seq)
+
+
+def _gmpo_surrogate(*, log_ratio: Tensor, A: Tensor, factor: Optional[Tensor], denom: Tensor, inputs: LossInputs,
+                    config: GSPOConfig, metrics: Dict[str, Tensor]) -> Tuple[Tensor, Tensor]:
+    """GMPO: ``l = -mean_t(A) rho_i`` on every token, ``rho_i`` the geometric mean of the sign-aware clipped
+    token ratios; ``(per-token loss [N], rho_i [S] detached)``, and its clip shares into ``metrics``."""
+    batch = inputs.batch
+    valid, seq, S = batch.mask > 0, batch.seq_index, batch.num_seqs
+    zero = log_ratio.new_zeros(())
+    clipped = torch.clamp(log_ratio, -config.epsilon_low, config.epsilon_high)
+    sign = torch.sign(A)
+    m = sign * torch.minimum(sign * log_ratio, sign * clipped)  # sign-aware clip of the token log-ratio
+    rho_seq = torch.exp(segment_sum(m, seq, S) / denom)
+    adv_seq = segment_sum(A, seq, S) / denom
+    per_token = torch.where(valid, -(adv_seq * rho_seq)[seq], zero)
+    if factor is not None:
+        per_token = torch.where(factor == 0, zero, per_token)
+    with torch.no_grad():
+        moved = valid & (log_ratio != clipped)
+        n_tok = batch.mask.to(log_ratio.dtype).sum().clamp(min=1)
+        low, high = moved & (A < 0), moved & (A > 0)
+        metrics["clip_ratio/low_mean"] = (low.sum() / n_tok).float()
+        metrics["clip_ratio/high_mean"] = (high.sum() / n_tok).float()
+        metrics["clip_ratio/region_mean"] = ((low | high).sum() / n_tok).float()
+    return per_token, rho_seq.detach()
 
 
 def _aggregate(per_token: Tensor, denom: Tensor, num_tokens: Tensor, inputs: LossInputs, config: GSPOConfig) -> Tensor:

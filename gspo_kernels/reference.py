@@ -12,6 +12,7 @@ All results are float64 (on the inputs' device), whatever the input dtype.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -21,6 +22,9 @@ from gspo_kernels.config import GSPOConfig
 from gspo_kernels.objective import LossOutput
 
 Scalar = Union[None, int, float, Tensor]
+
+# The loss types whose objective is the clipped surrogate (they differ in their aggregation).
+_CLIPPED_SURROGATE = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 
 # exp(x) overflows float64 above this: a weight that large is infinite in float64.
 _LOG_FLOAT64_MAX = math.log(torch.finfo(torch.float64).max)
@@ -334,7 +338,7 @@ def _loss_from_rows(rows_of, layout: _Layout, labels: Tensor, advantages, old_lo
         y = flat_labels[idx]
         _check_label_range(y, vocab_size, "labels (at unmasked positions)")
         per_response.append(_rows_logprobs(rows_of(idx), y, config.temperature,
-                                           getattr(config, "final_logit_softcapping", None)))
+                                           config.final_logit_softcapping))
     return _objective(per_response=per_response, layout=layout, advantages=advantages, old_logprobs=old_logprobs,
                       ref_logprobs=ref_logprobs, is_ratio=is_ratio, num_items_in_batch=num_items_in_batch,
                       config=config, with_entropy=True, rollout_logprobs=rollout_logprobs)
@@ -353,188 +357,278 @@ def _objective(
     with_entropy: bool,
     rollout_logprobs: Optional[Tensor] = None,
 ) -> LossOutput:
-    """``per_response[i] = (logp, entropy or None)`` over response i's counted tokens (float64)."""
-    S = layout.num_seqs
+    """``per_response[i] = (logp, entropy or None)`` over response i's counted tokens (float64).
+
+    ``L = aggregate_i(sum_t l_{i,t}) - entropy_coef * mean_t H_t``, with ``l_{i,t}`` the objective's per-token
+    loss (:func:`_response_loss`: weight, surrogate, correction, KL) and the aggregation of ``config``.
+    """
     adv, adv_per_token = _advantages(advantages, layout)
     old = _per_token("old_logprobs", old_logprobs, layout)
     ref = _per_token("ref_logprobs", ref_logprobs, layout)
     rollout = _per_token("rollout_logprobs", rollout_logprobs, layout)
     if config.beta > 0 and ref is None:
         raise ValueError("ref_logprobs is required when beta > 0 (the KL term needs the reference log-probs)")
-    mode = config.rollout_correction
-    if mode is not None and rollout is None:
+    if config.rollout_correction is not None and rollout is None:
         raise ValueError("rollout_logprobs is required when config.rollout_correction is set")
-    if mode is not None and is_ratio is not None:
+    if config.rollout_correction is not None and is_ratio is not None:
         raise ValueError("is_ratio and config.rollout_correction are exclusive")
     ratio = _is_ratio(is_ratio, layout)
     items = _num_items(num_items_in_batch)
-    eps_low, eps_high, delta = config.epsilon_low, config.epsilon_high, config.delta
-    clamp = getattr(config, "log_ratio_clamp", None)
-    level = config.importance_sampling_level
-    loss_type = config.loss_type
     aggregation = config.aggregation or {"cispo": "dapo", "sapo": "grpo", "luspo": "seq_sum", "vespo": "dapo",
-                                         "gmpo": "grpo"}.get(loss_type, loss_type)
-    clipped_surrogate = loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
-    device = advantages.device
-    f64 = dict(dtype=torch.float64, device=device)
+                                         "gmpo": "grpo"}.get(config.loss_type, config.loss_type)
+    f64 = dict(dtype=torch.float64, device=advantages.device)
 
     # sum over responses of their aggregated per-token losses; empty slices keep it in the autograd
     # graph (with zero gradient) even when no token counts
     total = sum((logp[:0].sum() for logp, _ in per_response), torch.zeros((), **f64))
-    num_tokens = 0  # sum over responses of |y_i|
-    weights, advs, kls, entropies = [], [], [], []
-    extra = {"cispo": [], "phi": [], "gmpo_low": [], "gmpo_high": []}
-    mismatch = {"diff": [], "weights": [], "zeros": 0}
+    tally = _Tally()
     for i, ((logp, entropy), idx) in enumerate(zip(per_response, layout.responses)):
         n = idx.numel()  # |y_i|
         if entropy is not None:
-            entropies.append(entropy)
+            tally.entropies.append(entropy)
         if n == 0:
             continue  # an empty response adds nothing (it still counts in S)
-        num_tokens += n
-        old_i = logp.detach() if old is None else old[idx]  # on-policy: ratio exactly 1
-        r = logp - old_i  # r_t = logp_t - old_t
-        if level == "token":  # GRPO / PPO: w_t = exp(r_t)
-            log_w = r
-        elif level == "sequence":  # GSPO: w_i = exp(mean_t r_t), one weight for the response
-            log_w = r.mean().expand(n)
-        else:  # GSPO-token: value w_i, gradient of the token's own log-prob
-            log_w = r.mean().detach() + logp - logp.detach()
-        if clamp is not None:
-            log_w = torch.clamp(log_w, max=clamp)
-        w = _exp(log_w)
-        A = adv[idx] if adv_per_token else adv[i].expand(n)
-
-        # the per-token correction c_t: the caller's is_ratio, or the rollout correction computed here
-        c = None if ratio is None else ratio[idx]
-        if rollout is not None:
-            rho = _rollout_weight(old_i.detach(), rollout[idx], config)
-            d = old_i.detach() - rollout[idx]
-            mismatch["diff"].append(torch.where(torch.isnan(d), 0.0, d))
-            if mode in ("sequence_truncate", "sequence_mask"):
-                mismatch["weights"].append(rho[:1])
-            else:
-                mismatch["weights"].append(rho)
-            mismatch["zeros"] += int((rho == 0).sum()) if mode is not None else 0
-            if mode is not None:
-                c = rho
-        if config.off_policy_mask_threshold is not None:  # DeepSeek-V3.2: drop A < 0 responses far off-policy
-            sampling = old_i if rollout is None else rollout[idx]
-            gap = sampling - logp.detach()
-            seq_kl = torch.where(torch.isnan(gap), 0.0, gap).mean()
-            keep = ((A >= 0) | (seq_kl <= config.off_policy_mask_threshold)).double()
-        else:
-            keep = None
-
-        if clipped_surrogate:
-            loss_t = _clipped_surrogate(w, A, eps_low, eps_high, delta)  # -min(c1 A, c2 A)
-            if config.clip_ratio_c is not None:  # dual clip: at most clip_ratio_c |A| when A < 0
-                loss_t = torch.where(A < 0, torch.minimum(loss_t, config.clip_ratio_c * A.abs()), loss_t)
-        elif loss_type == "sapo":  # soft gate (4 / tau) sigmoid(tau (w - 1)), tau by the sign of A
-            tau = torch.where(A > 0, A.new_tensor(config.sapo_temperature_pos), A.new_tensor(config.sapo_temperature_neg))
-            loss_t = -(4.0 / tau) * torch.sigmoid(tau * (w - 1.0)) * A
-            loss_t = torch.where(A == 0, 0.0, loss_t)
-        elif loss_type == "cispo":  # REINFORCE with a clipped, detached weight
-            wd = w.detach()
-            if config.cispo_clip == "upper":
-                w_hat = torch.clamp(wd, max=eps_high)
-                flags = (wd > eps_high) & (A > 0)
-            else:
-                w_hat = torch.clamp(wd, 1 - eps_low, 1 + eps_high)
-                flags = (wd < 1 - eps_low) | (wd > 1 + eps_high)
-            # counted per response when the response has one weight and one advantage, else per token
-            extra["cispo"].append(flags[:1] if level == "sequence" and not adv_per_token else flags)
-            loss_t = -w_hat * A * logp
-        elif loss_type == "vespo":  # gamma-weighted REINFORCE on the sequence weight
-            log_seq = torch.clamp(r.detach(), -20.0, 20.0).sum()
-            if c is not None:  # TRL folds the correction into the weight, in log space
-                log_seq = log_seq + torch.clamp(torch.log(c), math.log(1e-8), 20.0).sum()
-            log_seq = torch.clamp(log_seq, math.log(1e-8), 20.0)
-            k = torch.where(A >= 0, A.new_tensor(config.vespo_k_pos), A.new_tensor(config.vespo_k_neg))
-            lam = torch.where(A >= 0, A.new_tensor(config.vespo_lambda_pos), A.new_tensor(config.vespo_lambda_neg))
-            phi = torch.exp(lam + k * log_seq - lam * torch.exp(log_seq))
-            phi = torch.where(torch.isfinite(phi), phi, 0.0).detach()
-            loss_t = -phi * A * logp
-            extra["phi"].append(phi if adv_per_token else phi[:1])
-            c = None  # folded: not a factor of the loss
-        else:  # gmpo: geometric mean of the sign-aware clipped token ratios
-            r_clip = torch.clamp(r, -eps_low, eps_high)
-            s = torch.sign(A)
-            m = s * torch.minimum(s * r, s * r_clip)
-            rho_i = torch.exp(m.mean())
-            loss_t = (-A.mean() * rho_i).expand(n)
-            moved = r.detach() != r_clip.detach()
-            extra["gmpo_low"].append(moved & (A < 0))
-            extra["gmpo_high"].append(moved & (A > 0))
-        if keep is not None:
-            loss_t = loss_t * keep
-        if c is not None:
-            loss_t = torch.where(c == 0, 0.0, loss_t * c)
-        if config.beta > 0:
-            d = ref[idx] - logp
-            kl = torch.exp(d) - d - 1  # k3 estimator of KL(pi || pi_ref)
-            if config.use_bias_correction_kl:
-                kl = kl * w
-            loss_t = loss_t + config.beta * kl
-            kls.append(kl.detach())
+        tally.num_tokens += n
+        loss_t = _response_loss(
+            logp=logp,
+            A=adv[idx] if adv_per_token else adv[i].expand(n),
+            old=None if old is None else old[idx],
+            ref=None if ref is None else ref[idx],
+            c=None if ratio is None else ratio[idx],
+            rollout=None if rollout is None else rollout[idx],
+            config=config,
+            adv_per_token=adv_per_token,
+            tally=tally,
+        )
         total = total + (loss_t.mean() if aggregation == "grpo" else loss_t.sum())
-        if loss_type == "vespo":
-            weights.append(torch.exp(log_seq).reshape(1))
-            advs.append(A[:1])
-        elif loss_type == "gmpo":
-            weights.append(rho_i.detach().reshape(1))
-            advs.append(A[:1])
-        elif level == "sequence" and not adv_per_token:  # metrics count responses
-            weights.append(w.detach()[:1])
-            advs.append(A[:1])
-        else:  # metrics count tokens
-            weights.append(w.detach())
-            advs.append(A)
 
-    if aggregation in ("grpo", "seq_sum"):
-        loss = total / max(S, 1)
-    elif aggregation == "bnpo":
-        loss = total / max(num_tokens, 1)
-    elif aggregation == "dr_grpo":
-        loss = total / (max(S, 1) * config.max_completion_length)
-    else:  # dapo: the caller's global token count, else this batch's
-        loss = total / (max(num_tokens, 1) if items is None else items)
-
-    metrics: Dict[str, Tensor] = _weight_metrics(weights, advs, eps_low, eps_high, f64)
-    if not clipped_surrogate:
-        for name in ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"):
-            del metrics[name]
-    if loss_type == "cispo":
-        flags = torch.cat(extra["cispo"]) if extra["cispo"] else torch.zeros(0, dtype=torch.bool)
-        metrics["cispo_clip_ratio"] = flags.sum().double() / max(flags.numel(), 1)
-    if loss_type == "vespo":
-        phis = torch.cat(extra["phi"]) if extra["phi"] else torch.zeros(0, **f64)
-        metrics["vespo/phi_seq_mean"] = phis.sum() / max(phis.numel(), 1)
-    if loss_type == "gmpo":
-        low = torch.cat(extra["gmpo_low"]) if extra["gmpo_low"] else torch.zeros(0, dtype=torch.bool)
-        high = torch.cat(extra["gmpo_high"]) if extra["gmpo_high"] else torch.zeros(0, dtype=torch.bool)
-        metrics["clip_ratio/low_mean"] = low.sum().double() / max(num_tokens, 1)
-        metrics["clip_ratio/high_mean"] = high.sum().double() / max(num_tokens, 1)
-        metrics["clip_ratio/region_mean"] = (low | high).sum().double() / max(num_tokens, 1)
-    if rollout is not None:
-        diff = torch.cat(mismatch["diff"]) if mismatch["diff"] else torch.zeros(0, **f64)
-        rw = torch.cat(mismatch["weights"]) if mismatch["weights"] else torch.zeros(0, **f64)
-        zero = torch.zeros((), **f64)
-        metrics["rollout/kl"] = -diff.sum() / max(num_tokens, 1)  # mean of rollout - trainer log-probs
-        metrics["rollout/masked_fraction"] = torch.tensor(mismatch["zeros"] / max(num_tokens, 1), **f64)
-        metrics["rollout/weight_min"] = rw.min() if rw.numel() else zero
-        metrics["rollout/weight_mean"] = rw.sum() / max(rw.numel(), 1)
-        metrics["rollout/weight_max"] = rw.max() if rw.numel() else zero
+    loss = _aggregate(total, aggregation, layout.num_seqs, tally.num_tokens, items, config)
+    metrics = _objective_metrics(tally, config, rollout is not None, f64)
     if with_entropy:  # masked token-mean of H_t
-        ent = torch.cat(entropies) if entropies else torch.zeros(0, **f64)
+        ent = torch.cat(tally.entropies) if tally.entropies else torch.zeros(0, **f64)
         entropy_mean = ent.sum() / max(ent.numel(), 1)
         if config.entropy_coef != 0:
             loss = loss - config.entropy_coef * entropy_mean
         metrics["entropy"] = entropy_mean.detach()
     if config.beta > 0:
-        kl_all = torch.cat(kls) if kls else torch.zeros(0, **f64)
+        kl_all = torch.cat(tally.kls) if tally.kls else torch.zeros(0, **f64)
         metrics["kl"] = kl_all.sum() / max(kl_all.numel(), 1)
     return LossOutput(loss, metrics)
+
+
+@dataclass
+class _Tally:
+    """What the metrics need, gathered response by response."""
+
+    num_tokens: int = 0  # sum over responses of |y_i|
+    weights: List[Tensor] = field(default_factory=list)  # the weights the metrics count, and their advantages
+    advs: List[Tensor] = field(default_factory=list)
+    kls: List[Tensor] = field(default_factory=list)
+    entropies: List[Tensor] = field(default_factory=list)
+    cispo: List[Tensor] = field(default_factory=list)  # CISPO's clipped items
+    phi: List[Tensor] = field(default_factory=list)  # VESPO's phi
+    gmpo_low: List[Tensor] = field(default_factory=list)  # GMPO's moved tokens by the sign of A
+    gmpo_high: List[Tensor] = field(default_factory=list)
+    rollout_diff: List[Tensor] = field(default_factory=list)  # trainer - rollout log-probs
+    rollout_weights: List[Tensor] = field(default_factory=list)
+    rollout_zeros: int = 0
+
+
+def _response_loss(*, logp: Tensor, A: Tensor, old: Optional[Tensor], ref: Optional[Tensor], c: Optional[Tensor],
+                   rollout: Optional[Tensor], config: GSPOConfig, adv_per_token: bool, tally: _Tally) -> Tensor:
+    """``l_t`` of one response's tokens: ``surrogate(w_t, A_t) * keep * c_t + beta * kl_t``.
+
+    ``w_t`` the importance weight at the config's level, ``c_t`` the correction (``is_ratio``, or the rollout
+    correction computed here), ``keep`` the off-policy mask. Records the response's metric inputs in ``tally``.
+    """
+    old = logp.detach() if old is None else old  # on-policy: ratio exactly 1
+    r = logp - old  # r_t = logp_t - old_t
+    w = _importance_weight(r, logp, config)
+    if rollout is not None:
+        rho = _rollout_correction(old.detach(), rollout, config, tally)
+        if config.rollout_correction is not None:
+            c = rho
+    keep = _off_policy_keep(logp, A, old if rollout is None else rollout, config)
+
+    loss_type = config.loss_type
+    if loss_type in _CLIPPED_SURROGATE:
+        loss_t = _clipped_surrogate(w, A, config.epsilon_low, config.epsilon_high, config.delta)  # -min(c1 A, c2 A)
+        if config.clip_ratio_c is not None:  # dual clip: at most clip_ratio_c |A| when A < 0
+            loss_t = torch.where(A < 0, torch.minimum(loss_t, config.clip_ratio_c * A.abs()), loss_t)
+        metric_w = None
+    elif loss_type == "sapo":
+        loss_t, metric_w = _sapo_surrogate(w, A, config), None
+    elif loss_type == "cispo":
+        loss_t, metric_w = _cispo_surrogate(w, A, logp, config, adv_per_token, tally), None
+    elif loss_type == "vespo":
+        loss_t, metric_w = _vespo_surrogate(r, A, logp, c, config, adv_per_token, tally)
+        c = None  # folded into the weight: not a factor of the loss
+    else:
+        loss_t, metric_w = _gmpo_surrogate(r, A, config, tally)
+    if keep is not None:
+        loss_t = loss_t * keep
+    if c is not None:
+        loss_t = torch.where(c == 0, 0.0, loss_t * c)
+    if config.beta > 0:
+        kl = _k3_kl(ref, logp)
+        if config.use_bias_correction_kl:
+            kl = kl * w
+        loss_t = loss_t + config.beta * kl
+        tally.kls.append(kl.detach())
+
+    if metric_w is not None:  # one weight per response (VESPO's, GMPO's)
+        tally.weights.append(metric_w.reshape(1))
+        tally.advs.append(A[:1])
+    elif config.importance_sampling_level == "sequence" and not adv_per_token:  # metrics count responses
+        tally.weights.append(w.detach()[:1])
+        tally.advs.append(A[:1])
+    else:  # metrics count tokens
+        tally.weights.append(w.detach())
+        tally.advs.append(A)
+    return loss_t
+
+
+def _importance_weight(r: Tensor, logp: Tensor, config: GSPOConfig) -> Tensor:
+    """The importance weight ``w`` of each token from the log-ratios ``r_t = logp_t - old_t``, at the level."""
+    level = config.importance_sampling_level
+    n = r.numel()
+    if level == "token":  # GRPO / PPO: w_t = exp(r_t)
+        log_w = r
+    elif level == "sequence":  # GSPO: w_i = exp(mean_t r_t), one weight for the response
+        log_w = r.mean().expand(n)
+    else:  # GSPO-token: value w_i, gradient of the token's own log-prob
+        log_w = r.mean().detach() + logp - logp.detach()
+    if config.log_ratio_clamp is not None:
+        log_w = torch.clamp(log_w, max=config.log_ratio_clamp)
+    return _exp(log_w)
+
+
+def _rollout_correction(trainer: Tensor, rollout: Tensor, config: GSPOConfig, tally: _Tally) -> Tensor:
+    """:func:`_rollout_weight` of one response's tokens, its mismatch statistics recorded in ``tally``."""
+    mode = config.rollout_correction
+    rho = _rollout_weight(trainer, rollout, config)
+    d = trainer - rollout
+    tally.rollout_diff.append(torch.where(torch.isnan(d), 0.0, d))
+    tally.rollout_weights.append(rho[:1] if mode in ("sequence_truncate", "sequence_mask") else rho)
+    tally.rollout_zeros += int((rho == 0).sum()) if mode is not None else 0
+    return rho
+
+
+def _off_policy_keep(logp: Tensor, A: Tensor, sampling: Tensor, config: GSPOConfig) -> Optional[Tensor]:
+    """DeepSeek-V3.2's off-policy mask: 0 on the tokens of a response with ``A < 0`` whose mean gap
+    ``sampling - logp`` exceeds the threshold, else 1; None without a threshold."""
+    if config.off_policy_mask_threshold is None:
+        return None
+    gap = sampling - logp.detach()
+    seq_kl = torch.where(torch.isnan(gap), 0.0, gap).mean()
+    return ((A >= 0) | (seq_kl <= config.off_policy_mask_threshold)).double()
+
+
+def _sapo_surrogate(w: Tensor, A: Tensor, config: GSPOConfig) -> Tensor:
+    """SAPO's soft gate ``l_t = -(4 / tau) sigmoid(tau (w - 1)) A``, ``tau`` by the sign of A."""
+    tau = torch.where(A > 0, A.new_tensor(config.sapo_temperature_pos), A.new_tensor(config.sapo_temperature_neg))
+    loss_t = -(4.0 / tau) * torch.sigmoid(tau * (w - 1.0)) * A
+    return torch.where(A == 0, 0.0, loss_t)
+
+
+def _cispo_surrogate(w: Tensor, A: Tensor, logp: Tensor, config: GSPOConfig, adv_per_token: bool,
+                     tally: _Tally) -> Tensor:
+    """CISPO: REINFORCE with a clipped, detached weight, ``l_t = -sg(w_hat) A logp``; its clipped items counted
+    per response when the response has one weight and one advantage, else per token."""
+    wd = w.detach()
+    eps_low, eps_high = config.epsilon_low, config.epsilon_high
+    if config.cispo_clip == "upper":
+        w_hat = torch.clamp(wd, max=eps_high)
+        flags = (wd > eps_high) & (A > 0)
+    else:
+        w_hat = torch.clamp(wd, 1 - eps_low, 1 + eps_high)
+        flags = (wd < 1 - eps_low) | (wd > 1 + eps_high)
+    tally.cispo.append(flags[:1] if config.importance_sampling_level == "sequence" and not adv_per_token else flags)
+    return -w_hat * A * logp
+
+
+def _vespo_surrogate(r: Tensor, A: Tensor, logp: Tensor, c: Optional[Tensor], config: GSPOConfig,
+                     adv_per_token: bool, tally: _Tally) -> Tuple[Tensor, Tensor]:
+    """VESPO: gamma-weighted REINFORCE on the sequence weight, ``l_t = -phi(w_i) A logp`` with
+    ``phi(w) = exp(lambda + k log w - lambda w)``; the correction ``c`` folded into ``w_i`` in log space (TRL).
+    Returns ``(l, w_i)``."""
+    log_seq = torch.clamp(r.detach(), -20.0, 20.0).sum()
+    if c is not None:
+        log_seq = log_seq + torch.clamp(torch.log(c), math.log(1e-8), 20.0).sum()
+    log_seq = torch.clamp(log_seq, math.log(1e-8), 20.0)
+    k = torch.where(A >= 0, A.new_tensor(config.vespo_k_pos), A.new_tensor(config.vespo_k_neg))
+    lam = torch.where(A >= 0, A.new_tensor(config.vespo_lambda_pos), A.new_tensor(config.vespo_lambda_neg))
+    phi = torch.exp(lam + k * log_seq - lam * torch.exp(log_seq))
+    phi = torch.where(torch.isfinite(phi), phi, 0.0).detach()
+    tally.phi.append(phi if adv_per_token else phi[:1])
+    return -phi * A * logp, torch.exp(log_seq)
+
+
+def _gmpo_surrogate(r: Tensor, A: Tensor, config: GSPOConfig, tally: _Tally) -> Tuple[Tensor, Tensor]:
+    """GMPO: ``l = -mean(A) rho_i`` on every token, ``rho_i`` the geometric mean of the sign-aware clipped token
+    ratios ``exp(m_t)``, ``m_t = s min(s r_t, s clip(r_t, -eps_low, eps_high))``, ``s = sign(A_t)``.
+    Returns ``(l, rho_i)``."""
+    r_clip = torch.clamp(r, -config.epsilon_low, config.epsilon_high)
+    s = torch.sign(A)
+    m = s * torch.minimum(s * r, s * r_clip)
+    rho_i = torch.exp(m.mean())
+    moved = r.detach() != r_clip.detach()
+    tally.gmpo_low.append(moved & (A < 0))
+    tally.gmpo_high.append(moved & (A > 0))
+    return (-A.mean() * rho_i).expand(r.numel()), rho_i.detach()
+
+
+def _k3_kl(ref: Tensor, logp: Tensor) -> Tensor:
+    """The k3 estimator of ``KL(pi || pi_ref)`` per token: ``e^d - d - 1``, ``d = ref - logp``."""
+    d = ref - logp
+    return torch.exp(d) - d - 1
+
+
+def _aggregate(total: Tensor, aggregation: str, S: int, num_tokens: int, items: Optional[float],
+               config: GSPOConfig) -> Tensor:
+    """The loss from ``total``, the sum over responses of their per-token losses (each response's mean for
+    ``grpo``): over ``S`` responses, the ``num_tokens`` tokens, ``S * max_completion_length`` (``dr_grpo``), or
+    the caller's global token count ``items`` (``dapo``)."""
+    if aggregation in ("grpo", "seq_sum"):
+        return total / max(S, 1)
+    if aggregation == "bnpo":
+        return total / max(num_tokens, 1)
+    if aggregation == "dr_grpo":
+        return total / (max(S, 1) * config.max_completion_length)
+    return total / (max(num_tokens, 1) if items is None else items)  # dapo: else this batch's token count
+
+
+def _objective_metrics(tally: _Tally, config: GSPOConfig, has_rollout: bool, f64: dict) -> Dict[str, Tensor]:
+    """The metrics of the objective (TRL's names) but the entropy and the KL: weights and clip shares, each
+    objective's own, the rollout mismatch."""
+    num_tokens = tally.num_tokens
+    metrics = _weight_metrics(tally.weights, tally.advs, config.epsilon_low, config.epsilon_high, f64)
+    loss_type = config.loss_type
+    if loss_type not in _CLIPPED_SURROGATE:
+        for name in ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"):
+            del metrics[name]
+    if loss_type == "cispo":
+        flags = torch.cat(tally.cispo) if tally.cispo else torch.zeros(0, dtype=torch.bool)
+        metrics["cispo_clip_ratio"] = flags.sum().double() / max(flags.numel(), 1)
+    if loss_type == "vespo":
+        phis = torch.cat(tally.phi) if tally.phi else torch.zeros(0, **f64)
+        metrics["vespo/phi_seq_mean"] = phis.sum() / max(phis.numel(), 1)
+    if loss_type == "gmpo":
+        low = torch.cat(tally.gmpo_low) if tally.gmpo_low else torch.zeros(0, dtype=torch.bool)
+        high = torch.cat(tally.gmpo_high) if tally.gmpo_high else torch.zeros(0, dtype=torch.bool)
+        metrics["clip_ratio/low_mean"] = low.sum().double() / max(num_tokens, 1)
+        metrics["clip_ratio/high_mean"] = high.sum().double() / max(num_tokens, 1)
+        metrics["clip_ratio/region_mean"] = (low | high).sum().double() / max(num_tokens, 1)
+    if has_rollout:
+        diff = torch.cat(tally.rollout_diff) if tally.rollout_diff else torch.zeros(0, **f64)
+        rw = torch.cat(tally.rollout_weights) if tally.rollout_weights else torch.zeros(0, **f64)
+        zero = torch.zeros((), **f64)
+        metrics["rollout/kl"] = -diff.sum() / max(num_tokens, 1)  # mean of rollout - trainer log-probs
+        metrics["rollout/masked_fraction"] = torch.tensor(tally.rollout_zeros / max(num_tokens, 1), **f64)
+        metrics["rollout/weight_min"] = rw.min() if rw.numel() else zero
+        metrics["rollout/weight_mean"] = rw.sum() / max(rw.numel(), 1)
+        metrics["rollout/weight_max"] = rw.max() if rw.numel() else zero
+    return metrics
 
 
 def _rollout_weight(trainer: Tensor, rollout: Tensor, config: GSPOConfig) -> Tensor:

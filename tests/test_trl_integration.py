@@ -14,7 +14,7 @@ from datasets import Dataset  # noqa: E402
 
 from gspo_kernels.integrations.trl import GRPOTrainer  # noqa: E402
 from gspo_kernels.train.tasks import ToyTokenizer, get_task, hf_tokenizer, trl_reward_function  # noqa: E402
-from gspo_kernels.train.trainer import build_policy  # noqa: E402
+from gspo_kernels.train.toy_trainer import build_policy  # noqa: E402
 
 TASK = get_task("reverse")
 

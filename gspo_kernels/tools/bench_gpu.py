@@ -51,7 +51,7 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # holds gspo_kernels/
 RESULT = "BENCH-GPU-CASE "
@@ -484,6 +484,19 @@ def section_hidden(ctx: _Ctx) -> None:
     _run_case(ctx, "hidden", "plain PyTorch, half zero advantage", plain(adv_half, keep=False))
     _run_case(ctx, "hidden", "ours fused_linear_gspo_loss, half zero advantage", ours(adv_half, full=False))
 
+    _hidden_peers(ctx, hidden=hidden, weight=weight, labels=labels, mask=mask, old=old, adv_all=adv_all,
+                  zero_grads=zero_grads, with_rate=with_rate)
+
+
+def _hidden_peers(ctx: _Ctx, *, hidden, weight, labels, mask, old, adv_all, zero_grads, with_rate) -> None:
+    """The hidden-state section's peers on the same inputs (all rows counted): TRL's chunked log-probs,
+    Cut Cross-Entropy and Liger, each with the GSPO formula in PyTorch, and the no-grad forward pass."""
+    import gspo_kernels as gk
+
+    torch = ctx.torch
+    (B, T), H = labels.shape, hidden.shape[-1]
+    N = B * T
+
     def trl_chunk_size() -> int:
         try:
             from trl.trainer import utils as trl_utils
@@ -586,6 +599,28 @@ def _logits_inputs(ctx: _Ctx, B: int, T: int, V: int, seed: int = 0):
     return logits, labels, adv, old, mask
 
 
+def _logits_steps(logits, labels, adv, old, mask, **loss_options) -> Tuple[Callable, Callable, Callable]:
+    """``(zero_grads, ours, plain)`` on logits ``[B, T + 1, V]`` (the last position dropped, as a model's
+    shifted output): one loss + backward step of ``gspo_loss`` (with ``loss_options``) and of plain PyTorch."""
+    import gspo_kernels as gk
+
+    def zero_grads():
+        logits.grad = None
+
+    def ours():
+        loss = gk.gspo_loss(logits[:, :-1], labels, adv, old, mask=mask, **loss_options).loss
+        loss.backward()
+        return loss
+
+    def plain():
+        logp = logits[:, :-1].float().log_softmax(-1).gather(-1, labels[..., None])[..., 0]
+        loss = gspo_formula(logp, old, adv, mask)
+        loss.backward()
+        return loss
+
+    return zero_grads, ours, plain
+
+
 def section_logits(ctx: _Ctx) -> None:
     s = ctx.shape
     copy = _run_case(ctx, "logits", "ceiling: device-to-device copy", lambda: _copy_bandwidth(ctx))
@@ -597,27 +632,13 @@ def section_logits(ctx: _Ctx) -> None:
 
 def _logits_vocab(ctx: _Ctx, V: int, tb_s: Optional[float]) -> None:
     """The logits section's cases at one vocabulary size."""
-    import gspo_kernels as gk
-
     B, T = ctx.shape["B"], ctx.shape["T"]
     logits, labels, adv, old, mask = _logits_inputs(ctx, B, T, V)
     itemsize = logits.element_size()
     floor_bytes = 3.0 * B * T * V * itemsize
     floor_ms = floor_bytes / (tb_s * 1e12) * 1e3 if tb_s else None
 
-    def zero_grads():
-        logits.grad = None
-
-    def ours_step():
-        loss = gk.gspo_loss(logits[:, :-1], labels, adv, old, mask=mask).loss
-        loss.backward()
-        return loss
-
-    def plain_step():
-        logp = logits[:, :-1].float().log_softmax(-1).gather(-1, labels[..., None])[..., 0]
-        loss = gspo_formula(logp, old, adv, mask)
-        loss.backward()
-        return loss
+    zero_grads, ours_step, plain_step = _logits_steps(logits, labels, adv, old, mask)
 
     def with_floor(r: Dict) -> Dict:
         r.update(floor_ms=floor_ms, floor_bytes=floor_bytes, V=V)
@@ -671,24 +692,10 @@ def section_torch_backend(ctx: _Ctx) -> None:
 
 
 def _torch_backend_logits(ctx: _Ctx) -> None:
-    import gspo_kernels as gk
-
     sl = ctx.shape["torch_logits"]
     logits, labels, adv, old, mask = _logits_inputs(ctx, sl["B"], sl["T"], sl["V"], seed=1)
 
-    def zero_logits():
-        logits.grad = None
-
-    def ours_logits():
-        loss = gk.gspo_loss(logits[:, :-1], labels, adv, old, mask=mask, backend="torch").loss
-        loss.backward()
-        return loss
-
-    def plain_logits():
-        logp = logits[:, :-1].float().log_softmax(-1).gather(-1, labels[..., None])[..., 0]
-        loss = gspo_formula(logp, old, adv, mask)
-        loss.backward()
-        return loss
+    zero_logits, ours_logits, plain_logits = _logits_steps(logits, labels, adv, old, mask, backend="torch")
 
     _torch_backend_pair(ctx, f"logits [{sl['B']}, {sl['T'] + 1}, {sl['V']}]", ours_logits, plain_logits, zero_logits)
 

@@ -18,7 +18,7 @@ SUBCOMMANDS = {
     "h100-report": ("gspo_kernels.tools.h100_report", "compile every Triton kernel for sm_90a and report resources"),
     "gpu-check": ("gspo_kernels.tools.gpu_check", "the first command on a GPU machine: versions, H100 report, "
                   "GPU tests, memcheck, benchmarks -> results/gpu_check.{json,md}"),
-    "train": ("gspo_kernels.train.trainer", "run the toy GSPO/GRPO trainer on a toy task"),
+    "train": ("gspo_kernels.train.toy_trainer", "run the toy GSPO/GRPO trainer on a toy task"),
     "build-ext": ("gspo_kernels.tools.build_ext", "compile the C++ CPU kernels now (otherwise: at first use)"),
 }
 

@@ -1,5 +1,5 @@
 """Training: :class:`GSPOTrainer` for any Hugging Face causal LM (:mod:`gspo_kernels.train.hf_trainer`), and
-the toy trainer ``gspo-kernels train`` on toy tasks (:mod:`gspo_kernels.train.trainer`)."""
+the toy trainer ``gspo-kernels train`` on toy tasks (:mod:`gspo_kernels.train.toy_trainer`)."""
 
 from gspo_kernels.train.hf_trainer import GSPOTrainer, GSPOTrainerConfig, UnsupportedModelError
 

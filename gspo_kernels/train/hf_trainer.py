@@ -421,7 +421,7 @@ def completion_mask_of(completion_ids: Tensor, eos_token_ids: Union[int, Sequenc
     """1 up to and including the first end-of-sequence token of each row, 0 after it (``[S, C]`` fp32).
 
     ``completion_ids [S, C]`` integer; ``eos_token_ids``: one token id or several (any of them ends a row).
-    Both trainers' mask (``train/trainer.py`` imports it)."""
+    Both trainers' mask (``train/toy_trainer.py`` imports it)."""
     if isinstance(eos_token_ids, int):
         eos_token_ids = [eos_token_ids]
     is_eos = torch.isin(completion_ids, torch.tensor(list(eos_token_ids), device=completion_ids.device))

@@ -338,23 +338,26 @@ def _linear_h100() -> List[dict]:
 
 _SEQUENCE_FLAG_NAMES = {"HAS_KL": "kl", "BIAS_CORRECTION_KL": "kl_bias_corr", "HAS_IS_RATIO": "is_ratio",
                         "HAS_DELTA": "delta", "ADV_PER_TOKEN": "token_adv", "HAS_CLAMP": "clamp"}
+# The flags of a row that say an input is present: without the flag, the kernel gets None for that pointer (as
+# the launcher passes an input the options do not need). The old log-probs and the entropy are always present.
+_SEQUENCE_INPUTS = {"HAS_KL": "ref_ptr", "HAS_IS_RATIO": "is_ratio_ptr", "HAS_ROLLOUT": "rollout_ptr"}
 
 
 def _sequence_h100(level: str, **flags: bool) -> dict:
     constexprs = {
-        "LEVEL": LEVEL_CODES[level], "HAS_OLD": True, "HAS_ENTROPY": True, "HAS_KL": False,
-        "BIAS_CORRECTION_KL": False, "HAS_IS_RATIO": False, "HAS_DELTA": False, "ADV_PER_TOKEN": False,
-        "SEQ_MEAN": True, "BLOCK_T": SEQUENCE_BLOCK_T, "HAS_CLAMP": False,
-        "OBJECTIVE": OBJECTIVE_CODES["clip"], "CISPO_BAND": False, "HAS_DUAL": False, "HAS_ROLLOUT": False, "ROLLOUT": ROLLOUT_CODES[None],
-        "HAS_OPSM": False, "SEQ_UNITS": level == "sequence" and not flags.get("ADV_PER_TOKEN", False),
+        "LEVEL": LEVEL_CODES[level], "BIAS_CORRECTION_KL": False, "HAS_DELTA": False, "ADV_PER_TOKEN": False,
+        "SEQ_MEAN": True, "BLOCK_T": SEQUENCE_BLOCK_T, "HAS_CLAMP": False, "OBJECTIVE": OBJECTIVE_CODES["clip"],
+        "CISPO_BAND": False, "HAS_DUAL": False, "ROLLOUT": ROLLOUT_CODES[None], "HAS_OPSM": False,
+        "SEQ_UNITS": level == "sequence" and not flags.get("ADV_PER_TOKEN", False),
     }
-    constexprs.update(flags)
+    constexprs.update({k: v for k, v in flags.items() if k not in _SEQUENCE_INPUTS})
+    constexprs.update({pointer: None for flag, pointer in _SEQUENCE_INPUTS.items() if not flags.get(flag)})
     on = ",".join(_SEQUENCE_FLAG_NAMES.get(k, k.lower()) + ("" if v is True else f"={v}")
                   for k, v in flags.items() if v)
     return {
         "name": f"gspo_sequence[{level}{',' + on if on else ''}]",
         "kernel": "sequence.gspo_sequence_kernel",
-        # Every pointer is fp32 but cu_seqlens; the five scalars are fp32.
+        # Every pointer is fp32 but cu_seqlens; the float options are fp32.
         "pointers": {"cu_seqlens_ptr": "i32"},
         "floats": ["eps_low", "eps_high", "delta", "beta", "log_ratio_clamp", "clip_ratio_c", "tau_pos", "tau_neg",
                    "k_pos", "lam_pos", "k_neg", "lam_neg", "rc_lo", "rc_hi", "opsm_threshold"],

@@ -36,6 +36,9 @@ are ``@triton.jit`` helpers (inlined by the compiler: the same code as one funct
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import torch
@@ -200,13 +203,58 @@ def _gmpo_clipped(r, adv, eps_low, eps_high):
 
 
 @triton.jit
+def _masked_load(ptr, idx, inside, on):
+    """The tile of ``ptr`` at ``idx``: 0 at masked tokens and past the response's end."""
+    return tl.where(on, tl.load(ptr + idx, mask=inside, other=0.0), 0.0)
+
+
+@triton.jit
+def _old_logprobs(old_ptr, idx, inside, on, lp):
+    """The tile's sampling-time log-probs (0 at masked tokens); ``lp`` itself when ``old_ptr`` is None (on-policy:
+    every weight is 1)."""
+    if old_ptr is not None:
+        old = _masked_load(old_ptr, idx, inside, on)
+    else:
+        old = lp
+    return old
+
+
+@triton.jit
+def _advantages(adv_ptr, idx, inside, adv_seq, ADV_PER_TOKEN: tl.constexpr, BLOCK_T: tl.constexpr):
+    """The tile's advantages: per token (``ADV_PER_TOKEN``), else the response's ``adv_seq`` on every token."""
+    if ADV_PER_TOKEN:
+        adv = tl.load(adv_ptr + idx, mask=inside, other=0.0)
+    else:
+        adv = tl.full([BLOCK_T], 1.0, tl.float32) * adv_seq
+    return adv
+
+
+@triton.jit
+def _clamped_log(c):
+    """``log c`` clamped to VESPO's ``[VESPO_LOG_MIN, VESPO_LOG_MAX]`` (``c <= 0`` counts as ``1e-30``)."""
+    return tl.minimum(tl.maximum(tl.log(tl.maximum(c, 1e-30)), _VESPO_LOG_MIN), _VESPO_LOG_MAX)
+
+
+@triton.jit
+def _vespo_log_weight(r, is_ratio_ptr, rollout_ptr, idx, inside, d, lo, hi, ROLLOUT: tl.constexpr):
+    """VESPO's per-token log weight: the clamped log-ratio ``r``, plus the clamped logs of the IS ratio and of the
+    token-level rollout weight (of the log-ratio ``d``) when present: VESPO folds its corrections into the weight."""
+    v = tl.minimum(tl.maximum(r, -_VESPO_LOG_MAX), _VESPO_LOG_MAX)
+    if is_ratio_ptr is not None:
+        v += _clamped_log(tl.load(is_ratio_ptr + idx, mask=inside, other=1.0))
+    if rollout_ptr is not None:
+        if ROLLOUT != RC_NONE:  # token modes only (the config refuses the others for VESPO)
+            v += _clamped_log(_rollout_weight(d, 0.0, lo, hi, ROLLOUT))
+    return v
+
+
+@triton.jit
 def _response_sums(logp_ptr, old_ptr, mask_ptr, roll_ptr, isr_ptr, adv_ptr, start, end, adv_seq, lo, hi,
-                   eps_low, eps_high, LEVEL: tl.constexpr, HAS_OLD: tl.constexpr, OBJECTIVE: tl.constexpr,
-                   HAS_ROLLOUT: tl.constexpr, ROLLOUT: tl.constexpr, HAS_IS_RATIO: tl.constexpr,
+                   eps_low, eps_high, LEVEL: tl.constexpr, OBJECTIVE: tl.constexpr, ROLLOUT: tl.constexpr,
                    HAS_OPSM: tl.constexpr, ADV_PER_TOKEN: tl.constexpr, BLOCK_T: tl.constexpr):
     """Pass 1 over the response ``[start, end)``: ``|y_i|``, ``sum (logp - old)``, ``sum (old - rollout)``,
     the off-policy gap ``sum (sampling - logp)``, VESPO's log weight sum, GMPO's ``sum m_t`` and ``sum A_t``
-    (each only when the constexprs need it; the others stay 0)."""
+    (each only when the options and the inputs present need it; the others stay 0)."""
     offs = tl.arange(0, BLOCK_T)
     tok_acc = tl.zeros([BLOCK_T], tl.float32)
     r_acc = tl.zeros([BLOCK_T], tl.float32)
@@ -221,15 +269,13 @@ def _response_sums(logp_ptr, old_ptr, mask_ptr, roll_ptr, isr_ptr, adv_ptr, star
         token_mask = tl.load(mask_ptr + idx, mask=inside, other=0.0)
         on = token_mask > 0
         tok_acc += token_mask
-        lp = tl.where(on, tl.load(logp_ptr + idx, mask=inside, other=0.0), 0.0)
-        if HAS_OLD:
-            old = tl.where(on, tl.load(old_ptr + idx, mask=inside, other=0.0), 0.0)
-        else:
-            old = lp
+        lp = _masked_load(logp_ptr, idx, inside, on)
+        old = _old_logprobs(old_ptr, idx, inside, on, lp)
         r = lp - old
         if LEVEL != LEVEL_TOKEN:
             r_acc += r
-        if HAS_ROLLOUT:
+        d = tl.zeros([BLOCK_T], tl.float32)
+        if roll_ptr is not None:
             d = _rollout_log_ratio(lp, old, roll_ptr, idx, inside, on)
             d_acc += d
             if HAS_OPSM:
@@ -237,20 +283,9 @@ def _response_sums(logp_ptr, old_ptr, mask_ptr, roll_ptr, isr_ptr, adv_ptr, star
                 gap_acc += tl.where(on & (g == g), g, 0.0)
         elif HAS_OPSM:
             gap_acc += old - lp
-        if ADV_PER_TOKEN:
-            adv = tl.load(adv_ptr + idx, mask=inside, other=0.0)
-        else:
-            adv = tl.full([BLOCK_T], 1.0, tl.float32) * adv_seq
+        adv = _advantages(adv_ptr, idx, inside, adv_seq, ADV_PER_TOKEN, BLOCK_T)
         if OBJECTIVE == OBJ_VESPO:
-            v = tl.minimum(tl.maximum(r, -_VESPO_LOG_MAX), _VESPO_LOG_MAX)
-            if HAS_IS_RATIO:
-                c = tl.load(isr_ptr + idx, mask=inside, other=1.0)
-                v += tl.minimum(tl.maximum(tl.log(tl.maximum(c, 1e-30)), _VESPO_LOG_MIN), _VESPO_LOG_MAX)
-            if HAS_ROLLOUT:
-                if ROLLOUT != RC_NONE:  # token modes only (the config refuses the others for VESPO)
-                    c = _rollout_weight(d, 0.0, lo, hi, ROLLOUT)
-                    v += tl.minimum(tl.maximum(tl.log(tl.maximum(c, 1e-30)), _VESPO_LOG_MIN), _VESPO_LOG_MAX)
-            v_acc += tl.where(on, v, 0.0)
+            v_acc += tl.where(on, _vespo_log_weight(r, isr_ptr, roll_ptr, idx, inside, d, lo, hi, ROLLOUT), 0.0)
         if OBJECTIVE == OBJ_GMPO:
             m, _ = _gmpo_clipped(r, adv, eps_low, eps_high)
             m_acc += tl.where(on, m, 0.0)
@@ -261,13 +296,12 @@ def _response_sums(logp_ptr, old_ptr, mask_ptr, roll_ptr, isr_ptr, adv_ptr, star
 
 @triton.jit
 def _token_weight(lp, old_ptr, idx, inside, on, w_seq, seq_pass, log_ratio_clamp, LEVEL: tl.constexpr,
-                  HAS_OLD: tl.constexpr, HAS_CLAMP: tl.constexpr, BLOCK_T: tl.constexpr):
+                  HAS_CLAMP: tl.constexpr, BLOCK_T: tl.constexpr):
     """``(w, dw)``: the tile's importance weights and ``d w_t / d logp_t`` (0 at the ``"sequence"`` level,
     whose gradient flows through the mean log-ratio in pass 3)."""
     if LEVEL == LEVEL_TOKEN:
-        if HAS_OLD:
-            old = tl.where(on, tl.load(old_ptr + idx, mask=inside, other=0.0), 0.0)
-            lr = lp - old
+        if old_ptr is not None:
+            lr = lp - _masked_load(old_ptr, idx, inside, on)
             if HAS_CLAMP:
                 w = tl.exp(tl.minimum(lr, log_ratio_clamp))
                 dw = tl.where(lr <= log_ratio_clamp, w, 0.0)
@@ -284,6 +318,33 @@ def _token_weight(lp, old_ptr, idx, inside, on, w_seq, seq_pass, log_ratio_clamp
         else:
             dw = tl.zeros([BLOCK_T], tl.float32)  # GSPO: flows through the mean (pass 3)
     return w, dw
+
+
+@triton.jit
+def _correction_factor(lp, adv, old_ptr, is_ratio_ptr, rollout_ptr, idx, inside, on, rc_seq, rc_lo, rc_hi, seq_gap,
+                       opsm_threshold, rz_acc, rw_acc, rw_min, rw_max, OBJECTIVE: tl.constexpr,
+                       ROLLOUT: tl.constexpr, HAS_OPSM: tl.constexpr, BLOCK_T: tl.constexpr):
+    """``(f, rz_acc, rw_acc, rw_min, rw_max)``: the tile's correction factor ``f_t`` (the IS ratio, or the rollout
+    weight; VESPO folds them into its weight instead) times the off-policy mask, and the rollout statistics
+    (zero weights, sum, min, max) with the tile added."""
+    f = tl.full([BLOCK_T], 1.0, tl.float32)
+    if is_ratio_ptr is not None:
+        if OBJECTIVE != OBJ_VESPO:
+            f = tl.load(is_ratio_ptr + idx, mask=inside, other=0.0)
+    if rollout_ptr is not None:
+        old = _old_logprobs(old_ptr, idx, inside, on, lp)
+        rho = tl.where(on, _rollout_weight(_rollout_log_ratio(lp, old, rollout_ptr, idx, inside, on), rc_seq,
+                                           rc_lo, rc_hi, ROLLOUT), 0.0)
+        if ROLLOUT != RC_NONE:
+            rz_acc += (on & (rho == 0)).to(tl.float32)
+            if OBJECTIVE != OBJ_VESPO:
+                f = rho
+        rw_acc += rho
+        rw_min = tl.minimum(rw_min, tl.where(on, rho, float("inf")))
+        rw_max = tl.maximum(rw_max, tl.where(on, rho, float("-inf")))
+    if HAS_OPSM:
+        f = f * tl.where(adv >= 0, 1.0, tl.where(seq_gap <= opsm_threshold, 1.0, 0.0))
+    return f, rz_acc, rw_acc, rw_min, rw_max
 
 
 @triton.jit
@@ -323,6 +384,19 @@ def _sapo_surrogate(w, adv, tau_pos, tau_neg):
 
 
 @triton.jit
+def _cispo_surrogate(w, adv, lp, on, low_edge, high_edge, eps_high, high_acc, CISPO_BAND: tl.constexpr):
+    """``(l, dl/dlogp, high_acc)`` of CISPO's ``l = -sg(w_hat) A logp``: ``w_hat = clamp(w, low_edge, high_edge)``
+    (``CISPO_BAND``) or ``min(w, eps_high)``; the clipped tokens counted into ``high_acc``."""
+    if CISPO_BAND:
+        w_hat = tl.minimum(tl.maximum(w, low_edge), high_edge)
+        high_acc += (on & ((w < low_edge) | (w > high_edge))).to(tl.float32)
+    else:
+        w_hat = tl.minimum(w, eps_high)
+        high_acc += (on & (w > eps_high) & (adv > 0)).to(tl.float32)
+    return -w_hat * adv * lp, -w_hat * adv, high_acc
+
+
+@triton.jit
 def _vespo_phi(log_w, adv, k_pos, lam_pos, k_neg, lam_neg):
     """VESPO's gamma weight ``exp(lambda + k log w - lambda w)`` (``(k, lambda)`` by ``A >= 0``); 0 if not finite."""
     pos = adv >= 0
@@ -333,10 +407,65 @@ def _vespo_phi(log_w, adv, k_pos, lam_pos, k_neg, lam_neg):
 
 
 @triton.jit
+def _gmpo_token(lp, old, adv, on, loss_g, eps_low, eps_high, low_acc, high_acc, BLOCK_T: tl.constexpr):
+    """``(l, low_acc, high_acc)``: GMPO's per-response loss ``loss_g`` on every token of the tile (its gradient
+    is added in pass 3), and the tokens whose log-ratio left ``[-eps_low, eps_high]`` counted by the sign of A."""
+    r = lp - old
+    moved = on & ((r < -eps_low) | (r > eps_high))
+    low_acc += (moved & (adv < 0)).to(tl.float32)
+    high_acc += (moved & (adv > 0)).to(tl.float32)
+    return tl.full([BLOCK_T], 1.0, tl.float32) * loss_g, low_acc, high_acc
+
+
+@triton.jit
+def _token_objective(w, adv, lp, old_ptr, idx, inside, on, low_edge, high_edge, eps_low, eps_high, delta,
+                     clip_ratio_c, tau_pos, tau_neg, log_wv, k_pos, lam_pos, k_neg, lam_neg, loss_g, low_acc,
+                     high_acc, phi_acc, OBJECTIVE: tl.constexpr, HAS_DELTA: tl.constexpr, HAS_DUAL: tl.constexpr,
+                     CISPO_BAND: tl.constexpr, BLOCK_T: tl.constexpr):
+    """``(l, dl/dw, direct, low_acc, high_acc, phi_acc)``: the objective's per-token loss ``l_t``, its derivative
+    in the weight, and ``direct = dl_t/dlogp_t`` not through the weight; the clip counts and VESPO's phi sum with
+    the tile added."""
+    dl_dw = tl.zeros([BLOCK_T], tl.float32)
+    direct = tl.zeros([BLOCK_T], tl.float32)
+    if OBJECTIVE == OBJ_CLIP:
+        loss, dl_dw = _clipped_surrogate(w, adv, low_edge, high_edge, delta, clip_ratio_c, HAS_DELTA, HAS_DUAL,
+                                         BLOCK_T)
+        low_acc += (on & (w < low_edge) & (adv < 0)).to(tl.float32)
+        high_acc += (on & (w > high_edge) & (adv > 0)).to(tl.float32)
+    elif OBJECTIVE == OBJ_SAPO:
+        loss, dl_dw = _sapo_surrogate(w, adv, tau_pos, tau_neg)
+    elif OBJECTIVE == OBJ_CISPO:
+        loss, direct, high_acc = _cispo_surrogate(w, adv, lp, on, low_edge, high_edge, eps_high, high_acc,
+                                                  CISPO_BAND)
+    elif OBJECTIVE == OBJ_VESPO:  # l = -phi(w_i) A logp, phi of the response's weight
+        phi = _vespo_phi(log_wv, adv, k_pos, lam_pos, k_neg, lam_neg)
+        phi_acc += tl.where(on, phi, 0.0)
+        loss = -phi * adv * lp
+        direct = -phi * adv
+    else:  # GMPO
+        loss, low_acc, high_acc = _gmpo_token(lp, _old_logprobs(old_ptr, idx, inside, on, lp), adv, on, loss_g,
+                                              eps_low, eps_high, low_acc, high_acc, BLOCK_T)
+    return loss, dl_dw, direct, low_acc, high_acc, phi_acc
+
+
+@triton.jit
+def _response_weight(w_seq, log_wv, rho_g, OBJECTIVE: tl.constexpr):
+    """The one weight of a response whose metrics count responses: VESPO's ``exp(log_wv)``, GMPO's geometric
+    mean ``rho_g``, or the sequence-level weight ``w_seq``."""
+    if OBJECTIVE == OBJ_VESPO:
+        w_one = tl.exp(log_wv)
+    elif OBJECTIVE == OBJ_GMPO:
+        w_one = rho_g
+    else:
+        w_one = w_seq
+    return w_one
+
+
+@triton.jit
 def _kl_penalty(ref_ptr, idx, inside, on, lp, w, beta, BIAS_CORRECTION_KL: tl.constexpr):
     """``(kl, kl as added to the loss, d(beta kl)/dlogp not through w)`` of ``kl = e^d - d - 1``,
     ``d = ref - logp``; with the bias correction (``use_bias_correction_kl``) the added term is ``w kl``."""
-    d = tl.where(on, tl.load(ref_ptr + idx, mask=inside, other=0.0), 0.0) - lp
+    d = _masked_load(ref_ptr, idx, inside, on) - lp
     ed = tl.exp(d)
     kl = ed - d - 1.0
     if BIAS_CORRECTION_KL:
@@ -360,7 +489,7 @@ def _add_sequence_cross_term(coef_ptr, mask_ptr, start, end, cross, BLOCK_T: tl.
 
 @triton.jit
 def _add_gmpo_term(coef_ptr, logp_ptr, old_ptr, mask_ptr, adv_ptr, start, end, adv_seq, scale, eps_low, eps_high,
-                   HAS_OLD: tl.constexpr, ADV_PER_TOKEN: tl.constexpr, BLOCK_T: tl.constexpr):
+                   ADV_PER_TOKEN: tl.constexpr, BLOCK_T: tl.constexpr):
     """Pass 3 (GMPO): ``coef_t += scale`` on the tokens whose clipped log-ratio passes the gradient
     (``scale = lam * sum_t' f_t' * (-A_mean) * rho_i / |y_i|``, the gradient through the geometric mean)."""
     offs = tl.arange(0, BLOCK_T)
@@ -368,17 +497,38 @@ def _add_gmpo_term(coef_ptr, logp_ptr, old_ptr, mask_ptr, adv_ptr, start, end, a
         idx = t0 + offs
         inside = idx < end
         on = tl.load(mask_ptr + idx, mask=inside, other=0.0) > 0
-        lp = tl.where(on, tl.load(logp_ptr + idx, mask=inside, other=0.0), 0.0)
-        old = lp
-        if HAS_OLD:
-            old = tl.where(on, tl.load(old_ptr + idx, mask=inside, other=0.0), 0.0)
-        if ADV_PER_TOKEN:
-            adv = tl.load(adv_ptr + idx, mask=inside, other=0.0)
-        else:
-            adv = tl.full([BLOCK_T], 1.0, tl.float32) * adv_seq
+        lp = _masked_load(logp_ptr, idx, inside, on)
+        old = _old_logprobs(old_ptr, idx, inside, on, lp)
+        adv = _advantages(adv_ptr, idx, inside, adv_seq, ADV_PER_TOKEN, BLOCK_T)
         _, passes = _gmpo_clipped(lp - old, adv, eps_low, eps_high)
         coef = tl.load(coef_ptr + idx, mask=inside, other=0.0)
         tl.store(coef_ptr + idx, coef + tl.where(on, _times(passes, scale), 0.0), mask=inside)
+
+
+@triton.jit
+def _store_clip_counts(out, low_sum, high_sum, n_tok, w_seq, adv_seq, low_edge, high_edge, eps_high,
+                       OBJECTIVE: tl.constexpr, CISPO_BAND: tl.constexpr, SEQ_UNITS: tl.constexpr):
+    """The clip counts of one response into its partials row ``out``: the token counts ``low_sum`` /
+    ``high_sum`` over ``n_tok`` tokens, or, with one weight and one advantage per response (``SEQ_UNITS``, not
+    GMPO), the response counted once."""
+    if (OBJECTIVE == OBJ_GMPO) | (SEQ_UNITS == 0):  # clip counts over unmasked tokens
+        tl.store(out + P_LOW, low_sum)
+        tl.store(out + P_HIGH, high_sum)
+        tl.store(out + P_CLIP_UNITS, n_tok)
+    else:  # one weight and one advantage per response: counted once
+        counted = n_tok > 0
+        if OBJECTIVE == OBJ_CISPO:
+            if CISPO_BAND:
+                high = counted & ((w_seq < low_edge) | (w_seq > high_edge))
+            else:
+                high = counted & (w_seq > eps_high) & (adv_seq > 0)
+            low = counted & (w_seq < 0.0)
+        else:
+            low = counted & (w_seq < low_edge) & (adv_seq < 0)
+            high = counted & (w_seq > high_edge) & (adv_seq > 0)
+        tl.store(out + P_LOW, low.to(tl.float32))
+        tl.store(out + P_HIGH, high.to(tl.float32))
+        tl.store(out + P_CLIP_UNITS, counted.to(tl.float32))
 
 
 @triton.jit
@@ -401,23 +551,31 @@ def _store_rollout_metrics(out, diff, zeros, w_sum, w_min, w_max, units):
     tl.store(out + P_RW_UNITS, units)
 
 
-# The kernel is longer than a screen (about 190 lines of body): pass 2's loop carries fourteen accumulators and
-# branches on the objective; moving the loop into a helper would mean returning all of them. Its per-token
-# steps are the helpers above; constexpr branches compile away, so each launch is the code of its options only.
+@triton.jit
+def _store_one_per_response(out, value, counted, SUM: tl.constexpr, MIN: tl.constexpr, MAX: tl.constexpr,
+                            UNITS: tl.constexpr):
+    """A statistic with one value per response into the partials row ``out``: sum, min, max and units count it
+    once when the response has a token (``counted``), not at all otherwise."""
+    tl.store(out + SUM, tl.where(counted, value, 0.0))
+    tl.store(out + MIN, tl.where(counted, value, float("inf")))
+    tl.store(out + MAX, tl.where(counted, value, float("-inf")))
+    tl.store(out + UNITS, counted.to(tl.float32))
+
+
+# Inputs the options do not need arrive as None (``old_ptr``: on-policy; ``entropy_ptr``: no entropy term;
+# ``ref_ptr``: no KL; ``is_ratio_ptr``, ``rollout_ptr``): Triton compiles a launch for each pattern of absent
+# inputs, as for the constexpr options, so each launch is the code of its options only. Pass 2's per-token
+# steps are the helpers above (inlined by the compiler: the same code as one function).
 @triton.jit
 def gspo_sequence_kernel(
-    logp_ptr, entropy_ptr, old_ptr, ref_ptr, adv_ptr, is_ratio_ptr, mask_ptr, cu_seqlens_ptr,
+    logp_ptr, entropy_ptr, old_ptr, ref_ptr, adv_ptr, is_ratio_ptr, rollout_ptr, mask_ptr, cu_seqlens_ptr,
     coef_ptr, partials_ptr,
-    eps_low, eps_high, delta, beta, log_ratio_clamp,
-    LEVEL: tl.constexpr, HAS_OLD: tl.constexpr, HAS_ENTROPY: tl.constexpr, HAS_KL: tl.constexpr,
-    BIAS_CORRECTION_KL: tl.constexpr, HAS_IS_RATIO: tl.constexpr, HAS_DELTA: tl.constexpr,
-    ADV_PER_TOKEN: tl.constexpr, SEQ_MEAN: tl.constexpr, BLOCK_T: tl.constexpr,
-    HAS_CLAMP: tl.constexpr = False,
-    rollout_ptr=None, clip_ratio_c=0.0, tau_pos=1.0, tau_neg=1.0, k_pos=0.0, lam_pos=1.0, k_neg=0.0, lam_neg=1.0,
-    rc_lo=0.0, rc_hi=0.0, opsm_threshold=0.0,
-    OBJECTIVE: tl.constexpr = 0, CISPO_BAND: tl.constexpr = False, HAS_DUAL: tl.constexpr = False,
-    HAS_ROLLOUT: tl.constexpr = False, ROLLOUT: tl.constexpr = 0, HAS_OPSM: tl.constexpr = False,
-    SEQ_UNITS: tl.constexpr = False,
+    eps_low, eps_high, delta, beta, log_ratio_clamp, clip_ratio_c, tau_pos, tau_neg, k_pos, lam_pos, k_neg, lam_neg,
+    rc_lo, rc_hi, opsm_threshold,
+    LEVEL: tl.constexpr, OBJECTIVE: tl.constexpr, ROLLOUT: tl.constexpr, BIAS_CORRECTION_KL: tl.constexpr,
+    HAS_DELTA: tl.constexpr, HAS_CLAMP: tl.constexpr, HAS_DUAL: tl.constexpr, CISPO_BAND: tl.constexpr,
+    HAS_OPSM: tl.constexpr, ADV_PER_TOKEN: tl.constexpr, SEQ_MEAN: tl.constexpr, SEQ_UNITS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
 ):
     seq = tl.program_id(0)
     start = tl.load(cu_seqlens_ptr + seq).to(tl.int64)
@@ -432,8 +590,7 @@ def gspo_sequence_kernel(
 
     n_tok, sum_r, sum_d, sum_gap, sum_v, sum_m, sum_a = _response_sums(
         logp_ptr, old_ptr, mask_ptr, rollout_ptr, is_ratio_ptr, adv_ptr, start, end, adv_seq, rc_lo, rc_hi,
-        eps_low, eps_high, LEVEL, HAS_OLD, OBJECTIVE, HAS_ROLLOUT, ROLLOUT, HAS_IS_RATIO, HAS_OPSM, ADV_PER_TOKEN,
-        BLOCK_T)
+        eps_low, eps_high, LEVEL, OBJECTIVE, ROLLOUT, HAS_OPSM, ADV_PER_TOKEN, BLOCK_T)
     denom = tl.maximum(n_tok, 1.0)
     mean_r = sum_r / denom
     if HAS_CLAMP:  # w = exp(min(log w, c)) (verl's guard); no gradient through a clamped weight
@@ -479,72 +636,22 @@ def gspo_sequence_kernel(
         idx = t0 + offs
         inside = idx < end
         on = tl.load(mask_ptr + idx, mask=inside, other=0.0) > 0
-        lp = tl.where(on, tl.load(logp_ptr + idx, mask=inside, other=0.0), 0.0)
-        w, dw = _token_weight(lp, old_ptr, idx, inside, on, w_seq, seq_pass, log_ratio_clamp, LEVEL, HAS_OLD,
-                              HAS_CLAMP, BLOCK_T)
-        if ADV_PER_TOKEN:
-            adv = tl.load(adv_ptr + idx, mask=inside, other=0.0)
-        else:
-            adv = tl.full([BLOCK_T], 1.0, tl.float32) * adv_seq
-        # the correction factor f_t: is_ratio or the rollout weight (VESPO folds them instead), the off-policy mask
-        f = tl.full([BLOCK_T], 1.0, tl.float32)
-        if HAS_IS_RATIO:
-            if OBJECTIVE != OBJ_VESPO:
-                f = tl.load(is_ratio_ptr + idx, mask=inside, other=0.0)
-        if HAS_ROLLOUT:
-            old = lp
-            if HAS_OLD:
-                old = tl.where(on, tl.load(old_ptr + idx, mask=inside, other=0.0), 0.0)
-            rho = tl.where(on, _rollout_weight(_rollout_log_ratio(lp, old, rollout_ptr, idx, inside, on), rc_seq,
-                                               rc_lo, rc_hi, ROLLOUT), 0.0)
-            if ROLLOUT != RC_NONE:
-                rz_acc += (on & (rho == 0)).to(tl.float32)
-                if OBJECTIVE != OBJ_VESPO:
-                    f = rho
-            rw_acc += rho
-            rw_min = tl.minimum(rw_min, tl.where(on, rho, float("inf")))
-            rw_max = tl.maximum(rw_max, tl.where(on, rho, float("-inf")))
-        if HAS_OPSM:
-            f = f * tl.where(adv >= 0, 1.0, tl.where(seq_gap <= opsm_threshold, 1.0, 0.0))
-        direct = tl.zeros([BLOCK_T], tl.float32)  # d l_t / d logp_t not through w
-        if OBJECTIVE == OBJ_CLIP:
-            loss, dl_dw = _clipped_surrogate(w, adv, low_edge, high_edge, delta, clip_ratio_c, HAS_DELTA, HAS_DUAL,
-                                             BLOCK_T)
-            low_acc += (on & (w < low_edge) & (adv < 0)).to(tl.float32)
-            high_acc += (on & (w > high_edge) & (adv > 0)).to(tl.float32)
-        elif OBJECTIVE == OBJ_SAPO:
-            loss, dl_dw = _sapo_surrogate(w, adv, tau_pos, tau_neg)
-        elif OBJECTIVE == OBJ_CISPO:
-            if CISPO_BAND:
-                w_hat = tl.minimum(tl.maximum(w, low_edge), high_edge)
-                high_acc += (on & ((w < low_edge) | (w > high_edge))).to(tl.float32)
-            else:
-                w_hat = tl.minimum(w, eps_high)
-                high_acc += (on & (w > eps_high) & (adv > 0)).to(tl.float32)
-            loss = -w_hat * adv * lp
-            dl_dw = tl.zeros([BLOCK_T], tl.float32)
-            direct = -w_hat * adv
-        elif OBJECTIVE == OBJ_VESPO:
-            phi = _vespo_phi(log_wv, adv, k_pos, lam_pos, k_neg, lam_neg)
-            phi_acc += tl.where(on, phi, 0.0)
-            loss = -phi * adv * lp
-            dl_dw = tl.zeros([BLOCK_T], tl.float32)
-            direct = -phi * adv
-        else:  # GMPO: the response's loss on every token; its gradient is added in pass 3
-            old_g = lp
-            if HAS_OLD:
-                old_g = tl.where(on, tl.load(old_ptr + idx, mask=inside, other=0.0), 0.0)
-            r = lp - old_g
-            moved = on & ((r < -eps_low) | (r > eps_high))
-            low_acc += (moved & (adv < 0)).to(tl.float32)
-            high_acc += (moved & (adv > 0)).to(tl.float32)
-            loss = tl.full([BLOCK_T], 1.0, tl.float32) * loss_g
-            dl_dw = tl.zeros([BLOCK_T], tl.float32)
+        lp = _masked_load(logp_ptr, idx, inside, on)
+        w, dw = _token_weight(lp, old_ptr, idx, inside, on, w_seq, seq_pass, log_ratio_clamp, LEVEL, HAS_CLAMP,
+                              BLOCK_T)
+        adv = _advantages(adv_ptr, idx, inside, adv_seq, ADV_PER_TOKEN, BLOCK_T)
+        f, rz_acc, rw_acc, rw_min, rw_max = _correction_factor(
+            lp, adv, old_ptr, is_ratio_ptr, rollout_ptr, idx, inside, on, rc_seq, rc_lo, rc_hi, seq_gap,
+            opsm_threshold, rz_acc, rw_acc, rw_min, rw_max, OBJECTIVE, ROLLOUT, HAS_OPSM, BLOCK_T)
+        loss, dl_dw, direct, low_acc, high_acc, phi_acc = _token_objective(
+            w, adv, lp, old_ptr, idx, inside, on, low_edge, high_edge, eps_low, eps_high, delta, clip_ratio_c,
+            tau_pos, tau_neg, log_wv, k_pos, lam_pos, k_neg, lam_neg, loss_g, low_acc, high_acc, phi_acc, OBJECTIVE,
+            HAS_DELTA, HAS_DUAL, CISPO_BAND, BLOCK_T)
         loss = _times(f, loss)  # a token dropped by its factor adds 0 even when its weight overflowed
         dl_dw = _times(f, dl_dw)
         direct = direct * f
         f_acc += tl.where(on, f, 0.0)
-        if HAS_KL:
+        if ref_ptr is not None:  # the KL term
             kl, kl_weighted, kl_direct = _kl_penalty(ref_ptr, idx, inside, on, lp, w, beta, BIAS_CORRECTION_KL)
             direct += kl_direct
             if BIAS_CORRECTION_KL:
@@ -552,8 +659,8 @@ def gspo_sequence_kernel(
             loss += beta * kl_weighted
             kl_acc += tl.where(on, kl_weighted, 0.0)
         loss_acc += tl.where(on, loss, 0.0)
-        if HAS_ENTROPY:
-            ent_acc += tl.where(on, tl.load(entropy_ptr + idx, mask=inside, other=0.0), 0.0)
+        if entropy_ptr is not None:
+            ent_acc += _masked_load(entropy_ptr, idx, inside, on)
         if LEVEL == LEVEL_SEQUENCE:
             q_acc += tl.where(on, dl_dw, 0.0)
             coef = tl.where(on, lam * direct, 0.0)
@@ -565,6 +672,7 @@ def gspo_sequence_kernel(
             w_min = tl.minimum(w_min, tl.where(on, w, float("inf")))
             w_max = tl.maximum(w_max, tl.where(on, w, float("-inf")))
 
+    # Pass 3: the gradient through a per-response quantity.
     if LEVEL == LEVEL_SEQUENCE:
         # the objectives whose loss depends on w, and the bias-corrected KL (w kl) whatever the objective
         if (OBJECTIVE == OBJ_CLIP) | (OBJECTIVE == OBJ_SAPO) | BIAS_CORRECTION_KL:
@@ -573,40 +681,20 @@ def gspo_sequence_kernel(
     if OBJECTIVE == OBJ_GMPO:
         scale = _times(lam * tl.sum(f_acc, axis=0) * -adv_mean / denom, rho_g)
         _add_gmpo_term(coef_ptr, logp_ptr, old_ptr, mask_ptr, adv_ptr, start, end, adv_seq, scale, eps_low, eps_high,
-                       HAS_OLD, ADV_PER_TOKEN, BLOCK_T)
+                       ADV_PER_TOKEN, BLOCK_T)
 
+    # The response's partials row.
     out = partials_ptr + seq.to(tl.int64) * PARTIALS_STRIDE
     counted = n_tok > 0
     tl.store(out + P_LOSS, lam * tl.sum(loss_acc, axis=0))
     tl.store(out + P_TOKENS, n_tok)
     tl.store(out + P_ENTROPY, tl.sum(ent_acc, axis=0))
     tl.store(out + P_KL, tl.sum(kl_acc, axis=0))
-    if OBJECTIVE == OBJ_VESPO:
-        w_one = tl.exp(log_wv)
-    elif OBJECTIVE == OBJ_GMPO:
-        w_one = rho_g
-    else:
-        w_one = w_seq
-    if (OBJECTIVE == OBJ_GMPO) | (SEQ_UNITS == 0):  # clip counts over unmasked tokens
-        tl.store(out + P_LOW, tl.sum(low_acc, axis=0))
-        tl.store(out + P_HIGH, tl.sum(high_acc, axis=0))
-        tl.store(out + P_CLIP_UNITS, n_tok)
-    else:  # one weight and one advantage per response: counted once
-        if OBJECTIVE == OBJ_CISPO:
-            if CISPO_BAND:
-                high = counted & ((w_seq < low_edge) | (w_seq > high_edge))
-            else:
-                high = counted & (w_seq > eps_high) & (adv_seq > 0)
-            low = counted & (w_seq < 0.0)
-        else:
-            low = counted & (w_seq < low_edge) & (adv_seq < 0)
-            high = counted & (w_seq > high_edge) & (adv_seq > 0)
-        tl.store(out + P_LOW, low.to(tl.float32))
-        tl.store(out + P_HIGH, high.to(tl.float32))
-        tl.store(out + P_CLIP_UNITS, counted.to(tl.float32))
-    if SEQ_UNITS:
-        _store_weight_metrics(out, tl.where(counted, w_one, 0.0), tl.where(counted, w_one, float("inf")),
-                              tl.where(counted, w_one, float("-inf")), counted.to(tl.float32))
+    _store_clip_counts(out, tl.sum(low_acc, axis=0), tl.sum(high_acc, axis=0), n_tok, w_seq, adv_seq, low_edge,
+                       high_edge, eps_high, OBJECTIVE, CISPO_BAND, SEQ_UNITS)
+    if SEQ_UNITS:  # one weight per response
+        _store_one_per_response(out, _response_weight(w_seq, log_wv, rho_g, OBJECTIVE), counted, P_W_SUM, P_W_MIN,
+                                P_W_MAX, P_UNITS)
     else:
         _store_weight_metrics(out, tl.sum(w_acc, axis=0), tl.min(w_min, axis=0), tl.max(w_max, axis=0), n_tok)
     if ADV_PER_TOKEN:
@@ -615,13 +703,13 @@ def gspo_sequence_kernel(
     else:  # one phi per response
         tl.store(out + P_PHI, tl.where(counted, _vespo_phi(log_wv, adv_seq, k_pos, lam_pos, k_neg, lam_neg), 0.0))
         tl.store(out + P_PHI_UNITS, counted.to(tl.float32))
-    if not HAS_ROLLOUT:
+    if rollout_ptr is None:
         _store_rollout_metrics(out, 0.0, 0.0, 0.0, float("inf"), float("-inf"), 0.0)
     elif (ROLLOUT == RC_SEQUENCE_TRUNCATE) | (ROLLOUT == RC_SEQUENCE_MASK):  # one weight per response
-        rho_one = _rollout_weight(0.0, rc_seq, rc_lo, rc_hi, ROLLOUT)
-        _store_rollout_metrics(out, -sum_d, tl.sum(rz_acc, axis=0), tl.where(counted, rho_one, 0.0),
-                               tl.where(counted, rho_one, float("inf")), tl.where(counted, rho_one, float("-inf")),
-                               counted.to(tl.float32))
+        tl.store(out + P_R_DIFF, -sum_d)
+        tl.store(out + P_R_ZERO, tl.sum(rz_acc, axis=0))
+        _store_one_per_response(out, _rollout_weight(0.0, rc_seq, rc_lo, rc_hi, ROLLOUT), counted, P_RW_SUM,
+                                P_RW_MIN, P_RW_MAX, P_RW_UNITS)
     else:
         _store_rollout_metrics(out, -sum_d, tl.sum(rz_acc, axis=0), tl.sum(rw_acc, axis=0), tl.min(rw_min, axis=0),
                                tl.max(rw_max, axis=0), n_tok)
@@ -714,80 +802,111 @@ def _f32(x: Optional[Tensor]) -> Optional[Tensor]:
     return x.detach().reshape(-1).to(torch.float32).contiguous()
 
 
-# The launch arguments that depend only on the config and on which inputs are present, per config object:
-# ``{id(config): (config, {flags: constants})}``. The entry holds the config itself, so an id found here is the
-# same live object (a frozen dataclass: its fields cannot have changed); never keyed by equality, so two equal
-# configs whose floats differ in the sign of a zero never share constants. Bounded: cleared when full.
-_LAUNCH_CONSTANTS: dict = {}
-_LAUNCH_CONSTANTS_MAX = 64
+@dataclass(frozen=True)
+class SequenceParams:
+    """What the two launches take from the config: the sequence kernel's float options and constexpr codes (its
+    keyword arguments, one field each, named as the kernel names them), the reduction's aggregation code and
+    its two config scalars. Built once per (config object, per-token advantages) by :func:`sequence_params`;
+    the inputs themselves (present, or None) are the launches' positional arguments."""
+
+    eps_low: float
+    eps_high: float
+    delta: float  # 0 without a delta (HAS_DELTA False)
+    beta: float
+    log_ratio_clamp: float  # 0 without a clamp (HAS_CLAMP False)
+    clip_ratio_c: float
+    tau_pos: float
+    tau_neg: float
+    k_pos: float
+    lam_pos: float
+    k_neg: float
+    lam_neg: float
+    rc_lo: float
+    rc_hi: float
+    opsm_threshold: float
+    LEVEL: int
+    OBJECTIVE: int
+    ROLLOUT: int
+    BIAS_CORRECTION_KL: bool
+    HAS_DELTA: bool
+    HAS_CLAMP: bool
+    HAS_DUAL: bool
+    CISPO_BAND: bool
+    HAS_OPSM: bool
+    ADV_PER_TOKEN: bool
+    SEQ_MEAN: bool
+    SEQ_UNITS: bool
+    loss_type: int  # the reduction's LOSS_TYPE (AGGREGATION_CODES)
+    dr_grpo_factor: float  # max_completion_length (dr_grpo's denominator is S times this)
+    entropy_coef: float
+
+    @classmethod
+    def of(cls, config: GSPOConfig, per_token_adv: bool) -> "SequenceParams":
+        lo, hi = config.rollout_bounds
+        return cls(
+            eps_low=float(config.epsilon_low),
+            eps_high=float(config.epsilon_high),
+            delta=float(config.delta) if config.delta is not None else 0.0,
+            beta=float(config.beta),
+            log_ratio_clamp=float(config.log_ratio_clamp) if config.log_ratio_clamp is not None else 0.0,
+            clip_ratio_c=float(config.clip_ratio_c or 0.0),
+            tau_pos=float(config.sapo_temperature_pos),
+            tau_neg=float(config.sapo_temperature_neg),
+            k_pos=float(config.vespo_k_pos),
+            lam_pos=float(config.vespo_lambda_pos),
+            k_neg=float(config.vespo_k_neg),
+            lam_neg=float(config.vespo_lambda_neg),
+            rc_lo=float("-inf") if lo is None else float(lo),
+            rc_hi=float("inf") if hi is None else float(hi),
+            opsm_threshold=float(config.off_policy_mask_threshold or 0.0),
+            LEVEL=LEVEL_CODES[config.importance_sampling_level],
+            OBJECTIVE=OBJECTIVE_CODES[config.objective],
+            ROLLOUT=ROLLOUT_CODES[config.rollout_correction],
+            BIAS_CORRECTION_KL=bool(config.use_bias_correction_kl),
+            HAS_DELTA=config.delta is not None,
+            HAS_CLAMP=config.log_ratio_clamp is not None,
+            HAS_DUAL=config.clip_ratio_c is not None,
+            CISPO_BAND=config.cispo_clip == "band",
+            HAS_OPSM=config.off_policy_mask_threshold is not None,
+            ADV_PER_TOKEN=per_token_adv,
+            SEQ_MEAN=config.effective_aggregation == "grpo",
+            SEQ_UNITS=config.objective in ("vespo", "gmpo") or (config.importance_sampling_level == "sequence"
+                                                                and not per_token_adv),
+            loss_type=AGGREGATION_CODES[config.effective_aggregation],
+            dr_grpo_factor=float(config.max_completion_length or 1),
+            entropy_coef=float(config.entropy_coef),
+        )
+
+    @functools.cached_property
+    def sequence_kwargs(self) -> dict:
+        """The sequence kernel's keyword arguments: every field but the reduction's (kept: built once)."""
+        values = dataclasses.asdict(self)
+        return {name: values[name] for name in _SEQUENCE_KERNEL_FIELDS}
 
 
-def _launch_constants(config: GSPOConfig, flags: Tuple[bool, ...]):
-    """``(sequence scalars, sequence keyword arguments, reduction keyword arguments, dr_grpo factor)`` of the
-    two launches for ``config`` and ``flags = (has_old, has_entropy, has_is_ratio, per_token_adv, has_rollout,
-    has_items)``. Computed once per (config object, flags)."""
-    entry = _LAUNCH_CONSTANTS.get(id(config))
+_SEQUENCE_KERNEL_FIELDS = tuple(f.name for f in dataclasses.fields(SequenceParams)
+                                if f.name not in ("loss_type", "dr_grpo_factor", "entropy_coef"))
+
+# The launch parameters per config object: ``{id(config): (config, {per_token_adv: SequenceParams})}``. The
+# entry holds the config itself, so an id found here is the same live object (a frozen dataclass: its fields
+# cannot have changed); never keyed by equality, so two equal configs whose floats differ in the sign of a zero
+# never share parameters. Bounded: cleared when full.
+_PARAMS: dict = {}
+_PARAMS_MAX = 64
+
+
+def sequence_params(config: GSPOConfig, per_token_adv: bool) -> SequenceParams:
+    """The :class:`SequenceParams` of ``config`` (computed once per config object and advantage layout)."""
+    entry = _PARAMS.get(id(config))
     if entry is None or entry[0] is not config:
-        if len(_LAUNCH_CONSTANTS) >= _LAUNCH_CONSTANTS_MAX:
-            _LAUNCH_CONSTANTS.clear()
+        if len(_PARAMS) >= _PARAMS_MAX:
+            _PARAMS.clear()
         entry = (config, {})
-        _LAUNCH_CONSTANTS[id(config)] = entry
-    constants = entry[1].get(flags)
-    if constants is None:
-        constants = entry[1][flags] = _compute_launch_constants(config, *flags)
-    return constants
-
-
-def _compute_launch_constants(config: GSPOConfig, has_old: bool, has_entropy: bool, has_is_ratio: bool,
-                              per_token_adv: bool, has_rollout: bool, has_items: bool):
-    objective = config.objective
-    lo, hi = config.rollout_bounds
-    scalars = (
-        float(config.epsilon_low),
-        float(config.epsilon_high),
-        float(config.delta) if config.delta is not None else 0.0,
-        float(config.beta),
-        float(config.log_ratio_clamp) if config.log_ratio_clamp is not None else 0.0,
-    )
-    sequence_kwargs = dict(
-        LEVEL=LEVEL_CODES[config.importance_sampling_level],
-        HAS_OLD=has_old,
-        HAS_ENTROPY=has_entropy,
-        HAS_KL=config.beta > 0,
-        BIAS_CORRECTION_KL=bool(config.use_bias_correction_kl),
-        HAS_IS_RATIO=has_is_ratio,
-        HAS_DELTA=config.delta is not None,
-        ADV_PER_TOKEN=per_token_adv,
-        SEQ_MEAN=config.effective_aggregation == "grpo",
-        BLOCK_T=SEQUENCE_BLOCK_T,
-        HAS_CLAMP=config.log_ratio_clamp is not None,
-        clip_ratio_c=float(config.clip_ratio_c or 0.0),
-        tau_pos=float(config.sapo_temperature_pos),
-        tau_neg=float(config.sapo_temperature_neg),
-        k_pos=float(config.vespo_k_pos),
-        lam_pos=float(config.vespo_lambda_pos),
-        k_neg=float(config.vespo_k_neg),
-        lam_neg=float(config.vespo_lambda_neg),
-        rc_lo=float("-inf") if lo is None else float(lo),
-        rc_hi=float("inf") if hi is None else float(hi),
-        opsm_threshold=float(config.off_policy_mask_threshold or 0.0),
-        OBJECTIVE=OBJECTIVE_CODES[objective],
-        CISPO_BAND=config.cispo_clip == "band",
-        HAS_DUAL=config.clip_ratio_c is not None,
-        HAS_ROLLOUT=has_rollout,
-        ROLLOUT=ROLLOUT_CODES[config.rollout_correction],
-        HAS_OPSM=config.off_policy_mask_threshold is not None,
-        SEQ_UNITS=objective in ("vespo", "gmpo") or (config.importance_sampling_level == "sequence"
-                                                    and not per_token_adv),
-        num_warps=SEQUENCE_NUM_WARPS,
-    )
-    reduce_kwargs = dict(
-        LOSS_TYPE=AGGREGATION_CODES[config.effective_aggregation],
-        HAS_NUM_ITEMS=has_items,
-        BLOCK_S=SEQUENCE_BLOCK_S,
-        num_warps=SEQUENCE_NUM_WARPS,
-    )
-    return scalars, sequence_kwargs, reduce_kwargs, float(config.max_completion_length or 1), float(config.entropy_coef)
+        _PARAMS[id(config)] = entry
+    params = entry[1].get(per_token_adv)
+    if params is None:
+        params = entry[1][per_token_adv] = SequenceParams.of(config, per_token_adv)
+    return params
 
 
 def sequence_stage(
@@ -814,54 +933,51 @@ def _sequence_stage(logp: Tensor, entropy: Optional[Tensor], inputs: LossInputs,
     """:func:`sequence_stage`, also returning the loss as a 0-dim fp32 tensor of its own (written by the
     reduction kernel next to ``out[O_LOSS]``). Per call: three allocations, two launches, no other op when the
     inputs are already flat fp32 (what the layout gives); everything taken from the config is computed once per
-    config object (:func:`_launch_constants`)."""
+    config object (:func:`sequence_params`). An input the options do not need goes to the kernel as None."""
     batch = inputs.batch
     device = logp.device
     n_tokens = logp.numel()
     num_seqs = batch.cu_seqlens.numel() - 1
+    params = sequence_params(config, bool(inputs.advantages_per_token))
     items = inputs.num_items_in_batch
-    logp32 = _f32(logp)
-    entropy32 = _f32(entropy)
-    old32, ref32, ratio32 = _f32(inputs.old_logprobs), _f32(inputs.ref_logprobs), _f32(inputs.is_ratio)
-    rollout32 = _f32(inputs.rollout_logprobs)
-    per_token_adv = bool(inputs.advantages_per_token)
-    scalars, sequence_kwargs, reduce_kwargs, dr_grpo_factor, entropy_coef = _launch_constants(
-        config, (old32 is not None, entropy32 is not None, ratio32 is not None, per_token_adv,
-                 rollout32 is not None, items is not None))
+    if items is not None:
+        items = items.detach().reshape(1).to(device=device, dtype=torch.float32)
     coef = torch.empty(n_tokens, device=device, dtype=torch.float32)
     partials = torch.empty((max(num_seqs, 1), PARTIALS_STRIDE.value), device=device, dtype=torch.float32)
     out = torch.empty(NUM_OUTPUTS, device=device, dtype=torch.float32)
     loss = torch.empty((), device=device, dtype=torch.float32)
-    if items is not None:
-        items = items.detach().reshape(1).to(device=device, dtype=torch.float32)
     with device_guard(logp):
         if num_seqs > 0:
             gspo_sequence_kernel[(num_seqs,)](
-                logp32,
-                entropy32 if entropy32 is not None else logp32,
-                old32 if old32 is not None else logp32,
-                ref32 if ref32 is not None else logp32,
+                _f32(logp),
+                _f32(entropy),
+                _f32(inputs.old_logprobs),
+                _f32(inputs.ref_logprobs) if config.beta > 0 else None,
                 _f32(inputs.advantages),
-                ratio32 if ratio32 is not None else logp32,
+                _f32(inputs.is_ratio),
+                _f32(inputs.rollout_logprobs),
                 _f32(batch.mask),
                 batch.cu_seqlens.contiguous(),
                 coef,
                 partials,
-                *scalars,
-                rollout_ptr=rollout32 if rollout32 is not None else logp32,
-                **sequence_kwargs,
+                BLOCK_T=SEQUENCE_BLOCK_T,
+                num_warps=SEQUENCE_NUM_WARPS,
+                **params.sequence_kwargs,
             )
         grpo_denominator = float(max(num_seqs, 1))
         gspo_reduce_kernel[(1,)](
             partials,
-            items if items is not None else out,
+            items,
             out,
             loss,
             num_seqs,
             grpo_denominator,
-            grpo_denominator * dr_grpo_factor,
-            entropy_coef,
-            **reduce_kwargs,
+            grpo_denominator * params.dr_grpo_factor,
+            params.entropy_coef,
+            LOSS_TYPE=params.loss_type,
+            HAS_NUM_ITEMS=items is not None,
+            BLOCK_S=SEQUENCE_BLOCK_S,
+            num_warps=SEQUENCE_NUM_WARPS,
         )
     return coef, out, loss
 

@@ -16,7 +16,7 @@ import torch
 
 from gspo_kernels import available_backends
 from gspo_kernels.train.tasks import TASKS, ToyTokenizer, get_task, hf_tokenizer
-from gspo_kernels.train.trainer import (
+from gspo_kernels.train.toy_trainer import (
     TrainConfig,
     add_arguments,
     build_policy,
