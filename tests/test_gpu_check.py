@@ -164,13 +164,8 @@ def test_an_installed_package_without_tests_skips_the_tree_steps_and_says_why(tm
     assert gpu_check.find_test_tree() == checkout
 
 
-def test_quick_mode_fits_four_minutes_and_selects_the_gpu_tests_in_parallel(tmp_path, monkeypatch):
-    """``--quick``: its steps' own limits add up to its 240 s budget; the GPU-test step runs the gpu-marked tests
-    and the kernel files (not the static report) in pytest-xdist processes when xdist is installed; memcheck
-    runs the one-loss-type workload; files whose peer is missing are left out with the reason in the summary."""
-    steps = gpu_check.make_steps(gpu_check.QUICK_STEPS, quick=True)
-    assert [s.name for s in steps] == ["versions", "verify", "gpu-tests", "memcheck", "benchmarks"]
-    assert sum(s.limit_s for s in steps) <= gpu_check.QUICK_BUDGET_S
+def _record_commands(monkeypatch) -> dict:
+    """Each step's command line instead of running it: ``{step name: argv}`` (every step "ok")."""
     seen = {}
 
     def fake_subprocess(name, argv, limit_s, env=None, log_path=None):
@@ -178,6 +173,17 @@ def test_quick_mode_fits_four_minutes_and_selects_the_gpu_tests_in_parallel(tmp_
         return StepResult(name, "ok", 1.0, "exit status 0")
 
     monkeypatch.setattr(gpu_check, "_subprocess", fake_subprocess)
+    return seen
+
+
+def test_quick_mode_fits_four_minutes_and_selects_the_gpu_tests_in_parallel(tmp_path, monkeypatch):
+    """``--quick``: its steps' own limits add up to its 240 s budget; the GPU-test step runs the gpu-marked tests
+    and the kernel files (not the static report) in pytest-xdist processes when xdist is installed; memcheck
+    runs the one-loss-type workload; files whose peer is missing are left out with the reason in the summary."""
+    steps = gpu_check.make_steps(gpu_check.QUICK_STEPS, quick=True)
+    assert [s.name for s in steps] == ["versions", "verify", "gpu-tests", "memcheck", "benchmarks"]
+    assert sum(s.limit_s for s in steps) <= gpu_check.QUICK_BUDGET_S
+    seen = _record_commands(monkeypatch)
     monkeypatch.setitem(gpu_check._tree, "root", CHECKOUT)
     monkeypatch.setitem(gpu_check._mode, "quick", True)
     monkeypatch.setattr(gpu_check, "xdist_workers", lambda: 15)
@@ -208,13 +214,7 @@ def test_left_out_test_files_names_the_missing_peer(monkeypatch):
 def test_suite_step_runs_every_test_but_what_this_machine_cannot(tmp_path, monkeypatch, index_up):
     """``suite``: ``pytest tests`` in parallel; a missing peer's file is ignored and its single test deselected, and
     without the package index the network-marked tests are left out, each named in the summary."""
-    seen = {}
-
-    def fake_subprocess(name, argv, limit_s, env=None, log_path=None):
-        seen[name] = list(argv)
-        return StepResult(name, "ok", 1.0, "exit status 0")
-
-    monkeypatch.setattr(gpu_check, "_subprocess", fake_subprocess)
+    seen = _record_commands(monkeypatch)
     monkeypatch.setitem(gpu_check._tree, "root", CHECKOUT)
     monkeypatch.setattr(gpu_check, "xdist_workers", lambda: 15)
     monkeypatch.setattr(gpu_check, "package_index_reachable", lambda timeout_s=3.0: index_up)
