@@ -518,6 +518,44 @@ def test_linear_rows_are_batch_invariant_when_asked(blocks, monkeypatch):
         assert all(torch.equal(a, b) for a, b in zip(r, first))
 
 
+@pytest.mark.parametrize("blocks", [None, (8, 24, 1024)], ids=["default-blocks", "small-blocks"])
+def test_linear_batch_invariant_bits_do_not_depend_on_the_thread_count(blocks, monkeypatch):
+    """batch_invariant=True: the same (logp, entropy, dH, dW, dbias) bits with 1, 2, 3 and 8 intra-op threads.
+
+    A BLAS call from outside a parallel region splits its work over as many threads as it gets, and MKL's sgemm
+    splits the summed dimension too (an 8 x 1024 by 1024 x 256 product rounds differently with 1 and 2 threads):
+    with dynamic threading the count, and so the row's bits, then depends on the machine's load (an H200 host
+    under pytest-xdist failed the batch-invariance test). 8 threads on a 2-core machine is fine."""
+    if blocks is not None:
+        monkeypatch.setattr(cpu_backend, "GEMM_ROWS", blocks[0])
+        monkeypatch.setattr(cpu_backend, "ROW_BLOCK", blocks[1])
+        monkeypatch.setattr(cpu_backend, "VOCAB_BLOCK", blocks[2])
+    gen = torch.Generator().manual_seed(12)
+    N, H, V = 37, 256, 3000
+    hidden, weight, bias = torch.randn(N, H, generator=gen), torch.randn(V, H, generator=gen) * 0.2, torch.randn(V)
+    labels = torch.randint(0, V, (N,), generator=gen)
+    g, ge = torch.randn(N, generator=gen), torch.randn(N, generator=gen)
+
+    def run():
+        leaves = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
+        logp, ent = cpu_backend.linear_logprobs(*leaves, labels, return_entropy=True, memory_budget=0,
+                                                batch_invariant=True)
+        return (logp, ent, *torch.autograd.grad((g * logp).sum() + (ge * ent).sum(), leaves))
+
+    threads = torch.get_num_threads()
+    try:
+        results = {}
+        for n in (1, 2, 3, 8):
+            torch.set_num_threads(n)
+            results[n] = run()
+    finally:
+        torch.set_num_threads(threads)
+    names = ("logp", "entropy", "dH", "dW", "dbias")
+    for n, r in results.items():
+        differ = [name for name, a, b in zip(names, r, results[1]) if not torch.equal(a, b)]
+        assert not differ, f"{n} threads vs 1: {differ} differ"
+
+
 def test_linear_batch_invariant_row_alone_in_batch_of_40_and_permuted():
     """batch_invariant=True through the public API: two runs give identical bits; a row alone gives the
     bits it gets in a batch of 40 and after a permutation of that batch (log-prob, entropy, dH)."""

@@ -13,7 +13,8 @@ implementations, so ``torch.compile(fullgraph=True)`` traces through them, and a
   recomputes tiles for the rows with gradient only, dH/dW in fp32. By default the two threads share
   out the vocabulary tiles, each tile's GEMMs single-threaded through oneDNN (AVX-512 where the CPU
   has it) and shaped by the actual number of rows (:func:`blocks`); with ``batch_invariant=True``
-  every row-dependent GEMM is ATen's matmul on a fixed, zero-padded shape. Memory for speed: the forward
+  every GEMM is cut into tasks of a fixed, zero-padded shape, which the threads share out, each task
+  single-threaded (the bits do not depend on the thread count). Memory for speed: the forward
   keeps up to ``memory_budget`` bytes of fp32 logits tiles (whole vocabulary tiles, from the first
   one on; default :data:`DEFAULT_MEMORY_BUDGET`, 1 GiB) and the backward reads them instead of
   recomputing them, saving one of the four ``N*H*V`` GEMMs for that share of the vocabulary.
@@ -29,8 +30,9 @@ Determinism and batch invariance: every result is the same bits on every run (sa
 On the logits path a row's log-prob, entropy and gradient row never depend on the other rows. On the
 hidden-state path that holds (for the ``dH`` row) with ``batch_invariant=True``: the per-row
 reductions run in a fixed order, and the row-dependent GEMMs have a fixed shape of ``GEMM_ROWS`` rows
-(zero-padded), since BLAS picks its kernels by shape; the row's bits then do not depend on the batch,
-its position or ``memory_budget``. In the default mode a row's last bits may change with the number
+(zero-padded), since BLAS picks its kernels by shape, and run single-threaded in fixed-shape tasks (a
+multi-threaded BLAS call may sum in an order that follows its thread count); the row's bits then do not
+depend on the batch, its position, ``memory_budget`` or the number of threads. In the default mode a row's last bits may change with the number
 of rows (within the float64 tolerances). ``dW`` and ``dbias`` sum over rows in a fixed order.
 
 Labels outside ``[0, V)`` (possible only when the public functions skip their value checks, under

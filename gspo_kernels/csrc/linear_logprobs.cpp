@@ -24,7 +24,8 @@
 //   is then issued as a GEMM of exactly `gemm_rows` rows, zero-padded, with the vocabulary tile width
 //   fixed: a row's log-prob, entropy and dH row are the same bits whatever the other rows are, where
 //   the row sits, and whether its logits were saved or recomputed. The price: fewer active rows than
-//   gemm_rows cost as much as gemm_rows.
+//   gemm_rows cost as much as gemm_rows. The GEMMs run as single-threaded tasks of fixed shapes
+//   (for_each_fixed_task): a multi-threaded BLAS call may sum in an order that follows its thread count.
 // In both modes the per-row folds run in a fixed order (gspo_cpu.h), and dW and dbias sum over rows in
 // a fixed order (fixed chunks and shapes): the same bits on every run with the same thread count.
 //
@@ -159,18 +160,7 @@ struct RowBlocks {
       : G(std::max<int64_t>(gemm_rows, 0)),
         R(gemm_rows > 0 ? round_up(std::max<int64_t>(row_block, 1), gemm_rows) : std::max<int64_t>(row_block, 1)) {}
   int64_t padded(int64_t n) const { return G > 0 ? round_up(n, G) : n; }  // rows of a block of n, padded
-  int64_t gemm(int64_t np) const { return G > 0 ? G : np; }               // rows of each GEMM of that block
 };
-
-// z[0:np] = h[r0:r0+np] @ w.T, as np / G products of exactly G rows.
-void logits_tile(at::Tensor& z, const at::Tensor& h, int64_t r0, int64_t np, const at::Tensor& w, int64_t G) {
-  const at::Tensor wt = w.t();
-  for (int64_t s = 0; s < np; s += G) {
-    at::Tensor out = z.narrow(0, s, G);
-    at::mm_out(out, h.narrow(0, r0 + s, G), wt);
-  }
-}
-
 
 // fp32 out = a @ b (accumulate: out += a @ b) for the default mode. Through oneDNN's matmul when
 // this torch build has it: oneDNN picks AVX-512 kernels on any x86 CPU that has them, while MKL's
@@ -227,6 +217,97 @@ void for_each_tile(int64_t ntiles, int nthreads, const F& f) {
     }
   }
   if (error) std::rethrow_exception(error);
+}
+
+// Batch-invariant mode: a GEMM's bits must depend only on its inputs and its shape. A BLAS call made
+// outside a parallel region splits its work over as many threads as it gets, and MKL's sgemm splits
+// the summed dimension too (an [8, 1024] x [1024, 256] product rounds differently with 1 and 2 threads);
+// with MKL's dynamic threading the count it gets can follow the machine's load, so the same product
+// changed bits from call to call on a loaded 16-core host. So every GEMM of this mode is cut into
+// tasks of a fixed shape (G rows by kTaskCols vocabulary columns, or by kTaskHidden hidden columns:
+// shapes that depend on G, the vocabulary tile and H only), the threads share out the tasks, and each
+// task's GEMM runs on its own thread (SingleThreadedGemm): a task's bits do not depend on the thread
+// count, nor on which thread ran it.
+constexpr int64_t kTaskCols = 512;    // vocabulary columns per task (logits z = h W^T, dW = dZ^T H)
+constexpr int64_t kTaskHidden = 128;  // hidden columns per task (dH = dZ W)
+
+// MKL's mkl_set_num_threads_local (C entry point MKL_Set_Num_Threads_Local; the lowercase symbol is the
+// Fortran one, which takes a pointer), looked up at run time (torch builds that link MKL export it), or null.
+using MklSetLocal = int (*)(int);
+
+MklSetLocal mkl_set_local() {
+  static const MklSetLocal fn = []() -> MklSetLocal {
+    void* lib = dlopen("libtorch_cpu.so", RTLD_LAZY | RTLD_NOLOAD);
+    return lib == nullptr ? nullptr : reinterpret_cast<MklSetLocal>(dlsym(lib, "MKL_Set_Num_Threads_Local"));
+  }();
+  return fn;
+}
+
+// While alive, the GEMMs the calling thread issues run on that thread alone, whatever the global
+// settings. Inside an active parallel region MKL and oneDNN already run sequentially, but a team of one
+// thread (one task, or one intra-op thread) is not active: there oneDNN would use omp_get_max_threads()
+// threads and MKL its own count (torch sets it globally with mkl_set_num_threads). Hence the two
+// thread-local settings: OpenMP's nthreads of the current task (what oneDNN reads) and MKL's local count.
+class SingleThreadedGemm {
+ public:
+  SingleThreadedGemm() : omp_prev_(omp_get_max_threads()), mkl_(mkl_set_local()) {
+    omp_set_num_threads(1);
+    if (mkl_ != nullptr) mkl_prev_ = mkl_(1);
+  }
+  ~SingleThreadedGemm() {
+    if (mkl_ != nullptr) mkl_(mkl_prev_);  // 0 (the usual previous value) restores the global count
+    omp_set_num_threads(omp_prev_);
+  }
+  SingleThreadedGemm(const SingleThreadedGemm&) = delete;
+  SingleThreadedGemm& operator=(const SingleThreadedGemm&) = delete;
+
+ private:
+  int omp_prev_;
+  MklSetLocal mkl_;
+  int mkl_prev_ = 0;
+};
+
+// f(t) for t in [0, ntasks), shared out over the intra-op threads, each call with single-threaded GEMMs.
+template <typename F>
+void for_each_fixed_task(int64_t ntasks, const F& f) {
+  for_each_tile(ntasks, tile_threads(ntasks), [&](int64_t t, int) {
+    const SingleThreadedGemm one_thread;
+    f(t);
+  });
+}
+
+// z[0:np, 0:nv] = h[r0:r0+np] @ w.T (w: [nv, H]) in tasks of G rows by kTaskCols columns.
+void logits_tile(at::Tensor& z, const at::Tensor& h, int64_t r0, int64_t np, const at::Tensor& w, int64_t G,
+                 DnnlMatmul dnnl) {
+  const int64_t nv = w.size(0), slices = (nv + kTaskCols - 1) / kTaskCols;
+  for_each_fixed_task(np / G * slices, [&](int64_t t) {
+    const int64_t s = t / slices * G, c = t % slices * kTaskCols, nc = std::min(kTaskCols, nv - c);
+    at::Tensor out = z.narrow(0, s, G).narrow(1, c, nc);
+    gemm_out(out, h.narrow(0, r0 + s, G), w.narrow(0, c, nc).t(), false, dnnl);
+  });
+}
+
+// dh[r0:r0+np] += z[0:np] @ w in tasks of G rows by kTaskHidden hidden columns (each sums over the whole
+// vocabulary tile); with dw defined, dw (+)= z.T @ h[r0:r0+np] in tasks of kTaskCols rows of dw (each sums
+// over the np rows of the block), overwritten when !accumulate_dw.
+void grad_tile(at::Tensor& dh, at::Tensor& dw, const at::Tensor& z, const at::Tensor& h, int64_t r0, int64_t np,
+               const at::Tensor& w, int64_t G, bool accumulate_dw, DnnlMatmul dnnl) {
+  const int64_t nv = w.size(0), H = w.size(1);
+  const int64_t hslices = (H + kTaskHidden - 1) / kTaskHidden;
+  const int64_t dh_tasks = np / G * hslices;
+  const int64_t dw_tasks = dw.defined() ? (nv + kTaskCols - 1) / kTaskCols : 0;
+  const at::Tensor hb = h.narrow(0, r0, np);
+  for_each_fixed_task(dh_tasks + dw_tasks, [&](int64_t t) {
+    if (t < dh_tasks) {
+      const int64_t s = t / hslices * G, c = t % hslices * kTaskHidden, nc = std::min(kTaskHidden, H - c);
+      at::Tensor out = dh.narrow(0, r0 + s, G).narrow(1, c, nc);
+      gemm_out(out, z.narrow(0, s, G), w.narrow(1, c, nc), true, dnnl);
+    } else {
+      const int64_t c = (t - dh_tasks) * kTaskCols, nc = std::min(kTaskCols, nv - c);
+      at::Tensor out = dw.narrow(0, c, nc);
+      gemm_out(out, z.narrow(1, c, nc).t(), hb, accumulate_dw, dnnl);
+    }
+  });
 }
 
 // Forward of the default mode over the rows h [Na, H] (fp32, contiguous): per-row statistics `st` and
@@ -404,6 +485,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_fwd(const at::
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
 
   const bool direct = rb.G == 0;
+  const DnnlMatmul dnnl = dnnl_matmul();
   at::Tensor zbuf = at::empty({direct ? 0 : std::min(R, rb.padded(Na)) * VB}, f32);
   at::Tensor wbuf = weight.scalar_type() == at::kFloat || direct ? at::Tensor() : at::empty({VB, H}, f32);
   std::vector<RowStats> st(Na);
@@ -419,7 +501,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_fwd(const at::
       const int64_t nv = std::min(VB, V - v0);
       const bool save = v0 < save_cols;
       at::Tensor z = tile_view(zbuf, np, nv);
-      logits_tile(z, h, r0, np, weight_tile(weight, v0, nv, wbuf), rb.gemm(np));
+      logits_tile(z, h, r0, np, weight_tile(weight, v0, nv, wbuf), rb.G, dnnl);
       const float* zp = z.data_ptr<float>();
       const float* btile = bp != nullptr ? bp + v0 : nullptr;
       at::parallel_for(0, nr, 4, [&](int64_t a, int64_t e) {
@@ -525,6 +607,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_bwd(
 
     const int64_t VB = std::min(std::max<int64_t>(vocab_block, 1), V);
     const bool direct = rb.G == 0;
+    const DnnlMatmul dnnl = dnnl_matmul();
     at::Tensor zbuf = at::empty({direct ? 0 : std::min(R, Np) * VB}, f32);
     at::Tensor wbuf = weight.scalar_type() == at::kFloat || direct ? at::Tensor() : at::empty({VB, H}, f32);
     at::Tensor dh = direct ? at::empty({Np, H}, f32) : at::zeros({Np, H}, f32);
@@ -544,7 +627,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_bwd(
         const int64_t np = rb.padded(nr);
         at::Tensor z = tile_view(zbuf, np, nv);
         const bool from_saved = v0 < save_cols;
-        if (!from_saved) logits_tile(z, h, r0, np, w, rb.gemm(np));
+        if (!from_saved) logits_tile(z, h, r0, np, w, rb.G, dnnl);
         float* zp = z.data_ptr<float>();
         at::parallel_for(0, nr, 4, [&](int64_t a, int64_t e) {
           for (int64_t i = a; i < e; ++i) {
@@ -568,17 +651,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_bwd(
           }
         });
         if (np > nr) z.narrow(0, nr, np - nr).zero_();  // padding rows carry no gradient
-        const int64_t G = rb.gemm(np);
-        for (int64_t s = 0; s < np; s += G) dh.narrow(0, r0 + s, G).addmm_(z.narrow(0, s, G), w);
-        if (weight_grad) {
-          const at::Tensor hb = h.narrow(0, r0, np);
-          if (r0 == 0) {
-            at::mm_out(dw, z.t(), hb);
-          } else {
-            dw.addmm_(z.t(), hb);
-          }
+        grad_tile(dh, dw, z, h, r0, np, w, rb.G, r0 > 0, dnnl);
+        if (bias.has_value()) {  // column sums over the rows in row order (at::sum's order may follow the threads)
+          float* db = dB.data_ptr<float>() + v0;
+          at::parallel_for(0, nv, 256, [&](int64_t a, int64_t e) {
+            for (int64_t i = 0; i < nr; ++i) {
+              const float* zrow = zp + i * nv;
+#pragma omp simd
+              for (int64_t j = a; j < e; ++j) db[j] += zrow[j];
+            }
+          });
         }
-        if (bias.has_value()) dB.narrow(0, v0, nv).add_(z.sum(0));
       }
     }
     grad_hidden.index_copy_(0, idx, dh.narrow(0, 0, Ng).to(hidden.scalar_type()));
