@@ -132,13 +132,18 @@ def test_tiny_liger_fused_linear_grpo_runs_on_cpu(tmp_path):
 
 @pytest.mark.slow
 def test_tiny_trl_step_runs_both_trainers_in_fresh_processes():
+    """Stock TRL, the drop-in at its default budget and at bench_gpu.TRL_STEP_OTHER_BUDGET: the same loss and lm_head
+    gradient, each timed against stock's."""
     pytest.importorskip("trl")
     result = bench_gpu.run_trl_step("cpu", tiny=True, limit_s=240)
     assert result["status"] == "ok", result
-    stock, ours = result["rows"]
-    assert stock["trainer"] == "trl" and ours["trainer"] == "gspo"
-    assert stock["shape"] == ours["shape"] == "tiny"
-    assert ours["loss"] == pytest.approx(stock["loss"], rel=1e-5, abs=1e-6)
-    assert ours["lm_head_grad_norm"] == pytest.approx(stock["lm_head_grad_norm"], rel=1e-4)
+    stock, ours, other = result["rows"]
+    assert stock["trainer"] == "trl" and ours["trainer"] == other["trainer"] == "gspo"
+    assert "gspo_memory_budget" in other["case"] and "gspo_memory_budget" not in ours["case"]
+    assert stock["shape"] == ours["shape"] == other["shape"] == "tiny"
+    for row in (ours, other):
+        assert row["loss"] == pytest.approx(stock["loss"], rel=1e-5, abs=1e-6)
+        assert row["lm_head_grad_norm"] == pytest.approx(stock["lm_head_grad_norm"], rel=1e-4)
     bench_gpu.add_ratios(result["rows"])
     assert ours["x_plain"] == pytest.approx(ours["ms"] / stock["ms"])
+    assert other["x_plain"] == pytest.approx(other["ms"] / stock["ms"])
