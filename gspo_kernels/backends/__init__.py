@@ -39,6 +39,11 @@ Labels outside ``[0, V)`` reach a backend only when the public checks are skippe
     one-pass form of :func:`gspo_kernels.fused_linear_gspo_loss`); returns a ``LossOutput``, or None when it
     cannot run this input (the pipeline then runs ``linear_logprobs`` and the objective).
 
+``fused_logits_loss(logits, inputs, config, *, inplace_backward=False, softcap=None)`` (optional)
+    the whole loss of the logits path with the backend's own ``objective``, as one differentiable call (the
+    log-probs and the sequence stage in one autograd node, no per-token gradient tensors between them);
+    returns a ``LossOutput`` equal to ``objective(*logits_logprobs(...), inputs, config)``.
+
 ``"auto"`` picks, for the tensors' device, the first available of: CUDA -> triton, torch;
 CPU -> cpu (the C++ kernels, compiled on first use: :mod:`gspo_kernels.backends.cpu_build`), torch. It logs
 the backend it picked once per (device, name). When the C++ kernels cannot be built (no compiler, ...), the
@@ -80,12 +85,14 @@ class Backend:
         objective: Optional[Callable] = None,
         supports: Optional[Callable[[torch.device], bool]] = None,
         fused_linear_loss: Optional[Callable] = None,
+        fused_logits_loss: Optional[Callable] = None,
     ) -> None:
         self.name = name
         self.logits_logprobs = logits_logprobs
         self.linear_logprobs = linear_logprobs
         self.objective = objective
         self.fused_linear_loss = fused_linear_loss
+        self.fused_logits_loss = fused_logits_loss
         self._supports = supports
 
     def supports(self, device: torch.device) -> bool:
