@@ -707,18 +707,20 @@ class TritonLogitsLoss(torch.autograd.Function):
     backward is the one backward kernel, which forms ``dL/dlogp = coef * (grad_loss * out[O_SCALE_LOGP])`` and
     ``dL/dH = mask * (grad_loss * out[O_SCALE_ENTROPY])`` per row itself (``grad_scale``). What it saves per
     call: a node of the graph (a Python backward the engine calls), the two elementwise products and the
-    ``[N]`` gradients between the nodes. ``extra_position`` as in :class:`TritonLogitsLogprobs`; the token
-    mask (0/1 fp32) is the forward's ``active``.
+    ``[N]`` gradients between the nodes. ``extra_position`` as in :class:`TritonLogitsLogprobs`.
     """
 
     @staticmethod
     def forward(ctx, logits, inputs, config, inplace_backward, extra_position, softcap):
-        active = inputs.batch.mask  # [N] fp32 0/1, flat and contiguous (the layout's)
+        # The rows that count: the layout's bool flags (the forward kernel the two-node path launches), else the
+        # 0/1 fp32 mask (the kernels test ``!= 0`` either way).
+        active = _flat_bool(inputs.batch.counted)
+        active = inputs.batch.mask if active is None else active
         rows = logits[:, :-1] if extra_position else logits
         logp, entropy, row_stats = logprobs_forward(rows, inputs.labels, active=active,
                                                     temperature=config.temperature, softcap=softcap)
         coef, out, loss = _sequence_stage(logp, entropy, inputs, config)
-        ctx.save_for_backward(logits, inputs.labels, row_stats, entropy, active, coef, out)
+        ctx.save_for_backward(logits, inputs.labels, row_stats, entropy, active, inputs.batch.mask, coef, out)
         ctx.temperature = config.temperature
         ctx.entropy_coef = config.entropy_coef
         ctx.softcap = softcap
@@ -732,7 +734,7 @@ class TritonLogitsLoss(torch.autograd.Function):
     def backward(ctx, grad_loss, _grad_out):
         if grad_loss is None:
             return None, None, None, None, None, None
-        logits, labels, row_stats, entropy, mask, coef, out = ctx.saved_tensors
+        logits, labels, row_stats, entropy, active, mask, coef, out = ctx.saved_tensors
         full = logits.detach()
         rows = full[:, :-1] if ctx.extra_position else full
         if ctx.inplace:
@@ -749,13 +751,20 @@ class TritonLogitsLoss(torch.autograd.Function):
             entropy if with_entropy else None,
             coef,
             mask if with_entropy else None,
-            active=mask,
+            active=active,
             temperature=ctx.temperature,
             out=dst,
             softcap=ctx.softcap,
             grad_scale=(grad_loss.to(torch.float32), out[O_SCALE_LOGP.value], out[O_SCALE_ENTROPY.value]),
         )
         return dlogits, None, None, None, None, None
+
+
+def _flat_bool(flags: Optional[Tensor]) -> Optional[Tensor]:
+    """``flags`` when it is a flat, contiguous bool tensor (what a kernel may index as ``[N]``), else None."""
+    if flags is not None and flags.dtype == torch.bool and flags.dim() == 1 and flags.is_contiguous():
+        return flags
+    return None
 
 
 def fused_logits_loss(logits: Tensor, inputs, config, *, inplace_backward: bool = False,
