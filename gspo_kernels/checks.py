@@ -83,9 +83,13 @@ class ValueChecks:
                 torch._assert_async(torch.logical_not(bad), rule)
             return
         device = (checks[0][0] if checks else fetch[0][1]).device
-        parts = [torch.stack([bad.to(device) for bad, _, _ in checks]).to(torch.int64)] if checks else []
-        parts += [values.to(device=device, dtype=torch.int64) for _, values in fetch]
-        read = torch.cat(parts).tolist()  # the one host sync
+        flags = [bad.to(device) for bad, _, _ in checks]
+        if not fetch:  # the rules alone: read the flags as they are (one check: no stack either)
+            read = (torch.stack(flags) if len(flags) > 1 else flags[0].reshape(1)).tolist()  # the one host sync
+        else:
+            parts = [torch.stack(flags).to(torch.int64)] if checks else []
+            parts += [values.to(device=device, dtype=torch.int64) for _, values in fetch]
+            read = torch.cat(parts).tolist()  # the one host sync
         flags, rest = read[: len(checks)], read[len(checks):]
         for flag, (_, _, detail) in zip(flags, checks):
             if flag:
@@ -222,18 +226,19 @@ def check_labels(
     """
     labels = check_integer("labels", labels)
     flat = labels.detach().reshape(-1).to(torch.int64).contiguous()  # kernels index labels as a dense [N] array
-    out_of_range = (flat < 0) | (flat >= vocab_size)
     where = " at unmasked positions" if counted is not None else ""
-    if counted is not None:
-        out_of_range = out_of_range & counted
+    kept = flat if counted is None else torch.where(counted, flat, 0)  # one op: a scalar 0, no zeros tensor
     if flat.numel():
+        # Floor division by V is 0 exactly for a label in [0, V) (and for the 0 of a masked position): one op
+        # where the two compares, their "or" and the "and" with counted took four. The message (error path
+        # only) finds the position again.
         checks.add(
-            out_of_range.any(),
+            (kept // vocab_size).any(),
             f"labels must lie in [0, V) (the vocabulary size){where}",
-            lambda: f"labels must lie in [0, {vocab_size}) (the vocabulary size){where}; flat position "
-            f"{first_true(out_of_range)} holds {int(flat[first_true(out_of_range)])}",
+            lambda: (lambda i: f"labels must lie in [0, {vocab_size}) (the vocabulary size){where}; flat position "
+                     f"{i} holds {int(flat[i])}")(first_true((kept < 0) | (kept >= vocab_size))),
         )
-    return flat if counted is None else torch.where(counted, flat, 0)  # one op: a scalar 0, no zeros tensor
+    return kept
 
 
 def check_num_items(value: Union[None, int, float, Tensor], device: torch.device, checks: ValueChecks) -> Optional[Tensor]:

@@ -12,7 +12,7 @@ Both layouts end up as ``N`` tokens in response order:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Union
+from typing import List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -27,6 +27,7 @@ from gspo_kernels.checks import (
     check_same_device,
     check_tensor,
     first_true,
+    host_reads_allowed,
 )
 from gspo_kernels.precision import upcast
 
@@ -41,6 +42,8 @@ class TokenBatch:
         cu_seqlens: ``[S + 1]`` int32, response boundaries (``arange(0, B*T+1, T)`` when padded).
         num_seqs: ``S``.
         token_shape: ``(B, T)`` for the padded layout, ``(N,)`` for the packed one.
+        counted: ``[N]`` bool, ``mask > 0`` (a view of the caller's mask when it is bool: no op); None when
+            the batch was built without it.
     """
 
     mask: Tensor
@@ -48,6 +51,7 @@ class TokenBatch:
     cu_seqlens: Tensor
     num_seqs: int
     token_shape: tuple
+    counted: Optional[Tensor] = None
 
 
 @dataclass(frozen=True)
@@ -115,12 +119,9 @@ def flatten_token_layout(
                 f"got shape {tuple(labels.shape)}"
             )
         B, T = labels.shape
-        token_mask = _token_mask(mask, (B, T), device, checks)
-        cu = torch.arange(0, B * T + 1, max(T, 1), device=device, dtype=torch.int32)[: B + 1]
-        if T == 0:
-            cu = torch.zeros(B + 1, device=device, dtype=torch.int32)
-        seq_index = torch.arange(B, device=device).repeat_interleave(T)
-        batch = TokenBatch(token_mask.reshape(-1), seq_index, cu, B, (B, T))
+        token_mask, counted = _token_mask(mask, (B, T), device, checks)
+        cu, seq_index = _padded_layout(B, T, device)
+        batch = TokenBatch(token_mask.reshape(-1), seq_index, cu, B, (B, T), counted.reshape(-1))
     else:
         batch = _packed_layout(labels, mask, check_tensor("cu_seqlens", cu_seqlens), checks, name)
     if own:
@@ -141,7 +142,7 @@ def _packed_layout(labels: Tensor, mask: Optional[Tensor], cu_seqlens: Tensor, c
     S = cu_seqlens.numel() - 1
     if S == 0 and N > 0:
         raise ValueError(f"cu_seqlens = [0] describes no response but {name} holds N = {N} tokens")
-    token_mask = _token_mask(mask, (N,), device, checks)
+    token_mask, counted = _token_mask(mask, (N,), device, checks)
     cu = cu_seqlens.detach().to(torch.int64)
     lengths = cu[1:] - cu[:-1]
     checks.add(cu[0] != 0, "cu_seqlens must start at 0",
@@ -156,13 +157,42 @@ def _packed_layout(labels: Tensor, mask: Optional[Tensor], cu_seqlens: Tensor, c
     # value checks above are device asserts that have not fired yet.
     positions = torch.arange(N, device=device, dtype=torch.int64)
     seq_index = torch.searchsorted(cu[1:].contiguous(), positions, right=True).clamp_(max=max(S - 1, 0))
-    return TokenBatch(token_mask, seq_index, cu.to(torch.int32), S, (N,))
+    return TokenBatch(token_mask, seq_index, cu.to(torch.int32), S, (N,), counted)
 
 
-def _token_mask(mask: Optional[Tensor], shape: tuple, device: torch.device, checks: ValueChecks) -> Tensor:
-    """The 0/1 float32 token mask; ``mask`` may be bool, integer or float, holding only 0 and 1."""
+# The padded layout's ``(cu_seqlens, seq_index)`` depend only on ``(B, T, device)``: kept per shape (bounded,
+# cleared when full) so that a call with a shape seen before dispatches no op for them. Nothing writes into
+# these tensors. Built afresh (never kept) where their values may not exist yet or may not outlive the call:
+# under torch.compile tracing or CUDA-graph capture (a captured kernel runs only at replay) and in inference mode
+# (an inference tensor cannot be saved for a later backward).
+_PADDED_LAYOUTS: dict = {}
+_PADDED_LAYOUTS_MAX = 32
+
+
+def _padded_layout(B: int, T: int, device: torch.device) -> Tuple[Tensor, Tensor]:
+    """``(cu_seqlens [B + 1] int32, seq_index [B * T] int64)`` of the padded layout ``[B, T]``."""
+    key = (B, T, device)
+    cached = _PADDED_LAYOUTS.get(key)
+    if cached is not None:
+        return cached
+    cu = torch.arange(0, B * T + 1, max(T, 1), device=device, dtype=torch.int32)[: B + 1]
+    if T == 0:
+        cu = torch.zeros(B + 1, device=device, dtype=torch.int32)
+    seq_index = torch.arange(B, device=device).repeat_interleave(T)
+    if host_reads_allowed() and not torch.is_inference_mode_enabled():
+        if len(_PADDED_LAYOUTS) >= _PADDED_LAYOUTS_MAX:
+            _PADDED_LAYOUTS.clear()
+        _PADDED_LAYOUTS[key] = (cu, seq_index)
+    return cu, seq_index
+
+
+def _token_mask(mask: Optional[Tensor], shape: tuple, device: torch.device,
+                checks: ValueChecks) -> Tuple[Tensor, Tensor]:
+    """``(the 0/1 float32 token mask, mask > 0 as bool)``, both ``shape``; ``mask`` may be bool, integer or float,
+    holding only 0 and 1 (a bool mask is itself the second: no op)."""
     if mask is None:
-        return torch.ones(shape, device=device, dtype=torch.float32)
+        ones = torch.ones(shape, device=device, dtype=torch.float32)
+        return ones, ones > 0
     mask = check_tensor("mask", mask)
     if tuple(mask.shape) != tuple(shape):
         raise ValueError(f"mask must have shape {tuple(shape)} (like labels), got {tuple(mask.shape)}")
@@ -170,16 +200,16 @@ def _token_mask(mask: Optional[Tensor], shape: tuple, device: torch.device, chec
         raise TypeError(f"mask must be bool, integer or float (0/1), got {mask.dtype}")
     mask = mask.detach()
     if mask.dtype == torch.bool:  # True / False are exactly 1.0 / 0.0: one cast, no compare
-        return mask.to(torch.float32)
-    if mask.dtype != torch.bool:
-        not_binary = (mask != 0) & (mask != 1)  # NaN included
-        checks.add(
-            not_binary.any(),
-            "mask must hold only 0 and 1 (bool, integer or float)",
-            lambda: f"mask must hold only 0 and 1 (bool, integer or float); flat position "
-            f"{first_true(not_binary)} holds {mask.reshape(-1)[first_true(not_binary)].item()}",
-        )
-    return (mask != 0).to(torch.float32).reshape(shape)
+        return mask.to(torch.float32), mask
+    not_binary = (mask != 0) & (mask != 1)  # NaN included
+    checks.add(
+        not_binary.any(),
+        "mask must hold only 0 and 1 (bool, integer or float)",
+        lambda: f"mask must hold only 0 and 1 (bool, integer or float); flat position "
+        f"{first_true(not_binary)} holds {mask.reshape(-1)[first_true(not_binary)].item()}",
+    )
+    counted = (mask != 0).reshape(shape)
+    return counted.to(torch.float32), counted
 
 
 
@@ -231,7 +261,7 @@ def prepare_loss_inputs(
     checks = ValueChecks() if checks is None else checks
     batch = flatten_token_layout(labels, mask=mask, cu_seqlens=cu_seqlens, checks=checks, name=name)
     device = labels.device
-    counted = batch.mask > 0
+    counted = batch.counted
     flat_labels = None if vocab_size is None else check_labels(labels, vocab_size, checks, counted)
 
     advantages = check_float("advantages", advantages)

@@ -293,6 +293,15 @@ class _LogitsHead(_Head):
     def check_finite(self, labels: Tensor, checks: ValueChecks, counted: Optional[Tensor]) -> None:
         check_finite_logits(self.logits, labels if self.vp is None else None, checks, counted)
 
+    def fused_loss(self, impl: Backend, objective, inputs, config: GSPOConfig) -> Optional[LossOutput]:
+        """The backend's logits loss in one call when it has one, the objective is the backend's own and there
+        is no vocabulary split (the same loss and gradient as the log-probs and the objective one after the
+        other, with less host work: see ``docs/gpu.md``)."""
+        if getattr(impl, "fused_logits_loss", None) is None or self.vp is not None or objective is not impl.objective:
+            return None
+        return impl.fused_logits_loss(self.logits, inputs, config, inplace_backward=self.inplace_backward,
+                                      **_softcap_kwargs(config.final_logit_softcapping))
+
     def logprobs(self, impl: Backend, labels: Tensor, active: Optional[Tensor], temperature: float,
                  return_entropy: bool, softcap: Optional[float] = None) -> Tuple[Tensor, Optional[Tensor]]:
         logits = self.logits

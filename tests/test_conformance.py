@@ -340,12 +340,15 @@ def test_outputs_never_depend_on_uninitialized_memory(backend, path, monkeypatch
     monkeypatch.setattr(torch, "empty", lambda *a, **k: poisoned(real_empty(*a, **k)))
     monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poisoned(real_empty_like(*a, **k)))
     impl = backends.load(backend)
-    if path == "linear" and impl.fused_linear_loss is not None:  # the one-pass form, on poisoned buffers too
+    # The one-call forms (the hidden path's one-pass loss, the logits path's one-node loss), on poisoned buffers
+    # too; below, with them switched off: the two-stage form's contract boundary.
+    one_call = "fused_linear_loss" if path == "linear" else "fused_logits_loss"
+    if getattr(impl, one_call, None) is not None:
         out, grads = run()
         assert torch.isfinite(out.loss) and out.loss.item() == pytest.approx(clean.loss.item(), rel=1e-6)
         for got, want in zip(grads, clean_grads):
             torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
-        monkeypatch.setattr(impl, "fused_linear_loss", None)  # below: the two-pass form's contract boundary
+        monkeypatch.setattr(impl, one_call, None)
     # What the sequence stage sends back to the per-token stage (the Triton stage's coefficient buffer
     # times a scale), caught at the backend contract's boundary: finite everywhere, 0 at masked tokens.
     upstream = []

@@ -105,7 +105,8 @@ def test_signature_derived_from_the_kernel_arguments():
     sig = h100_report.derive_signature(
         logits.logprobs_bwd_kernel,
         {"stride_v": 1, "dstride_v": 1, "BLOCK_V": 64, "VEC": 8, "DST_ALIGNED": True, "HAS_ACTIVE": True,
-         "HAS_GRAD_LOGP": True, "HAS_GRAD_ENTROPY": False, "HAS_SOFTCAP": False, "FAST_MATH": True},
+         "HAS_GRAD_LOGP": True, "HAS_GRAD_ENTROPY": False, "HAS_GRAD_SCALE": False, "HAS_SOFTCAP": False,
+         "FAST_MATH": True},
         pointers={"logits_ptr": "bf16", "dlogits_ptr": "bf16", "labels_ptr": "i64", "active_ptr": "i1"},
         floats=["inv_temperature", "softcap"],
     )

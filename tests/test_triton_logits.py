@@ -902,3 +902,62 @@ def test_fused_objective_gradient_equals_autograd_bit_for_bit(level, entropy_coe
         assert torch.equal(got_entropy, want[1]) and got_entropy.abs().sum() > 0
     else:
         assert got_entropy is None
+
+
+def _two_node_loss(logits_in, labels, adv, old, mask, config, inplace, packed):
+    """``gspo_loss`` as it ran before the one-node logits loss: ``logits_logprobs`` then ``fused_objective``."""
+    from gspo_kernels.layout import prepare_loss_inputs
+
+    kw = {"cu_seqlens": torch.arange(0, labels.numel() + 1, labels.numel() // 3, device=DEVICE)} if packed else {}
+    inputs = prepare_loss_inputs(labels, adv, logits_in.shape[-1], old_logprobs=old, mask=mask, **kw)
+    logp, entropy = logits.logits_logprobs(logits_in, inputs.labels, active=inputs.batch.mask > 0,
+                                           temperature=config.temperature, return_entropy=True,
+                                           inplace_backward=inplace, softcap=config.final_logit_softcapping)
+    return sequence.fused_objective(logp, entropy, inputs, config)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("config", [
+    GSPOConfig(),
+    GSPOConfig(entropy_coef=0.01, importance_sampling_level="token", temperature=0.7),
+    GSPOConfig(entropy_coef=-0.02, final_logit_softcapping=5.0, loss_type="dr_grpo", max_completion_length=8),
+], ids=["gspo", "token+entropy+temperature", "softcap+dr_grpo"])
+@pytest.mark.parametrize("layout", ["shifted", "shifted_inplace", "packed"])
+def test_one_node_logits_loss_equals_logprobs_then_objective_bit_for_bit(dtype, config, layout):
+    """``gspo_loss(backend="triton")`` runs the log-probs and the sequence stage as one autograd node whose backward
+    kernel forms ``coef * (grad_loss * scale)`` itself: the loss, every metric and the logits gradient are the
+    same bits as the two nodes one after the other (scaled incoming gradient, fp64 logits, the entropy term,
+    ``[:, :-1]`` routing, in place). Its backward dispatches no elementwise op: only the backward kernel."""
+    B, T, V = 3, 5, 37
+    base = (torch.randn(B, T + 1, V) * 3).to(dtype)
+    labels = torch.randint(0, V, (B, T))
+    adv, old = torch.randn(B), torch.randn(B, T) - 3.0
+    mask = torch.rand(B, T) > 0.3
+    packed, inplace = layout == "packed", layout == "shifted_inplace"
+    results = []
+    for one_node in (True, False):
+        leaf = base.clone().to(DEVICE).requires_grad_(True)
+        x = leaf * 1.0  # a model output
+        args = [t.to(DEVICE) for t in (labels, adv, old, mask)]
+        logits_in = x[:, :-1].reshape(B * T, V) if packed else x[:, :-1]
+        if packed:
+            args = [args[0].reshape(-1), args[1], args[2].reshape(-1), args[3].reshape(-1)]
+        if one_node:
+            kw = {"cu_seqlens": torch.arange(0, B * T + 1, T, device=DEVICE)} if packed else {}
+            out = gk.gspo_loss(logits_in, args[0], args[1], args[2], mask=args[3], config=config, backend="triton",
+                               inplace_backward=inplace, **kw)
+            assert type(out.loss.grad_fn.next_functions[0][0]).__name__ == "TritonLogitsLossBackward"
+        else:
+            out = _two_node_loss(logits_in, *args, config, inplace, packed)
+        scale = torch.full_like(out.loss, 1.7)  # an incoming loss gradient other than 1
+        with NewTensors(min_numel=1 << 60) as record:
+            (grad,) = torch.autograd.grad(out.loss, x, scale)
+        if one_node:
+            assert "aten.mul.Tensor" not in record.ops, record.ops
+        results.append((out, grad))
+    (a, ga), (b, gb) = results
+    assert a.loss.dtype == b.loss.dtype and torch.equal(a.loss, b.loss)
+    assert a.metrics.keys() == b.metrics.keys()
+    for name in a.metrics:
+        assert torch.equal(a.metrics[name], b.metrics[name]) or (a.metrics[name].isnan() & b.metrics[name].isnan()), name
+    assert torch.equal(ga, gb)

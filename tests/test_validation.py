@@ -194,3 +194,32 @@ def test_seq_index_of_a_well_formed_layout():
     batch = flatten_token_layout(torch.zeros(6, dtype=torch.long), cu_seqlens=torch.tensor([0, 2, 2, 6]))
     assert batch.seq_index.tolist() == [0, 0, 2, 2, 2, 2]
     assert batch.cu_seqlens.dtype == torch.int32 and batch.num_seqs == 3
+
+
+def test_padded_layout_kept_per_shape_is_never_an_inference_tensor():
+    """The padded layout's ``cu_seqlens`` / ``seq_index`` are kept per ``(B, T, device)`` between calls, but not
+    when built in inference mode: a later call with autograd (the torch backend saves ``seq_index`` for its
+    backward) must still work, and every call sees the right boundaries."""
+    from gspo_kernels.layout import flatten_token_layout
+
+    shape = (3, 7)  # a shape no other test uses first
+    labels = torch.randint(0, V, shape)
+    with torch.inference_mode():
+        first = flatten_token_layout(labels)
+        gk.gspo_loss(torch.randn(*shape, V), labels, torch.randn(3), backend="torch")
+    logits = torch.randn(*shape, V, requires_grad=True)
+    gk.gspo_loss(logits, labels, torch.randn(3), backend="torch").loss.backward()
+    again = flatten_token_layout(labels)
+    assert not again.seq_index.is_inference() and not again.cu_seqlens.is_inference()
+    for batch in (first, again, flatten_token_layout(labels)):
+        assert batch.cu_seqlens.tolist() == [0, 7, 14, 21]
+        assert batch.seq_index.tolist() == [0] * 7 + [1] * 7 + [2] * 7
+
+
+@pytest.mark.parametrize("bad", [-1, V, V + 4, -(2 ** 62), 2 ** 62])
+def test_label_range_rule_at_the_int64_extremes(bad):
+    """The range rule (one floor division by V) catches a label far outside ``[0, V)`` as well as next to it."""
+    labels = torch.randint(0, V, (B, T))
+    labels[0, 1] = bad
+    with pytest.raises(ValueError, match=rf"flat position 1 holds {bad}"):
+        call(**padded(labels=labels))

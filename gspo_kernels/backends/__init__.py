@@ -41,6 +41,11 @@ leaves=None, logprobs_out=None)`` (optional)
     caller's tensors that the precision policy cast into the operands (the gradients go to them, in their
     dtypes); ``logprobs_out [N]``: receives the detached per-token log-probs, 0 where the mask is 0.
 
+``fused_logits_loss(logits, inputs, config, *, inplace_backward=False, softcap=None)`` (optional)
+    the whole loss of the logits path with the backend's own ``objective``, as one differentiable call (the
+    log-probs and the sequence stage in one autograd node, no per-token gradient tensors between them);
+    returns a ``LossOutput`` equal to ``objective(*logits_logprobs(...), inputs, config)``.
+
 ``"auto"`` picks, for the tensors' device, the first available of: CUDA -> triton, torch;
 CPU -> cpu (the C++ kernels, compiled on first use: :mod:`gspo_kernels.backends.cpu_build`), torch. It logs
 the backend it picked once per (device, name). When the C++ kernels cannot be built (no compiler, ...), the
@@ -82,12 +87,14 @@ class Backend:
         objective: Optional[Callable] = None,
         supports: Optional[Callable[[torch.device], bool]] = None,
         fused_linear_loss: Optional[Callable] = None,
+        fused_logits_loss: Optional[Callable] = None,
     ) -> None:
         self.name = name
         self.logits_logprobs = logits_logprobs
         self.linear_logprobs = linear_logprobs
         self.objective = objective
         self.fused_linear_loss = fused_linear_loss
+        self.fused_logits_loss = fused_logits_loss
         self._supports = supports
 
     def supports(self, device: torch.device) -> bool:

@@ -41,8 +41,8 @@ def make_backend():
     """The Triton backend; raises (reported by ``backends.load``) when triton cannot be imported."""
     from gspo_kernels.backends import Backend
     from gspo_kernels.backends.triton.linear import fused_linear_loss, linear_logprobs
-    from gspo_kernels.backends.triton.logits import logits_logprobs
+    from gspo_kernels.backends.triton.logits import fused_logits_loss, logits_logprobs
     from gspo_kernels.backends.triton.sequence import fused_objective
 
     return Backend("triton", logits_logprobs, linear_logprobs, objective=fused_objective, supports=supports,
-                   fused_linear_loss=fused_linear_loss)
+                   fused_linear_loss=fused_linear_loss, fused_logits_loss=fused_logits_loss)

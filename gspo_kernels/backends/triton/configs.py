@@ -246,7 +246,8 @@ def _logits_bwd_h100(dtype: str, has_grad_entropy: bool, vocab: str = "aligned",
     size = {"aligned": 1 << 20, "unaligned": 50257, "v1": 1}[vocab]
     constexprs = {"stride_v": 1, "dstride_v": 1, "BLOCK_V": logits_block_v(size, ELEMENT_SIZES[dtype]),
                   "VEC": 16 // ELEMENT_SIZES[dtype], "DST_ALIGNED": True, "HAS_ACTIVE": True, "HAS_GRAD_LOGP": True,
-                  "HAS_GRAD_ENTROPY": has_grad_entropy, "HAS_SOFTCAP": softcap, "FAST_MATH": True}
+                  "HAS_GRAD_ENTROPY": has_grad_entropy, "HAS_GRAD_SCALE": True,  # gspo_loss's variant
+                  "HAS_SOFTCAP": softcap, "FAST_MATH": True}
     if vocab == "v1":
         constexprs["vocab_size"] = 1
     tags = [dtype, "dlogp+dH" if has_grad_entropy else "dlogp"]

@@ -85,7 +85,9 @@ from gspo_kernels.backends.triton.configs import (
     logits_edge_v,
 )
 from gspo_kernels.backends.triton.launch import device_guard, interpreter_active, row_offsets, row_strides
+from gspo_kernels.backends.triton.sequence import O_SCALE_ENTROPY, O_SCALE_LOGP, _sequence_stage, metric_slots
 from gspo_kernels.checks import check_softcap
+from gspo_kernels.objective import LossOutput
 from gspo_kernels.precision import compute_dtype
 
 # A finite "minus infinity": the running max starts there (exp2((_NEG_BIG - m) k) is 0, no -inf - -inf), and the
@@ -301,11 +303,12 @@ def grad_tile(z, row_max, k, log2_s, c0, c1, inv_cap, softcap,
 def logprobs_bwd_kernel(
     logits_ptr, dlogits_ptr, labels_ptr, active_ptr, grad_logp_ptr, grad_entropy_ptr, entropy_ptr,
     row_stats_ptr,  # [2, N] from the forward
+    grad_scale_ptr, logp_scale_ptr, entropy_scale_ptr,  # 0-dim fp32 each, read with HAS_GRAD_SCALE
     n_rows, rows_per_batch, out_rows_per_batch, stride_b, stride_t, stride_v, dstride_b, dstride_t, dstride_v,
     vocab_size, inv_temperature, softcap,
     BLOCK_V: tl.constexpr, VEC: tl.constexpr, DST_ALIGNED: tl.constexpr, HAS_ACTIVE: tl.constexpr,
-    HAS_GRAD_LOGP: tl.constexpr, HAS_GRAD_ENTROPY: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    FAST_MATH: tl.constexpr,
+    HAS_GRAD_LOGP: tl.constexpr, HAS_GRAD_ENTROPY: tl.constexpr, HAS_GRAD_SCALE: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, FAST_MATH: tl.constexpr,
 ):
     out_row = tl.program_id(0).to(tl.int64)
     batch = out_row // out_rows_per_batch
@@ -321,9 +324,15 @@ def logprobs_bwd_kernel(
     g = 0.0
     h = 0.0
     if HAS_GRAD_LOGP:
-        g = tl.load(grad_logp_ptr + row).to(acc_dtype) * inv_temperature
+        g_in = tl.load(grad_logp_ptr + row)
+        if HAS_GRAD_SCALE:  # the sequence stage's backward, in fp32: coef_t * (grad_loss * scale)
+            g_in = g_in * (tl.load(grad_scale_ptr) * tl.load(logp_scale_ptr))
+        g = g_in.to(acc_dtype) * inv_temperature
     if HAS_GRAD_ENTROPY:
-        h = tl.load(grad_entropy_ptr + row).to(acc_dtype) * inv_temperature
+        h_in = tl.load(grad_entropy_ptr + row)
+        if HAS_GRAD_SCALE:  # mask_t * (grad_loss * scale)
+            h_in = h_in * (tl.load(grad_scale_ptr) * tl.load(entropy_scale_ptr))
+        h = h_in.to(acc_dtype) * inv_temperature
     keep = in_range
     if HAS_ACTIVE:
         keep = keep & (tl.load(active_ptr + row) != 0)
@@ -508,6 +517,7 @@ def logprobs_backward(
     inplace: bool = False,
     out: Optional[Tensor] = None,
     softcap: Optional[float] = None,
+    grad_scale: Optional[Tuple[Tensor, Tensor, Tensor]] = None,
 ) -> Tensor:
     """Launch the backward kernel.
 
@@ -521,6 +531,9 @@ def logprobs_backward(
             ``[B, T + 1, V]`` base of a ``[:, :-1]`` view), else into ``logits`` itself; the caller's logits are
             consumed.
         softcap: the forward's ``softcap`` (the gradient is multiplied by the cap's slope ``1 - tanh^2``).
+        grad_scale: None, or ``(s, a, b)``, 0-dim fp32 tensors: the incoming gradients are then
+            ``grad_logp * (s * a)`` and ``grad_entropy * (s * b)``, formed in fp32 inside the kernel (the products
+            the sequence stage's backward would otherwise launch as elementwise ops; the same bits).
         out: the gradient buffer (any strides): shaped like ``logits``, or ``[B, T + 1, V]`` for 3-D
             ``[B, T, V]`` logits, in which case position ``T`` of every sequence gets zeros. Default: a new
             tensor shaped like ``logits`` (or ``logits`` itself when ``inplace``).
@@ -559,6 +572,7 @@ def logprobs_backward(
             grad_entropy if grad_entropy is not None else row_stats,
             entropy if entropy is not None else row_stats,
             row_stats,
+            *(grad_scale if grad_scale is not None else (row_stats, row_stats, row_stats)),
             n_rows,
             rows_per_batch,
             out_rows_per_batch,
@@ -578,6 +592,7 @@ def logprobs_backward(
             HAS_ACTIVE=active is not None,
             HAS_GRAD_LOGP=grad_logp is not None,
             HAS_GRAD_ENTROPY=grad_entropy is not None,
+            HAS_GRAD_SCALE=grad_scale is not None,
             HAS_SOFTCAP=softcap is not None,
             FAST_MATH=not interpreter_active(),
             num_warps=LOGITS_NUM_WARPS,
@@ -682,3 +697,93 @@ def logits_logprobs(
         bool(inplace_backward), base is not None, softcap_value(softcap),
     )
     return logp, (entropy if return_entropy else None)
+
+
+class TritonLogitsLoss(torch.autograd.Function):
+    """``logits [N, V] | [B, T, V] -> (loss 0-dim, out [NUM_OUTPUTS])``: :class:`TritonLogitsLogprobs` and the
+    sequence stage (:class:`~gspo_kernels.backends.triton.sequence.TritonSequenceObjective`) as one autograd node.
+
+    The same launches and the same bits as the two nodes: the forward kernel, then the sequence stage's two; the
+    backward is the one backward kernel, which forms ``dL/dlogp = coef * (grad_loss * out[O_SCALE_LOGP])`` and
+    ``dL/dH = mask * (grad_loss * out[O_SCALE_ENTROPY])`` per row itself (``grad_scale``). What it saves per
+    call: a node of the graph (a Python backward the engine calls), the two elementwise products and the
+    ``[N]`` gradients between the nodes. ``extra_position`` as in :class:`TritonLogitsLogprobs`.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, inputs, config, inplace_backward, extra_position, softcap):
+        # The rows that count: the layout's bool flags (the forward kernel the two-node path launches), else the
+        # 0/1 fp32 mask (the kernels test ``!= 0`` either way).
+        active = _flat_bool(inputs.batch.counted)
+        active = inputs.batch.mask if active is None else active
+        rows = logits[:, :-1] if extra_position else logits
+        logp, entropy, row_stats = logprobs_forward(rows, inputs.labels, active=active,
+                                                    temperature=config.temperature, softcap=softcap)
+        coef, out, loss = _sequence_stage(logp, entropy, inputs, config)
+        ctx.save_for_backward(logits, inputs.labels, row_stats, entropy, active, inputs.batch.mask, coef, out)
+        ctx.temperature = config.temperature
+        ctx.entropy_coef = config.entropy_coef
+        ctx.softcap = softcap
+        ctx.inplace = inplace_backward
+        ctx.extra_position = extra_position
+        ctx.mark_non_differentiable(out)
+        ctx.set_materialize_grads(False)
+        return loss.to(logp.dtype), out
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_out):
+        if grad_loss is None:
+            return None, None, None, None, None, None
+        logits, labels, row_stats, entropy, active, mask, coef, out = ctx.saved_tensors
+        full = logits.detach()
+        rows = full[:, :-1] if ctx.extra_position else full
+        if ctx.inplace:
+            dst = full
+        elif ctx.extra_position:
+            dst = torch.empty(full.shape, device=full.device, dtype=full.dtype)
+        else:
+            dst = None
+        with_entropy = ctx.entropy_coef != 0
+        dlogits = logprobs_backward(
+            rows,
+            labels,
+            row_stats,
+            entropy if with_entropy else None,
+            coef,
+            mask if with_entropy else None,
+            active=active,
+            temperature=ctx.temperature,
+            out=dst,
+            softcap=ctx.softcap,
+            grad_scale=(grad_loss.to(torch.float32), out[O_SCALE_LOGP.value], out[O_SCALE_ENTROPY.value]),
+        )
+        return dlogits, None, None, None, None, None
+
+
+def _flat_bool(flags: Optional[Tensor]) -> Optional[Tensor]:
+    """``flags`` when it is a flat, contiguous bool tensor (what a kernel may index as ``[N]``), else None."""
+    if flags is not None and flags.dtype == torch.bool and flags.dim() == 1 and flags.is_contiguous():
+        return flags
+    return None
+
+
+def fused_logits_loss(logits: Tensor, inputs, config, *, inplace_backward: bool = False,
+                      softcap: Optional[float] = None):
+    """The backend contract's ``fused_logits_loss``: :func:`logits_logprobs` then the backend's objective
+    (:func:`gspo_kernels.backends.triton.sequence.fused_objective`) in one autograd node (:class:`TritonLogitsLoss`).
+
+    Args:
+        logits: ``[N, V]`` or ``[B, T, V]``, any float dtype and strides (a ``model_output[:, :-1]`` view is
+            routed to its base, as in :func:`logits_logprobs`).
+        inputs: the validated :class:`~gspo_kernels.layout.LossInputs` (labels in ``[0, V)``, the token mask).
+        config: the loss options; ``config.temperature`` divides the logits.
+        softcap: None or ``c > 0`` (the config's ``final_logit_softcapping``, checked by the public functions).
+    Returns:
+        ``LossOutput(loss, metrics)``, what the two stages return one after the other.
+    """
+    base = next_token_base(logits) if torch.is_grad_enabled() else None
+    loss, out = TritonLogitsLoss.apply(logits if base is None else base, inputs, config, bool(inplace_backward),
+                                       base is not None, softcap_value(softcap))
+    # fused_objective's metrics, read from the same ``out`` slots
+    slots = metric_slots(config, inputs.rollout_logprobs is not None, True)
+    return LossOutput(loss, {name: out[index] for name, index in slots})
