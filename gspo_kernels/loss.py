@@ -293,11 +293,13 @@ class _LogitsHead(_Head):
     def check_finite(self, labels: Tensor, checks: ValueChecks, counted: Optional[Tensor]) -> None:
         check_finite_logits(self.logits, labels if self.vp is None else None, checks, counted)
 
-    def fused_loss(self, impl: Backend, objective, inputs, config: GSPOConfig) -> Optional[LossOutput]:
+    def fused_loss(self, impl: Backend, objective, inputs, config: GSPOConfig,
+                   logprobs_out: Optional[Tensor] = None) -> Optional[LossOutput]:
         """The backend's logits loss in one call when it has one, the objective is the backend's own and there
         is no vocabulary split (the same loss and gradient as the log-probs and the objective one after the
-        other, with less host work: see ``docs/gpu.md``)."""
-        if getattr(impl, "fused_logits_loss", None) is None or self.vp is not None or objective is not impl.objective:
+        other, with less host work: see ``docs/gpu.md``); not when the log-probs are asked for (``logprobs_out``)."""
+        if (impl.fused_logits_loss is None or self.vp is not None or objective is not impl.objective
+                or logprobs_out is not None):
             return None
         return impl.fused_logits_loss(self.logits, inputs, config, inplace_backward=self.inplace_backward,
                                       **_softcap_kwargs(config.final_logit_softcapping))
@@ -406,7 +408,7 @@ def _run(head, tokens: Tensor, advantages: Tensor, old_logprobs: Optional[Tensor
         rollout_logprobs=rollout_logprobs, rollout_correction=config.rollout_correction,
         check_finite=check_finite, host_layout=head.plans_rows(impl),
     )
-    counted = inputs.batch.mask > 0
+    counted = inputs.batch.counted if inputs.batch.counted is not None else inputs.batch.mask > 0  # no op: kept
     if check_finite:
         checks = ValueChecks()
         head.check_finite(inputs.labels, checks, counted)
