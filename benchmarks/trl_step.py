@@ -60,7 +60,7 @@ def _rss_kb(field: str) -> int:
 
 
 def run_case(case: str, precision: str, backend: str, memory_budget: str = "drop-in", device: str = "cpu",
-             shape: str = "", repeats: int = 3) -> dict:
+             shape: str = "", repeats: int = 3, one_pass: bool = False) -> dict:
     """One trainer (``case``: ``"trl"`` stock, ``"gspo"`` the drop-in) on ``device``: the figures as a dict."""
     import torch
     import trl
@@ -92,6 +92,8 @@ def run_case(case: str, precision: str, backend: str, memory_budget: str = "drop
     )
     cls = trl.GRPOTrainer if case == "trl" else GRPOTrainer
     extra = {} if case == "trl" else {"gspo_backend": backend}
+    if case != "trl" and one_pass:
+        extra["gspo_one_pass"] = True
     if case != "trl" and memory_budget != "drop-in":
         extra["gspo_memory_budget"] = None if memory_budget == "none" else int(memory_budget)
     trainer = cls(model=model, reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=args,
@@ -190,7 +192,8 @@ def main() -> None:
     parser.add_argument("--precisions", default="fp32,bf16")
     parser.add_argument("--memory-budget", default="drop-in",
                         help="the drop-in's gspo_memory_budget in bytes, or 'drop-in' / 'none' (not given: the drop-in's "
-                        "own default, 256 MiB on the CPU, 1 GiB on CUDA)")
+                        "own default, 256 MiB on the CPU; on CUDA the library's, 1 GiB with --one-pass)")
+    parser.add_argument("--one-pass", action="store_true", help="the drop-in with gspo_one_pass=True")
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     parser.add_argument("--shape", choices=tuple(SHAPES), default="",
                         help="cpu, client or tiny (default: cpu on the CPU, client on CUDA)")
@@ -198,13 +201,14 @@ def main() -> None:
     opts = parser.parse_args()
     if opts.case:
         print(json.dumps(run_case(opts.case, opts.precision, opts.backend, opts.memory_budget, opts.device,
-                                  opts.shape, opts.repeats)))
+                                  opts.shape, opts.repeats, one_pass=opts.one_pass)))
         return
     rows = []
     for precision in opts.precisions.split(","):
         for case in ("trl", "gspo"):  # a fresh process per case
             cmd = [sys.executable, __file__, "--case", case, "--precision", precision, "--backend", opts.backend,
                    "--memory-budget", opts.memory_budget, "--device", opts.device, "--repeats", str(opts.repeats)]
+            cmd += ["--one-pass"] if opts.one_pass else []
             cmd += ["--shape", opts.shape] if opts.shape else []
             out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=os.environ.copy())
             rows.append(json.loads(out.stdout.strip().splitlines()[-1]))

@@ -132,14 +132,14 @@ def test_tiny_liger_fused_linear_grpo_runs_on_cpu(tmp_path):
 
 @pytest.mark.slow
 def test_tiny_trl_step_runs_both_trainers_in_fresh_processes():
-    """Stock TRL, the drop-in at its default budget and at bench_gpu.TRL_STEP_OTHER_BUDGET: the same loss and lm_head
-    gradient, each timed against stock's."""
+    """Stock TRL, the drop-in as it comes and with gspo_one_pass=True: the same loss and lm_head gradient, each timed
+    against stock's."""
     pytest.importorskip("trl")
     result = bench_gpu.run_trl_step("cpu", tiny=True, limit_s=240)
     assert result["status"] == "ok", result
     stock, ours, other = result["rows"]
     assert stock["trainer"] == "trl" and ours["trainer"] == other["trainer"] == "gspo"
-    assert "gspo_memory_budget" in other["case"] and "gspo_memory_budget" not in ours["case"]
+    assert "gspo_one_pass=True" in other["case"] and "one_pass" not in ours["case"]
     assert stock["shape"] == ours["shape"] == other["shape"] == "tiny"
     for row in (ours, other):
         assert row["loss"] == pytest.approx(stock["loss"], rel=1e-5, abs=1e-6)

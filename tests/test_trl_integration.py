@@ -340,6 +340,16 @@ def test_unknown_backend_raises(policy_dir, tmp_path):
                     gspo_backend="cuda")
 
 
+@pytest.mark.parametrize("value", [1, "yes", None])
+def test_gspo_one_pass_must_be_a_bool(policy_dir, tmp_path, value):
+    from transformers import AutoModelForCausalLM
+
+    with pytest.raises(TypeError, match="gspo_one_pass must be a bool"):
+        GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(policy_dir), reward_funcs=trl_reward_function(TASK),
+                    args=_config(tmp_path), train_dataset=_dataset(), processing_class=hf_tokenizer(),
+                    gspo_one_pass=value)
+
+
 @pytest.mark.parametrize("budget", [-1, 1.5, "1GiB"])
 def test_bad_memory_budget_raises_naming_it(policy_dir, tmp_path, budget):
     from transformers import AutoModelForCausalLM
@@ -394,11 +404,15 @@ def test_memory_budget_reaches_the_head_and_keeps_the_bits(policy_dir, tmp_path,
 
 
 def test_default_head_budget_on_the_cpu_and_on_cuda():
-    """The drop-in's own defaults: 256 MiB of saved logits on the CPU, 1 GiB of Triton chunk buffers on CUDA (not the
-    library's free-memory sizing: in a trainer they sit beside the model's activations); a given budget is kept."""
-    from gspo_kernels.integrations.trl import CPU_MEMORY_BUDGET, CUDA_MEMORY_BUDGET, head_memory_budget
+    """The drop-in's defaults: 256 MiB of saved logits on the CPU; on CUDA the library's default for the log-prob
+    calls and 1 GiB of Triton chunk buffers for the one-pass loss (gspo_one_pass: in a trainer they sit beside the
+    model's activations, not the library's free-memory sizing); a given budget is kept."""
+    from gspo_kernels.integrations.trl import CPU_MEMORY_BUDGET, ONE_PASS_MEMORY_BUDGET, head_memory_budget
 
-    assert CPU_MEMORY_BUDGET == 256 << 20 and CUDA_MEMORY_BUDGET == 1 << 30
+    assert CPU_MEMORY_BUDGET == 256 << 20 and ONE_PASS_MEMORY_BUDGET == 1 << 30
     assert head_memory_budget(None, torch.device("cpu")) == CPU_MEMORY_BUDGET
-    assert head_memory_budget(None, torch.device("cuda", 1)) == CUDA_MEMORY_BUDGET
+    assert head_memory_budget(None, torch.device("cpu"), one_pass=True) == CPU_MEMORY_BUDGET
+    assert head_memory_budget(None, torch.device("cuda", 1)) is None
+    assert head_memory_budget(None, torch.device("cuda", 1), one_pass=True) == ONE_PASS_MEMORY_BUDGET
+    assert head_memory_budget(7, torch.device("cuda"), one_pass=True) == 7
     assert head_memory_budget(0, torch.device("cuda")) == 0 and head_memory_budget(5, torch.device("cpu")) == 5

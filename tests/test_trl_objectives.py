@@ -31,7 +31,7 @@ from tests.test_trl_integration import TASK, _config, _dataset, _inputs, policy_
 BANDS = {"token": (0.2, 0.28), "sequence": (3e-4, 4e-4)}
 
 
-def _pair(path, tmp_path, backend="torch", **config):
+def _pair(path, tmp_path, backend="torch", drop_in=None, **config):
     from transformers import AutoModelForCausalLM
 
     # both trainers on the backend's device: the Triton backend gets CUDA tensors where CUDA exists
@@ -42,7 +42,7 @@ def _pair(path, tmp_path, backend="torch", **config):
         return cls(model=model, reward_funcs=trl_reward_function(TASK), args=_config(tmp_path, **config),
                    train_dataset=_dataset(), processing_class=hf_tokenizer(), **extra)
 
-    return build(trl.GRPOTrainer), build(GRPOTrainer, gspo_backend=backend)
+    return build(trl.GRPOTrainer), build(GRPOTrainer, gspo_backend=backend, **(drop_in or {}))
 
 
 def _step(trainer, inputs, accumulation=2):
@@ -143,23 +143,26 @@ def test_every_loss_type_matches_trl(policy_dir, tmp_path, loss_type, level, opt
             setattr(theirs, name, options[name])
 
 
+# (backend, loss_type, level, options, gspo_one_pass, whether the loss runs inside the forward)
 ROUTES = [
-    ("triton", "grpo", "sequence", dict(beta=0.05), True),
-    ("triton", "dapo", "token", dict(off_policy_mask_threshold=0.1), True),
-    ("cpu", "luspo", "sequence", {}, True),
-    ("cpu", "sapo", "token", dict(top_entropy_quantile=0.5), False),
-    ("cpu", "grpo", "token", dict(entropy_coef=0.01), False),
+    ("triton", "grpo", "sequence", dict(beta=0.05), True, True),
+    ("triton", "dapo", "token", dict(off_policy_mask_threshold=0.1), True, True),
+    ("cpu", "luspo", "sequence", {}, True, True),
+    ("cpu", "sapo", "token", dict(top_entropy_quantile=0.5), True, False),
+    ("cpu", "grpo", "token", dict(entropy_coef=0.01), True, False),
+    ("triton", "grpo", "sequence", dict(beta=0.05), False, False),
 ]
 
 
-@pytest.mark.parametrize("backend, loss_type, level, options, one_pass", ROUTES,
-                         ids=[f"{r[0]}-{r[1]}-{r[2]}-{'-'.join(r[3]) or 'plain'}" for r in ROUTES])
-def test_the_loss_runs_inside_the_forward_unless_it_needs_the_entropies_first(
-        policy_dir, tmp_path, monkeypatch, backend, loss_type, level, options, one_pass):  # noqa: F811
-    """The drop-in computes the loss inside the model's forward with ``fused_linear_gspo_loss`` (on the Triton
-    backend the one-pass loss, its gradient formed in the forward), except under TRL's top-entropy mask or
-    entropy bonus, which need the entropies before the loss; either way the loss, every gradient and the metrics
-    are stock TRL's."""
+@pytest.mark.parametrize("backend, loss_type, level, options, one_pass, inside", ROUTES,
+                         ids=[f"{r[0]}-{r[1]}-{r[2]}-{'-'.join(r[3]) or 'plain'}-{'one-pass' if r[4] else 'default'}"
+                              for r in ROUTES])
+def test_the_loss_runs_inside_the_forward_when_asked_unless_it_needs_the_entropies_first(
+        policy_dir, tmp_path, monkeypatch, backend, loss_type, level, options, one_pass, inside):  # noqa: F811
+    """With ``gspo_one_pass=True`` the drop-in computes the loss inside the model's forward with
+    ``fused_linear_gspo_loss`` (on the Triton backend the one-pass loss, its gradient formed in the forward), except
+    under TRL's top-entropy mask or entropy bonus, which need the entropies before the loss; by default it takes the
+    log-probs route. Either way the loss, every gradient and the metrics are stock TRL's."""
     import gspo_kernels.integrations.trl as drop_in
 
     calls = []
@@ -170,14 +173,14 @@ def test_the_loss_runs_inside_the_forward_unless_it_needs_the_entropies_first(
     epsilon, epsilon_high = BANDS[level]
     config = dict(loss_type=loss_type, importance_sampling_level=level, epsilon=epsilon, epsilon_high=epsilon_high,
                   temperature=0.9, **options)
-    theirs, ours = _pair(policy_dir, tmp_path, backend=backend, **config)
+    theirs, ours = _pair(policy_dir, tmp_path, backend=backend, drop_in=dict(gspo_one_pass=one_pass), **config)
     inputs = _inputs(theirs.model, torch.Generator().manual_seed(6), with_old=True, beta=config.get("beta", 0.0),
                      temperature=0.9, band=epsilon)
     want = _step(theirs, inputs)
     calls.clear()
     _assert_same(_step(ours, inputs), want)
     _assert_metrics_match(ours, theirs)
-    assert calls == ([("fused_linear_gspo_loss", True)] if one_pass else [("linear_logprobs", True)])
+    assert calls == ([("fused_linear_gspo_loss", True)] if inside else [("linear_logprobs", True)])
 
 
 def _trl_importance_ratio(old, sampling, mask, mode, clip_min, clip_max):

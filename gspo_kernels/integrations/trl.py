@@ -56,7 +56,7 @@ import trl
 from trl.trainer.utils import FusedCausalLMOutput, maybe_gather_lm_head_ctx, nanmax, nanmin
 
 from gspo_kernels import backends
-from gspo_kernels.checks import check_memory_budget, check_softcap
+from gspo_kernels.checks import check_bool, check_memory_budget, check_softcap
 from gspo_kernels.config import GSPOConfig
 from gspo_kernels.loss import fused_linear_gspo_loss, linear_logprobs, policy_loss
 from gspo_kernels.objective import clip_flags
@@ -68,13 +68,13 @@ from gspo_kernels.objective import clip_flags
 # single runs on 2 noisy cores): 256 MiB kept the peak at 0.43x stock TRL's where 1 GiB gave 0.60-0.61x; old pass
 # + loss step took 21.0-22.7 s with 256 MiB, 20.1-21.6 s with 1 GiB, 22.7-26.4 s with 0.
 CPU_MEMORY_BUDGET = 256 << 20
-# On CUDA (the Triton one-pass loss, and the two-pass backward of the other route): the bytes of its chunk buffers,
-# fp32 logits of C rows and a dZ store of 4 C rows (configs.one_pass_chunk_rows), where the library alone would
-# size them from the device's free memory (1024 / 4096 rows: 1.9 GB at V = 151936). In a trainer they sit beside
-# the model's activations at the top of the forward; 1 GiB holds 576 / 2304 rows at V = 151936: one more pass of
-# the dW GEMM over the fp32 accumulator per 4096 rows than the free-memory sizes, for half their bytes
-# (`gspo-kernels bench --gpu`, trl-step, measures both).
-CUDA_MEMORY_BUDGET = 1 << 30
+# On CUDA with gspo_one_pass (the Triton one-pass loss in the forward): the bytes of its chunk buffers, fp32 logits of
+# C rows and a dZ store of 4 C rows (configs.one_pass_chunk_rows), where the library alone would size them from the
+# device's free memory (1024 / 4096 rows: 1.9 GB at V = 151936). In a trainer they sit beside the model's
+# activations at the top of the forward; 1 GiB holds 576 / 2304 rows at V = 151936 (measured on an H200 at the
+# client shape: 61.8 ms and 5.34 GiB peak against stock TRL's 58.5 ms and 4.28 GiB). The default route's two-pass
+# backward keeps the library's default (512 / 2048 rows, 0.93 GB: 58.6 ms and 5.22 GiB in the same session).
+ONE_PASS_MEMORY_BUDGET = 1 << 30
 _FSDP1_OWN_UNIT = (
     "an lm_head wrapped as its own FSDP (FullyShardedDataParallel) unit is not supported by gspo_kernels' "
     "GRPOTrainer; keep lm_head in the root FSDP unit (use_orig_params=True), or use FSDP2 (fully_shard) or DDP"
@@ -100,20 +100,31 @@ class GRPOTrainer(trl.GRPOTrainer):
         gspo_memory_budget: the head's ``memory_budget`` in bytes (see :func:`gspo_kernels.fused_linear_gspo_loss`):
             the logits the ``cpu`` backend keeps between the forward and the backward, the Triton loss's chunk
             buffers. ``None`` (default): :data:`CPU_MEMORY_BUDGET` (256 MiB) on CPU tensors,
-            :data:`CUDA_MEMORY_BUDGET` (1 GiB) on CUDA. 0 gives the least memory (the ``cpu`` backend recomputes
-            every logits tile).
+            on CUDA the library's default (the two-pass backward's buffers, 0.93 GB at V = 151936), or
+            :data:`ONE_PASS_MEMORY_BUDGET` (1 GiB) with ``gspo_one_pass``. 0 gives the least memory (the ``cpu``
+            backend recomputes every logits tile).
+        gspo_one_pass: the loss step computes the whole loss inside the model's forward with
+            :func:`gspo_kernels.fused_linear_gspo_loss` (the Triton backend's one-pass loss: 6NHV FLOPs instead of
+            8NHV) instead of TRL's log-probs, then the library's sequence stage, then a backward that recomputes the
+            logits (default). Off by default: at the client shape measured on an H200 (hidden 2048, V = 151936,
+            8 x 1024 completions, bf16 autocast) it took 1.056x stock TRL's step time and 1.25x its peak memory,
+            against 1.008x and 1.22x for the default (``gspo-kernels bench --gpu``, trl-step; README). The same
+            loss and gradients either way; ignored (the default route) under TRL's top-entropy mask or entropy
+            bonus, which need the entropies before the loss.
     """
 
     def __init__(self, *args: Any, gspo_backend: str = "auto", gspo_memory_budget: Optional[int] = None,
-                 **kwargs: Any) -> None:
+                 gspo_one_pass: bool = False, **kwargs: Any) -> None:
         if gspo_backend != "auto" and gspo_backend not in backends.BACKENDS:
             raise ValueError(f"gspo_backend must be one of {('auto',) + backends.BACKENDS}, got {gspo_backend!r}")
+        check_bool("gspo_one_pass", gspo_one_pass)
         try:
             check_memory_budget(gspo_memory_budget)
         except ValueError as exc:
             raise ValueError(f"gspo_memory_budget: {exc}") from None
         super().__init__(*args, **kwargs)
         self.gspo_backend = gspo_backend
+        self.gspo_one_pass = gspo_one_pass
         self._check_supported()
         # TRL added its fused head to these two models (before any wrapping); ours replaces it.
         head = dict(temperature=self.temperature, fp32_head=bool(self.args.cast_lm_head_to_fp32), backend=gspo_backend,
@@ -192,7 +203,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         gradient formed in the same pass over the lm_head: 6NHV instead of the 8NHV of log-probs, then the
         loss, then a backward that recomputes the logits). Not when the loss needs the entropies before it can
         start (TRL's top-entropy mask) or adds TRL's entropy bonus on its own terms."""
-        return self.top_entropy_quantile >= 1.0 and not self._entropy_bonus_enabled
+        return self.gspo_one_pass and self.top_entropy_quantile >= 1.0 and not self._entropy_bonus_enabled
 
     def _compute_loss(self, model, inputs: Dict[str, Any]) -> torch.Tensor:
         extra = [key for key in _MULTIMODAL_KEYS if inputs.get(key) is not None]
@@ -411,7 +422,8 @@ def install_head(model, *, temperature: float, fp32_head: bool, backend: str,
         with maybe_gather_lm_head_ctx(head.weight, head.bias):
             request.output = fused_linear_gspo_loss(
                 hidden, weight, labels, request.advantages, request.old, bias=bias, backend=backend,
-                fp32_head=fp32_head, memory_budget=head_memory_budget(memory_budget, hidden.device), logprobs_out=logp,
+                fp32_head=fp32_head, memory_budget=head_memory_budget(memory_budget, hidden.device, one_pass=True),
+                logprobs_out=logp,
                 **{**request.terms, "config": config},
             )
         return request.output.loss, logp
@@ -479,12 +491,14 @@ def _router_aux_loss(backbone, text_config, kwargs) -> Optional[torch.Tensor]:
                                     kwargs.get("attention_mask"))
 
 
-def head_memory_budget(memory_budget: Optional[int], device: torch.device) -> Optional[int]:
-    """The ``memory_budget`` of a head call: the caller's, else :data:`CPU_MEMORY_BUDGET` on CPU and
-    :data:`CUDA_MEMORY_BUDGET` elsewhere."""
+def head_memory_budget(memory_budget: Optional[int], device: torch.device, *, one_pass: bool = False) -> Optional[int]:
+    """The ``memory_budget`` of a head call: the caller's, else :data:`CPU_MEMORY_BUDGET` on CPU and, elsewhere,
+    :data:`ONE_PASS_MEMORY_BUDGET` for the one-pass loss, the library's default (None) for the other calls."""
     if memory_budget is not None:
         return memory_budget
-    return CPU_MEMORY_BUDGET if device.type == "cpu" else CUDA_MEMORY_BUDGET
+    if device.type == "cpu":
+        return CPU_MEMORY_BUDGET
+    return ONE_PASS_MEMORY_BUDGET if one_pass else None
 
 
 def _gathered(head: torch.nn.Linear, hidden_size: int):

@@ -69,7 +69,6 @@ SHAPES = {
 }
 # Seconds a section may take at most on an H100 (its own timeout), and the least it needs to be worth starting.
 SECTION_LIMIT_S = {"hidden": 100.0, "logits": 45.0, "trl-step": 150.0, "torch-backend": 40.0}
-TRL_STEP_OTHER_BUDGET = 2 << 30  # the trl-step section's second drop-in row: gspo_memory_budget in bytes
 SECTION_MIN_S = {"hidden": 40.0, "logits": 15.0, "trl-step": 45.0, "torch-backend": 10.0}
 
 # The targets: (key, text, ratio, limit); ratio <= limit is met.
@@ -817,17 +816,16 @@ def run_trl_step(device: str, tiny: bool, limit_s: float) -> Dict:
         return dict(section="trl-step", status="skipped", seconds=0.0, rows=rows)
     precision = "bf16" if device == "cuda" else "fp32"
     status = "ok"
-    # the drop-in with its default head budget (1 GiB on CUDA), then with TRL_STEP_OTHER_BUDGET (what more buffer
-    # memory buys in time and costs in peak memory: the check on the drop-in's default)
-    cases = (("trl", "stock trl.GRPOTrainer", "drop-in"), ("gspo", "drop-in integrations.trl.GRPOTrainer", "drop-in"),
-             ("gspo", f"drop-in, gspo_memory_budget={TRL_STEP_OTHER_BUDGET >> 20} MiB", str(TRL_STEP_OTHER_BUDGET)))
-    for case, name, budget in cases:
+    # the drop-in as it comes, then with gspo_one_pass=True (the loss inside the forward: the check on the default)
+    cases = (("trl", "stock trl.GRPOTrainer", []), ("gspo", "drop-in integrations.trl.GRPOTrainer", []),
+             ("gspo", "drop-in, gspo_one_pass=True", ["--one-pass"]))
+    for case, name, options in cases:
         left = limit_s - (time.time() - start)
         if left < 10:
             rows.append(dict(section="trl-step", case=name, status="skipped", reason="time budget"))
             continue
         cmd = [sys.executable, script, "--case", case, "--precision", precision, "--device", device,
-               "--shape", "tiny" if tiny else "client", "--repeats", "3", "--memory-budget", budget]
+               "--shape", "tiny" if tiny else "client", "--repeats", "3", *options]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=left, env=_env_for_children())
             lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
