@@ -24,8 +24,8 @@ import trl
 
 from gspo_kernels.integrations.trl import GRPOTrainer
 from gspo_kernels.testing import FP32_RTOL, rel_err
-from tests.support import device_for
 from gspo_kernels.train.tasks import hf_tokenizer, trl_reward_function
+from tests.support import device_for
 from tests.test_trl_integration import TASK, _config, _dataset, _inputs, policy_dir  # noqa: F401 (a fixture)
 
 BANDS = {"token": (0.2, 0.28), "sequence": (3e-4, 4e-4)}
@@ -166,10 +166,15 @@ def test_the_loss_runs_inside_the_forward_when_asked_unless_it_needs_the_entropi
     import gspo_kernels.integrations.trl as drop_in
 
     calls = []
+
+    def spy(real, name):  # records (head function, gradient enabled) and calls it
+        def call(*args, **kwargs):
+            calls.append((name, torch.is_grad_enabled()))
+            return real(*args, **kwargs)
+        return call
+
     for name in ("fused_linear_gspo_loss", "linear_logprobs"):
-        real = getattr(drop_in, name)
-        spy = (lambda real, name: lambda *a, **k: (calls.append((name, torch.is_grad_enabled())), real(*a, **k))[1])
-        monkeypatch.setattr(drop_in, name, spy(real, name))
+        monkeypatch.setattr(drop_in, name, spy(getattr(drop_in, name), name))
     epsilon, epsilon_high = BANDS[level]
     config = dict(loss_type=loss_type, importance_sampling_level=level, epsilon=epsilon, epsilon_high=epsilon_high,
                   temperature=0.9, **options)
