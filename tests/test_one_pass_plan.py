@@ -26,6 +26,7 @@ def _small_chunks(monkeypatch, logits_rows: int, store_rows: int) -> None:
     monkeypatch.setattr(configs, "GEMM_ROW_MULTIPLE", 1)
     monkeypatch.setattr(configs, "ONE_PASS_LOGITS_ROWS", logits_rows)
     monkeypatch.setattr(configs, "ONE_PASS_STORE_ROWS", store_rows)
+    monkeypatch.setattr(configs, "ONE_PASS_MAX_LOGITS_ROWS", logits_rows)  # chunks stay this small
 
 
 def _case(seed, *, dtype=torch.float32, B=6, T=5, H=16, V=37, packed=False):
@@ -185,3 +186,28 @@ def test_chunk_rule_without_and_with_a_memory_budget():
     c, k = configs.one_pass_chunk_rows(16384, V, bf16, None, 12 << 30)  # 3 GiB cap: the full sizes fit
     assert (c, k) == (1024, 4096)
     assert configs.one_pass_chunk_rows(300, V, bf16, None, big) == (300, 300)
+
+
+def test_chunks_grow_to_hold_the_longest_response_when_the_bytes_allow():
+    """A response longer than ``C`` would go through the GEMMs twice: ``C`` grows to the longest response (rounded up
+    to the row multiple) whenever the same bytes hold it and at least as many store rows, the store giving up rows
+    first; an explicit budget still bounds both buffers; beyond the bytes (or ``ONE_PASS_MAX_LOGITS_ROWS``) the
+    sizes stay, and the two-pass backward's sizes never change."""
+    from gspo_kernels.backends.triton import configs
+
+    V, bf16, big = 151936, torch.bfloat16, 64 << 30
+    assert configs.one_pass_chunk_rows(16384, V, bf16, None, big, longest=1024) == (1024, 4096)  # fits already
+    assert configs.one_pass_chunk_rows(16384, V, bf16, None, big, longest=3000) == (3008, 4096)
+    assert configs.one_pass_chunk_rows(16384, V, bf16, None, big, longest=6000) == (6000, 6000)
+    c, k = configs.one_pass_chunk_rows(16384, V, bf16, 1 << 30, longest=1024)  # the TRL drop-in's 1 GiB
+    assert c == 1024 and c <= k and c * V * 4 + k * V * 2 <= 1 << 30 < c * V * 4 + (k + 16) * V * 2
+    assert configs.one_pass_chunk_rows(16384, V, bf16, 1 << 30, longest=2048) == \
+        configs.one_pass_chunk_rows(16384, V, bf16, 1 << 30)  # 2048 rows of logits and store: more than 1 GiB
+    # fp32 operands (dZ over the logits): a budget's rows are already all its bytes allow; the default sizes grow
+    assert configs.one_pass_chunk_rows(16384, V, torch.float32, 1 << 30, longest=2000) == \
+        configs.one_pass_chunk_rows(16384, V, torch.float32, 1 << 30)
+    assert configs.one_pass_chunk_rows(16384, V, torch.float32, None, big, longest=6000) == (6000, 6000)
+    assert configs.one_pass_chunk_rows(16384, V, bf16, None, big, two_pass=True, longest=3000) == (512, 2048)
+    too_long = configs.ONE_PASS_MAX_LOGITS_ROWS + 1
+    assert configs.one_pass_chunk_rows(1 << 16, V, bf16, None, big, longest=too_long) == (1024, 4096)
+    assert configs.one_pass_chunk_rows(700, V, bf16, None, big, longest=700) == (700, 700)

@@ -59,10 +59,14 @@ ONE_PASS_STORE_ROWS = 4096
 # on an H200 with the one-pass sizes: the drop-in's step at 1.42x stock TRL's peak memory for the same time).
 TWO_PASS_LOGITS_ROWS = 512
 TWO_PASS_STORE_ROWS = 2048
+# The most rows the one-pass logits buffer grows to so that the longest response is one chunk (one pass over the
+# lm_head for it; a longer response is computed in parts and its logits recomputed in the backward).
+ONE_PASS_MAX_LOGITS_ROWS = 16384
 
 
 def one_pass_chunk_rows(n_rows: int, V: int, operand: torch.dtype, memory_budget: Optional[int],
-                        free_bytes: Optional[int] = None, *, two_pass: bool = False) -> "tuple[int, int]":
+                        free_bytes: Optional[int] = None, *, two_pass: bool = False,
+                        longest: Optional[int] = None) -> "tuple[int, int]":
     """``(C, K)``: rows of the fp32 logits buffer and rows of the ``dZ`` store of the one-pass loss.
 
     Half-precision operands split their bytes as the default sizes do, ``K = r C`` (``r`` = store rows / logits
@@ -77,7 +81,10 @@ def one_pass_chunk_rows(n_rows: int, V: int, operand: torch.dtype, memory_budget
       two-pass backward's), scaled down together when their bytes would pass
       ``max(DEFAULT_MEMORY_BUDGET, free_bytes / 4)`` (``free_bytes``: the device's free memory, None: not known).
 
-    Neither is ever more than ``n_rows`` rows (at least 1).
+    ``longest``: the longest response's token count (the one-pass loss: a response longer than ``C`` goes through
+    the GEMMs twice, its logits recomputed). When it is more than ``C`` (and at most ``ONE_PASS_MAX_LOGITS_ROWS``),
+    ``C`` grows to hold it whenever the same bytes allow (``K >= C`` rows of store beside it: the store gives up
+    rows first, down to ``C``); otherwise the sizes stay. Neither is ever more than ``n_rows`` rows (at least 1).
     """
     acc = compute_dtype(operand).itemsize
     op = operand.itemsize
@@ -93,6 +100,15 @@ def one_pass_chunk_rows(n_rows: int, V: int, operand: torch.dtype, memory_budget
         c = min(logits_rows if separate else store_rows, cap // max(per_c, 1))
     c = max(GEMM_MIN_CHUNK_ROWS, c // GEMM_ROW_MULTIPLE * GEMM_ROW_MULTIPLE)
     k = ratio * c
+    if longest is not None and not two_pass and c < longest <= ONE_PASS_MAX_LOGITS_ROWS:
+        limit = int(memory_budget) if memory_budget is not None else cap
+        whole = -(-int(longest) // GEMM_ROW_MULTIPLE) * GEMM_ROW_MULTIPLE
+        if separate:
+            fits = (limit - whole * V * acc) // max(V * op, 1) // GEMM_ROW_MULTIPLE * GEMM_ROW_MULTIPLE
+            if fits >= whole:
+                c, k = whole, min(max(k, whole), fits)
+        elif whole * V * acc <= limit:
+            c = k = whole
     n = max(int(n_rows), 1)
     return min(c, n), min(k, n)
 

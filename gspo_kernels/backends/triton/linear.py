@@ -441,7 +441,7 @@ def fused_linear_loss(
     if memory_budget is None and weight.is_cuda and checks.host_reads_allowed():
         free = torch.cuda.mem_get_info(weight.device)[0]
     sizes = configs.one_pass_chunk_rows(hidden.reshape(-1, hidden.shape[-1]).shape[0], weight.shape[0], weight.dtype,
-                                        memory_budget, free)
+                                        memory_budget, free, longest=_longest_response(inputs))
     out, grads = _one_pass(objective=objective, hidden=hidden, weight=weight, bias=bias, inputs=inputs, config=config,
                            sizes=sizes, need=need, softcap=softcap, logprobs_out=logprobs_out)
     present = tuple(leaf for leaf in leaves if leaf is not None)
@@ -460,6 +460,14 @@ def fused_linear_loss(
 
     loss = _GradientsKnown.apply(out.loss, leaf_grads(grads), again, *present)
     return type(out)(loss, out.metrics)
+
+
+def _longest_response(inputs) -> int:
+    """The most tokens of one response: from the host layout (read with the value checks), else the padded T."""
+    if inputs.host is not None:
+        cu = inputs.host.cu_seqlens
+        return max((b - a for a, b in zip(cu[:-1], cu[1:])), default=0)
+    return inputs.batch.token_shape[-1]  # padded (the caller returns early for packed without a host layout)
 
 
 def _one_pass(objective, hidden, weight, bias, inputs, config, sizes, need, softcap, logprobs_out=None):
