@@ -71,9 +71,11 @@ CPU_MEMORY_BUDGET = 256 << 20
 # On CUDA with gspo_one_pass (the Triton one-pass loss in the forward): the bytes of its chunk buffers, fp32 logits of
 # C rows and a dZ store of 4 C rows (configs.one_pass_chunk_rows), where the library alone would size them from the
 # device's free memory (1024 / 4096 rows: 1.9 GB at V = 151936). In a trainer they sit beside the model's
-# activations at the top of the forward; 1 GiB holds 576 / 2304 rows at V = 151936 (measured on an H200 at the
-# client shape: 61.8 ms and 5.34 GiB peak against stock TRL's 58.5 ms and 4.28 GiB). The default route's two-pass
-# backward keeps the library's default (512 / 2048 rows, 0.93 GB: 58.6 ms and 5.22 GiB in the same session).
+# activations at the top of the forward; 1 GiB holds 576 / 2304 rows at V = 151936, or 1024 / 1472 when the
+# completions are 1024 tokens long (the chunks grow to the longest response). Measured on an H200 at the client
+# shape with 576 rows (every completion then in two passes): 61.8 ms and 5.34 GiB peak against stock TRL's 58.5 ms
+# and 4.28 GiB. The default route's two-pass backward keeps the library's default (512 / 2048 rows, 0.93 GB:
+# 58.6 ms and 5.22 GiB in the same session).
 ONE_PASS_MEMORY_BUDGET = 1 << 30
 _FSDP1_OWN_UNIT = (
     "an lm_head wrapped as its own FSDP (FullyShardedDataParallel) unit is not supported by gspo_kernels' "
@@ -108,8 +110,9 @@ class GRPOTrainer(trl.GRPOTrainer):
             8NHV) instead of TRL's log-probs, then the library's sequence stage, then a backward that recomputes the
             logits (default). Off by default: at the client shape measured on an H200 (hidden 2048, V = 151936,
             8 x 1024 completions, bf16 autocast) it took 1.056x stock TRL's step time and 1.25x its peak memory,
-            against 1.008x and 1.22x for the default (``gspo-kernels bench --gpu``, trl-step; README). The same
-            loss and gradients either way; ignored (the default route) under TRL's top-entropy mask or entropy
+            against 1.008x and 1.22x for the default (``gspo-kernels bench --gpu``, trl-step; README), its chunks
+            then shorter than one completion (each response in two passes; since fixed, predicted faster, not
+            measured). The same loss and gradients either way; ignored (the default route) under TRL's top-entropy mask or entropy
             bonus, which need the entropies before the loss.
     """
 
