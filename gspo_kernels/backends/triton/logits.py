@@ -504,6 +504,19 @@ def logprobs_forward(
     return logp, entropy, row_stats
 
 
+def _gradient_rows(logits: Tensor, inplace: bool, extra_position: bool) -> Tuple[Tensor, Optional[Tensor]]:
+    """``(rows, destination)`` of a logits backward: the saved logits' rows (``[:, :-1]`` of a model's
+    ``[B, T+1, V]`` output) and where the gradient goes: the logits' own storage (in place), a new tensor of the
+    full output's shape (its last position's gradient is zero), or None (a new tensor of the rows' shape)."""
+    full = logits.detach()
+    rows = full[:, :-1] if extra_position else full
+    if inplace:
+        return rows, full
+    if extra_position:
+        return rows, torch.empty(full.shape, device=full.device, dtype=full.dtype)
+    return rows, None
+
+
 def logprobs_backward(
     logits: Tensor,
     labels: Tensor,
@@ -643,14 +656,7 @@ class TritonLogitsLogprobs(torch.autograd.Function):
             grad_entropy = None
         if grad_logp is None and grad_entropy is None:
             return None, None, None, None, None, None, None, None
-        full = logits.detach()
-        rows = full[:, :-1] if ctx.extra_position else full
-        if ctx.inplace:
-            out = full
-        elif ctx.extra_position:
-            out = torch.empty(full.shape, device=full.device, dtype=full.dtype)
-        else:
-            out = None
+        rows, out = _gradient_rows(logits, ctx.inplace, ctx.extra_position)
         dlogits = logprobs_backward(
             rows,
             labels,
@@ -735,14 +741,7 @@ class TritonLogitsLoss(torch.autograd.Function):
         if grad_loss is None:
             return None, None, None, None, None, None
         logits, labels, row_stats, entropy, active, mask, coef, out = ctx.saved_tensors
-        full = logits.detach()
-        rows = full[:, :-1] if ctx.extra_position else full
-        if ctx.inplace:
-            dst = full
-        elif ctx.extra_position:
-            dst = torch.empty(full.shape, device=full.device, dtype=full.dtype)
-        else:
-            dst = None
+        rows, dst = _gradient_rows(logits, ctx.inplace, ctx.extra_position)
         with_entropy = ctx.entropy_coef != 0
         dlogits = logprobs_backward(
             rows,
