@@ -1,4 +1,5 @@
-"""Host-side cost of one ``gspo_loss`` call on the Triton logits path (forward + backward).
+"""Host-side cost of one call on the Triton backend (forward + backward): ``gspo_loss`` on the logits path, or
+``fused_linear_gspo_loss`` on the hidden-state path (``--path hidden``).
 
 What one call costs the CPU, separated from what its kernels cost the GPU: the aten ops dispatched (each a
 kernel launch on CUDA, most of them tiny), the Triton launches, the host reads (``.item()``, ``.tolist()``,
@@ -12,7 +13,13 @@ kernel launch on CUDA, most of them tiny), the Triton launches, the host reads (
 * With CUDA (``--cuda``): the real kernels; it reports the wall time per call (CUDA events) next to the
   counts.
 
-Run: ``python benchmarks/host_overhead.py [--shape tiny|mid|all] [--cuda] [--repeat 200]``.
+The hidden-state path (``--path hidden``, CPU only) runs the one-pass loss at the H200 profile's row and
+chunk counts (16 x 1024 rows, 16 chunks of 1024 logits rows, a 4096-row ``dZ`` store) on a tiny head (H, V
+= 8, 16), so that its real GEMMs cost next to nothing: what it reports is the Python between the call's start,
+its one host read, its first logits GEMM and each later GEMM. On a GPU the chunk's GEMMs take milliseconds, so
+only the work before the first GEMM (and after the host read, which waits for the device) leaves the GPU idle.
+
+Run: ``python benchmarks/host_overhead.py [--path logits|hidden] [--shape tiny|mid|all] [--cuda] [--repeat 200]``.
 """
 
 from __future__ import annotations
@@ -198,18 +205,113 @@ def measure(shape_name, device, repeat):
     }
 
 
+HIDDEN = dict(B=16, T=1024, H=8, V=16, chunk=1024, store=4096)  # the H200 profile's rows and chunks, a tiny head
+
+
+class GemmClock:
+    """Times (perf_counter) at each GEMM of the one-pass loss: logits chunks and store flushes."""
+
+    def __init__(self):
+        self.times = []
+
+    def install(self):
+        from gspo_kernels.backends.triton import linear
+
+        original_logits, original_dw = linear.chunk_logits, linear.accumulate_dw
+
+        def chunk_logits(*a, **k):
+            self.times.append(("logits", time.perf_counter()))
+            return original_logits(*a, **k)
+
+        def accumulate_dw(*a, **k):
+            self.times.append(("dw", time.perf_counter()))
+            return original_dw(*a, **k)
+
+        linear.chunk_logits, linear.accumulate_dw = chunk_logits, accumulate_dw
+        linear.configs.one_pass_chunk_rows = lambda *a, **k: (HIDDEN["chunk"], HIDDEN["store"])
+
+
+def measure_hidden(repeat):
+    """The hidden-state path's host work per call (kernels stubbed, a tiny head: see the module docstring)."""
+    B, T, H, V = (HIDDEN[k] for k in ("B", "T", "H", "V"))
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(B * T, H, generator=g).to(torch.bfloat16).requires_grad_()
+    weight = torch.randn(V, H, generator=g).to(torch.bfloat16).requires_grad_()
+    labels = torch.randint(0, V, (B, T), generator=g)
+    adv = torch.randn(B, generator=g)
+    old = torch.randn(B, T, generator=g) - 5.0
+
+    def call():
+        return gk.fused_linear_gspo_loss(hidden.view(B, T, H), weight, labels, adv, old, backend="triton")
+
+    clock = GemmClock()
+    clock.install()
+    for _ in range(3):
+        hidden.grad = weight.grad = None
+        call().loss.backward()
+    fwd_ops, bwd_ops = OpCounter(), OpCounter()
+    with HostReadSpy() as spy:
+        hidden.grad = weight.grad = None
+        with fwd_ops:
+            out = call()
+        with bwd_ops:
+            out.loss.backward()
+    start_read, read_gemm, gaps, fwd, bwd = [], [], [], [], []
+    with HostReadSpy() as timing:
+        for _ in range(repeat):
+            hidden.grad = weight.grad = None
+            clock.times.clear()
+            t0 = time.perf_counter()
+            out = call()
+            t1 = time.perf_counter()
+            out.loss.backward()
+            t2 = time.perf_counter()
+            stamps = [t for _, t in clock.times]
+            start_read.append(timing.last - t0)
+            read_gemm.append(stamps[0] - timing.last)
+            gaps.append(statistics.median(b - a for a, b in zip(stamps, stamps[1:])))
+            fwd.append(t1 - t0)
+            bwd.append(t2 - t1)
+    kinds = Counter(kind for kind, _ in clock.times)
+
+    def ms(values):
+        return 1e3 * statistics.median(values), 1e3 * min(values)
+
+    return {
+        "shape": f"hidden B,T={B},{T} (H, V = {H}, {V}); chunks {HIDDEN['chunk']} rows, store {HIDDEN['store']}",
+        "aten ops fwd": sum(fwd_ops.ops.values()),
+        "aten ops bwd": sum(bwd_ops.ops.values()),
+        "GEMM calls per call": dict(kinds),
+        "host reads (aten)": dict(fwd_ops.host_reads + bwd_ops.host_reads),
+        "host reads (tolist/item/bool)": dict(spy.count),
+        "fwd ms (median, min)": ms(fwd),
+        "bwd ms (median, min)": ms(bwd),
+        "start -> host read ms": ms(start_read),
+        "host read -> first GEMM ms": ms(read_gemm),
+        "between GEMM calls ms": ms(gaps),
+        "fwd ops": dict(fwd_ops.ops.most_common()),
+        "bwd ops": dict(bwd_ops.ops.most_common()),
+    }
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="all", choices=["all", *SHAPES])
     parser.add_argument("--cuda", action="store_true", help="real kernels on the current CUDA device")
     parser.add_argument("--repeat", type=int, default=200)
     parser.add_argument("--ops", action="store_true", help="list the aten ops of each direction")
+    parser.add_argument("--path", default="logits", choices=["logits", "hidden"])
     args = parser.parse_args()
+    if args.path == "hidden" and args.cuda:
+        parser.error("--path hidden measures the host work with the kernels stubbed: CPU only")
     device = torch.device("cuda" if args.cuda else "cpu")
     if not args.cuda:
         stub_kernels()
-    for name in (SHAPES if args.shape == "all" else [args.shape]):
-        result = measure(name, device, args.repeat)
+    runs = ([lambda: measure_hidden(args.repeat)] if args.path == "hidden" else
+            [lambda name=name: measure(name, device, args.repeat) for name in
+             (SHAPES if args.shape == "all" else [args.shape])])
+    for run in runs:
+        result = run()
         for key, value in result.items():
             if key.endswith("ops") and not args.ops:
                 continue
