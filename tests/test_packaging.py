@@ -75,12 +75,24 @@ def dist(tmp_path_factory) -> dict:
     return dict(tmp=tmp, src=src, sdist=sdist, wheel=wheel)
 
 
-def _fresh_venv(path: Path) -> Path:
-    """A virtual environment with pip's torch (the version running these tests) and nothing else."""
+@pytest.fixture(scope="module")
+def fresh_venv(dist) -> Path:
+    """A virtual environment with pip's torch (the version running these tests) and nothing else; shared by the
+    two install tests (each installs the package into it with pip's default options, after removing what the
+    other installed: installing torch takes most of a fresh venv's time)."""
+    path = dist["tmp"] / "venv"
     _run([sys.executable, "-m", "venv", path], cwd=path.parent)
     python = path / "bin" / "python"
     _run([python, "-m", "pip", "install", "-q", f"torch=={md.version('torch')}"], cwd=path.parent)
     return python
+
+
+def _install_fresh(python: Path, what: Path, cwd: Path) -> None:
+    """``pip install what`` with pip's defaults into ``python``'s venv, no gspo-kernels there before."""
+    _run([python, "-m", "pip", "uninstall", "-q", "-y", "gspo-kernels"], cwd=cwd)  # a no-op when absent
+    listed = _run([python, "-m", "pip", "list", "--format=freeze"], cwd=cwd)
+    assert "gspo-kernels" not in listed and "gspo_kernels" not in listed, listed
+    _run([python, "-m", "pip", "install", "-q", what], cwd=cwd)
 
 
 def _readme_example() -> str:
@@ -155,23 +167,23 @@ def test_sdist_carries_the_cpp_sources_and_no_binaries(dist):
 
 
 @pytest.mark.network
-def test_wheel_installs_into_a_fresh_venv_and_runs(dist):
+def test_wheel_installs_into_a_fresh_venv_and_runs(dist, fresh_venv):
     """The wheel built from the sdist, installed with pip's default options; the C++ kernels come from the
     per-user cache (``make test`` built them for these very sources) or are compiled here."""
-    python = _fresh_venv(dist["tmp"] / "venv-wheel")
-    _run([python, "-m", "pip", "install", "-q", dist["wheel"]], cwd=dist["tmp"])
+    python = fresh_venv
+    _install_fresh(python, dist["wheel"], dist["tmp"])
     version = _check_install(python, dist["tmp"], _clean_env(GSPO_KERNELS_REQUIRE_EXT="1"))
     assert f"gspo-kernels {gk.__version__}" in version and f"torch {torch.__version__}" in version
     assert re.search(r"C\+\+ CPU kernels: built, cached at .*_C\.so", version), version
 
 
 @pytest.mark.network
-def test_checkout_installs_with_default_pip_options_and_compiles_at_first_use(dist, tmp_path):
+def test_checkout_installs_with_default_pip_options_and_compiles_at_first_use(dist, fresh_venv, tmp_path):
     """``pip install <checkout>`` (build isolation on) into a fresh venv, then the C++ kernels compiled from the
     installed sources into an empty cache on first use by the README's example, with the venv not activated and
     no ninja on PATH (only the compiler's tools): the ``ninja`` dependency's binary is found anyway."""
-    python = _fresh_venv(tmp_path / "venv-checkout")
-    _run([python, "-m", "pip", "install", "-q", dist["src"]], cwd=tmp_path)
+    python = fresh_venv
+    _install_fresh(python, dist["src"], tmp_path)
     cache = tmp_path / "cache"
     tools = tmp_path / "bin"
     tools.mkdir()
