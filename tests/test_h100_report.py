@@ -97,6 +97,23 @@ def test_h100_report_compiles_every_kernel_without_spills(full_report):
             assert row["loads_128"], f"{row['name']} has no 128-bit loads"
 
 
+def test_h100_static_report_linear_kernels(full_report):
+    """The batch-invariant hidden-state kernels (``linear_invariant``) in the report: every one compiles for sm_90a
+    with no spill (local bytes, stack frame, STL), HGMMA in every kernel that calls ``tl.dot`` on half-precision
+    operands (all the bf16 ones), and shared memory within an H100 block."""
+    rows = [row for row in full_report if row["module"] == "linear_invariant"]
+    assert len(rows) == 14  # forward: 3 bf16 (one soft-capped) + 1 fp32 + combine; backward: 5 bf16 + 4 fp32
+    for row in rows:
+        assert not row["error"], row
+        assert row["local_bytes"] == 0 and row["stack_bytes"] == 0 and row["stl_count"] == 0, row
+        assert row["shared_bytes"] <= 227 * 1024, row
+        if "[bf16" in row["name"]:
+            assert row["uses_dot"], row["name"]
+        if row["uses_dot"]:
+            assert row["hgmma"], row["name"]
+        assert h100_report.problems(row) == [], (row["name"], h100_report.problems(row))
+
+
 def test_signature_derived_from_the_kernel_arguments():
     """Pointers from ``*_ptr`` names (fp32 unless told), fp32 scalars when listed, i32 otherwise; constexprs
     from the annotation or the given values; a name the kernel does not have is an error."""

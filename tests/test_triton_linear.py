@@ -535,27 +535,6 @@ def test_gpu_bf16_tensor_cores_against_float64_and_no_sync():
     assert rel_err(first[3], ref[3]) < GRAD_RTOL[torch.bfloat16]
 
 
-def test_h100_static_report_linear_kernels():
-    """``gspo-kernels h100-report`` for the hidden-state kernels: every one compiles for sm_90a with no
-    spill (local bytes, stack frame, STL), HGMMA in every kernel that calls ``tl.dot`` on half-precision
-    operands (all the bf16 ones), and shared memory within an H100 block."""
-    from gspo_kernels.tools import h100_report
-
-    if not os.path.exists(h100_report._cuobjdump()):
-        pytest.skip("triton's bundled cuobjdump is missing")
-    rows = h100_report.static_report(modules=["linear_invariant"])
-    assert len(rows) == 14  # forward: 3 bf16 (one soft-capped) + 1 fp32 + combine; backward: 5 bf16 + 4 fp32
-    for row in rows:
-        assert not row["error"], row
-        assert row["local_bytes"] == 0 and row["stack_bytes"] == 0 and row["stl_count"] == 0, row
-        assert row["shared_bytes"] <= 227 * 1024, row
-        if "[bf16" in row["name"]:
-            assert row["uses_dot"], row["name"]
-        if row["uses_dot"]:
-            assert row["hgmma"], row["name"]
-        assert h100_report.problems(row) == [], (row["name"], h100_report.problems(row))
-
-
 @pytest.mark.gpu
 def test_gpu_cuda_graph_capture():
     """Forward + backward captured in a CUDA graph (possible only without host synchronisation) replay the
