@@ -261,3 +261,67 @@ def test_hidden_accelerator_route_host_reads_and_ops(monkeypatch):
     per_chunk = (len(kernels(f_large + b_large)) - len(kernels(f_small + b_small))) / 10
     assert 0 < per_chunk <= 28, per_chunk  # ~26 here, 4 of them upcasts that CUDA (out_dtype GEMMs) does not make
 
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_direct_half_backward_matches_float64(monkeypatch, dtype):
+    """The accelerator route's backward for half rows without a kernel that reads them into fp32 (CPU tensors here,
+    bf16 on CUDA where PyTorch has none): a softmax in the rows' dtype written into the gradient, one multiply, the
+    label's entry from the forward's fp32 log-prob. Against float64: each entry within two roundings of the
+    dtype (p, then the product), the label's entries within one, also where the label is nearly certain and
+    ``p_y - 1`` formed from a rounded ``p_y`` would be far off; rows without gradient exactly 0."""
+    monkeypatch.setattr(torch_backend, "_accelerated", lambda device: True)
+    monkeypatch.setattr(torch_backend, "ACCELERATOR_BUDGET", 5 * 3 * 64 * 4)  # 5 rows per chunk: several chunks
+    direct = []
+    original = torch_backend._rows_backward_direct
+    monkeypatch.setattr(torch_backend, "_rows_backward_direct", lambda *a: direct.append(a[0].shape[0]) or original(*a))
+    B, T, V = 3, 12, 64
+    gen = torch.Generator().manual_seed(3)
+    full = torch.randn(B, T + 1, V, generator=gen) * 2
+    labels = torch.randint(0, V, (B, T), generator=gen)
+    full[0, :T].scatter_(1, labels[0, :, None], 9.0)  # response 0: p_y about 0.99, 1 - p_y about 0.01
+    full = full.to(dtype)
+    active = torch.ones(B, T, dtype=torch.bool)
+    active[2, -4:] = False
+    g = torch.randn(B, T, generator=gen) * active
+    g[1] = 0.0  # a response without gradient
+    x = full.clone().requires_grad_()
+    lp, _ = torch_backend.logits_logprobs(x[:, :-1], labels.reshape(-1), active=active.reshape(-1))
+    (lp * g.reshape(-1)).sum().backward()
+    assert sum(direct) == 2 * T - 4  # only the rows with gradient, all through the direct route
+    xd = full.double().requires_grad_()
+    rl = reference.token_logprobs(xd[:, :-1].reshape(-1, V), labels.reshape(-1))
+    (rl * g.reshape(-1).double()).sum().backward()
+    a = active.reshape(-1)
+    torch.testing.assert_close(lp[a].double(), rl[a].detach(), rtol=1e-5, atol=1e-5)
+    got, want = x.grad.double(), xd.grad
+    assert torch.all(got[1] == 0) and torch.all(got[:, -1] == 0) and torch.all(got[2, T - 4 : T] == 0)
+    u = 2.0 ** -(8 if dtype == torch.bfloat16 else 11)  # half the dtype's ulp at 1: one rounding, relative
+    slack = 1e-5 * float(want.abs().max())  # the fp32 softmax's own error
+    assert torch.all((got - want).abs() <= 2.02 * u * want.abs() + slack)  # two roundings
+    rows = torch.arange(T)
+    for b in (0, 2):
+        at_label, ref_label = got[b, rows, labels[b]], want[b, rows, labels[b]]
+        assert torch.all((at_label - ref_label).abs() <= 1.01 * u * ref_label.abs() + slack), (at_label, ref_label)
+
+
+def test_direct_half_backward_has_no_host_read_per_chunk(monkeypatch):
+    """The half-row backward (bf16 logits, CPU tensors) with 4x the chunks: the same host reads (one per selection),
+    no op that waits for the device or sorts, and the same kernels per chunk as the route it replaces."""
+    calls = []
+    original = torch_backend._rows_backward_direct
+
+    def spy(*args):
+        calls.append(1)
+        return original(*args)
+
+    monkeypatch.setattr(torch_backend, "_rows_backward_direct", spy)
+    few, reads_few, chunks_few, _ = count_call(monkeypatch, B=4, T=64, rows_per_chunk=64, clipped=(1,))
+    used = len(calls)
+    many, reads_many, chunks_many, _ = count_call(monkeypatch, B=4, T=64, rows_per_chunk=16, clipped=(1,))
+    assert (chunks_few, chunks_many) == (4, 16) and used == 3 and len(calls) - used == 12  # 3 responses with gradient
+    assert reads_few == reads_many <= 2
+    for ops in (few, many):
+        assert sorted({op for op in ops if op in SYNCING or op == "index_put_accumulate"}) == []
+    per_chunk = (len(kernels(many)) - len(kernels(few))) / (chunks_many - chunks_few)
+    assert 0 < per_chunk <= 18, per_chunk

@@ -58,17 +58,19 @@ class _Workspace:
     def __init__(self, rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> None:
         self.size, self.dtype, self.device = rows * cols, dtype, device
         self.a: Optional[Tensor] = None  # allocated when first needed (a softmax alone uses only b)
-        self.b = torch.empty(self.size, dtype=dtype, device=device)
+        self.b: Optional[Tensor] = None  # (none at all where the gradient is written without scratch)
         self.x: Optional[Tensor] = None
         self.s: Optional[Tensor] = None  # the soft cap's sech^2 tile (allocated when first needed)
 
     def tiles(self, r: int, c: int) -> Tuple[Tensor, Tensor]:
         if self.a is None:
             self.a = torch.empty(self.size, dtype=self.dtype, device=self.device)
-        return self.a[: r * c].view(r, c), self.b[: r * c].view(r, c)
+        return self.a[: r * c].view(r, c), self.second(r, c)
 
     def second(self, r: int, c: int) -> Tensor:
         """The second work tile alone."""
+        if self.b is None:
+            self.b = torch.empty(self.size, dtype=self.dtype, device=self.device)
         return self.b[: r * c].view(r, c)
 
     def input_tile(self, r: int, c: int) -> Tensor:
@@ -329,16 +331,15 @@ def _rows_forward(x: Tensor, col: Tensor, inside: Tensor, cdt: torch.dtype, ws: 
 def _rows_forward_accelerated(x: Tensor, col: Tensor, inside: Tensor, cdt: torch.dtype, ws: _Workspace,
                               return_entropy: bool) -> Tuple[Tensor, Optional[Tensor]]:
     """:func:`_rows_forward` on the accelerator route, in fewer bytes per logit: the row max and its column
-    (``max``, one read of the rows in their own dtype), ``p = softmax(x)`` (one fused pass, from half rows directly
+    (``max(dim=1)``, one read of the rows in their own dtype), ``p = softmax(x)`` (one fused pass, from half rows directly
     where the kernel reads them, else after one conversion into scratch), then ``log p_y = (x_y - m) - log s`` with
     ``log s = -log p[argmax]`` (``p`` at the max is ``1/s``, never below ``1/V``: no underflow; ``m`` and ``log s``
     stay apart) and the entropy ``sum entr(p)`` (``entr``, a row sum). bf16 rows, no direct half read: 2 + 6 + 8 + 8
     + 4 = 28 bytes per logit (20 with it), where log_softmax + exp + entr + sum read and wrote 34."""
-    arg = x.argmax(dim=1)
+    m, arg = x.max(dim=1)  # the max and its column in one reduction
     p = ws.second(*x.shape)
     _softmax_rows(x, cdt, ws, p)
-    ends = x.gather(1, torch.stack((col, arg), dim=1)).to(cdt)  # (x_y, m) of each row
-    logp = (ends[:, 0] - ends[:, 1]).add_(torch.log(p.gather(1, arg[:, None])[:, 0]))
+    logp = x.gather(1, col[:, None])[:, 0].to(cdt).sub_(m).add_(torch.log(p.gather(1, arg[:, None])[:, 0]))
     # (a label outside [0, V) is never read: the caller sets its row's log-prob to NaN, once per call)
     if not return_entropy:
         return logp, None
@@ -382,6 +383,32 @@ def _rows_backward(x: Tensor, col: Tensor, inside: Tensor, g: Tensor, ge: Option
     if slope is not None:
         lp.mul_(slope)
     out.copy_(lp)
+
+
+def _direct_half_backward(rows: Tensor, device: torch.device, tau: float, cap: Optional[float], grad_entropy, inplace: bool,
+                          cdt: torch.dtype) -> bool:
+    """Whether the accelerator route writes the gradient of fp16/bf16 rows straight from a softmax in their own dtype
+    (:func:`_rows_backward_direct`): the rows are read as they are (tau = 1, no cap), no entropy gradient, the gradient
+    not written over the rows themselves, and no softmax kernel that reads half rows into fp32 (:func:`_half_softmax`;
+    with one, the fp32 route costs 16 bytes per logit and rounds once)."""
+    return (_accelerated(device) and rows.dtype in (torch.float16, torch.bfloat16) and cdt == torch.float32
+            and tau == 1.0 and cap is None and grad_entropy is None and not inplace
+            and not _half_softmax(device, rows.dtype))
+
+
+def _rows_backward_direct(x: Tensor, col: Tensor, inside: Tensor, coef: Tensor, label_grad: Tensor,
+                          out: Tensor) -> None:
+    """``out = coef (softmax(x) - onehot)`` for fp16/bf16 rows ``x`` into ``out`` (their dtype, not their storage) in
+    12 bytes per logit for bf16 (a softmax in the rows' dtype, fp32 inside, written into ``out``; one in-place
+    multiply), where converting the rows into fp32 scratch first costs 28. ``p`` is rounded to the rows' dtype before
+    the multiply: each entry rounded twice (at most 1 ulp of the dtype, against 1/2 ulp when rounded once). The
+    label's entry is ``coef (p_y - 1) = coef expm1(log p_y)`` from the forward's fp32 log-prob (``label_grad``, in
+    ``out``'s dtype), rounded once (``p_y - 1`` is never formed from a rounded ``p_y``); a row whose label is outside ``[0, V)``
+    keeps its clamped column's ``coef p``."""
+    torch.softmax(x, 1, out=out)
+    out.mul_(coef[:, None])
+    c = col[:, None]
+    out.scatter_(1, c, torch.where(inside[:, None], label_grad[:, None], out.gather(1, c)))
 
 
 class _LogitsLogprobs(torch.autograd.Function):
@@ -428,7 +455,7 @@ class _LogitsLogprobs(torch.autograd.Function):
                 _store(entropy, r0, r1, sel, ent_rows)
         if _accelerated(device):  # the rows' forward leaves this to one op per call
             logp = torch.where(inside, logp, float("nan"))
-        ctx.save_for_backward(source, labels, entropy)
+        ctx.save_for_backward(source, labels, entropy, logp)
         ctx.active = active
         ctx.plan, ctx.rows = plan, R
         ctx.temperature = temperature
@@ -439,7 +466,7 @@ class _LogitsLogprobs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
-        logits, labels, entropy = ctx.saved_tensors
+        logits, labels, entropy, logp = ctx.saved_tensors
         tau, cap = ctx.temperature, ctx.softcap
         V = logits.shape[-1]
         n = labels.shape[0]
@@ -461,8 +488,11 @@ class _LogitsLogprobs(torch.autograd.Function):
             plan = _row_plan([(r0, r1) for r0, r1, _ in plan], carries, device)
         col, inside = _label_columns(labels, V)
         ws = _Workspace(ctx.rows, V, cdt, device)
-        pre = None
-        if _accelerated(device) and grad_entropy is None:  # per call, not per block
+        pre = direct = None
+        if _direct_half_backward(source, device, tau, cap, grad_entropy, ctx.inplace, cdt):  # per call, not per block
+            coef = -g_all / tau
+            direct = (coef, (torch.expm1(logp) * coef).to(grad.dtype))  # the label's entry, rounded once
+        elif _accelerated(device) and grad_entropy is None:
             pre = (torch.where(inside, -1.0, 0.0).to(cdt), -g_all / tau)
         for r0, r1, sel in plan:
             target = _row_view(grad, r0, r1)
@@ -476,9 +506,13 @@ class _LogitsLogprobs(torch.autograd.Function):
             x = _scaled_rows(sub, tau, cdt, ws, cap)
             out = torch.empty(x.shape, dtype=grad.dtype, device=device) if index else target
             ge = None if grad_entropy is None else _pick(grad_entropy, r0, r1, sel)
-            _rows_backward(x, _pick(col, r0, r1, sel), _pick(inside, r0, r1, sel), _pick(g_all, r0, r1, sel), ge,
-                           _pick(entropy, r0, r1, sel), tau, cdt, ws, slope, out,
-                           None if pre is None else (_pick(pre[0], r0, r1, sel), _pick(pre[1], r0, r1, sel)))
+            if direct is not None:
+                _rows_backward_direct(x, _pick(col, r0, r1, sel), _pick(inside, r0, r1, sel),
+                                      _pick(direct[0], r0, r1, sel), _pick(direct[1], r0, r1, sel), out)
+            else:
+                _rows_backward(x, _pick(col, r0, r1, sel), _pick(inside, r0, r1, sel), _pick(g_all, r0, r1, sel),
+                               ge, _pick(entropy, r0, r1, sel), tau, cdt, ws, slope, out,
+                               None if pre is None else (_pick(pre[0], r0, r1, sel), _pick(pre[1], r0, r1, sel)))
             if index:
                 target.zero_()
                 target.index_copy_(0, sel, out)
