@@ -1,7 +1,7 @@
 """Count what ``backend="torch"``'s CUDA route and plain PyTorch dispatch per loss step, and predict H200 times.
 
-    python benchmarks/count_torch_backend.py            # both paths, bf16, the bench's shapes scaled down
-    python benchmarks/count_torch_backend.py --no-half-softmax   # CUDA's softmax cannot read bf16 rows itself
+    PYTHONPATH=. python benchmarks/count_torch_backend.py            # both paths, bf16, the bench's shapes scaled down
+    PYTHONPATH=. python benchmarks/count_torch_backend.py --no-half-softmax   # no CUDA softmax reads bf16 into fp32
 
 The CUDA route of the torch backend is forced on CPU tensors (``_accelerated`` patched here, in this script
 only). Two features that CUDA has and the CPU lacks are emulated: ``aten::_softmax(bf16, half_to_float=True)``
@@ -20,7 +20,7 @@ backward of ``log_softmax`` reads the incoming gradient twice: the counts charge
 ("kernel passes"); the "logical" bytes do not.
 
 Prediction for one H200 (PREDICTED, not measured): ``bytes / 4.2 TB/s + FLOPs / 700 TFLOP/s + launches x 5 us``
-(the launches term only matters where the host is behind, here it is small either way).
+(the launches term only matters where the host is behind the device; each row also gives the time without it).
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ class OpCounter(TorchDispatchMode):
         if name in ("gather", "index_select"):  # reads the picked elements and the index, writes the output
             picked = sum(t.numel() for t in outs) * ins[0].element_size()
             nbytes = picked + sum(_extent(t) for t in ins[1:]) + sum(_extent(t) for t in outs)
-        elif name in ("scatter_add_", "scatter_add", "index_copy_", "index_copy"):  # read-modify-write of src's count
+        elif name in ("scatter_add_", "scatter_add", "scatter_", "scatter", "index_copy_", "index_copy"):  # src.s count, r+w
             src = ins[-1]
             nbytes = 2 * src.numel() * ins[0].element_size() + sum(_extent(t) for t in ins[1:])
         elif name in WRITE_ONLY:
@@ -292,9 +292,10 @@ def main() -> None:
         fixed = s2["launches"] - per_chunk * B * 2
         real_launches = fixed + per_chunk * real["B"] * 2
         ms = predict_ms(s2, real_logits, real_launches)
+        bound = predict_ms(s2, real_logits, 0)
         label = "ours backend='torch' (CUDA route)" if ours else "plain PyTorch"
-        print(_row(f"logits {label}", s2, ms) + f"  [{per_chunk:.1f} launches/chunk, {fixed:.0f} per call;"
-              f" {real_launches:.0f} at the bench shape]")
+        print(_row(f"logits {label}", s2, ms) + f" ({bound:.2f} without launches)  [{per_chunk:.1f} launches/chunk, "
+              f"{fixed:.0f} per call; {real_launches:.0f} at the bench shape]")
         if a.ops:
             print("   ", dict(s2["by_op"]))
         res[ours] = ms
@@ -323,7 +324,8 @@ def main() -> None:
         print(f"hidden {label:37} launches {s['launches']:5d}  host reads {s['host_reads']:2d}  "
               f"non-GEMM B/logit {per_logit:5.1f} + {per_weight:5.1f} B per weight element  "
               f"GEMMs {len(s['gemms']):2d} {gemm_ms(s['gemms'], scale_dim):5.1f} ms  "
-              f"FLOP {flops / (realN * realH * V):.1f} NHV  PREDICTED H200 {ms:6.2f} ms")
+              f"FLOP {flops / (realN * realH * V):.1f} NHV  PREDICTED H200 {ms:6.2f} ms "
+              f"({ms - s['launches'] * LAUNCH_S * 1e3:.2f} without launches)")
         if a.ops:
             print("   ", dict(s["by_op"]))
         res[ours] = ms
