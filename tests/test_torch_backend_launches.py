@@ -325,3 +325,97 @@ def test_direct_half_backward_has_no_host_read_per_chunk(monkeypatch):
         assert sorted({op for op in ops if op in SYNCING or op == "index_put_accumulate"}) == []
     per_chunk = (len(kernels(many)) - len(kernels(few))) / (chunks_many - chunks_few)
     assert 0 < per_chunk <= 18, per_chunk
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("entropy_grad", [False, True])
+def test_hidden_kept_probabilities_match_float64(monkeypatch, dtype, entropy_grad):
+    """The accelerator route keeps ``p`` of the active rows for the backward when it takes no more bytes than the
+    fp32 ``dW`` accumulator (m rows <= 4H / itemsize: 76 rows at H = 96 here): the backward makes no logits GEMM,
+    ``dH`` and ``dW`` one GEMM each. Against float64, with a bias, a temperature, masked rows (NaN hidden states
+    in them), a response without gradient; with an entropy gradient the backward recomputes (it needs log p).
+    Tolerances as the recomputing route's test; a second backward (retain_graph) gives the same gradients."""
+    monkeypatch.setattr(torch_backend, "_accelerated", lambda device: True)
+    kept_used = []
+    original = torch_backend._linear_backward_kept
+    monkeypatch.setattr(torch_backend, "_linear_backward_kept", lambda *a: kept_used.append(1) or original(*a))
+    hidden, weight, labels = _hidden_case(H=96, dtype=dtype)
+    B, T, H = hidden.shape
+    V = weight.shape[0]
+    bias = (torch.randn(V, generator=torch.Generator().manual_seed(4)) * 0.5).to(dtype)
+    active = torch.ones(B, T, dtype=torch.bool)
+    active[:, -5:] = False
+    hidden[:, -5:] = float("nan")
+    gw = torch.randn(B, T, generator=torch.Generator().manual_seed(1)) * active
+    gw[1] = 0.0
+    ge = torch.randn(B, T, generator=torch.Generator().manual_seed(2)) * active * 0.3 if entropy_grad else None
+    if ge is not None:
+        ge[1] = 0.0
+    h, w, b = (t.clone().requires_grad_() for t in (hidden, weight, bias))
+    lp, ent = torch_backend.linear_logprobs(h, w, b, labels.reshape(-1), active=active.reshape(-1), temperature=0.8,
+                                            return_entropy=True, memory_budget=7 * V * 4 * 2)
+    loss = (lp * gw.reshape(-1)).sum() + ((ent * ge.reshape(-1)).sum() if entropy_grad else 0)
+    loss.backward(retain_graph=True)
+    assert len(kept_used) == (0 if entropy_grad else 1)
+    first = [t.grad.clone() for t in (h, w, b)]
+    hd = torch.where(active[..., None], hidden.double(), 0.0).requires_grad_()
+    wd, bd = weight.double().requires_grad_(), bias.double().requires_grad_()
+    z = hd.reshape(-1, H) @ wd.T + bd
+    rl, re = reference.token_logprobs(z, labels.reshape(-1), temperature=0.8, return_entropy=True)
+    ((rl * gw.reshape(-1).double()).sum() + ((re * ge.reshape(-1).double()).sum() if entropy_grad else 0)).backward()
+    a = active.reshape(-1)
+    torch.testing.assert_close(lp[a].double(), rl[a], rtol=1e-5, atol=1e-5 * float(rl.abs().max()))
+    tol = 1e-5 if dtype == torch.float32 else 2.0 ** -7
+    assert torch.all(h.grad[:, -5:] == 0) and torch.all(h.grad[1] == 0)
+    for got, want in ((h.grad, hd.grad), (w.grad, wd.grad), (b.grad, bd.grad)):
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol * float(want.abs().max()))
+    for t in (h, w, b):
+        t.grad = None
+    loss.backward()  # the kept p was consumed: this one recomputes
+    for t, want in zip((h, w, b), first):
+        torch.testing.assert_close(t.grad.double(), want.double(), rtol=tol, atol=tol * float(want.abs().max()))
+
+
+def test_hidden_kept_probabilities_backward_ops(monkeypatch):
+    """With ``p`` kept: no host read and no softmax in the backward, two GEMMs (dH, dW) whatever the chunks, no
+    fp32 ``dW`` accumulator (no addmm). Not kept (m > 4H / itemsize): the recomputing backward's three or more."""
+    monkeypatch.setattr(torch_backend, "_accelerated", lambda device: True)
+    reads = []
+    to_host = _ORIGINAL["to_host"]
+    monkeypatch.setattr(torch_backend, "_to_host", lambda mask: reads.append(1) or to_host(mask))
+
+    def backward_ops(H, rows_per_chunk):
+        hidden, weight, labels = _hidden_case(B=4, T=32, H=H, dtype=torch.bfloat16)
+        V = weight.shape[0]
+        h, w = hidden.requires_grad_(), weight.requires_grad_()
+        lp, _ = torch_backend.linear_logprobs(h, w, None, labels.reshape(-1), return_entropy=True,
+                                              memory_budget=rows_per_chunk * V * 4 * 2)
+        counter = _Counter()
+        n_reads = len(reads)
+        with counter:
+            lp.sum().backward()
+        assert len(reads) == n_reads
+        return counter.ops
+
+    for rows in (128, 16):  # 1 and 8 chunks in the forward: 128 rows * 2 bytes <= 4 * 64
+        ops = backward_ops(64, rows)
+        assert ops.count("mm") == 2 and "addmm" not in ops and "addmm_" not in ops
+        assert not [op for op in ops if "softmax" in op or op in SYNCING]
+    ops = backward_ops(16, 16)  # 128 rows * 2 bytes > 4 * 16: recomputed, 8 chunks
+    assert ops.count("mm") >= 3 and any("softmax" in op for op in ops)
+
+
+def test_hidden_keeps_nothing_without_a_graph(monkeypatch):
+    """Under ``torch.no_grad()`` (an old-log-prob pass, weights requiring grad) nothing is kept: no ``[m, V]``
+    buffer and no copy into it (``ctx.needs_input_grad`` says True there too)."""
+    monkeypatch.setattr(torch_backend, "_accelerated", lambda device: True)
+    hidden, weight, labels = _hidden_case(B=2, T=16, H=64, dtype=torch.bfloat16)
+    w = weight.requires_grad_()
+    counter = _Counter()
+    with torch.no_grad(), counter:
+        torch_backend.linear_logprobs(hidden, w, None, labels.reshape(-1), return_entropy=True)
+    with_graph = _Counter()
+    with with_graph:
+        torch_backend.linear_logprobs(hidden, w, None, labels.reshape(-1), return_entropy=True)
+    assert with_graph.ops.count("copy_") == counter.ops.count("copy_") + 1  # p into the kept buffer, one chunk

@@ -8,11 +8,15 @@ accelerator (CUDA) the scratch blocks fill ``DEFAULT_MEMORY_BUDGET`` (bf16 [1638
 ~15 kernels each, where 55-row blocks made 304). Rows to compute (the forward's ``active``, the backward's rows
 with gradient) are read to the host once per call, never per block; no op sorts (``scatter_add``, not
 ``index_put(accumulate=True)``); ``tests/test_torch_backend_launches.py`` counts both.
-On an accelerator (CUDA) the logits path's forward is argmax + one softmax + entr + sum (log p_y from the max's
+On an accelerator (CUDA) the logits path's forward is max(dim=1) + one softmax + entr + sum (log p_y from the max's
 column, :func:`_rows_forward_accelerated`) and a ``[B, T + 1, V]`` base read as ``[:, :-1]`` takes its gradient
-directly. The hidden-state path there: row chunks sized from ``memory_budget``, one GEMM per chunk with fp32 output,
-no vocabulary tiles, dZ cast once, dW in one fp32 accumulator, one host read per call
-(:func:`_linear_forward_accelerated`, :func:`_linear_backward_accelerated`).
+directly; fp16/bf16 rows that no softmax kernel reads into fp32 (bf16 on CUDA) get their gradient from a softmax in
+their own dtype written into it (:func:`_rows_backward_direct`). The hidden-state path there: row chunks sized from
+``memory_budget``, one GEMM per chunk with fp32 output, no vocabulary tiles, dZ cast once, dW in one fp32
+accumulator, one host read per call (:func:`_linear_forward_accelerated`, :func:`_linear_backward_accelerated`);
+when ``p`` of all rows takes no more bytes than that accumulator, the forward keeps it and the backward makes no
+logits GEMM (:func:`_keeps_probabilities`, :func:`_linear_backward_kept`).
+``benchmarks/count_torch_backend.py`` counts the accelerator route's ops, bytes and GEMM FLOPs on CPU tensors.
 Hidden-state path on CPU: rows x vocabulary tiles, an online softmax (running max ``m``,
 ``s = sum e^(x-m)``, ``a = sum e^(x-m)(x-m)``) with the label's logit and the entropy folded in;
 one ``[rows, vocab_block]`` logits tile exists at a time.
@@ -329,7 +333,7 @@ def _rows_forward(x: Tensor, col: Tensor, inside: Tensor, cdt: torch.dtype, ws: 
 
 
 def _rows_forward_accelerated(x: Tensor, col: Tensor, inside: Tensor, cdt: torch.dtype, ws: _Workspace,
-                              return_entropy: bool) -> Tuple[Tensor, Optional[Tensor]]:
+                              return_entropy: bool, keep: Optional[Tensor] = None) -> Tuple[Tensor, Optional[Tensor]]:
     """:func:`_rows_forward` on the accelerator route, in fewer bytes per logit: the row max and its column
     (``max(dim=1)``, one read of the rows in their own dtype), ``p = softmax(x)`` (one fused pass, from half rows directly
     where the kernel reads them, else after one conversion into scratch), then ``log p_y = (x_y - m) - log s`` with
@@ -340,6 +344,8 @@ def _rows_forward_accelerated(x: Tensor, col: Tensor, inside: Tensor, cdt: torch
     p = ws.second(*x.shape)
     _softmax_rows(x, cdt, ws, p)
     logp = x.gather(1, col[:, None])[:, 0].to(cdt).sub_(m).add_(torch.log(p.gather(1, arg[:, None])[:, 0]))
+    if keep is not None:  # p kept for the backward (the hidden path's kept rows), before entr overwrites it
+        keep.copy_(p)
     # (a label outside [0, V) is never read: the caller sets its row's log-prob to NaN, once per call)
     if not return_entropy:
         return logp, None
@@ -579,6 +585,13 @@ class _Gemms:
         else:
             out.copy_(torch.mm(self._up(dz), self.w))
 
+    def d_weight_once(self, dz: Tensor, h: Tensor, dtype: torch.dtype) -> Tensor:
+        """``dz.T @ h`` over all rows in one GEMM, returned in ``dtype`` (the weight's): written in it directly where
+        the operands already are (fp32 accumulation inside the GEMM), else from ``cdt`` operands, then cast."""
+        if self.native and self.op == dtype:
+            return torch.mm(dz.t(), h)
+        return torch.mm(self._up(dz).t(), self._up(h)).to(dtype)
+
     def d_weight(self, dw: Tensor, dz: Tensor, h: Tensor, first: bool) -> None:
         """``dw [V, H] cdt (+)= dz.T @ h`` (``first``: written, nothing read)."""
         a, b = self._up(dz).t(), self._up(h)
@@ -624,10 +637,27 @@ def _scale_logits(z: Tensor, bias: Optional[Tensor], tau: float, cap: Optional[f
     z.tanh_().mul_(cap / tau)
 
 
-def _linear_forward_accelerated(ctx, hidden, weight, bias, labels, active, tau, return_entropy, cap, memory_budget):
+def _keeps_probabilities(ctx, m: int, weight: Tensor, op: torch.dtype, cap: Optional[float]) -> bool:
+    """Whether the accelerator route's forward keeps ``p`` of its ``m`` rows (``[m, V]`` in the operand dtype) for the
+    backward, which then makes no logits GEMM and writes ``dW`` in one GEMM in the weight's dtype: when those bytes
+    are at most the fp32 ``dW`` accumulator's (``V*H*4``) that the backward without them allocates (``m <= 2H``
+    for bf16 operands: N = 4096 rows at H = 4096), so the peak does not grow. Only where ``dW`` is wanted, with a
+    host read allowed (the rows are then the active ones, compacted: no padding row's NaN in ``p``), and without a
+    soft cap (its ``sech^2`` would have to be kept too)."""
+    if m == 0 or cap is not None or not host_reads_allowed():
+        return False
+    if not ctx.needs_input_grad[1]:
+        return False
+    item = torch.empty((), dtype=op).element_size()
+    return m * item <= 4 * weight.shape[1]
+
+
+def _linear_forward_accelerated(ctx, hidden, weight, bias, labels, active, tau, return_entropy, cap, memory_budget,
+                                graph=False):
     """Row chunks sized from the budget, no vocabulary tiles: per chunk one GEMM into an fp32 ``[c, V]`` tile,
     then the logits path's argmax + softmax + entr + sum (:func:`_rows_forward_accelerated`). One host read (the
-    ``active`` rows, compacted) at most; nothing saved but the inputs (the backward recomputes the logits)."""
+    ``active`` rows, compacted) at most; nothing saved but the inputs (the backward recomputes the logits), unless
+    ``p`` is kept (:func:`_keeps_probabilities`; ``graph``: autograd records this call, so a backward may follow)."""
     rows_all = as_rows(hidden)
     n, V = labels.shape[0], weight.shape[0]
     cdt = compute_dtype(hidden.dtype)
@@ -644,12 +674,16 @@ def _linear_forward_accelerated(ctx, hidden, weight, bias, labels, active, tau, 
     ws = _Workspace(C, V, cdt, device)  # a: the logits tile, b: p
     logp_c = torch.empty(m, dtype=cdt, device=device)
     ent_c = torch.empty(m, dtype=cdt, device=device)
+    kept = None
+    if graph and _keeps_probabilities(ctx, m, weight, op, cap):
+        kept = torch.empty(m, V, dtype=op, device=device)
     for r0 in range(0, m, C):
         r1 = min(r0 + C, m)
         z = ws.tiles(r1 - r0, V)[0]
         gemms.logits(h_all[r0:r1].to(op), z)
         _scale_logits(z, shifted, tau, cap, None)
-        lp, ent = _rows_forward_accelerated(z, col[r0:r1], inside[r0:r1], cdt, ws, return_entropy)
+        lp, ent = _rows_forward_accelerated(z, col[r0:r1], inside[r0:r1], cdt, ws, return_entropy,
+                                            None if kept is None else kept[r0:r1])
         logp_c[r0:r1] = lp
         if return_entropy:
             ent_c[r0:r1] = ent
@@ -668,6 +702,8 @@ def _linear_forward_accelerated(ctx, hidden, weight, bias, labels, active, tau, 
                           index if index is not None else torch.empty(0, dtype=torch.long),
                           active if active is not None else torch.empty(0, dtype=torch.bool))
     ctx.accelerated, ctx.compacted, ctx.has_active = True, index is not None, active is not None
+    # intermediates (not inputs or outputs): on ctx, dropped by the backward that uses them
+    ctx.kept = None if kept is None else (kept, torch.expm1(logp_c))
     ctx.memory_budget = memory_budget
     return logp, entropy
 
@@ -699,6 +735,10 @@ def _linear_backward_accelerated(ctx, grad_logp, grad_entropy):
     ge_all = None if ge_all is None else sel(ge_all)
     col, inside = _label_columns(sel(labels), V)
     m = h_all.shape[0]
+    kept, ctx.kept = ctx.kept, None  # dZ is formed in its storage: a second backward (retain_graph) recomputes
+    if kept is not None and ge_all is None:
+        return _linear_backward_kept(ctx, kept, h_all, carries, g_all, col, inside, gemms, index, n, hidden, weight,
+                                     bias)
     tiles = 2 + (ge_all is not None) + (cap is not None)
     C = _linear_rows(m, V, cdt, tiles, ctx.memory_budget)
     ws = _Workspace(C, V, cdt, device)  # the logits tile (then dZ in its storage), p, and lp / the cap's slope
@@ -739,12 +779,46 @@ def _linear_backward_accelerated(ctx, grad_logp, grad_entropy):
         grad_hidden = dh.reshape(hidden.shape)
     grad_weight = dw.to(weight.dtype) if want_w else None
     grad_bias = db.to(bias.dtype) if want_b else None
-    return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
+    return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None
+
+
+def _linear_backward_kept(ctx, kept, h_all, carries, g_all, col, inside, gemms, index, n, hidden, weight, bias):
+    """The backward from the forward's kept ``p`` (:func:`_keeps_probabilities`): no logits GEMM. ``dZ = coef (p -
+    onehot)`` formed in ``p``'s storage (one in-place multiply; the label's entry ``coef expm1(log p_y)`` from the
+    forward's fp32 log-prob, rounded once; the others rounded twice for fp16/bf16 operands: ``p``, then the
+    product), ``dH = dZ @ W`` and ``dW = dZ.T @ h`` one GEMM each, ``dW`` written in the weight's dtype (no fp32
+    accumulator). Rows without gradient have ``coef = 0``: zero ``dZ`` rows, their hidden rows zeroed too."""
+    p, em1 = kept
+    tau = ctx.temperature
+    m, H = h_all.shape
+    cdt = g_all.dtype
+    device = h_all.device
+    coef = -g_all / tau
+    dz = p.mul_(coef[:, None])
+    c = col[:, None]
+    label = (em1 * coef).to(dz.dtype)[:, None]  # NaN where the label is outside [0, V): that row keeps coef p
+    dz.scatter_(1, c, torch.where(inside[:, None], label, dz.gather(1, c)))
+    want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    want_b = bias is not None and ctx.needs_input_grad[2]
+    grad_hidden = grad_weight = grad_bias = None
+    if want_h:
+        dh = torch.empty(m, H, dtype=hidden.dtype, device=device)
+        gemms.d_hidden(dz, dh)
+        if ctx.compacted:
+            dh = torch.zeros(n, H, dtype=hidden.dtype, device=device).index_copy_(0, index, dh)
+        grad_hidden = dh.reshape(hidden.shape)
+    if want_w:
+        h = torch.where(carries[:, None], h_all, 0).to(gemms.op)
+        grad_weight = gemms.d_weight_once(dz, h, weight.dtype)
+    if want_b:
+        grad_bias = dz.sum(dim=0, dtype=cdt).to(bias.dtype)
+    return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None
 
 
 class _LinearLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, active, temperature, return_entropy, softcap, memory_budget=None):
+    def forward(ctx, hidden, weight, bias, labels, active, temperature, return_entropy, softcap, memory_budget=None,
+                graph=False):
         ctx.has_bias = bias is not None
         ctx.temperature = temperature
         ctx.softcap = softcap
@@ -752,7 +826,7 @@ class _LinearLogprobs(torch.autograd.Function):
         ctx.accelerated = False
         if _accelerated(hidden.device):
             return _linear_forward_accelerated(ctx, hidden, weight, bias, labels, active, temperature, return_entropy,
-                                               softcap, memory_budget)
+                                               softcap, memory_budget, graph)
         rows_all = as_rows(hidden)
         n = labels.shape[0]
         V = weight.shape[0]
@@ -819,7 +893,7 @@ class _LinearLogprobs(torch.autograd.Function):
         grad_hidden = d_hidden.to(hidden.dtype).reshape(hidden.shape) if ctx.needs_input_grad[0] else None
         grad_weight = d_weight.to(weight.dtype) if ctx.needs_input_grad[1] else None
         grad_bias = d_bias.to(bias.dtype) if d_bias is not None and ctx.needs_input_grad[2] else None
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None
 
 
 def _shifted_bias(bias: Optional[Tensor], cdt: torch.dtype, cap: Optional[float] = None) -> Optional[Tensor]:
@@ -896,21 +970,26 @@ def linear_logprobs(
 
     ``softcap``: see the backend contract. ``batch_invariant=True`` is refused: the BLAS this backend calls picks its kernels by shape.
     fp16/bf16/fp32 inputs: converted to fp32 exactly (exact products), fp32 accumulation and outputs;
-    fp64 inputs: fp64 math and outputs. No logits are kept between forward and backward (recomputed).
+    fp64 inputs: fp64 math and outputs. On CPU tensors no logits are kept between forward and backward (recomputed).
     CPU tensors: ``memory_budget`` is ignored; extra memory ``O(N)`` plus a few ``[1024, 4096]`` tiles; the
     backward adds accumulators for ``dW`` (``V*H*4`` bytes), ``dH`` (``N*H*4``) and ``dbias`` (``V*4``).
     Accelerators: ``[rows, V]`` fp32 tiles filling ``memory_budget`` (None: ``DEFAULT_MEMORY_BUDGET``; 2 tiles in
     the forward, 2 in the backward, 3 with an entropy gradient, one more with a soft cap), plus the fp32 ``dW``
     accumulator (``V*H*4``), ``dH`` in the hidden states' dtype, and, where the GEMMs cannot write fp32 from half
     operands (no ``out_dtype``), an fp32 copy of the weight. One host read per forward with ``active``, none in the
-    backward.
+    backward. There, when the weight's gradient is wanted, a graph is recorded, no soft cap is given and ``p`` of
+    the ``m`` active rows (``[m, V]`` in the operand dtype) takes at most the fp32 ``dW`` accumulator's bytes
+    (``m <= 2H`` for bf16), the forward keeps ``p`` instead: the backward then makes no logits GEMM (6NHV in all,
+    not 8NHV) and no fp32 accumulator (``dW`` in the weight's dtype from one GEMM); with an entropy gradient it
+    recomputes as above.
     """
     if batch_invariant:
         raise ValueError("batch_invariant=True needs backend='triton' or backend='cpu': the 'torch' backend's "
                          "matmuls round a row depending on the batch's shape")
     cap = None if softcap is None else float(softcap)
+    graph = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
     logp, entropy = _LinearLogprobs.apply(hidden, weight, bias, labels, active, float(temperature), return_entropy,
-                                          cap, memory_budget)
+                                          cap, memory_budget, graph)
     return logp, (entropy if return_entropy else None)
 
 
