@@ -327,9 +327,32 @@ def test_direct_half_backward_has_no_host_read_per_chunk(monkeypatch):
     assert 0 < per_chunk <= 18, per_chunk
 
 
+class _Fp32OutGemms(TorchDispatchMode):
+    """CUDA's ``mm`` / ``addmm`` with ``out_dtype=float32`` from half operands, on CPU tensors: the operands converted
+    exactly, the product in fp32 (as cuBLAS accumulates), written into ``out``. With it the accelerator route takes its
+    CUDA GEMM calls here (``_Gemms.native``), where CPU tensors otherwise get upcast copies."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name, overload = func.overloadpacket.__name__, func._overloadname
+        if name in ("mm", "addmm") and overload in ("dtype", "dtype_out"):
+            tensors = [a.float() for a in args if isinstance(a, torch.Tensor)]
+            extra = {k: v for k, v in kwargs.items() if k in ("beta", "alpha")}
+            res = torch.mm(*tensors) if name == "mm" else torch.addmm(*tensors, **extra)
+            return kwargs["out"].copy_(res) if "out" in kwargs else res
+        return func(*args, **kwargs)
+
+
+@pytest.fixture
+def fp32_out_gemms(monkeypatch):
+    monkeypatch.setitem(torch_backend._mm_fp32_out_ok, ("cpu", torch.bfloat16), True)
+    with _Fp32OutGemms():
+        yield
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("entropy_grad", [False, True])
-def test_hidden_kept_probabilities_match_float64(monkeypatch, dtype, entropy_grad):
+def test_hidden_kept_probabilities_match_float64(monkeypatch, fp32_out_gemms, dtype, entropy_grad):
     """The accelerator route keeps ``p`` of the active rows for the backward when it takes no more bytes than the
     fp32 ``dW`` accumulator (m rows <= 4H / itemsize: 76 rows at H = 96 here): the backward makes no logits GEMM,
     ``dH`` and ``dW`` one GEMM each. Against float64, with a bias, a temperature, masked rows (NaN hidden states
@@ -377,9 +400,10 @@ def test_hidden_kept_probabilities_match_float64(monkeypatch, dtype, entropy_gra
         torch.testing.assert_close(t.grad.double(), want.double(), rtol=tol, atol=tol * float(want.abs().max()))
 
 
-def test_hidden_kept_probabilities_backward_ops(monkeypatch):
+def test_hidden_kept_probabilities_backward_ops(monkeypatch, fp32_out_gemms):
     """With ``p`` kept: no host read and no softmax in the backward, two GEMMs (dH, dW) whatever the chunks, no
-    fp32 ``dW`` accumulator (no addmm). Not kept (m > 4H / itemsize): the recomputing backward's three or more."""
+    fp32 ``dW`` accumulator (no addmm). Not kept (m > 4H / itemsize, or GEMMs that cannot write fp32 from bf16
+    operands): the recomputing backward's three or more."""
     monkeypatch.setattr(torch_backend, "_accelerated", lambda device: True)
     reads = []
     to_host = _ORIGINAL["to_host"]
@@ -404,9 +428,12 @@ def test_hidden_kept_probabilities_backward_ops(monkeypatch):
         assert not [op for op in ops if "softmax" in op or op in SYNCING]
     ops = backward_ops(16, 16)  # 128 rows * 2 bytes > 4 * 16: recomputed, 8 chunks
     assert ops.count("mm") >= 3 and any("softmax" in op for op in ops)
+    monkeypatch.setitem(torch_backend._mm_fp32_out_ok, ("cpu", torch.bfloat16), False)
+    ops = backward_ops(64, 128)  # upcast operands: a kept p would need an fp32 copy of dZ, so none is kept
+    assert ops.count("mm") >= 3 and any("softmax" in op for op in ops)
 
 
-def test_hidden_keeps_nothing_without_a_graph(monkeypatch):
+def test_hidden_keeps_nothing_without_a_graph(monkeypatch, fp32_out_gemms):
     """Under ``torch.no_grad()`` (an old-log-prob pass, weights requiring grad) nothing is kept: no ``[m, V]``
     buffer and no copy into it (``ctx.needs_input_grad`` says True there too)."""
     monkeypatch.setattr(torch_backend, "_accelerated", lambda device: True)

@@ -586,11 +586,10 @@ class _Gemms:
             out.copy_(torch.mm(self._up(dz), self.w))
 
     def d_weight_once(self, dz: Tensor, h: Tensor, dtype: torch.dtype) -> Tensor:
-        """``dz.T @ h`` over all rows in one GEMM, returned in ``dtype`` (the weight's): written in it directly where
-        the operands already are (fp32 accumulation inside the GEMM), else from ``cdt`` operands, then cast."""
-        if self.native and self.op == dtype:
-            return torch.mm(dz.t(), h)
-        return torch.mm(self._up(dz).t(), self._up(h)).to(dtype)
+        """``dz.T @ h`` over all rows in one GEMM of the operands as they are (fp32 accumulation inside the GEMM),
+        returned in ``dtype`` (the weight's; cast only where the operand dtype differs from it)."""
+        out = torch.mm(self._up(dz).t(), self._up(h))
+        return out if out.dtype == dtype else out.to(dtype)
 
     def d_weight(self, dw: Tensor, dz: Tensor, h: Tensor, first: bool) -> None:
         """``dw [V, H] cdt (+)= dz.T @ h`` (``first``: written, nothing read)."""
@@ -637,18 +636,19 @@ def _scale_logits(z: Tensor, bias: Optional[Tensor], tau: float, cap: Optional[f
     z.tanh_().mul_(cap / tau)
 
 
-def _keeps_probabilities(ctx, m: int, weight: Tensor, op: torch.dtype, cap: Optional[float]) -> bool:
+def _keeps_probabilities(ctx, m: int, weight: Tensor, gemms: "_Gemms", cap: Optional[float]) -> bool:
     """Whether the accelerator route's forward keeps ``p`` of its ``m`` rows (``[m, V]`` in the operand dtype) for the
     backward, which then makes no logits GEMM and writes ``dW`` in one GEMM in the weight's dtype: when those bytes
     are at most the fp32 ``dW`` accumulator's (``V*H*4``) that the backward without them allocates (``m <= 2H``
     for bf16 operands: N = 4096 rows at H = 4096), so the peak does not grow. Only where ``dW`` is wanted, with a
-    host read allowed (the rows are then the active ones, compacted: no padding row's NaN in ``p``), and without a
-    soft cap (its ``sech^2`` would have to be kept too)."""
-    if m == 0 or cap is not None or not host_reads_allowed():
+    host read allowed (the rows are then the active ones, compacted: no padding row's NaN in ``p``), without a
+    soft cap (its ``sech^2`` would have to be kept too), and where the GEMMs take the operands as they are (half
+    operands with fp32 output: no upcast copy of ``dZ``, which would take more bytes than the accumulator)."""
+    if m == 0 or cap is not None or not gemms.native or not host_reads_allowed():
         return False
     if not ctx.needs_input_grad[1]:
         return False
-    item = torch.empty((), dtype=op).element_size()
+    item = torch.empty((), dtype=gemms.op).element_size()
     return m * item <= 4 * weight.shape[1]
 
 
@@ -675,7 +675,7 @@ def _linear_forward_accelerated(ctx, hidden, weight, bias, labels, active, tau, 
     logp_c = torch.empty(m, dtype=cdt, device=device)
     ent_c = torch.empty(m, dtype=cdt, device=device)
     kept = None
-    if graph and _keeps_probabilities(ctx, m, weight, op, cap):
+    if graph and _keeps_probabilities(ctx, m, weight, gemms, cap):
         kept = torch.empty(m, V, dtype=op, device=device)
     for r0 in range(0, m, C):
         r1 = min(r0 + C, m)
@@ -977,7 +977,8 @@ def linear_logprobs(
     the forward, 2 in the backward, 3 with an entropy gradient, one more with a soft cap), plus the fp32 ``dW``
     accumulator (``V*H*4``), ``dH`` in the hidden states' dtype, and, where the GEMMs cannot write fp32 from half
     operands (no ``out_dtype``), an fp32 copy of the weight. One host read per forward with ``active``, none in the
-    backward. There, when the weight's gradient is wanted, a graph is recorded, no soft cap is given and ``p`` of
+    backward. There, when the weight's gradient is wanted, a graph is recorded, no soft cap is given, the GEMMs
+    write fp32 from half operands (``out_dtype``) and ``p`` of
     the ``m`` active rows (``[m, V]`` in the operand dtype) takes at most the fp32 ``dW`` accumulator's bytes
     (``m <= 2H`` for bf16), the forward keeps ``p`` instead: the backward then makes no logits GEMM (6NHV in all,
     not 8NHV) and no fp32 accumulator (``dW`` in the weight's dtype from one GEMM); with an entropy gradient it
