@@ -739,6 +739,7 @@ def _linear_backward_accelerated(ctx, grad_logp, grad_entropy):
     if kept is not None and ge_all is None:
         return _linear_backward_kept(ctx, kept, h_all, carries, g_all, col, inside, gemms, index, n, hidden, weight,
                                      bias)
+    kept = None  # an entropy gradient needs log p: freed before the recomputation's buffers
     tiles = 2 + (ge_all is not None) + (cap is not None)
     C = _linear_rows(m, V, cdt, tiles, ctx.memory_budget)
     ws = _Workspace(C, V, cdt, device)  # the logits tile (then dZ in its storage), p, and lp / the cap's slope
