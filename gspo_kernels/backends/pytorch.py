@@ -461,7 +461,9 @@ class _LogitsLogprobs(torch.autograd.Function):
                 _store(entropy, r0, r1, sel, ent_rows)
         if _accelerated(device):  # the rows' forward leaves this to one op per call
             logp = torch.where(inside, logp, float("nan"))
-        ctx.save_for_backward(source, labels, entropy, logp)
+        ctx.save_for_backward(source, labels, entropy)
+        # p_y - 1 of each row for the half rows' backward (an intermediate, not the output: that may be changed in place)
+        ctx.em1 = torch.expm1(logp) if _accelerated(device) else None
         ctx.active = active
         ctx.plan, ctx.rows = plan, R
         ctx.temperature = temperature
@@ -472,7 +474,7 @@ class _LogitsLogprobs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
-        logits, labels, entropy, logp = ctx.saved_tensors
+        logits, labels, entropy = ctx.saved_tensors
         tau, cap = ctx.temperature, ctx.softcap
         V = logits.shape[-1]
         n = labels.shape[0]
@@ -497,7 +499,7 @@ class _LogitsLogprobs(torch.autograd.Function):
         pre = direct = None
         if _direct_half_backward(source, device, tau, cap, grad_entropy, ctx.inplace, cdt):  # per call, not per block
             coef = -g_all / tau
-            direct = (coef, (torch.expm1(logp) * coef).to(grad.dtype))  # the label's entry, rounded once
+            direct = (coef, (ctx.em1 * coef).to(grad.dtype))  # the label's entry, rounded once
         elif _accelerated(device) and grad_entropy is None:
             pre = (torch.where(inside, -1.0, 0.0).to(cdt), -g_all / tau)
         for r0, r1, sel in plan:
