@@ -152,7 +152,7 @@ def test_accelerator_route_matches_cpu_route(monkeypatch, dtype):
     gk.gspo_loss(full[:, :-1], labels, adv, mask=mask, backend="torch").loss.backward()
     want = full.grad
     assert torch.all(got[2] == 0) and torch.all(got[:, T - 3:] == 0)
-    tol = 1e-6 if dtype == torch.float32 else 2.0 ** -8  # one rounding of the stored gradient
+    tol = 1e-6 if dtype == torch.float32 else 2.0 ** -8  # bf16: the CPU route rounds once, the direct route twice
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol * float(want.abs().max()))
 
 
@@ -261,3 +261,188 @@ def test_hidden_accelerator_route_host_reads_and_ops(monkeypatch):
     per_chunk = (len(kernels(f_large + b_large)) - len(kernels(f_small + b_small))) / 10
     assert 0 < per_chunk <= 28, per_chunk  # ~26 here, 4 of them upcasts that CUDA (out_dtype GEMMs) does not make
 
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_direct_half_backward_matches_float64(monkeypatch, dtype):
+    """The accelerator route's backward for half rows without a kernel that reads them into fp32 (CPU tensors here,
+    bf16 on CUDA where PyTorch has none): a softmax in the rows' dtype written into the gradient, one multiply, the
+    label's entry from the forward's fp32 log-prob. Against float64: each entry within two roundings of the
+    dtype (p, then the product), the label's entries within one, also where the label is nearly certain and
+    ``p_y - 1`` formed from a rounded ``p_y`` would be far off; rows without gradient exactly 0."""
+    monkeypatch.setattr(torch_backend, "_accelerated", lambda device: True)
+    monkeypatch.setattr(torch_backend, "ACCELERATOR_BUDGET", 5 * 3 * 64 * 4)  # 5 rows per chunk: several chunks
+    direct = []
+    original = torch_backend._rows_backward_direct
+    monkeypatch.setattr(torch_backend, "_rows_backward_direct", lambda *a: direct.append(a[0].shape[0]) or original(*a))
+    B, T, V = 3, 12, 64
+    gen = torch.Generator().manual_seed(3)
+    full = torch.randn(B, T + 1, V, generator=gen) * 2
+    labels = torch.randint(0, V, (B, T), generator=gen)
+    full[0, :T].scatter_(1, labels[0, :, None], 9.0)  # response 0: p_y about 0.99, 1 - p_y about 0.01
+    full = full.to(dtype)
+    active = torch.ones(B, T, dtype=torch.bool)
+    active[2, -4:] = False
+    g = torch.randn(B, T, generator=gen) * active
+    g[1] = 0.0  # a response without gradient
+    x = full.clone().requires_grad_()
+    lp, _ = torch_backend.logits_logprobs(x[:, :-1], labels.reshape(-1), active=active.reshape(-1))
+    (lp * g.reshape(-1)).sum().backward()
+    assert sum(direct) == 2 * T - 4  # only the rows with gradient, all through the direct route
+    xd = full.double().requires_grad_()
+    rl = reference.token_logprobs(xd[:, :-1].reshape(-1, V), labels.reshape(-1))
+    (rl * g.reshape(-1).double()).sum().backward()
+    a = active.reshape(-1)
+    torch.testing.assert_close(lp[a].double(), rl[a].detach(), rtol=1e-5, atol=1e-5)
+    got, want = x.grad.double(), xd.grad
+    assert torch.all(got[1] == 0) and torch.all(got[:, -1] == 0) and torch.all(got[2, T - 4 : T] == 0)
+    u = 2.0 ** -(8 if dtype == torch.bfloat16 else 11)  # half the dtype's ulp at 1: one rounding, relative
+    slack = 1e-5 * float(want.abs().max())  # the fp32 softmax's own error
+    assert torch.all((got - want).abs() <= 2.02 * u * want.abs() + slack)  # two roundings
+    rows = torch.arange(T)
+    for b in (0, 2):
+        at_label, ref_label = got[b, rows, labels[b]], want[b, rows, labels[b]]
+        assert torch.all((at_label - ref_label).abs() <= 1.01 * u * ref_label.abs() + slack), (at_label, ref_label)
+
+
+def test_direct_half_backward_has_no_host_read_per_chunk(monkeypatch):
+    """The half-row backward (bf16 logits, CPU tensors) with 4x the chunks: the same host reads (one per selection),
+    no op that waits for the device or sorts, and the same kernels per chunk as the route it replaces."""
+    calls = []
+    original = torch_backend._rows_backward_direct
+
+    def spy(*args):
+        calls.append(1)
+        return original(*args)
+
+    monkeypatch.setattr(torch_backend, "_rows_backward_direct", spy)
+    few, reads_few, chunks_few, _ = count_call(monkeypatch, B=4, T=64, rows_per_chunk=64, clipped=(1,))
+    used = len(calls)
+    many, reads_many, chunks_many, _ = count_call(monkeypatch, B=4, T=64, rows_per_chunk=16, clipped=(1,))
+    assert (chunks_few, chunks_many) == (4, 16) and used == 3 and len(calls) - used == 12  # 3 responses with gradient
+    assert reads_few == reads_many <= 2
+    for ops in (few, many):
+        assert sorted({op for op in ops if op in SYNCING or op == "index_put_accumulate"}) == []
+    per_chunk = (len(kernels(many)) - len(kernels(few))) / (chunks_many - chunks_few)
+    assert 0 < per_chunk <= 18, per_chunk
+
+
+class _Fp32OutGemms(TorchDispatchMode):
+    """CUDA's ``mm`` / ``addmm`` with ``out_dtype=float32`` from half operands, on CPU tensors: the operands converted
+    exactly, the product in fp32 (as cuBLAS accumulates), written into ``out``. With it the accelerator route takes its
+    CUDA GEMM calls here (``_Gemms.native``), where CPU tensors otherwise get upcast copies."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name, overload = func.overloadpacket.__name__, func._overloadname
+        if name in ("mm", "addmm") and overload in ("dtype", "dtype_out"):
+            tensors = [a.float() for a in args if isinstance(a, torch.Tensor)]
+            extra = {k: v for k, v in kwargs.items() if k in ("beta", "alpha")}
+            res = torch.mm(*tensors) if name == "mm" else torch.addmm(*tensors, **extra)
+            return kwargs["out"].copy_(res) if "out" in kwargs else res
+        return func(*args, **kwargs)
+
+
+@pytest.fixture
+def fp32_out_gemms(monkeypatch):
+    monkeypatch.setitem(torch_backend._mm_fp32_out_ok, ("cpu", torch.bfloat16), True)
+    with _Fp32OutGemms():
+        yield
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("entropy_grad", [False, True])
+def test_hidden_kept_probabilities_match_float64(monkeypatch, fp32_out_gemms, dtype, entropy_grad):
+    """The accelerator route keeps ``p`` of the active rows for the backward when it takes no more bytes than the
+    fp32 ``dW`` accumulator (m rows <= 4H / itemsize: 76 rows at H = 96 here): the backward makes no logits GEMM,
+    ``dH`` and ``dW`` one GEMM each. Against float64, with a bias, a temperature, masked rows (NaN hidden states
+    in them), a response without gradient; with an entropy gradient the backward recomputes (it needs log p).
+    Tolerances as the recomputing route's test; a second backward (retain_graph) gives the same gradients."""
+    monkeypatch.setattr(torch_backend, "_accelerated", lambda device: True)
+    kept_used = []
+    original = torch_backend._linear_backward_kept
+    monkeypatch.setattr(torch_backend, "_linear_backward_kept", lambda *a: kept_used.append(1) or original(*a))
+    hidden, weight, labels = _hidden_case(H=96, dtype=dtype)
+    B, T, H = hidden.shape
+    V = weight.shape[0]
+    bias = (torch.randn(V, generator=torch.Generator().manual_seed(4)) * 0.5).to(dtype)
+    active = torch.ones(B, T, dtype=torch.bool)
+    active[:, -5:] = False
+    hidden[:, -5:] = float("nan")
+    gw = torch.randn(B, T, generator=torch.Generator().manual_seed(1)) * active
+    gw[1] = 0.0
+    ge = torch.randn(B, T, generator=torch.Generator().manual_seed(2)) * active * 0.3 if entropy_grad else None
+    if ge is not None:
+        ge[1] = 0.0
+    h, w, b = (t.clone().requires_grad_() for t in (hidden, weight, bias))
+    lp, ent = torch_backend.linear_logprobs(h, w, b, labels.reshape(-1), active=active.reshape(-1), temperature=0.8,
+                                            return_entropy=True, memory_budget=7 * V * 4 * 2)
+    loss = (lp * gw.reshape(-1)).sum() + ((ent * ge.reshape(-1)).sum() if entropy_grad else 0)
+    loss.backward(retain_graph=True)
+    assert len(kept_used) == (0 if entropy_grad else 1)
+    first = [t.grad.clone() for t in (h, w, b)]
+    hd = torch.where(active[..., None], hidden.double(), 0.0).requires_grad_()
+    wd, bd = weight.double().requires_grad_(), bias.double().requires_grad_()
+    z = hd.reshape(-1, H) @ wd.T + bd
+    rl, re = reference.token_logprobs(z, labels.reshape(-1), temperature=0.8, return_entropy=True)
+    ((rl * gw.reshape(-1).double()).sum() + ((re * ge.reshape(-1).double()).sum() if entropy_grad else 0)).backward()
+    a = active.reshape(-1)
+    torch.testing.assert_close(lp[a].double(), rl[a], rtol=1e-5, atol=1e-5 * float(rl.abs().max()))
+    tol = 1e-5 if dtype == torch.float32 else 2.0 ** -7
+    assert torch.all(h.grad[:, -5:] == 0) and torch.all(h.grad[1] == 0)
+    for got, want in ((h.grad, hd.grad), (w.grad, wd.grad), (b.grad, bd.grad)):
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol * float(want.abs().max()))
+    for t in (h, w, b):
+        t.grad = None
+    loss.backward()  # the kept p was consumed: this one recomputes
+    for t, want in zip((h, w, b), first):
+        torch.testing.assert_close(t.grad.double(), want.double(), rtol=tol, atol=tol * float(want.abs().max()))
+
+
+def test_hidden_kept_probabilities_backward_ops(monkeypatch, fp32_out_gemms):
+    """With ``p`` kept: no host read and no softmax in the backward, two GEMMs (dH, dW) whatever the chunks, no
+    fp32 ``dW`` accumulator (no addmm). Not kept (m > 4H / itemsize, or GEMMs that cannot write fp32 from bf16
+    operands): the recomputing backward's three or more."""
+    monkeypatch.setattr(torch_backend, "_accelerated", lambda device: True)
+    reads = []
+    to_host = _ORIGINAL["to_host"]
+    monkeypatch.setattr(torch_backend, "_to_host", lambda mask: reads.append(1) or to_host(mask))
+
+    def backward_ops(H, rows_per_chunk):
+        hidden, weight, labels = _hidden_case(B=4, T=32, H=H, dtype=torch.bfloat16)
+        V = weight.shape[0]
+        h, w = hidden.requires_grad_(), weight.requires_grad_()
+        lp, _ = torch_backend.linear_logprobs(h, w, None, labels.reshape(-1), return_entropy=True,
+                                              memory_budget=rows_per_chunk * V * 4 * 2)
+        counter = _Counter()
+        n_reads = len(reads)
+        with counter:
+            lp.sum().backward()
+        assert len(reads) == n_reads
+        return counter.ops
+
+    for rows in (128, 16):  # 1 and 8 chunks in the forward: 128 rows * 2 bytes <= 4 * 64
+        ops = backward_ops(64, rows)
+        assert ops.count("mm") == 2 and "addmm" not in ops and "addmm_" not in ops
+        assert not [op for op in ops if "softmax" in op or op in SYNCING]
+    ops = backward_ops(16, 16)  # 128 rows * 2 bytes > 4 * 16: recomputed, 8 chunks
+    assert ops.count("mm") >= 3 and any("softmax" in op for op in ops)
+    monkeypatch.setitem(torch_backend._mm_fp32_out_ok, ("cpu", torch.bfloat16), False)
+    ops = backward_ops(64, 128)  # upcast operands: a kept p would need an fp32 copy of dZ, so none is kept
+    assert ops.count("mm") >= 3 and any("softmax" in op for op in ops)
+
+
+def test_hidden_keeps_nothing_without_a_graph(monkeypatch, fp32_out_gemms):
+    """Under ``torch.no_grad()`` (an old-log-prob pass, weights requiring grad) nothing is kept: no ``[m, V]``
+    buffer and no copy into it (``ctx.needs_input_grad`` says True there too)."""
+    monkeypatch.setattr(torch_backend, "_accelerated", lambda device: True)
+    hidden, weight, labels = _hidden_case(B=2, T=16, H=64, dtype=torch.bfloat16)
+    w = weight.requires_grad_()
+    counter = _Counter()
+    with torch.no_grad(), counter:
+        torch_backend.linear_logprobs(hidden, w, None, labels.reshape(-1), return_entropy=True)
+    with_graph = _Counter()
+    with with_graph:
+        torch_backend.linear_logprobs(hidden, w, None, labels.reshape(-1), return_entropy=True)
+    assert with_graph.ops.count("copy_") == counter.ops.count("copy_") + 1  # p into the kept buffer, one chunk

@@ -8,11 +8,15 @@ accelerator (CUDA) the scratch blocks fill ``DEFAULT_MEMORY_BUDGET`` (bf16 [1638
 ~15 kernels each, where 55-row blocks made 304). Rows to compute (the forward's ``active``, the backward's rows
 with gradient) are read to the host once per call, never per block; no op sorts (``scatter_add``, not
 ``index_put(accumulate=True)``); ``tests/test_torch_backend_launches.py`` counts both.
-On an accelerator (CUDA) the logits path's forward is argmax + one softmax + entr + sum (log p_y from the max's
+On an accelerator (CUDA) the logits path's forward is max(dim=1) + one softmax + entr + sum (log p_y from the max's
 column, :func:`_rows_forward_accelerated`) and a ``[B, T + 1, V]`` base read as ``[:, :-1]`` takes its gradient
-directly. The hidden-state path there: row chunks sized from ``memory_budget``, one GEMM per chunk with fp32 output,
-no vocabulary tiles, dZ cast once, dW in one fp32 accumulator, one host read per call
-(:func:`_linear_forward_accelerated`, :func:`_linear_backward_accelerated`).
+directly; fp16/bf16 rows that no softmax kernel reads into fp32 (bf16 on CUDA) get their gradient from a softmax in
+their own dtype written into it (:func:`_rows_backward_direct`). The hidden-state path there: row chunks sized from
+``memory_budget``, one GEMM per chunk with fp32 output, no vocabulary tiles, dZ cast once, dW in one fp32
+accumulator, one host read per call (:func:`_linear_forward_accelerated`, :func:`_linear_backward_accelerated`);
+when ``p`` of all rows takes no more bytes than that accumulator, the forward keeps it and the backward makes no
+logits GEMM (:func:`_keeps_probabilities`, :func:`_linear_backward_kept`).
+``benchmarks/count_torch_backend.py`` counts the accelerator route's ops, bytes and GEMM FLOPs on CPU tensors.
 Hidden-state path on CPU: rows x vocabulary tiles, an online softmax (running max ``m``,
 ``s = sum e^(x-m)``, ``a = sum e^(x-m)(x-m)``) with the label's logit and the entropy folded in;
 one ``[rows, vocab_block]`` logits tile exists at a time.
@@ -58,17 +62,19 @@ class _Workspace:
     def __init__(self, rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> None:
         self.size, self.dtype, self.device = rows * cols, dtype, device
         self.a: Optional[Tensor] = None  # allocated when first needed (a softmax alone uses only b)
-        self.b = torch.empty(self.size, dtype=dtype, device=device)
+        self.b: Optional[Tensor] = None  # (none at all where the gradient is written without scratch)
         self.x: Optional[Tensor] = None
         self.s: Optional[Tensor] = None  # the soft cap's sech^2 tile (allocated when first needed)
 
     def tiles(self, r: int, c: int) -> Tuple[Tensor, Tensor]:
         if self.a is None:
             self.a = torch.empty(self.size, dtype=self.dtype, device=self.device)
-        return self.a[: r * c].view(r, c), self.b[: r * c].view(r, c)
+        return self.a[: r * c].view(r, c), self.second(r, c)
 
     def second(self, r: int, c: int) -> Tensor:
         """The second work tile alone."""
+        if self.b is None:
+            self.b = torch.empty(self.size, dtype=self.dtype, device=self.device)
         return self.b[: r * c].view(r, c)
 
     def input_tile(self, r: int, c: int) -> Tensor:
@@ -327,18 +333,19 @@ def _rows_forward(x: Tensor, col: Tensor, inside: Tensor, cdt: torch.dtype, ws: 
 
 
 def _rows_forward_accelerated(x: Tensor, col: Tensor, inside: Tensor, cdt: torch.dtype, ws: _Workspace,
-                              return_entropy: bool) -> Tuple[Tensor, Optional[Tensor]]:
+                              return_entropy: bool, keep: Optional[Tensor] = None) -> Tuple[Tensor, Optional[Tensor]]:
     """:func:`_rows_forward` on the accelerator route, in fewer bytes per logit: the row max and its column
-    (``max``, one read of the rows in their own dtype), ``p = softmax(x)`` (one fused pass, from half rows directly
+    (``max(dim=1)``, one read of the rows in their own dtype), ``p = softmax(x)`` (one fused pass, from half rows directly
     where the kernel reads them, else after one conversion into scratch), then ``log p_y = (x_y - m) - log s`` with
     ``log s = -log p[argmax]`` (``p`` at the max is ``1/s``, never below ``1/V``: no underflow; ``m`` and ``log s``
     stay apart) and the entropy ``sum entr(p)`` (``entr``, a row sum). bf16 rows, no direct half read: 2 + 6 + 8 + 8
     + 4 = 28 bytes per logit (20 with it), where log_softmax + exp + entr + sum read and wrote 34."""
-    arg = x.argmax(dim=1)
+    m, arg = x.max(dim=1)  # the max and its column in one reduction
     p = ws.second(*x.shape)
     _softmax_rows(x, cdt, ws, p)
-    ends = x.gather(1, torch.stack((col, arg), dim=1)).to(cdt)  # (x_y, m) of each row
-    logp = (ends[:, 0] - ends[:, 1]).add_(torch.log(p.gather(1, arg[:, None])[:, 0]))
+    logp = x.gather(1, col[:, None])[:, 0].to(cdt).sub_(m).add_(torch.log(p.gather(1, arg[:, None])[:, 0]))
+    if keep is not None:  # p kept for the backward (the hidden path's kept rows), before entr overwrites it
+        keep.copy_(p)
     # (a label outside [0, V) is never read: the caller sets its row's log-prob to NaN, once per call)
     if not return_entropy:
         return logp, None
@@ -382,6 +389,32 @@ def _rows_backward(x: Tensor, col: Tensor, inside: Tensor, g: Tensor, ge: Option
     if slope is not None:
         lp.mul_(slope)
     out.copy_(lp)
+
+
+def _direct_half_backward(rows: Tensor, device: torch.device, tau: float, cap: Optional[float], grad_entropy, inplace: bool,
+                          cdt: torch.dtype) -> bool:
+    """Whether the accelerator route writes the gradient of fp16/bf16 rows straight from a softmax in their own dtype
+    (:func:`_rows_backward_direct`): the rows are read as they are (tau = 1, no cap), no entropy gradient, the gradient
+    not written over the rows themselves, and no softmax kernel that reads half rows into fp32 (:func:`_half_softmax`;
+    with one, the fp32 route costs 16 bytes per logit and rounds once)."""
+    return (_accelerated(device) and rows.dtype in (torch.float16, torch.bfloat16) and cdt == torch.float32
+            and tau == 1.0 and cap is None and grad_entropy is None and not inplace
+            and not _half_softmax(device, rows.dtype))
+
+
+def _rows_backward_direct(x: Tensor, col: Tensor, inside: Tensor, coef: Tensor, label_grad: Tensor,
+                          out: Tensor) -> None:
+    """``out = coef (softmax(x) - onehot)`` for fp16/bf16 rows ``x`` into ``out`` (their dtype, not their storage) in
+    12 bytes per logit for bf16 (a softmax in the rows' dtype, fp32 inside, written into ``out``; one in-place
+    multiply), where converting the rows into fp32 scratch first costs 28. ``p`` is rounded to the rows' dtype before
+    the multiply: each entry rounded twice (at most 1 ulp of the dtype, against 1/2 ulp when rounded once). The
+    label's entry is ``coef (p_y - 1) = coef expm1(log p_y)`` from the forward's fp32 log-prob (``label_grad``, in
+    ``out``'s dtype), rounded once (``p_y - 1`` is never formed from a rounded ``p_y``); a row whose label is outside ``[0, V)``
+    keeps its clamped column's ``coef p``."""
+    torch.softmax(x, 1, out=out)
+    out.mul_(coef[:, None])
+    c = col[:, None]
+    out.scatter_(1, c, torch.where(inside[:, None], label_grad[:, None], out.gather(1, c)))
 
 
 class _LogitsLogprobs(torch.autograd.Function):
@@ -429,6 +462,8 @@ class _LogitsLogprobs(torch.autograd.Function):
         if _accelerated(device):  # the rows' forward leaves this to one op per call
             logp = torch.where(inside, logp, float("nan"))
         ctx.save_for_backward(source, labels, entropy)
+        # p_y - 1 of each row for the half rows' backward (an intermediate, not the output: that may be changed in place)
+        ctx.em1 = torch.expm1(logp) if _accelerated(device) else None
         ctx.active = active
         ctx.plan, ctx.rows = plan, R
         ctx.temperature = temperature
@@ -461,8 +496,11 @@ class _LogitsLogprobs(torch.autograd.Function):
             plan = _row_plan([(r0, r1) for r0, r1, _ in plan], carries, device)
         col, inside = _label_columns(labels, V)
         ws = _Workspace(ctx.rows, V, cdt, device)
-        pre = None
-        if _accelerated(device) and grad_entropy is None:  # per call, not per block
+        pre = direct = None
+        if _direct_half_backward(source, device, tau, cap, grad_entropy, ctx.inplace, cdt):  # per call, not per block
+            coef = -g_all / tau
+            direct = (coef, (ctx.em1 * coef).to(grad.dtype))  # the label's entry, rounded once
+        elif _accelerated(device) and grad_entropy is None:
             pre = (torch.where(inside, -1.0, 0.0).to(cdt), -g_all / tau)
         for r0, r1, sel in plan:
             target = _row_view(grad, r0, r1)
@@ -476,9 +514,13 @@ class _LogitsLogprobs(torch.autograd.Function):
             x = _scaled_rows(sub, tau, cdt, ws, cap)
             out = torch.empty(x.shape, dtype=grad.dtype, device=device) if index else target
             ge = None if grad_entropy is None else _pick(grad_entropy, r0, r1, sel)
-            _rows_backward(x, _pick(col, r0, r1, sel), _pick(inside, r0, r1, sel), _pick(g_all, r0, r1, sel), ge,
-                           _pick(entropy, r0, r1, sel), tau, cdt, ws, slope, out,
-                           None if pre is None else (_pick(pre[0], r0, r1, sel), _pick(pre[1], r0, r1, sel)))
+            if direct is not None:
+                _rows_backward_direct(x, _pick(col, r0, r1, sel), _pick(inside, r0, r1, sel),
+                                      _pick(direct[0], r0, r1, sel), _pick(direct[1], r0, r1, sel), out)
+            else:
+                _rows_backward(x, _pick(col, r0, r1, sel), _pick(inside, r0, r1, sel), _pick(g_all, r0, r1, sel),
+                               ge, _pick(entropy, r0, r1, sel), tau, cdt, ws, slope, out,
+                               None if pre is None else (_pick(pre[0], r0, r1, sel), _pick(pre[1], r0, r1, sel)))
             if index:
                 target.zero_()
                 target.index_copy_(0, sel, out)
@@ -545,6 +587,12 @@ class _Gemms:
         else:
             out.copy_(torch.mm(self._up(dz), self.w))
 
+    def d_weight_once(self, dz: Tensor, h: Tensor, dtype: torch.dtype) -> Tensor:
+        """``dz.T @ h`` over all rows in one GEMM of the operands as they are (fp32 accumulation inside the GEMM),
+        returned in ``dtype`` (the weight's; cast only where the operand dtype differs from it)."""
+        out = torch.mm(self._up(dz).t(), self._up(h))
+        return out if out.dtype == dtype else out.to(dtype)
+
     def d_weight(self, dw: Tensor, dz: Tensor, h: Tensor, first: bool) -> None:
         """``dw [V, H] cdt (+)= dz.T @ h`` (``first``: written, nothing read)."""
         a, b = self._up(dz).t(), self._up(h)
@@ -590,10 +638,28 @@ def _scale_logits(z: Tensor, bias: Optional[Tensor], tau: float, cap: Optional[f
     z.tanh_().mul_(cap / tau)
 
 
-def _linear_forward_accelerated(ctx, hidden, weight, bias, labels, active, tau, return_entropy, cap, memory_budget):
+def _keeps_probabilities(ctx, m: int, weight: Tensor, gemms: "_Gemms", cap: Optional[float]) -> bool:
+    """Whether the accelerator route's forward keeps ``p`` of its ``m`` rows (``[m, V]`` in the operand dtype) for the
+    backward, which then makes no logits GEMM and writes ``dW`` in one GEMM in the weight's dtype: when those bytes
+    are at most the fp32 ``dW`` accumulator's (``V*H*4``) that the backward without them allocates (``m <= 2H``
+    for bf16 operands: N = 4096 rows at H = 4096), so the peak does not grow. Only where ``dW`` is wanted, with a
+    host read allowed (the rows are then the active ones, compacted: no padding row's NaN in ``p``), without a
+    soft cap (its ``sech^2`` would have to be kept too), and where the GEMMs take the operands as they are (half
+    operands with fp32 output: no upcast copy of ``dZ``, which would take more bytes than the accumulator)."""
+    if m == 0 or cap is not None or not gemms.native or not host_reads_allowed():
+        return False
+    if not ctx.needs_input_grad[1]:
+        return False
+    item = torch.empty((), dtype=gemms.op).element_size()
+    return m * item <= 4 * weight.shape[1]
+
+
+def _linear_forward_accelerated(ctx, hidden, weight, bias, labels, active, tau, return_entropy, cap, memory_budget,
+                                graph=False):
     """Row chunks sized from the budget, no vocabulary tiles: per chunk one GEMM into an fp32 ``[c, V]`` tile,
     then the logits path's argmax + softmax + entr + sum (:func:`_rows_forward_accelerated`). One host read (the
-    ``active`` rows, compacted) at most; nothing saved but the inputs (the backward recomputes the logits)."""
+    ``active`` rows, compacted) at most; nothing saved but the inputs (the backward recomputes the logits), unless
+    ``p`` is kept (:func:`_keeps_probabilities`; ``graph``: autograd records this call, so a backward may follow)."""
     rows_all = as_rows(hidden)
     n, V = labels.shape[0], weight.shape[0]
     cdt = compute_dtype(hidden.dtype)
@@ -610,12 +676,16 @@ def _linear_forward_accelerated(ctx, hidden, weight, bias, labels, active, tau, 
     ws = _Workspace(C, V, cdt, device)  # a: the logits tile, b: p
     logp_c = torch.empty(m, dtype=cdt, device=device)
     ent_c = torch.empty(m, dtype=cdt, device=device)
+    kept = None
+    if graph and _keeps_probabilities(ctx, m, weight, gemms, cap):
+        kept = torch.empty(m, V, dtype=op, device=device)
     for r0 in range(0, m, C):
         r1 = min(r0 + C, m)
         z = ws.tiles(r1 - r0, V)[0]
         gemms.logits(h_all[r0:r1].to(op), z)
         _scale_logits(z, shifted, tau, cap, None)
-        lp, ent = _rows_forward_accelerated(z, col[r0:r1], inside[r0:r1], cdt, ws, return_entropy)
+        lp, ent = _rows_forward_accelerated(z, col[r0:r1], inside[r0:r1], cdt, ws, return_entropy,
+                                            None if kept is None else kept[r0:r1])
         logp_c[r0:r1] = lp
         if return_entropy:
             ent_c[r0:r1] = ent
@@ -634,6 +704,8 @@ def _linear_forward_accelerated(ctx, hidden, weight, bias, labels, active, tau, 
                           index if index is not None else torch.empty(0, dtype=torch.long),
                           active if active is not None else torch.empty(0, dtype=torch.bool))
     ctx.accelerated, ctx.compacted, ctx.has_active = True, index is not None, active is not None
+    # intermediates (not inputs or outputs): on ctx, dropped by the backward that uses them
+    ctx.kept = None if kept is None else (kept, torch.expm1(logp_c))
     ctx.memory_budget = memory_budget
     return logp, entropy
 
@@ -665,6 +737,11 @@ def _linear_backward_accelerated(ctx, grad_logp, grad_entropy):
     ge_all = None if ge_all is None else sel(ge_all)
     col, inside = _label_columns(sel(labels), V)
     m = h_all.shape[0]
+    kept, ctx.kept = ctx.kept, None  # dZ is formed in its storage: a second backward (retain_graph) recomputes
+    if kept is not None and ge_all is None:
+        return _linear_backward_kept(ctx, kept, h_all, carries, g_all, col, inside, gemms, index, n, hidden, weight,
+                                     bias)
+    kept = None  # an entropy gradient needs log p: freed before the recomputation's buffers
     tiles = 2 + (ge_all is not None) + (cap is not None)
     C = _linear_rows(m, V, cdt, tiles, ctx.memory_budget)
     ws = _Workspace(C, V, cdt, device)  # the logits tile (then dZ in its storage), p, and lp / the cap's slope
@@ -705,12 +782,46 @@ def _linear_backward_accelerated(ctx, grad_logp, grad_entropy):
         grad_hidden = dh.reshape(hidden.shape)
     grad_weight = dw.to(weight.dtype) if want_w else None
     grad_bias = db.to(bias.dtype) if want_b else None
-    return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
+    return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None
+
+
+def _linear_backward_kept(ctx, kept, h_all, carries, g_all, col, inside, gemms, index, n, hidden, weight, bias):
+    """The backward from the forward's kept ``p`` (:func:`_keeps_probabilities`): no logits GEMM. ``dZ = coef (p -
+    onehot)`` formed in ``p``'s storage (one in-place multiply; the label's entry ``coef expm1(log p_y)`` from the
+    forward's fp32 log-prob, rounded once; the others rounded twice for fp16/bf16 operands: ``p``, then the
+    product), ``dH = dZ @ W`` and ``dW = dZ.T @ h`` one GEMM each, ``dW`` written in the weight's dtype (no fp32
+    accumulator). Rows without gradient have ``coef = 0``: zero ``dZ`` rows, their hidden rows zeroed too."""
+    p, em1 = kept
+    tau = ctx.temperature
+    m, H = h_all.shape
+    cdt = g_all.dtype
+    device = h_all.device
+    coef = -g_all / tau
+    dz = p.mul_(coef[:, None])
+    c = col[:, None]
+    label = (em1 * coef).to(dz.dtype)[:, None]  # NaN where the label is outside [0, V): that row keeps coef p
+    dz.scatter_(1, c, torch.where(inside[:, None], label, dz.gather(1, c)))
+    want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    want_b = bias is not None and ctx.needs_input_grad[2]
+    grad_hidden = grad_weight = grad_bias = None
+    if want_h:
+        dh = torch.empty(m, H, dtype=hidden.dtype, device=device)
+        gemms.d_hidden(dz, dh)
+        if ctx.compacted:
+            dh = torch.zeros(n, H, dtype=hidden.dtype, device=device).index_copy_(0, index, dh)
+        grad_hidden = dh.reshape(hidden.shape)
+    if want_w:
+        h = torch.where(carries[:, None], h_all, 0).to(gemms.op)
+        grad_weight = gemms.d_weight_once(dz, h, weight.dtype)
+    if want_b:
+        grad_bias = dz.sum(dim=0, dtype=cdt).to(bias.dtype)
+    return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None
 
 
 class _LinearLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, active, temperature, return_entropy, softcap, memory_budget=None):
+    def forward(ctx, hidden, weight, bias, labels, active, temperature, return_entropy, softcap, memory_budget=None,
+                graph=False):
         ctx.has_bias = bias is not None
         ctx.temperature = temperature
         ctx.softcap = softcap
@@ -718,7 +829,7 @@ class _LinearLogprobs(torch.autograd.Function):
         ctx.accelerated = False
         if _accelerated(hidden.device):
             return _linear_forward_accelerated(ctx, hidden, weight, bias, labels, active, temperature, return_entropy,
-                                               softcap, memory_budget)
+                                               softcap, memory_budget, graph)
         rows_all = as_rows(hidden)
         n = labels.shape[0]
         V = weight.shape[0]
@@ -785,7 +896,7 @@ class _LinearLogprobs(torch.autograd.Function):
         grad_hidden = d_hidden.to(hidden.dtype).reshape(hidden.shape) if ctx.needs_input_grad[0] else None
         grad_weight = d_weight.to(weight.dtype) if ctx.needs_input_grad[1] else None
         grad_bias = d_bias.to(bias.dtype) if d_bias is not None and ctx.needs_input_grad[2] else None
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None
 
 
 def _shifted_bias(bias: Optional[Tensor], cdt: torch.dtype, cap: Optional[float] = None) -> Optional[Tensor]:
@@ -862,21 +973,27 @@ def linear_logprobs(
 
     ``softcap``: see the backend contract. ``batch_invariant=True`` is refused: the BLAS this backend calls picks its kernels by shape.
     fp16/bf16/fp32 inputs: converted to fp32 exactly (exact products), fp32 accumulation and outputs;
-    fp64 inputs: fp64 math and outputs. No logits are kept between forward and backward (recomputed).
+    fp64 inputs: fp64 math and outputs. On CPU tensors no logits are kept between forward and backward (recomputed).
     CPU tensors: ``memory_budget`` is ignored; extra memory ``O(N)`` plus a few ``[1024, 4096]`` tiles; the
     backward adds accumulators for ``dW`` (``V*H*4`` bytes), ``dH`` (``N*H*4``) and ``dbias`` (``V*4``).
     Accelerators: ``[rows, V]`` fp32 tiles filling ``memory_budget`` (None: ``DEFAULT_MEMORY_BUDGET``; 2 tiles in
     the forward, 2 in the backward, 3 with an entropy gradient, one more with a soft cap), plus the fp32 ``dW``
     accumulator (``V*H*4``), ``dH`` in the hidden states' dtype, and, where the GEMMs cannot write fp32 from half
     operands (no ``out_dtype``), an fp32 copy of the weight. One host read per forward with ``active``, none in the
-    backward.
+    backward. There, when the weight's gradient is wanted, a graph is recorded, no soft cap is given, the GEMMs
+    write fp32 from half operands (``out_dtype``) and ``p`` of
+    the ``m`` active rows (``[m, V]`` in the operand dtype) takes at most the fp32 ``dW`` accumulator's bytes
+    (``m <= 2H`` for bf16), the forward keeps ``p`` instead: the backward then makes no logits GEMM (6NHV in all,
+    not 8NHV) and no fp32 accumulator (``dW`` in the weight's dtype from one GEMM); with an entropy gradient it
+    recomputes as above.
     """
     if batch_invariant:
         raise ValueError("batch_invariant=True needs backend='triton' or backend='cpu': the 'torch' backend's "
                          "matmuls round a row depending on the batch's shape")
     cap = None if softcap is None else float(softcap)
+    graph = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
     logp, entropy = _LinearLogprobs.apply(hidden, weight, bias, labels, active, float(temperature), return_entropy,
-                                          cap, memory_budget)
+                                          cap, memory_budget, graph)
     return logp, (entropy if return_entropy else None)
 
 
