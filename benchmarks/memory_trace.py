@@ -324,8 +324,79 @@ def trace_trl_step(case: str, *, backend: str = "triton", one_pass: bool = False
     report = trace.report(min_bytes=1 << 16, title=f"{case}{' one-pass' if one_pass else ''} backend={backend} "
                           f"shape={shape} budget={budget}")
     return dict(case=case, backend=backend, one_pass=one_pass, shape=shape, budget=budget, peak=trace.peak_bytes,
-                end=trace.current, loss=float(loss), components=dict(components), report=report,
+                end=trace.current, loss=loss.detach().item(), components=dict(components), report=report,
                 uncounted=sum(trace.uncounted.values()))
+
+
+# What each storage alive at the peak is, from the op, dtype and innermost frame of its component name (see
+# trace_trl_step): the first rule whose every substring is in the name wins.
+CLASSES = (
+    ("lm_head dW (fp32 gradient)", ("grad lm_head.weight",)),
+    ("other parameter gradients", ("grad ",)),
+    ("bf16 copy of the lm_head", ("_to_copy bfloat16 @ precision.py:80",)),
+    ("logits chunk buffer (fp32)", ("empty float32 @ linear.py", "__init__")),
+    ("dZ store (bf16)", ("empty bfloat16 @ linear.py", "__init__")),
+    ("dH in the operand dtype", ("zeros_like bfloat16 @ linear.py",)),
+    ("dH cast to the hidden state's fp32", ("_to_copy float32 @ linear.py",)),
+    ("hidden states' bf16 copy", ("_to_copy bfloat16 @ precision.py:79",)),
+    ("flush: masked copy of K hidden rows", ("where bfloat16 @ linear.py",)),
+    ("TRL tile buffer mm_buf", ("empty bfloat16 @ chunked_logprob.py",)),
+    ("TRL lm_head tile cast w_chunk", ("_to_copy bfloat16 @ chunked_logprob.py:423",)),
+    ("TRL hidden chunk cast", ("_to_copy bfloat16 @ chunked_logprob.py",)),
+    ("TRL fp32 grad_hidden", ("zeros float32 @ chunked_logprob.py:407",)),
+    ("TRL fp32 grad_weight", ("zeros float32 @ chunked_logprob.py:410",)),
+    ("TRL hidden[mask] (fp32, saved)", ("index float32 @ utils.py",)),
+    ("cpu backend: bf16 dW and dH (autograd casts dW to fp32)", ("linear_bwd bfloat16 @ cpu.py",)),
+    ("model activations (saved for backward)", ("modeling_",)),
+    ("model activations (saved for backward)", ("activations.py",)),
+    ("model activations (saved for backward)", ("sdpa_attention",)),
+)
+
+
+def classify(components: Dict[str, int]) -> Dict[str, int]:
+    """``components`` (``trace_trl_step``'s) summed by :data:`CLASSES`; the rest as ``"small ([N] vectors,
+    scalars, masks)"``."""
+    out: Dict[str, int] = defaultdict(int)
+    for name, nbytes in components.items():
+        label = next((label for label, parts in CLASSES if all(p in name for p in parts)), None)
+        out[label or "small ([N] vectors, scalars, masks)"] += nbytes
+    return dict(out)
+
+
+def predicted_peak(route: str, *, V: int, H: int, N: int, activations: int, rows: Tuple[int, int] = (0, 0),
+                   vocab_tiles: int = 1, fixed: bool = True) -> Dict[str, int]:
+    """The bytes alive at the loss step's peak, by component, under bf16 autocast on an fp32 policy (the formula
+    of docs/trl.md, fitted to the traces of ``trace_trl_step``; a prediction wherever it is evaluated).
+
+    ``route``: ``"trl"`` (stock TRL 1.16's chunked log-prob head: the peak in its backward), ``"two-pass"`` (the
+    drop-in's default: in the backward of ``linear_logprobs``), ``"one-pass"`` (``gspo_one_pass``: at the end of
+    the forward). ``N``: completion tokens; ``activations``: what the backbone keeps for its backward (measured);
+    ``rows``: the drop-in's ``(C, K)`` chunk rows (fp32 logits, bf16 dZ store); ``vocab_tiles``: TRL's vocabulary
+    tiles of 32768 (from 2 on, two bf16 tile casts are alive at once); ``fixed``: the drop-in after this
+    branch's change (the two-pass backward frees its buffers before casting dH to fp32)."""
+    if route not in ("trl", "two-pass", "one-pass"):
+        raise ValueError(f"route must be 'trl', 'two-pass' or 'one-pass', got {route!r}")
+    out = {"model activations (saved for backward)": activations, "lm_head dW (fp32 gradient)": 4 * V * H}
+    if route == "trl":
+        tokens, tile = min(N, 4096), 32768
+        out["TRL tile buffer mm_buf"] = 2 * tokens * tile
+        out["TRL lm_head tile cast w_chunk"] = 2 * min(V, tile) * H * (2 if vocab_tiles > 1 else 1)
+        out["TRL hidden chunk cast"] = 2 * tokens * H
+        out["TRL fp32 grad_hidden"] = 4 * N * H
+        out["TRL hidden[mask] (fp32, saved)"] = 4 * N * H
+        return out
+    c, k = rows
+    out["bf16 copy of the lm_head"] = 2 * V * H
+    out["logits chunk buffer (fp32)"] = 4 * c * V
+    out["dZ store (bf16)"] = 2 * k * V
+    out["hidden states' bf16 copy"] = 2 * N * H
+    out["dH in the operand dtype"] = 2 * N * H
+    if route == "two-pass":
+        if fixed:
+            out["flush: masked copy of K hidden rows"] = 2 * k * H
+        else:
+            out["dH cast to the hidden state's fp32"] = 4 * N * H
+    return out
 
 
 def main() -> None:
@@ -348,6 +419,9 @@ def main() -> None:
         print(json.dumps({k: v for k, v in out.items() if k != "report"}))
         return
     print(out["report"])
+    print("classes at the peak:")
+    for name, nbytes in sorted(classify(out["components"]).items(), key=lambda kv: -kv[1]):
+        print(f"{nbytes:>14,d}  {name}")
     print("components at the peak:")
     for name, nbytes in sorted(out["components"].items(), key=lambda kv: -kv[1]):
         print(f"{nbytes:>14,d}  {name}")

@@ -110,3 +110,13 @@ def test_a_tensor_pointed_at_an_existing_storage_is_not_new():
         c = a[10:20].clone()  # 40
     assert trace.peak_bytes == 40 and trace.current == 40
     del b, c
+
+
+def test_the_formula_refuses_an_unknown_route_and_sums_the_two_pass_head_by_hand():
+    from benchmarks.memory_trace import predicted_peak
+
+    with pytest.raises(ValueError, match="route"):
+        predicted_peak("three-pass", V=10, H=4, N=6, activations=0)
+    parts = predicted_peak("two-pass", V=10, H=4, N=6, activations=100, rows=(2, 8))
+    # A, fp32 dW, bf16 head copy, fp32 logits rows, bf16 dZ rows, bf16 hidden copy, bf16 dH, the flush's masked rows
+    assert sum(parts.values()) == 100 + 160 + 80 + 80 + 160 + 48 + 48 + 64
