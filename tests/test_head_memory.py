@@ -70,3 +70,22 @@ def test_a_bf16_hidden_state_gets_its_gradient_without_a_copy():
 def test_memory_trace_refuses_a_bad_stack_depth(bad):
     with pytest.raises(ValueError, match="stack_depth"):
         MemoryTrace(stack_depth=bad)
+
+
+def test_the_trl_drop_in_step_holds_at_its_peak_what_the_formula_says():
+    """The drop-in's default route, one loss step of benchmarks/trl_step.py's tiny shape (V = 512, H = 64, 2 x 16
+    completion tokens) under bf16 autocast: the lm_head's share of the peak, by hand (docs/trl.md's formula) with
+    a budget of 16 fp32 logits rows (the dZ store's 4 x 16 rows capped at the 32 tokens)."""
+    pytest.importorskip("trl")
+    from benchmarks.memory_trace import classify, trace_trl_step
+
+    v, h, n = 512, 64, 32
+    out = trace_trl_step("gspo", backend="triton", shape="tiny", memory_budget=16 * v * (4 + 4 * 2))
+    parts = classify(out["components"])
+    assert parts["lm_head dW (fp32 gradient)"] == 4 * v * h  # the .grad itself: no bf16 dW, no copy
+    assert parts["bf16 copy of the lm_head"] == 2 * v * h
+    assert parts["logits chunk buffer (fp32)"] == 4 * 16 * v
+    assert parts["dZ store (bf16)"] == 2 * n * v
+    assert parts["hidden states' bf16 copy"] == parts["dH in the operand dtype"] == 2 * n * h
+    assert "dH cast to the hidden state's fp32" not in parts  # cast after the buffers are gone, not beside them
+    assert out["uncounted"] == 0
