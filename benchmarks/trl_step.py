@@ -12,6 +12,8 @@ Shapes (``--shape``; the default follows ``--device``):
   widths), 2 layers, hidden 2048, vocabulary 151936 with an untied head, 8 completions x 1024 tokens after
   64-token prompts.
 - ``tiny``: a smoke test of the code path (hidden 64, vocabulary 512, 2 x 16 tokens); not a measurement.
+- ``client-small``: the client shape with the hidden size, the vocabulary and the tokens divided by 8 (hidden
+  256, vocabulary 18992, 8 x 128 completions after 8-token prompts): ``benchmarks/memory_trace.py``'s shape.
 lm_head logits spread like a trained model's (std ~4). GSPO sequence level, eps 3e-4 / 4e-4, loss_type grpo.
 
 Measured per case, in a fresh process, after the model and inputs exist:
@@ -47,6 +49,10 @@ SHAPES = {
     "cpu": dict(H=896, V=151936, B=8, P=16, C=256, layers=1, inter=896, heads=14, kv=2, head_dim=64),
     "client": dict(H=2048, V=151936, B=8, P=64, C=1024, layers=2, inter=6144, heads=16, kv=8, head_dim=128),
     "tiny": dict(H=64, V=512, B=2, P=4, C=16, layers=1, inter=64, heads=2, kv=1, head_dim=32),
+    # the client shape with H, V and the tokens each divided by 8 (the head's V x H, the hidden states' N x H and
+    # the chunk buffers' rows x V all 1/64 of the client's; the layers' H x H weights 1/64 too, their H x inter
+    # ones as well): benchmarks/memory_trace.py's reduced shape
+    "client-small": dict(H=256, V=18992, B=8, P=8, C=128, layers=2, inter=768, heads=2, kv=1, head_dim=128),
 }
 H, V, B, P, C = (SHAPES["cpu"][k] for k in ("H", "V", "B", "P", "C"))  # the CPU shape (kept for importers)
 
@@ -59,9 +65,11 @@ def _rss_kb(field: str) -> int:
     raise RuntimeError(field)
 
 
-def run_case(case: str, precision: str, backend: str, memory_budget: str = "drop-in", device: str = "cpu",
-             shape: str = "", repeats: int = 3, one_pass: bool = False) -> dict:
-    """One trainer (``case``: ``"trl"`` stock, ``"gspo"`` the drop-in) on ``device``: the figures as a dict."""
+def build_case(case: str, precision: str, backend: str, memory_budget: str = "drop-in", device: str = "cpu",
+               shape: str = "", one_pass: bool = False):
+    """One trainer (``case``: ``"trl"`` stock, ``"gspo"`` the drop-in) on ``device`` and its batch:
+    ``(trainer, old_pass, step, shape)``; ``old_pass()`` returns the old log-probs, ``step(old)`` runs
+    ``_compute_loss`` and ``backward`` and returns the loss."""
     import torch
     import trl
     from datasets import Dataset
@@ -121,6 +129,16 @@ def run_case(case: str, precision: str, backend: str, memory_budget: str = "drop
         loss.backward()
         return loss
 
+    return trainer, old_pass, step, shape
+
+
+def run_case(case: str, precision: str, backend: str, memory_budget: str = "drop-in", device: str = "cpu",
+             shape: str = "", repeats: int = 3, one_pass: bool = False) -> dict:
+    """One trainer (``case``: ``"trl"`` stock, ``"gspo"`` the drop-in) on ``device``: the figures as a dict."""
+    import torch
+
+    trainer, old_pass, step, shape = build_case(case, precision, backend, memory_budget, device, shape, one_pass)
+    cuda = device.startswith("cuda")
     if cuda:
         figures = _measure_cuda(trainer, old_pass, step, repeats)
         loss = figures.pop("loss")
@@ -196,7 +214,7 @@ def main() -> None:
     parser.add_argument("--one-pass", action="store_true", help="the drop-in with gspo_one_pass=True")
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     parser.add_argument("--shape", choices=tuple(SHAPES), default="",
-                        help="cpu, client or tiny (default: cpu on the CPU, client on CUDA)")
+                        help="cpu, client, tiny or client-small (default: cpu on the CPU, client on CUDA)")
     parser.add_argument("--repeats", type=int, default=3, help="timed old passes and steps on CUDA (median)")
     opts = parser.parse_args()
     if opts.case:

@@ -230,6 +230,9 @@ class VendorLinearLogprobs(torch.autograd.Function):
             store.flush(rows, w, dh, dw)
         if dw is not None and (store is None or store.flushes == 0):
             dw.zero_()
+        # the chunk buffers go before the gradients are cast to the leaves' dtypes (an fp32 hidden state's dH
+        # copy, N x H x 4 bytes), not beside it
+        store = buffers = z = None
         grads = [None if g is None else g.reshape(leaf[0]).to(leaf[1]) for g, leaf in zip((dh, dw, db), ctx.leaves)]
         return (*grads, None, None, None, None, None, None)
 
