@@ -8,7 +8,9 @@
 # About 9 minutes at most: gpu-check is stopped at 270 s, bench --gpu at 230 s (its own budget is 215 s).
 # What comes back from $OUT (at most 8 files, 2 folders deep): env.log, gpu_check.log, gpu_check.json,
 # gpu_check.md, bench_gpu.log, bench_gpu.json, bench_gpu.md, and gpu_check_files.tar.gz (gpu-check's other files).
-# GPU_CHECK_STEPS: the gpu-check --quick steps (default: all but `benchmarks`, which bench --gpu measures in full).
+# GPU_CHECK_STEPS: the gpu-check --quick steps (default: all but `benchmarks`, which bench --gpu measures in full;
+#   `versions,suite` runs the whole test suite instead, about 4 minutes on 16 cores: GPU_CHECK_TIMEOUT=300).
+# BENCH_SECTIONS: bench --gpu's sections (default: all), e.g. `trl-step,torch-backend,hidden,logits`.
 
 set -u -o pipefail
 OUT=${OUT:-$PWD/results/gpu_run}
@@ -73,7 +75,10 @@ if [ -d "$CHECK_DIR" ]; then
 fi
 
 # 2. bench --gpu: every ratio of issue 26 in one run.
-echo "== gspo-kernels bench --gpu --out $OUT/bench_gpu"
-timeout -k 10 230 python3 -m gspo_kernels bench --gpu --out "$OUT/bench_gpu" 2>&1 | tee "$OUT/bench_gpu.log"
+SECTIONS=()
+[ -n "${BENCH_SECTIONS:-}" ] && SECTIONS=(--sections "$BENCH_SECTIONS")
+echo "== gspo-kernels bench --gpu ${SECTIONS[*]} --out $OUT/bench_gpu"
+timeout -k 10 ${BENCH_TIMEOUT:-230} python3 -m gspo_kernels bench --gpu "${SECTIONS[@]}" --out "$OUT/bench_gpu" 2>&1 \
+    | tee "$OUT/bench_gpu.log"
 echo "bench --gpu exit status ${PIPESTATUS[0]}" | tee -a "$OUT/bench_gpu.log"
 ls -la "$OUT"
