@@ -300,7 +300,7 @@ def assert_bf16_within_fp32_math_plus_rounding(backend: str, path: str, softcap:
     expected = reference.gspo_loss(as_logits(leaves64), labels, adv, old, config=config)
     ref_grads = torch.autograd.grad(expected.loss, leaves64)
     assert abs(out.loss.item() - expected.loss.item()) <= RTOL * max(1.0, abs(expected.loss.item()))
-    tol = gradient_tolerance("bf16", path)
+    tol = gradient_tolerance("bf16", path, backend=backend, device=device)
     for got, want in zip(grads, ref_grads):
         assert rel_err(got, want) <= tol, (rel_err(got, want), tol)
 

@@ -167,7 +167,7 @@ def test_half_precision_within_fp32_math_plus_output_rounding(backend, path, dty
     for name, value in expected.metrics.items():
         assert abs(float(out.metrics[name]) - float(value)) <= RTOL * max(1.0, abs(float(value))), name
     dtype_name = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
-    tol = testing.gradient_tolerance(dtype_name, path)
+    tol = testing.gradient_tolerance(dtype_name, path, backend=backend, device=dev)
     assert tol <= 2.0**-6
     for got, want in zip(grads, ref_grads):
         assert got.dtype == dtype

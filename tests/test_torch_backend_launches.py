@@ -305,6 +305,23 @@ def test_direct_half_backward_matches_float64(monkeypatch, dtype):
         assert torch.all((at_label - ref_label).abs() <= 1.01 * u * ref_label.abs() + slack), (at_label, ref_label)
 
 
+def test_tolerance_names_the_direct_routes_second_rounding(monkeypatch):
+    """``testing.gradient_tolerance`` (what ``verify`` and the conformance tests use) allows the logits path two
+    roundings exactly where the torch backend may take the direct half route (an accelerator, half rows, no softmax
+    kernel that reads them into fp32), one everywhere else, and never more than 2^-6."""
+    from gspo_kernels import testing
+
+    one, two = (testing.FP32_RTOL + k * testing.UNIT_ROUNDOFF["bf16"] for k in (1, 2))
+    assert testing.gradient_tolerance("bf16", "logits", backend="torch", device="cpu") == one
+    assert testing.gradient_tolerance("bf16", "logits") == one
+    monkeypatch.setattr(torch_backend, "_accelerated", lambda device: True)
+    assert testing.gradient_tolerance("bf16", "logits", backend="torch", device="cpu") == two <= 2.0**-6
+    assert testing.gradient_tolerance("fp32", "logits", backend="torch", device="cpu") == testing.FP32_RTOL
+    assert testing.gradient_tolerance("bf16", "logits", backend="triton", device="cpu") == one
+    monkeypatch.setitem(torch_backend._half_softmax_ok, ("cpu", torch.bfloat16), True)  # a kernel that reads bf16
+    assert testing.gradient_tolerance("bf16", "logits", backend="torch", device="cpu") == one
+
+
 def test_direct_half_backward_has_no_host_read_per_chunk(monkeypatch):
     """The half-row backward (bf16 logits, CPU tensors) with 4x the chunks: the same host reads (one per selection),
     no op that waits for the device or sorts, and the same kernels per chunk as the route it replaces."""

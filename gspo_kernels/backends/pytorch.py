@@ -402,6 +402,14 @@ def _direct_half_backward(rows: Tensor, device: torch.device, tau: float, cap: O
             and not _half_softmax(device, rows.dtype))
 
 
+def logits_gradient_roundings(device: torch.device, dtype: torch.dtype) -> int:
+    """The most times an entry of the logits path's gradient is rounded to ``dtype`` on ``device``: 2 where fp16 /
+    bf16 rows may take :func:`_rows_backward_direct` (``p`` rounded, then the product; the label's entry once), else
+    1 (the library's rule for the logits path). What ``gspo_kernels.testing.gradient_tolerance`` asks."""
+    half = dtype in (torch.float16, torch.bfloat16)
+    return 2 if half and _accelerated(device) and not _half_softmax(device, dtype) else 1
+
+
 def _rows_backward_direct(x: Tensor, col: Tensor, inside: Tensor, coef: Tensor, label_grad: Tensor,
                           out: Tensor) -> None:
     """``out = coef (softmax(x) - onehot)`` for fp16/bf16 rows ``x`` into ``out`` (their dtype, not their storage) in

@@ -11,7 +11,9 @@ sign, relative to ``max(|loss|, 1)``; metrics absolute):
 * bf16: the math runs in fp32 (products accumulated in fp32, log-probs fp32), so the loss and the
   metrics keep the fp32 tolerance; a gradient comes back in bf16, so it may differ by the fp32
   tolerance plus its roundings to bf16: one on the logits path (the output), two on the hidden-state
-  path (the logits gradient rounded to the bf16 operand of the backward matmuls, then the output).
+  path (the logits gradient rounded to the bf16 operand of the backward matmuls, then the output);
+  ``backend="torch"`` on CUDA rounds a bf16 logits gradient's entries off the label column twice (``p``, then
+  the product: :func:`gspo_kernels.backends.pytorch.logits_gradient_roundings`).
   One rounding is 2^-8 relative (round to nearest even; the Triton interpreter's fp32 -> bf16 cast,
   which truncates, is made to round as the GPU does: :func:`gspo_kernels.testing.setup_triton_interpreter`). No tolerance
   exceeds 2^-6: a 5% gradient error fails.
@@ -144,7 +146,7 @@ def check_case(backend: str, path: str, level: str, loss_type: str, dtype_name: 
     loss_err = _loss_err(out.loss.cpu(), expected.loss)
     grad_err = max(rel_err(g.cpu(), r) for g, r in zip(grads, ref_grads))
     metric_err = max(abs(float(out.metrics[k]) - float(v)) for k, v in expected.metrics.items())
-    grad_tol = gradient_tolerance(dtype_name, path)
+    grad_tol = gradient_tolerance(dtype_name, path, backend=backend, device=device)
     return Row(backend=backend, path=path, level=level, loss_type=loss_type, dtype=dtype_name,
                layout="packed" if packed else "padded", loss_err=loss_err, grad_err=grad_err, metric_err=metric_err,
                loss_tol=FP32_RTOL, grad_tol=grad_tol, metric_tol=FP32_RTOL, seconds=seconds)
