@@ -282,9 +282,10 @@ def as_on_cuda(trace: MemoryTrace, *, trl: bool = True) -> Iterator[MemoryTrace]
 
 
 def trace_trl_step(case: str, *, backend: str = "triton", one_pass: bool = False, shape: str = "client-small",
-                   memory_budget: Optional[int] = None, stack_depth: int = 6) -> dict:
+                   memory_budget: Optional[int] = None, stack_depth: int = 6, device: str = "cpu") -> dict:
     """Trace one loss step (``_compute_loss`` + ``backward``, after the old-log-prob pass, gradients None) of
-    stock TRL (``case="trl"``) or the drop-in (``"gspo"``) on CPU tensors under bf16 autocast.
+    stock TRL (``case="trl"``) or the drop-in (``"gspo"``) on ``device``'s tensors (CPU: the Triton backend in the
+    interpreter, allocating what CUDA does) under bf16 autocast.
 
     Returns ``peak`` (bytes above the step's start), ``components`` ({name: bytes} at the peak: each parameter's
     gradient by name, every other storage by the op and the innermost library / TRL / model frame that made it),
@@ -298,7 +299,7 @@ def trace_trl_step(case: str, *, backend: str = "triton", one_pass: bool = False
     if memory_budget is None and case == "gspo" and shape == "client-small":
         memory_budget = SMALL_BUDGETS["one-pass" if one_pass else "two-pass"]
     budget = "drop-in" if memory_budget is None else str(int(memory_budget))
-    trainer, old_pass, step, shape = build_case(case, "bf16", backend, budget, "cpu", shape, one_pass=one_pass)
+    trainer, old_pass, step, shape = build_case(case, "bf16", backend, budget, device, shape, one_pass=one_pass)
     trace = MemoryTrace(stack_depth=stack_depth)
     with as_on_cuda(trace):
         old = old_pass()

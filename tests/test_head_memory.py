@@ -1,9 +1,10 @@
 """What the lm_head's backward holds at its peak (the TRL drop-in's default route: ``linear_logprobs`` under bf16
 autocast on an fp32 head), counted by benchmarks/memory_trace.py against byte counts worked out by hand.
 
-The CPU tensors run the Triton backend in the interpreter (conftest sets ``TRITON_INTERPRET=1``); its torch
-buffers are those of a CUDA run, except the fp32 copies the CPU stand-ins of the half-precision GEMMs make
-(``chunk_logits`` / ``accumulate_dw``: on CUDA one GEMM writes fp32 into the given tensor), which are not counted.
+The tensors are on ``tests.support.TRITON_DEVICE``: CUDA where it exists (the compiled kernels), else the CPU,
+where the Triton backend runs in the interpreter (conftest sets ``TRITON_INTERPRET=1``) and its torch buffers are
+those of a CUDA run, except the fp32 copies the CPU stand-ins of the half-precision GEMMs make (``chunk_logits`` /
+``accumulate_dw``: on CUDA one GEMM writes fp32 into the given tensor), which are not counted.
 """
 
 import contextlib
@@ -13,6 +14,7 @@ import torch
 
 import gspo_kernels
 from benchmarks.memory_trace import MemoryTrace, as_on_cuda
+from tests.support import TRITON_DEVICE
 
 N, H, V = 256, 64, 320
 ROWS = 16  # the two-pass backward's logits rows for the budget below (its dZ store: 4 x ROWS bf16 rows)
@@ -28,13 +30,14 @@ def traced_as_on_cuda():
 
 def _head(hidden_dtype=torch.float32):
     g = torch.Generator().manual_seed(0)
-    hidden = torch.randn(N, H, generator=g).to(hidden_dtype).requires_grad_()
-    weight = (torch.randn(V, H, generator=g) / 8).requires_grad_()  # fp32: autocast gives the GEMMs a bf16 copy
-    labels = torch.randint(0, V, (N,), generator=g)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    hidden = torch.randn(N, H, generator=g).to(TRITON_DEVICE, hidden_dtype).requires_grad_()
+    # fp32: autocast gives the GEMMs a bf16 copy
+    weight = (torch.randn(V, H, generator=g) / 8).to(TRITON_DEVICE).requires_grad_()
+    labels = torch.randint(0, V, (N,), generator=g).to(TRITON_DEVICE)
+    with torch.autocast(torch.device(TRITON_DEVICE).type, dtype=torch.bfloat16):
         logp, entropy = gspo_kernels.linear_logprobs(hidden, weight, labels, backend="triton", return_entropy=True,
                                                      memory_budget=BUDGET)
-    loss = (logp * torch.linspace(-1, 1, N)).sum() + 0.1 * entropy.sum()
+    loss = (logp * torch.linspace(-1, 1, N, device=TRITON_DEVICE)).sum() + 0.1 * entropy.sum()
     return hidden, weight, loss
 
 
@@ -80,7 +83,8 @@ def test_the_trl_drop_in_step_holds_at_its_peak_what_the_formula_says():
     from benchmarks.memory_trace import classify, trace_trl_step
 
     v, h, n = 512, 64, 32
-    out = trace_trl_step("gspo", backend="triton", shape="tiny", memory_budget=16 * v * (4 + 4 * 2))
+    out = trace_trl_step("gspo", backend="triton", shape="tiny", memory_budget=16 * v * (4 + 4 * 2),
+                         device=TRITON_DEVICE)
     parts = classify(out["components"])
     assert parts["lm_head dW (fp32 gradient)"] == 4 * v * h  # the .grad itself: no bf16 dW, no copy
     assert parts["bf16 copy of the lm_head"] == 2 * v * h
