@@ -420,9 +420,16 @@ def _rows_backward_direct(x: Tensor, col: Tensor, inside: Tensor, coef: Tensor, 
     ``out``'s dtype), rounded once (``p_y - 1`` is never formed from a rounded ``p_y``); a row whose label is outside ``[0, V)``
     keeps its clamped column's ``coef p``."""
     torch.softmax(x, 1, out=out)
-    out.mul_(coef[:, None])
+    _scale_probabilities(out, coef, col, inside, label_grad)
+
+
+def _scale_probabilities(p: Tensor, coef: Tensor, col: Tensor, inside: Tensor, label_grad: Tensor) -> Tensor:
+    """``p [r, V]`` (half-precision probabilities) into ``coef (p - onehot)`` in place: one multiply, then each
+    row's label entry set to ``label_grad`` (``coef (p_y - 1)`` formed in fp32, rounded once), except a row whose
+    label is outside ``[0, V)`` (``inside`` False), which keeps its clamped column's ``coef p``."""
+    p.mul_(coef[:, None])
     c = col[:, None]
-    out.scatter_(1, c, torch.where(inside[:, None], label_grad[:, None], out.gather(1, c)))
+    return p.scatter_(1, c, torch.where(inside[:, None], label_grad.to(p.dtype)[:, None], p.gather(1, c)))
 
 
 class _LogitsLogprobs(torch.autograd.Function):
@@ -805,10 +812,7 @@ def _linear_backward_kept(ctx, kept, h_all, carries, g_all, col, inside, gemms, 
     cdt = g_all.dtype
     device = h_all.device
     coef = -g_all / tau
-    dz = p.mul_(coef[:, None])
-    c = col[:, None]
-    label = (em1 * coef).to(dz.dtype)[:, None]  # NaN where the label is outside [0, V): that row keeps coef p
-    dz.scatter_(1, c, torch.where(inside[:, None], label, dz.gather(1, c)))
+    dz = _scale_probabilities(p, coef, col, inside, em1 * coef)  # (NaN where the label is outside [0, V): not read)
     want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     want_b = bias is not None and ctx.needs_input_grad[2]
     grad_hidden = grad_weight = grad_bias = None
