@@ -211,3 +211,40 @@ def test_chunks_grow_to_hold_the_longest_response_when_the_bytes_allow():
     too_long = configs.ONE_PASS_MAX_LOGITS_ROWS + 1
     assert configs.one_pass_chunk_rows(1 << 16, V, bf16, None, big, longest=too_long) == (1024, 4096)
     assert configs.one_pass_chunk_rows(700, V, bf16, None, big, longest=700) == (700, 700)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+def test_the_handed_over_gradients_are_scaled_once_in_place(dtype):
+    """``linear.scale_gradient_``, the one-pass loss's backward: ``g *= scale`` in place with ``scale`` a 0-dim
+    device tensor (no host read), the product formed in fp32 (fp64 for fp64) from the unrounded scale and
+    rounded once: within half an ulp of ``g``'s dtype of the exact product, plus the fp32 product's own rounding
+    (2^-24 relative) for half ``g``. A scale of exactly 1 leaves every bit as it was (NaN, infinities, -0,
+    subnormals included)."""
+    from gspo_kernels.backends.triton.linear import scale_gradient_
+
+    gen = torch.Generator().manual_seed(3)
+    n = 3 * 4096 + 37  # more blocks than the interpreter's 4 programs, and a ragged last block
+    base = torch.randn(n, generator=gen, dtype=torch.float64) * 10.0 ** torch.randint(-6, 6, (n,), generator=gen)
+    special = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0, 0.0,
+                            torch.finfo(dtype).tiny / 4 if dtype != torch.bfloat16 else 1e-39])
+    base[: special.numel()] = special
+    g0 = base.to(dtype).to(DEVICE)
+    eps = torch.finfo(dtype).eps  # 2 ulp(1): half an ulp relative is eps / 2
+    for scale in (1.0, 0.3711, -2.5e-3, 1.0 / 3.0):
+        for scale_dtype in (torch.float32, torch.float64):
+            s = torch.tensor(scale, dtype=scale_dtype, device=DEVICE)
+            g = g0.clone()
+            out = scale_gradient_(g, s)
+            assert out is g  # in place
+            if scale == 1.0:
+                bits = {torch.bfloat16: torch.int16, torch.float32: torch.int32, torch.float64: torch.int64}[dtype]
+                assert torch.equal(g.view(bits).cpu(), g0.view(bits).cpu())
+                continue
+            s_used = s.double() if dtype == torch.float64 else s.float().double()  # fp32 loses nothing of an fp32 scale
+            exact = g0.double().cpu() * s_used.cpu()
+            got = g.double().cpu()
+            finite = torch.isfinite(exact) & (exact.abs() > torch.finfo(dtype).tiny)
+            rel = ((got - exact).abs() / exact.abs())[finite]
+            bound = eps / 2 + (2.0 ** -24 if dtype != torch.float64 else 0.0)
+            assert rel.max().item() <= bound * (1 + 1e-9), (scale, scale_dtype, rel.max().item())
+            assert torch.equal(torch.isnan(got), torch.isnan(exact))

@@ -59,6 +59,13 @@ ONE_PASS_STORE_ROWS = 4096
 # on an H200 with the one-pass sizes: the drop-in's step at 1.42x stock TRL's peak memory for the same time).
 TWO_PASS_LOGITS_ROWS = 512
 TWO_PASS_STORE_ROWS = 2048
+# The one-pass loss's backward scales the gradients it formed in the forward by the loss's incoming gradient, in
+# place (linear.scale_gradient_kernel): BLOCK elements per step (16 per thread at 8 warps: four 128-bit fp32
+# loads, two bf16), a grid of a few programs per SM striding over the blocks (one launch, whatever the size; when
+# the incoming gradient is 1 each program reads one scalar and stops).
+SCALE_BLOCK = 4096
+SCALE_NUM_WARPS = 8
+SCALE_PROGRAMS_PER_SM = 4
 # The most rows the one-pass logits buffer grows to so that the longest response is one chunk (one pass over the
 # lm_head for it; a longer response is computed in parts and its logits recomputed in the backward).
 ONE_PASS_MAX_LOGITS_ROWS = 16384
@@ -421,6 +428,16 @@ H100_CONFIGS: List[dict] = [
                    ROLLOUT=ROLLOUT_CODES["token_mask"]),
     _sequence_h100("sequence", OBJECTIVE=OBJECTIVE_CODES["gmpo"], SEQ_UNITS=True, ADV_PER_TOKEN=True,
                    HAS_IS_RATIO=True),
+    *[{
+        "name": f"scale_gradient[{dtype}]",
+        "kernel": "linear.scale_gradient_kernel",
+        "pointers": {"g_ptr": dtype},
+        "constexprs": {"BLOCK": SCALE_BLOCK, "FP64": dtype == "fp64"},
+        "aligned_ints": ["n"],
+        "vector_loads": True,
+        "num_warps": SCALE_NUM_WARPS,
+        "num_stages": 3,
+    } for dtype in ("bf16", "fp32")],
     {
         "name": "gspo_reduce[dapo]",
         "kernel": "sequence.gspo_reduce_kernel",

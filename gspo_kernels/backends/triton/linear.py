@@ -40,10 +40,13 @@ import logging
 from typing import Callable, List, Optional, Tuple
 
 import torch
+import triton
+import triton.language as tl
 from torch import Tensor
 
 from gspo_kernels import checks
 from gspo_kernels.backends.triton import configs, linear_invariant, sequence
+from gspo_kernels.backends.triton.launch import device_guard
 from gspo_kernels.backends.triton.linear_invariant import kernel_bias
 from gspo_kernels.backends.triton.logits import logprobs_backward, logprobs_forward, softcap_value
 from gspo_kernels.precision import compute_dtype
@@ -242,13 +245,62 @@ class VendorLinearLogprobs(torch.autograd.Function):
 # ---------------------------------------------------------------------------------------------
 
 
+@triton.jit
+def scale_gradient_kernel(g_ptr, scale_ptr, n, BLOCK: tl.constexpr, FP64: tl.constexpr):
+    """``g *= scale`` in place over ``n`` contiguous elements, ``scale`` a 0-dim tensor read on the device (the
+    loss's incoming gradient), the product in fp32 (fp64 for fp64 ``g``) and rounded once to ``g``'s dtype.
+
+    When ``scale`` is exactly 1 (a plain ``loss.backward()``) nothing is read or written: ``g * 1`` is ``g`` bit
+    for bit. The programs stride over the blocks (grid: a few per SM), so that case costs one launch."""
+    s = tl.load(scale_ptr)
+    if s != 1.0:
+        pid = tl.program_id(0)
+        step = tl.num_programs(0)
+        blocks = tl.cdiv(n, BLOCK)
+        for block in range(pid, blocks, step):
+            offs = tl.cast(block, tl.int64) * BLOCK + tl.arange(0, BLOCK)
+            keep = offs < n
+            x = tl.load(g_ptr + offs, mask=keep)
+            if FP64:
+                y = x.to(tl.float64) * s.to(tl.float64)
+            else:
+                y = x.to(tl.float32) * s.to(tl.float32)
+            tl.store(g_ptr + offs, y.to(g_ptr.dtype.element_ty), mask=keep)
+
+
+_SM_COUNT: dict = {}  # CUDA device index -> multiprocessors
+
+
+def scale_gradient_(g: Tensor, scale: Tensor) -> Tensor:
+    """``g *= scale`` (``scale``: a 0-dim tensor on ``g``'s device) without a host read and, when ``scale`` is 1,
+    without touching ``g`` (:func:`scale_gradient_kernel`). A ``g`` that is not contiguous takes ``mul_``."""
+    n = g.numel()
+    if n == 0:
+        return g
+    if not g.is_contiguous() or scale.numel() != 1 or scale.device != g.device:
+        return g.mul_(scale.to(device=g.device, dtype=torch.float64 if g.dtype == torch.float64 else torch.float32))
+    block = configs.SCALE_BLOCK
+    if g.is_cuda:
+        index = g.device.index if g.device.index is not None else torch.cuda.current_device()
+        if index not in _SM_COUNT:
+            _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+        programs = _SM_COUNT[index] * configs.SCALE_PROGRAMS_PER_SM
+    else:
+        programs = 4  # the interpreter
+    grid = (max(1, min(triton.cdiv(n, block), programs)),)
+    with device_guard(g):
+        scale_gradient_kernel[grid](g, scale.reshape(()), n, BLOCK=block, FP64=g.dtype == torch.float64,
+                                    num_warps=configs.SCALE_NUM_WARPS)
+    return g
+
+
 class _GradientsKnown(torch.autograd.Function):
     """``loss`` whose gradients with respect to ``inputs`` were computed in the forward (``grads``).
 
-    The backward scales them by the incoming gradient in place and hands them over (no second copy of ``dW``
-    or ``dH``): they are handed over once. A second backward through the same graph (``retain_graph=True``)
-    gets them from ``again()``, which runs the pass once more on the same operands (the same gradients, at the
-    cost of the pass, paid only by a second backward)."""
+    The backward scales them by the incoming gradient in place (:func:`scale_gradient_`: nothing moves when it
+    is 1) and hands them over (no second copy of ``dW`` or ``dH``): they are handed over once. A second backward
+    through the same graph (``retain_graph=True``) gets them from ``again()``, which runs the pass once more on
+    the same operands (the same gradients, at the cost of the pass, paid only by a second backward)."""
 
     @staticmethod
     def forward(ctx, loss, grads, again, *inputs):
@@ -263,7 +315,7 @@ class _GradientsKnown(torch.autograd.Function):
                 raise RuntimeError("fused_linear_gspo_loss: the gradients of this loss were already handed over "
                                    "and cannot be formed again; call the loss again for another backward")
             grads = ctx.again()
-        return (None, None, None, *[None if g is None else g.mul_(grad_loss.to(g.dtype)) for g in grads])
+        return (None, None, None, *[None if g is None else scale_gradient_(g, grad_loss) for g in grads])
 
 
 def response_chunks(cu: List[int], chunk_rows: int) -> List[Tuple[int, int, bool]]:
