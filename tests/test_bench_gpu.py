@@ -147,3 +147,29 @@ def test_tiny_trl_step_runs_both_trainers_in_fresh_processes():
     bench_gpu.add_ratios(result["rows"])
     assert ours["x_plain"] == pytest.approx(ours["ms"] / stock["ms"])
     assert other["x_plain"] == pytest.approx(other["ms"] / stock["ms"])
+
+
+def test_profiled_busy_merges_device_intervals_and_times_the_first_op():
+    """``profiled_busy``: the union of device intervals (overlaps counted once, user annotations' GPU projections
+    left out), and the host lead from the CPU mark's start to the first device op (hand-made events, in us)."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    def ev(name, device, t0, t1, annotation=False):
+        return SimpleNamespace(name=name, device_type=device, time_range=SimpleNamespace(start=t0, end=t1),
+                               is_user_annotation=annotation)
+
+    events = [
+        ev("gspo_bench_step", DeviceType.CPU, 100.0, 900.0),
+        ev("gspo_bench_step", DeviceType.CUDA, 400.0, 2000.0, annotation=True),  # spans the gaps: not work
+        ev("gemm", DeviceType.CUDA, 400.0, 1000.0),
+        ev("epilogue", DeviceType.CUDA, 900.0, 1100.0),  # overlaps the GEMM by 100 us
+        ev("cast", DeviceType.CUDA, 1500.0, 1600.0),
+        ev("aten::mm", DeviceType.CPU, 150.0, 160.0),
+    ]
+    busy, first = bench_gpu.profiled_busy(events, "gspo_bench_step")
+    assert busy == pytest.approx((1100 - 400 + 100) / 1e3)
+    assert first == pytest.approx((400 - 100) / 1e3)
+    assert bench_gpu.profiled_busy(events)[1] is None
+    assert bench_gpu.profiled_busy(events[:1], "gspo_bench_step") == (0.0, None)

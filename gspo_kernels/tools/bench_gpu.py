@@ -198,31 +198,58 @@ def time_steps(ctx: _Ctx, step: Callable[[], object], prepare: Optional[Callable
                 peak_extra_gib=peak / GIB if ctx.cuda else None)
 
 
-def kernel_ms(ctx: _Ctx, step: Callable[[], object], prepare: Optional[Callable[[], None]] = None) -> Optional[float]:
+def kernel_ms(ctx: _Ctx, step: Callable[[], object], prepare: Optional[Callable[[], None]] = None,
+              record: Optional[Dict] = None) -> Optional[float]:
     """The GPU-busy ms of one ``step()``: the union of its kernels', copies' and memsets' intervals
-    (torch.profiler); None on CPU."""
+    (torch.profiler); None on CPU. ``record`` (a dict) receives what else the profiled step shows:
+    ``profiled_wall_ms`` (CUDA events around it, as :func:`time_steps` times a step: a wall much below the
+    timed median says the timed steps ran slower than this one, e.g. at lower clocks, rather than idled),
+    ``before_first_op_ms`` (from the call's start on the host to its first device op: the host work the GPU
+    waits for from idle) and ``idle_after_first_op_ms`` (the wall after the first op not covered by device work)."""
     if not ctx.cuda:
         return None
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile, record_function
 
+    torch = ctx.torch
     if prepare is not None:
         prepare()
     ctx.sync()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        out = step()
+        start.record()
+        with record_function("gspo_bench_step"):
+            out = step()
+        end.record()
         ctx.sync()
     del out
-    # Kernels, copies and memsets on the device's timeline (not the GPU projections of user annotations, which
-    # span gaps), merged where they overlap: the time the GPU was busy.
-    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+    busy_ms, first_op_ms = profiled_busy(prof.events(), "gspo_bench_step")
+    if record is not None:
+        wall = start.elapsed_time(end)
+        record["profiled_wall_ms"] = wall
+        if first_op_ms is not None:
+            record["before_first_op_ms"] = first_op_ms
+            record["idle_after_first_op_ms"] = wall - first_op_ms - busy_ms
+    return busy_ms
+
+
+def profiled_busy(events, mark: Optional[str] = None) -> Tuple[float, Optional[float]]:
+    """``(busy ms, ms from the CPU annotation `mark`'s start to the first device op)`` of profiler events: the
+    union of the device's kernels, copies and memsets (not the GPU projections of user annotations, which span
+    gaps), merged where they overlap; the second is None without ``mark`` or device ops."""
+    from torch.autograd import DeviceType
+
+    events = list(events)
+    spans = sorted((e.time_range.start, e.time_range.end) for e in events
                    if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False))
     busy_us, end_us = 0.0, float("-inf")
-    for start, end in spans:
-        if end > end_us:
-            busy_us += end - max(start, end_us)
-            end_us = end
-    return busy_us / 1e3
+    for s0, s1 in spans:
+        if s1 > end_us:
+            busy_us += s1 - max(s0, end_us)
+            end_us = s1
+    marks = [e.time_range.start for e in events if mark is not None and e.name == mark
+             and e.device_type == DeviceType.CPU]
+    first = (spans[0][0] - min(marks)) / 1e3 if marks and spans else None
+    return busy_us / 1e3, first
 
 
 _SPIN: Dict[str, float] = {}
@@ -325,13 +352,30 @@ def _environment(ctx: _Ctx) -> Dict:
     if ctx.cuda:
         props = torch.cuda.get_device_properties(ctx.device)
         env.update(device_name=props.name, sm_count=props.multi_processor_count,
-                   total_memory_gib=props.total_memory / GIB, cuda=torch.version.cuda)
+                   total_memory_gib=props.total_memory / GIB, cuda=torch.version.cuda, clocks=_gpu_clocks(ctx))
     else:
         env.update(device_name=platform.processor() or "cpu", torch_threads=torch.get_num_threads())
     import gspo_kernels as gk
 
     env["backends_available"] = list(gk.available_backends())
     return env
+
+
+_CLOCK_FIELDS = ("clocks.sm", "clocks.max.sm", "clocks.applications.graphics", "power.draw", "power.limit",
+                 "temperature.gpu", "clocks_event_reasons.active")
+
+
+def _gpu_clocks(ctx: _Ctx) -> Optional[Dict[str, str]]:
+    """The device's SM clocks, power and the active clock-event (throttle) reasons from ``nvidia-smi``, as
+    strings (None when it is missing): what a slower timed run than a profiled one would point to."""
+    index = ctx.device.index if ctx.device.index is not None else ctx.torch.cuda.current_device()
+    try:
+        done = subprocess.run(["nvidia-smi", f"--id={index}", "--query-gpu=" + ",".join(_CLOCK_FIELDS),
+                               "--format=csv,noheader"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    values = [v.strip() for v in done.stdout.strip().split(",")]
+    return dict(zip(_CLOCK_FIELDS, values)) if done.returncode == 0 and len(values) == len(_CLOCK_FIELDS) else None
 
 
 def _run_case(ctx: _Ctx, section: str, case: str, fn: Callable[[], Dict], need_s: float = 0.0,
@@ -463,11 +507,13 @@ def section_hidden(ctx: _Ctx) -> None:
         def fn():
             step = ours_step(adv)
             r = with_rate(time_steps(ctx, step, zero_grads))
+            if full and ctx.cuda:
+                r["clocks_after_timed_steps"] = _gpu_clocks(ctx)
             if full:
                 if "dh" in ref:
                     r["dh_rel_err_vs_plain"] = _rel_err(hidden.grad, ref["dh"])
                     r["dw_rel_err_vs_plain"] = _rel_err(weight.grad, ref["dw"])
-                r["kernel_ms"] = kernel_ms(ctx, step, zero_grads)
+                r["kernel_ms"] = kernel_ms(ctx, step, zero_grads, record=r)
                 if r["kernel_ms"] is not None:
                     r["wall_minus_kernel_ms"] = r["ms"] - r["kernel_ms"]
                     r["kernel_share_of_wall"] = r["kernel_ms"] / r["ms"]
@@ -647,7 +693,7 @@ def _logits_vocab(ctx: _Ctx, V: int, tb_s: Optional[float]) -> None:
 
     def ours():
         r = with_floor(time_steps(ctx, ours_step, zero_grads))
-        r["kernel_ms"] = kernel_ms(ctx, ours_step, zero_grads)
+        r["kernel_ms"] = kernel_ms(ctx, ours_step, zero_grads, record=r)
         if r["kernel_ms"] is not None:
             r["wall_minus_kernel_ms"] = r["ms"] - r["kernel_ms"]
         r.update(issue_ms(ctx, ours_step, zero_grads))
@@ -977,6 +1023,12 @@ def table_lines(rows: List[Dict], markdown: bool) -> List[str]:
                     extra.append(f"{r['of_gemm_ceiling']:.2f} of the GEMM ceiling")
                 if r.get("wall_minus_kernel_ms") is not None:
                     extra.append(f"wall - kernels {r['wall_minus_kernel_ms']:.2f} ms")
+                if r.get("profiled_wall_ms") is not None:
+                    part = f"profiled step: wall {r['profiled_wall_ms']:.2f} ms"
+                    if r.get("before_first_op_ms") is not None:
+                        part += (f", {r['before_first_op_ms']:.2f} ms to its first device op, "
+                                 f"{r['idle_after_first_op_ms']:.2f} ms idle after it")
+                    extra.append(part)
                 if r.get("waited_on_device"):
                     extra.append("host issue from an idle GPU (its host read waits behind a busy GPU)")
                 if r.get("x_trl_forward") is not None:
