@@ -212,10 +212,39 @@ class MemoryTrace(TorchDispatchMode):
 # The TRL loss step, stock against the drop-in, on CPU tensors (python benchmarks/memory_trace.py --help)
 # ---------------------------------------------------------------------------------------------------------------
 
-# The reduced shape's memory budgets: the client shape's on CUDA scaled as their rows x V (1/64): the default
-# route's two-pass buffers (512 fp32 logits rows + 2048 bf16 dZ rows at V = 151936, 0.93 GB -> 64 + 256 rows) and
-# the one-pass route's 1 GiB (ONE_PASS_MEMORY_BUDGET).
+# The reduced shape's memory budgets: the client shape's on CUDA scaled as their rows x V (1/64): the one-pass
+# route's 1 GiB (ONE_PASS_MEMORY_BUDGET), and the row-chunked two-pass backward's buffers (512 fp32 logits rows +
+# 2048 bf16 dZ rows at V = 151936, 0.93 GB -> 64 + 256 rows), for a run that asks for that route's sizes.
 SMALL_BUDGETS = {"two-pass": 64 * 18992 * 4 + 256 * 18992 * 2, "one-pass": (1 << 30) // 64}
+
+
+@contextlib.contextmanager
+def client_defaults_scaled(factor: int = 8) -> Iterator[None]:
+    """While active, the drop-in's default route sizes its buffers at the reduced shape as on CUDA at the client
+    shape, each dimension divided by ``factor``: no head budget (on CPU tensors the drop-in would pass its CPU one),
+    the library's default byte budgets divided by ``factor ** 2`` and the vocabulary slices' column bounds by
+    ``factor`` (the client's 5376-column slices of 8192 rows: 672 of 1024)."""
+    from gspo_kernels.backends.triton import configs
+    from gspo_kernels.integrations import trl as trl_integration
+
+    saved = []
+
+    def patch(owner, name, value):
+        saved.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, value)
+
+    rule = trl_integration.head_memory_budget
+    patch(trl_integration, "head_memory_budget",
+          lambda budget, device, one_pass=False: rule(budget, torch.device("cuda"), one_pass=one_pass))
+    patch(configs, "DEFAULT_MEMORY_BUDGET", configs.DEFAULT_MEMORY_BUDGET // factor**2)
+    patch(configs, "VOCAB_SLICE_BUDGET", configs.VOCAB_SLICE_BUDGET // factor**2)
+    for name in ("VOCAB_SLICE_MULTIPLE", "VOCAB_SLICE_MIN_COLUMNS", "VOCAB_SLICE_MAX_COLUMNS"):
+        patch(configs, name, getattr(configs, name) // factor)
+    try:
+        yield
+    finally:
+        for owner, name, value in reversed(saved):
+            setattr(owner, name, value)
 
 
 @contextlib.contextmanager
@@ -296,12 +325,16 @@ def trace_trl_step(case: str, *, backend: str = "triton", one_pass: bool = False
 
     if case not in ("trl", "gspo"):
         raise ValueError(f"case must be 'trl' or 'gspo', got {case!r}")
+    scaled = contextlib.nullcontext()
     if memory_budget is None and case == "gspo" and shape == "client-small":
-        memory_budget = SMALL_BUDGETS["one-pass" if one_pass else "two-pass"]
+        if one_pass:
+            memory_budget = SMALL_BUDGETS["one-pass"]
+        else:
+            scaled = client_defaults_scaled()
     budget = "drop-in" if memory_budget is None else str(int(memory_budget))
     trainer, old_pass, step, shape = build_case(case, "bf16", backend, budget, device, shape, one_pass=one_pass)
     trace = MemoryTrace(stack_depth=stack_depth)
-    with as_on_cuda(trace):
+    with as_on_cuda(trace), scaled:
         old = old_pass()
         trainer.model.zero_grad(set_to_none=True)
         gc.collect()
@@ -334,6 +367,11 @@ def trace_trl_step(case: str, *, backend: str = "triton", one_pass: bool = False
 CLASSES = (
     ("lm_head dW (fp32 gradient)", ("grad lm_head.weight",)),
     ("other parameter gradients", ("grad ",)),
+    ("sliced: logits buffer (fp32)", ("empty float32 @ linear.py", "_slice_buffers")),
+    ("sliced: dZ buffer (bf16)", ("empty bfloat16 @ linear.py", "_slice_buffers")),
+    ("sliced: bf16 lm_head slice", ("_to_copy bfloat16 @ linear.py", "_vocab_sliced_backward")),
+    ("sliced: fp32 dH", ("empty float32 @ linear.py", "_vocab_sliced_backward")),
+    ("sliced: masked bf16 hidden rows", ("where bfloat16 @ linear.py", "_vocab_sliced_backward")),
     ("bf16 copy of the lm_head", ("_to_copy bfloat16 @ precision.py:80",)),
     ("logits chunk buffer (fp32)", ("empty float32 @ linear.py", "__init__")),
     ("dZ store (bf16)", ("empty bfloat16 @ linear.py", "__init__")),
@@ -365,18 +403,23 @@ def classify(components: Dict[str, int]) -> Dict[str, int]:
 
 
 def predicted_peak(route: str, *, V: int, H: int, N: int, activations: int, rows: Tuple[int, int] = (0, 0),
-                   vocab_tiles: int = 1, fixed: bool = True) -> Dict[str, int]:
+                   vocab_tiles: int = 1, fixed: bool = True, slices: Tuple[int, int] = (0, 0),
+                   forward_rows: int = 0, last_hidden: int = 0) -> Dict[str, int]:
     """The bytes alive at the loss step's peak, by component, under bf16 autocast on an fp32 policy (the formula
     of docs/trl.md, fitted to the traces of ``trace_trl_step``; a prediction wherever it is evaluated).
 
     ``route``: ``"trl"`` (stock TRL 1.16's chunked log-prob head: the peak in its backward), ``"two-pass"`` (the
-    drop-in's default: in the backward of ``linear_logprobs``), ``"one-pass"`` (``gspo_one_pass``: at the end of
-    the forward). ``N``: completion tokens; ``activations``: what the backbone keeps for its backward (measured);
-    ``rows``: the drop-in's ``(C, K)`` chunk rows (fp32 logits, bf16 dZ store); ``vocab_tiles``: TRL's vocabulary
-    tiles of 32768 (from 2 on, two bf16 tile casts are alive at once); ``fixed``: the drop-in after this
-    branch's change (the two-pass backward frees its buffers before casting dH to fp32)."""
-    if route not in ("trl", "two-pass", "one-pass"):
-        raise ValueError(f"route must be 'trl', 'two-pass' or 'one-pass', got {route!r}")
+    drop-in's default with the row-chunked backward, taken when ``V < 4 N``: in the backward of ``linear_logprobs``),
+    ``"two-pass-sliced"`` (the same route with the vocabulary-sliced backward, ``V >= 4 N``: the larger of its
+    forward's and its backward's peaks), ``"one-pass"`` (``gspo_one_pass``: at the end of the forward). ``N``:
+    completion tokens; ``activations``: what the backbone keeps for its backward (measured); ``rows``: the
+    row-chunked routes' ``(C, K)`` chunk rows (fp32 logits, bf16 dZ store); ``slices``: the sliced backward's
+    ``(R, S)`` (rows per pass, columns per slice); ``forward_rows``: the sliced route's forward logits rows;
+    ``last_hidden``: the bytes of the backbone's last hidden state, still referenced during the head's forward;
+    ``vocab_tiles``: TRL's vocabulary tiles of 32768 (from 2 on, two bf16 tile casts are alive at once); ``fixed``:
+    the row-chunked backward frees its buffers before casting dH to fp32 (since 2026-11-27)."""
+    if route not in ("trl", "two-pass", "two-pass-sliced", "one-pass"):
+        raise ValueError(f"route must be 'trl', 'two-pass', 'two-pass-sliced' or 'one-pass', got {route!r}")
     out = {"model activations (saved for backward)": activations, "lm_head dW (fp32 gradient)": 4 * V * H}
     if route == "trl":
         tokens, tile = min(N, 4096), 32768
@@ -386,6 +429,27 @@ def predicted_peak(route: str, *, V: int, H: int, N: int, activations: int, rows
         out["TRL fp32 grad_hidden"] = 4 * N * H
         out["TRL hidden[mask] (fp32, saved)"] = 4 * N * H
         return out
+    if route == "two-pass-sliced":
+        r, s = slices
+        out.update({"sliced: logits buffer (fp32)": 4 * r * s, "sliced: dZ buffer (bf16)": 2 * r * s,
+                    "sliced: fp32 dH": 4 * N * H, "hidden states' bf16 copy": 2 * N * H,
+                    "sliced: masked bf16 hidden rows": 2 * N * H, "sliced: bf16 lm_head slice": 2 * s * H})
+        forward = {"model activations (saved for backward)": activations + last_hidden,
+                   "bf16 copy of the lm_head": 2 * V * H, "logits chunk buffer (fp32)": 4 * forward_rows * V,
+                   "hidden states' bf16 copy": 2 * N * H}
+        return forward if sum(forward.values()) > sum(out.values()) else out
+    c, k = rows
+    out["bf16 copy of the lm_head"] = 2 * V * H
+    out["logits chunk buffer (fp32)"] = 4 * c * V
+    out["dZ store (bf16)"] = 2 * k * V
+    out["hidden states' bf16 copy"] = 2 * N * H
+    out["dH in the operand dtype"] = 2 * N * H
+    if route == "two-pass":
+        if fixed:
+            out["flush: masked copy of K hidden rows"] = 2 * k * H
+        else:
+            out["dH cast to the hidden state's fp32"] = 4 * N * H
+    return out
     c, k = rows
     out["bf16 copy of the lm_head"] = 2 * V * H
     out["logits chunk buffer (fp32)"] = 4 * c * V

@@ -75,21 +75,25 @@ def test_memory_trace_refuses_a_bad_stack_depth(bad):
         MemoryTrace(stack_depth=bad)
 
 
-def test_the_trl_drop_in_step_holds_at_its_peak_what_the_formula_says():
+def test_the_trl_drop_in_step_holds_at_its_peak_what_the_formula_says(monkeypatch):
     """The drop-in's default route, one loss step of benchmarks/trl_step.py's tiny shape (V = 512, H = 64, 2 x 16
-    completion tokens) under bf16 autocast: the lm_head's share of the peak, by hand (docs/trl.md's formula) with
-    a budget of 16 fp32 logits rows (the dZ store's 4 x 16 rows capped at the 32 tokens)."""
+    completion tokens: V >= 4 N, the vocabulary-sliced backward) under bf16 autocast: the lm_head's share of the
+    peak, by hand (docs/trl.md's formula) with slices of 128 columns and a budget of all 32 rows of them."""
     pytest.importorskip("trl")
     from benchmarks.memory_trace import classify, trace_trl_step
+    from gspo_kernels.backends.triton import configs
 
-    v, h, n = 512, 64, 32
-    out = trace_trl_step("gspo", backend="triton", shape="tiny", memory_budget=16 * v * (4 + 4 * 2),
-                         device=TRITON_DEVICE)
+    v, h, n, s = 512, 64, 32, 128
+    monkeypatch.setattr(configs, "VOCAB_SLICE_MIN_COLUMNS", s)
+    monkeypatch.setattr(configs, "VOCAB_SLICE_MAX_COLUMNS", s)
+    out = trace_trl_step("gspo", backend="triton", shape="tiny", memory_budget=n * s * (4 + 2), device=TRITON_DEVICE)
     parts = classify(out["components"])
     assert parts["lm_head dW (fp32 gradient)"] == 4 * v * h  # the .grad itself: no bf16 dW, no copy
-    assert parts["bf16 copy of the lm_head"] == 2 * v * h
-    assert parts["logits chunk buffer (fp32)"] == 4 * 16 * v
-    assert parts["dZ store (bf16)"] == 2 * n * v
-    assert parts["hidden states' bf16 copy"] == parts["dH in the operand dtype"] == 2 * n * h
-    assert "dH cast to the hidden state's fp32" not in parts  # cast after the buffers are gone, not beside them
+    assert "bf16 copy of the lm_head" not in parts  # cast slice by slice in the backward: one slice alive
+    assert parts["sliced: bf16 lm_head slice"] == 2 * s * h
+    assert parts["sliced: logits buffer (fp32)"] == 4 * n * s
+    assert parts["sliced: dZ buffer (bf16)"] == 2 * n * s
+    assert parts["sliced: fp32 dH"] == 4 * n * h  # the hidden state is fp32: the accumulator is its gradient
+    assert parts["hidden states' bf16 copy"] == parts["sliced: masked bf16 hidden rows"] == 2 * n * h
+    assert "dH cast to the hidden state's fp32" not in parts
     assert out["uncounted"] == 0

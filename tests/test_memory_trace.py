@@ -120,3 +120,11 @@ def test_the_formula_refuses_an_unknown_route_and_sums_the_two_pass_head_by_hand
     parts = predicted_peak("two-pass", V=10, H=4, N=6, activations=100, rows=(2, 8))
     # A, fp32 dW, bf16 head copy, fp32 logits rows, bf16 dZ rows, bf16 hidden copy, bf16 dH, the flush's masked rows
     assert sum(parts.values()) == 100 + 160 + 80 + 80 + 160 + 48 + 48 + 64
+    # the sliced backward: A, fp32 dW, R S fp32 logits + bf16 dZ, fp32 dH, bf16 hidden copy, masked rows, a bf16 slice
+    parts = predicted_peak("two-pass-sliced", V=40, H=4, N=6, activations=100, slices=(6, 8), forward_rows=2,
+                           last_hidden=10)
+    assert sum(parts.values()) == 100 + 640 + 192 + 96 + 96 + 48 + 48 + 64
+    # ... unless its forward holds more: A + the last hidden state, the bf16 head copy, fp32 logits rows, the copy
+    parts = predicted_peak("two-pass-sliced", V=40, H=4, N=6, activations=100, slices=(6, 8), forward_rows=8,
+                           last_hidden=10)
+    assert sum(parts.values()) == 110 + 320 + 1280 + 48

@@ -74,8 +74,9 @@ CPU_MEMORY_BUDGET = 256 << 20
 # activations at the top of the forward; 1 GiB holds 576 / 2304 rows at V = 151936, or 1024 / 1472 when the
 # completions are 1024 tokens long (the chunks grow to the longest response). Measured on an H200 at the client
 # shape with 576 rows (every completion then in two passes): 61.8 ms and 5.34 GiB peak against stock TRL's 58.5 ms
-# and 4.28 GiB. The default route's two-pass backward keeps the library's default (512 / 2048 rows, 0.93 GB:
-# 58.6 ms and 5.22 GiB in the same session).
+# and 4.28 GiB. The default route's two-pass head keeps the library's default (then 512 / 2048 rows, 0.93 GB:
+# 58.6 ms and 5.22 GiB in the same session; now, with few rows against the vocabulary, its backward runs over
+# vocabulary slices with 256 MiB of buffers and no copy of the head: PREDICTED ~4.04 GiB, docs/trl.md).
 ONE_PASS_MEMORY_BUDGET = 1 << 30
 _FSDP1_OWN_UNIT = (
     "an lm_head wrapped as its own FSDP (FullyShardedDataParallel) unit is not supported by gspo_kernels' "
@@ -102,7 +103,8 @@ class GRPOTrainer(trl.GRPOTrainer):
         gspo_memory_budget: the head's ``memory_budget`` in bytes (see :func:`gspo_kernels.fused_linear_gspo_loss`):
             the logits the ``cpu`` backend keeps between the forward and the backward, the Triton loss's chunk
             buffers. ``None`` (default): :data:`CPU_MEMORY_BUDGET` (256 MiB) on CPU tensors,
-            on CUDA the library's default (the two-pass backward's buffers, 0.93 GB at V = 151936), or
+            on CUDA the library's default (the two-pass head's buffers: 256 MiB when its backward runs over
+            vocabulary slices, ``V >= 4 N``; else 0.93 GB at V = 151936), or
             :data:`ONE_PASS_MEMORY_BUDGET` (1 GiB) with ``gspo_one_pass``. 0 gives the least memory (the ``cpu``
             backend recomputes every logits tile).
         gspo_one_pass: the loss step computes the whole loss inside the model's forward with

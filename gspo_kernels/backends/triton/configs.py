@@ -66,6 +66,47 @@ TWO_PASS_STORE_ROWS = 2048
 SCALE_BLOCK = 4096
 SCALE_NUM_WARPS = 8
 SCALE_PROGRAMS_PER_SM = 4
+# The two-pass backward over slices of the vocabulary (linear.py, ``_vocab_sliced_backward``), taken when the rows
+# are few against the vocabulary (``V >= VOCAB_SLICE_ROW_RATIO * N``: an RL micro-batch of 8 x 1024 tokens against
+# 151936 columns). Its loops run the other way round from the row chunks': per slice of ``S`` columns, the lm_head's
+# slice (cast to the operand dtype there, so no whole-head copy is kept from the forward), its logits for ``R``
+# rows (all of them when the buffers allow), ``dZ``, ``dW[slice]`` written once, and ``dH`` accumulated in fp32.
+# The accumulator read and written per pass is then ``dH`` (``4 N H`` bytes, once per slice) instead of ``dW``
+# (``4 V H``, once per store of ``K`` rows). Against the ``6 N H V`` FLOPs of the three GEMMs that traffic is
+# ``8 N H V / S`` bytes (``8 V H N / K`` for the row chunks): a share of about ``4 F / (3 S B)`` of the GEMM time
+# (``F / B`` ~ 165-240 FLOP/byte on an H200 / H100) whatever N is: ~5-8% at S = 4096-5376 (the row chunks' 2048-row
+# store: ~11-16%). The ratio 4 bounds the extra memory: the fp32 ``dH`` and the masked hidden rows add ``6 N H``
+# bytes, at most 1.5 V H (three quarters of a bf16 head copy, which is no longer kept).
+VOCAB_SLICE_ROW_RATIO = 4
+VOCAB_SLICE_BUDGET = 256 << 20  # bytes of its fp32 logits + operand-dtype dZ buffers without a memory_budget
+VOCAB_SLICE_MULTIPLE = 128  # columns per slice in multiples of this (16-byte aligned rows, whole GEMM tiles)
+VOCAB_SLICE_MIN_COLUMNS = 2048  # narrower slices re-read dH too often: fewer rows per pass instead
+VOCAB_SLICE_MAX_COLUMNS = 8192  # wider slices gain little (~4% of the GEMM time at most) for more buffer bytes
+
+
+def vocab_sliced(n_rows: int, V: int) -> bool:
+    """Whether the two-pass backward runs over slices of the vocabulary (``V >= VOCAB_SLICE_ROW_RATIO * N``)."""
+    return V >= VOCAB_SLICE_ROW_RATIO * max(int(n_rows), 1)
+
+
+def vocab_slice_sizes(n_rows: int, V: int, operand: torch.dtype, memory_budget: Optional[int]) -> "tuple[int, int]":
+    """``(R, S)``: rows per pass and columns per slice of the vocabulary-sliced backward. Its buffers (``R S`` fp32
+    logits, and ``R S`` operand-dtype ``dZ`` for half operands) hold at most ``memory_budget`` bytes (None:
+    ``VOCAB_SLICE_BUDGET``): ``S`` = the budget over every row's bytes, within ``[VOCAB_SLICE_MIN_COLUMNS,
+    VOCAB_SLICE_MAX_COLUMNS]`` (a multiple of ``VOCAB_SLICE_MULTIPLE``), then ``R`` = as many rows as fit beside it
+    (a multiple of ``GEMM_ROW_MULTIPLE``, at least ``GEMM_MIN_CHUNK_ROWS``: the only case in which the bytes may
+    pass a tiny budget). Never more than ``n_rows`` rows or ``V`` columns (at least 1)."""
+    acc = compute_dtype(operand).itemsize
+    op = operand.itemsize
+    per = acc + (op if op != acc else 0)  # bytes per (row, column) of the buffers
+    budget = VOCAB_SLICE_BUDGET if memory_budget is None else int(memory_budget)
+    n, v = max(int(n_rows), 1), max(int(V), 1)
+    s = budget // (n * per) // VOCAB_SLICE_MULTIPLE * VOCAB_SLICE_MULTIPLE
+    s = min(max(s, VOCAB_SLICE_MIN_COLUMNS), VOCAB_SLICE_MAX_COLUMNS, v)
+    r = budget // (s * per) // GEMM_ROW_MULTIPLE * GEMM_ROW_MULTIPLE
+    return min(max(r, GEMM_MIN_CHUNK_ROWS), n), s
+
+
 # The most rows the one-pass logits buffer grows to so that the longest response is one chunk (one pass over the
 # lm_head for it; a longer response is computed in parts and its logits recomputed in the backward).
 ONE_PASS_MAX_LOGITS_ROWS = 16384

@@ -16,6 +16,11 @@ Per chunk of rows ``r``:
   (the GEMM's beta on CUDA, 0 for the first; see :func:`accumulate_dw`), so the ``[V, H]`` accumulator is read
   and written once per ``K`` rows, not once per chunk; ``db += sum_r dZ``.
 
+With few rows against the vocabulary (``V >= 4 N``, :func:`configs.vocab_sliced`) the backward runs over slices of
+the vocabulary instead (:func:`_vocab_sliced_backward`): per slice, the head's rows cast to the operand dtype (no
+whole-head copy kept from the forward), the logits of every row, ``dZ``, ``dW[slice]`` written once and ``dH``
+accumulated in fp32 (the accumulator re-read per pass is the ``[N, H]`` one, not the ``[V, H]`` one).
+
 That is ``8 N H V`` FLOPs for a forward and a backward (the logits are computed twice). The one-call loss
 (:func:`fused_linear_loss`) needs the gradient while the chunk's logits are still there: it runs over
 chunks of *whole responses*, so that the sequence stage can produce ``dL/dlogp`` for the chunk's tokens
@@ -169,6 +174,7 @@ class VendorLinearLogprobs(torch.autograd.Function):
         # operands: the tensors the GEMMs multiply (detached), when the inputs are the caller's tensors before the
         # precision policy's cast; the gradients then go to the inputs directly, in their dtypes
         ctx.leaves = [None if t is None else (t.shape, t.dtype) for t in (hidden, weight, bias)]
+        caller_weight = weight
         if operands is not None:
             hidden, weight, bias = operands
         rows, w, b = _operands(hidden.detach(), weight.detach(), None if bias is None else bias.detach(), softcap)
@@ -177,7 +183,14 @@ class VendorLinearLogprobs(torch.autograd.Function):
         logp = torch.zeros(n, device=rows.device, dtype=acc)
         entropy = torch.zeros_like(logp)
         row_stats = torch.zeros((2, n), device=rows.device, dtype=acc)
-        chunk = configs.gemm_chunk_rows(n, vocab, w.dtype, memory_budget, need_dz=False)
+        # Few rows against the vocabulary: the backward runs over slices of it (and keeps no copy of the head); a
+        # forward whose backward will run sits beside the backbone's activations as that backward does, and gets
+        # its smaller default buffer (the no-grad pass, the old / reference log-probs, keeps the larger one).
+        ctx.sliced = configs.vocab_sliced(n, vocab)
+        budget = memory_budget
+        if budget is None and ctx.sliced and any(ctx.needs_input_grad[:3]):
+            budget = configs.VOCAB_SLICE_BUDGET
+        chunk = configs.gemm_chunk_rows(n, vocab, w.dtype, budget, need_dz=False)
         buffers = _Buffers(min(chunk, n), vocab, w.dtype, rows.device, need_dz=False) if n else None
         for r0 in range(0, n, chunk):
             r1 = min(n, r0 + chunk)
@@ -186,7 +199,11 @@ class VendorLinearLogprobs(torch.autograd.Function):
                               temperature=temperature, logp=logp[r0:r1], entropy=entropy[r0:r1],
                               row_stats=row_stats[:, r0:r1], softcap=softcap)
         computed = torch.ones(n, device=rows.device, dtype=torch.bool) if active is None else active
-        ctx.save_for_backward(hidden.detach(), weight.detach(), None if bias is None else bias.detach(), labels,
+        # The sliced backward casts the head slice by slice from the caller's tensor: the operand copy of the head
+        # (the precision policy's cast) is not kept.
+        ctx.operand = w.dtype
+        kept_weight = caller_weight if ctx.sliced and operands is not None else weight
+        ctx.save_for_backward(hidden.detach(), kept_weight.detach(), None if bias is None else bias.detach(), labels,
                               computed, row_stats, entropy)
         ctx.temperature, ctx.memory_budget, ctx.softcap = temperature, memory_budget, softcap
         ctx.set_materialize_grads(False)
@@ -198,10 +215,7 @@ class VendorLinearLogprobs(torch.autograd.Function):
         need_dh, need_dw, need_db = ctx.needs_input_grad[:3]
         if grad_logp is None and grad_entropy is None:
             return (None,) * 9
-        rows, w, b = _operands(hidden.detach(), weight.detach(), None if bias is None else bias.detach(),
-                               ctx.softcap)
-        n, vocab = rows.shape[0], w.shape[0]
-        acc = compute_dtype(w.dtype)
+        acc = compute_dtype(ctx.operand)
         carries = torch.zeros_like(computed)
         for g in (grad_logp, grad_entropy):
             if g is not None:
@@ -209,6 +223,18 @@ class VendorLinearLogprobs(torch.autograd.Function):
         carries &= computed
         grad_logp = None if grad_logp is None else torch.where(carries, grad_logp.to(acc), 0)
         grad_entropy = None if grad_entropy is None else torch.where(carries, grad_entropy.to(acc), 0)
+        if ctx.sliced:
+            grads = _vocab_sliced_backward(
+                rows=hidden.detach().reshape(-1, hidden.shape[-1]), weight=weight.detach(), operand=ctx.operand,
+                bias=None if bias is None else kernel_bias(bias.detach(), ctx.softcap, acc), labels=labels,
+                carries=carries, grad_logp=grad_logp, grad_entropy=grad_entropy, row_stats=row_stats, entropy=entropy,
+                temperature=ctx.temperature, softcap=ctx.softcap, memory_budget=ctx.memory_budget,
+                need=(need_dh, need_dw, need_db and bias is not None))
+            grads = [None if g is None else g.reshape(leaf[0]).to(leaf[1]) for g, leaf in zip(grads, ctx.leaves)]
+            return (*grads, None, None, None, None, None, None)
+        rows, w, b = _operands(hidden.detach(), weight.detach(), None if bias is None else bias.detach(),
+                               ctx.softcap)
+        n, vocab = rows.shape[0], w.shape[0]
         dh = torch.zeros_like(rows) if need_dh else None
         dw = torch.empty(w.shape, device=w.device, dtype=acc) if need_dw else None
         db = torch.zeros(vocab, device=w.device, dtype=acc) if (need_db and bias is not None) else None
@@ -238,6 +264,72 @@ class VendorLinearLogprobs(torch.autograd.Function):
         store = buffers = z = None
         grads = [None if g is None else g.reshape(leaf[0]).to(leaf[1]) for g, leaf in zip((dh, dw, db), ctx.leaves)]
         return (*grads, None, None, None, None, None, None)
+
+
+def _slice_buffers(count: int, acc: torch.dtype, operand: torch.dtype, device: torch.device) -> Tuple[Tensor, Tensor]:
+    """The vocabulary-sliced backward's flat buffers: ``count`` logits in ``acc`` and ``count`` ``dZ`` entries in
+    ``operand`` (the same storage when they are one dtype)."""
+    logits = torch.empty(count, device=device, dtype=acc)
+    return logits, (logits if operand == acc else torch.empty(count, device=device, dtype=operand))
+
+
+def _vocab_sliced_backward(rows: Tensor, weight: Tensor, operand: torch.dtype, bias: Optional[Tensor], labels: Tensor,
+                           carries: Tensor, grad_logp: Optional[Tensor], grad_entropy: Optional[Tensor],
+                           row_stats: Tensor, entropy: Tensor, temperature: float, softcap: Optional[float],
+                           memory_budget: Optional[int], need) -> List[Optional[Tensor]]:
+    """The two-pass backward over slices of ``S`` vocabulary columns (:func:`configs.vocab_slice_sizes`), for few
+    rows against the vocabulary (:func:`configs.vocab_sliced`): ``[dH, dW, dB]`` in the compute dtype (None where
+    ``need`` says no).
+
+    Per slice: ``weight``'s rows cast to ``operand`` (the caller's head when the precision policy cast it: no
+    whole-head copy lives through the backward), then per pass of ``R`` rows (all of them unless the budget is
+    small) the slice's logits, ``dZ`` from the forward's whole-row stats (the backward kernel's vocabulary window),
+    ``dW[slice]`` (+)= ``dZ.T @ H`` straight into the fp32 gradient, ``dH`` += ``dZ @ W[slice]`` into an fp32
+    accumulator, ``dB[slice]`` = the columns' sums. Rows without gradient are zero ``dZ`` rows with their hidden
+    rows zeroed for ``dW`` (garbage such as NaN padding cannot reach it). No host read."""
+    n, vocab = rows.shape[0], weight.shape[0]
+    acc = compute_dtype(operand)
+    separate = operand != acc
+    r_rows, s_cols = configs.vocab_slice_sizes(n, vocab, operand, memory_budget)
+    dh = torch.empty(rows.shape, device=rows.device, dtype=acc) if need[0] else None
+    dw = torch.empty(weight.shape, device=weight.device, dtype=acc) if need[1] else None
+    db = torch.empty(vocab, device=weight.device, dtype=acc) if need[2] else None
+    if n == 0 or vocab == 0:
+        return [None if t is None else t.zero_() for t in (dh, dw, db)]
+    kept = torch.where(carries[:, None], rows, torch.zeros((), device=rows.device, dtype=rows.dtype)) if need[1] \
+        else None
+    logits_buf, dz_buf = _slice_buffers(r_rows * s_cols, acc, operand, rows.device)
+    for v0 in range(0, vocab, s_cols):
+        v1 = min(vocab, v0 + s_cols)
+        w = weight[v0:v1].to(operand).contiguous()  # a view when the head is already in the operand dtype
+        b = None if bias is None else bias[v0:v1]
+        for r0 in range(0, n, r_rows):
+            r1 = min(n, r0 + r_rows)
+            width, count = v1 - v0, r1 - r0
+            z = chunk_logits(rows[r0:r1], w, b, logits_buf[: count * width].view(count, width))
+            dz = dz_buf[: count * width].view(count, width)
+            stats = row_stats if count == n else row_stats[:, r0:r1].contiguous()
+            args = dict(temperature=temperature, softcap=softcap, vocab_window=(v0, vocab))
+            g = None if grad_logp is None else grad_logp[r0:r1]
+            ge = None if grad_entropy is None else grad_entropy[r0:r1]
+            if db is not None or not separate:  # dZ in fp32 first (the bias gradient sums it), then one rounding
+                logprobs_backward(z, labels[r0:r1], stats, entropy[r0:r1], g, ge, inplace=True, **args)
+                if db is not None:
+                    column_sums = z.sum(0, dtype=acc)
+                    if r0 == 0:
+                        db[v0:v1] = column_sums
+                    else:
+                        db[v0:v1] += column_sums
+                if separate:
+                    dz.copy_(z)
+            else:
+                logprobs_backward(z, labels[r0:r1], stats, entropy[r0:r1], g, ge, out=dz, **args)
+            if dh is not None:
+                accumulate_dw(dh[r0:r1], dz.t(), w, first=v0 == 0)  # dH[rows] (+)= dZ @ W[slice]
+            if dw is not None:
+                accumulate_dw(dw[v0:v1], dz, kept[r0:r1], first=r0 == 0)  # dW[slice] (+)= dZ.T @ H[rows]
+        w = None  # this slice's cast goes before the next one is made, not beside it
+    return [dh, dw, db]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -305,7 +305,7 @@ def logprobs_bwd_kernel(
     row_stats_ptr,  # [2, N] from the forward
     grad_scale_ptr, logp_scale_ptr, entropy_scale_ptr,  # 0-dim fp32 each, read with HAS_GRAD_SCALE
     n_rows, rows_per_batch, out_rows_per_batch, stride_b, stride_t, stride_v, dstride_b, dstride_t, dstride_v,
-    vocab_size, inv_temperature, softcap,
+    vocab_size, label_offset, label_limit, inv_temperature, softcap,
     BLOCK_V: tl.constexpr, VEC: tl.constexpr, DST_ALIGNED: tl.constexpr, HAS_ACTIVE: tl.constexpr,
     HAS_GRAD_LOGP: tl.constexpr, HAS_GRAD_ENTROPY: tl.constexpr, HAS_GRAD_SCALE: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, FAST_MATH: tl.constexpr,
@@ -345,9 +345,12 @@ def logprobs_bwd_kernel(
         log2_s = tl.load(row_stats_ptr + n_rows + row) * _LOG2E
         inv_cap = 1.0 / softcap
         label = tl.load(labels_ptr + row)
-        valid = (label >= 0) & (label < vocab_size)
         # An out-of-range label never matches a column: the row is poisoned instead (its logp is NaN).
-        g = tl.where((g != 0.0) & ((label < 0) | (label >= vocab_size)), float("nan"), g)
+        g = tl.where((g != 0.0) & ((label < 0) | (label >= label_limit)), float("nan"), g)
+        # The row's columns are the vocabulary's [label_offset, label_offset + vocab_size) (a slice of the
+        # vocabulary, with the whole row's stats; 0 and V otherwise): a label outside them has no column here.
+        label = label - label_offset
+        valid = (label >= 0) & (label < vocab_size)
         # The label's logit, read before the loops (with an in-place gradient they overwrite it).
         z_label = tl.load(logits_ptr + src_off + tl.where(valid, label, 0) * stride_v, mask=valid,
                           other=0.0).to(acc_dtype)
@@ -531,6 +534,7 @@ def logprobs_backward(
     out: Optional[Tensor] = None,
     softcap: Optional[float] = None,
     grad_scale: Optional[Tuple[Tensor, Tensor, Tensor]] = None,
+    vocab_window: Optional[Tuple[int, int]] = None,
 ) -> Tensor:
     """Launch the backward kernel.
 
@@ -550,6 +554,9 @@ def logprobs_backward(
         out: the gradient buffer (any strides): shaped like ``logits``, or ``[B, T + 1, V]`` for 3-D
             ``[B, T, V]`` logits, in which case position ``T`` of every sequence gets zeros. Default: a new
             tensor shaped like ``logits`` (or ``logits`` itself when ``inplace``).
+        vocab_window: ``(offset, total)``: ``logits`` holds the columns ``[offset, offset + V)`` of a vocabulary
+            of ``total`` (``row_stats`` and ``entropy`` are the whole rows'): labels are global ids, a label
+            outside the window has no column here, one outside ``[0, total)`` poisons its row (None: ``(0, V)``).
 
     Returns:
         ``dlogits`` (``out``) in the logits' dtype.
@@ -596,6 +603,8 @@ def logprobs_backward(
             dstride_t,
             dstride_v,
             vocab_size,
+            0 if vocab_window is None else int(vocab_window[0]),
+            vocab_size if vocab_window is None else int(vocab_window[1]),
             1.0 / float(temperature),
             1.0 if softcap is None else float(softcap),
             BLOCK_V=_tiles(vocab_size, logits.element_size(), vec)[0],
