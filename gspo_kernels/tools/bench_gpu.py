@@ -584,6 +584,20 @@ def _hidden_peers(ctx: _Ctx, *, hidden, weight, labels, mask, old, adv_all, zero
 
     _run_case(ctx, "hidden", "Cut Cross-Entropy linear_cross_entropy + GSPO formula", cce, peer="cce")
 
+    # The two-pass head with autograd (the TRL drop-in's route and verl's): the log-probs, the GSPO formula in
+    # PyTorch, the backward (over vocabulary slices here: V >= 4 N).
+    def two_pass():
+        def step():
+            logp = gk.linear_logprobs(hidden, weight, labels)
+            loss = gspo_formula(logp, old, adv_all, mask)
+            loss.backward()
+            return loss
+        r = with_rate(time_steps(ctx, step, zero_grads))
+        zero_grads()
+        return r
+
+    _run_case(ctx, "hidden", "ours linear_logprobs + autograd (two pass) + GSPO formula, all rows", two_pass)
+
     # The two-pass forward (no grad): the old / reference log-prob pass.
     def fwd_ours():
         with torch.no_grad():
