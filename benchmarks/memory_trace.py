@@ -450,18 +450,6 @@ def predicted_peak(route: str, *, V: int, H: int, N: int, activations: int, rows
         else:
             out["dH cast to the hidden state's fp32"] = 4 * N * H
     return out
-    c, k = rows
-    out["bf16 copy of the lm_head"] = 2 * V * H
-    out["logits chunk buffer (fp32)"] = 4 * c * V
-    out["dZ store (bf16)"] = 2 * k * V
-    out["hidden states' bf16 copy"] = 2 * N * H
-    out["dH in the operand dtype"] = 2 * N * H
-    if route == "two-pass":
-        if fixed:
-            out["flush: masked copy of K hidden rows"] = 2 * k * H
-        else:
-            out["dH cast to the hidden state's fp32"] = 4 * N * H
-    return out
 
 
 def main() -> None:
