@@ -161,3 +161,23 @@ def test_no_whole_head_copy_lives_through_the_backward(monkeypatch):
                               torch.linspace(-1, 1, N, device=TRITON_DEVICE), torch.full((N,), 0.1), 1.0, None)
     tol = gradient_tolerance("bf16", "linear")  # bf16 operands; the fp32 gradients hold the bf16 dZ's rounding
     assert rel_err(hidden.grad, want[0]) < tol and rel_err(weight.grad, want[1]) < tol
+
+
+def test_the_sliced_backward_reads_nothing_back(monkeypatch):
+    """Nothing in the sliced backward waits on the device: no ``.item()``, ``.tolist()``, ``nonzero``, ``bool()``
+    of a tensor from the backward's start to its gradients (slices and row passes on the host from shapes alone)."""
+    from tests.support import record_host_reads
+
+    N, H, V = 8, 16, 96
+    _narrow_slices(monkeypatch, 40)
+    g = torch.Generator().manual_seed(2)
+    hidden = torch.randn(N, H, generator=g).to(TRITON_DEVICE).requires_grad_()
+    weight = (torch.randn(V, H, generator=g) * 0.3).to(TRITON_DEVICE).requires_grad_()
+    labels = torch.randint(0, V, (N,), generator=g).to(TRITON_DEVICE)
+    logp, entropy = gk.linear_logprobs(hidden, weight, labels, backend="triton", return_entropy=True,
+                                       memory_budget=4 * 40 * 4)  # 3 slices, 2 passes of 4 rows
+    loss = logp.sum() + 0.5 * entropy.sum()
+    reads = record_host_reads(monkeypatch)
+    loss.backward()
+    assert reads == []
+    assert torch.isfinite(hidden.grad).all() and torch.isfinite(weight.grad).all()
