@@ -236,8 +236,11 @@ def test_the_handed_over_gradients_are_scaled_once_in_place(dtype):
             g = g0.clone()
             out = scale_gradient_(g, s)
             assert out is g  # in place
+            strided = torch.stack([g0, g0], 1).clone()[:, 0]  # not contiguous: the torch route, the same rounding
+            assert not strided.is_contiguous()
+            torch.testing.assert_close(scale_gradient_(strided, s), g, rtol=0, atol=0, equal_nan=True)
+            bits = {torch.bfloat16: torch.int16, torch.float32: torch.int32, torch.float64: torch.int64}[dtype]
             if scale == 1.0:
-                bits = {torch.bfloat16: torch.int16, torch.float32: torch.int32, torch.float64: torch.int64}[dtype]
                 assert torch.equal(g.view(bits).cpu(), g0.view(bits).cpu())
                 continue
             s_used = s.double() if dtype == torch.float64 else s.float().double()  # fp32 loses nothing of an fp32 scale

@@ -365,12 +365,14 @@ _SM_COUNT: dict = {}  # CUDA device index -> multiprocessors
 
 def scale_gradient_(g: Tensor, scale: Tensor) -> Tensor:
     """``g *= scale`` (``scale``: a 0-dim tensor on ``g``'s device) without a host read and, when ``scale`` is 1,
-    without touching ``g`` (:func:`scale_gradient_kernel`). A ``g`` that is not contiguous takes ``mul_``."""
+    without touching ``g`` (:func:`scale_gradient_kernel`). A ``g`` that is not contiguous (or a scale elsewhere)
+    takes torch ops with the same rounding: the product in fp32 (fp64) through a temporary, rounded once."""
     n = g.numel()
     if n == 0:
         return g
     if not g.is_contiguous() or scale.numel() != 1 or scale.device != g.device:
-        return g.mul_(scale.to(device=g.device, dtype=torch.float64 if g.dtype == torch.float64 else torch.float32))
+        wide = torch.float64 if g.dtype == torch.float64 else torch.float32
+        return g.copy_(g.to(wide) * scale.to(device=g.device, dtype=wide).reshape(()))
     block = configs.SCALE_BLOCK
     if g.is_cuda:
         index = g.device.index if g.device.index is not None else torch.cuda.current_device()
