@@ -158,7 +158,8 @@ def test_no_whole_head_copy_lives_through_the_backward(monkeypatch):
     assert weight.grad.dtype == torch.float32 and hidden.grad.dtype == torch.float32
     want = _float64_gradients(hidden.bfloat16(), weight.bfloat16(), None, labels,
                               torch.ones(N, dtype=torch.bool, device=TRITON_DEVICE),
-                              torch.linspace(-1, 1, N, device=TRITON_DEVICE), torch.full((N,), 0.1), 1.0, None)
+                              torch.linspace(-1, 1, N, device=TRITON_DEVICE), torch.full((N,), 0.1, device=TRITON_DEVICE),
+                              1.0, None)
     tol = gradient_tolerance("bf16", "linear")  # bf16 operands; the fp32 gradients hold the bf16 dZ's rounding
     assert rel_err(hidden.grad, want[0]) < tol and rel_err(weight.grad, want[1]) < tol
 
