@@ -1,6 +1,9 @@
 """``gspo-kernels verify``: every available backend against the float64 reference.
 
-For each backend x path (logits, hidden states) x importance level x loss type x dtype (fp32, bf16),
+For each backend x path (``logits``: ``gspo_loss``; ``linear``: ``fused_linear_gspo_loss``, one pass on the Triton
+backend; ``two-pass``: ``linear_logprobs`` with autograd then ``policy_loss``, the TRL drop-in's and verl's head, at a
+vocabulary and budget that make its backward run over several vocabulary slices) x importance level x loss type x
+dtype (fp32, bf16),
 on fresh random inputs: the loss, the metrics and the input gradients are compared with
 :mod:`gspo_kernels.reference` run in float64 on the same (dtype-rounded) values.
 
@@ -11,7 +14,7 @@ sign, relative to ``max(|loss|, 1)``; metrics absolute):
 * bf16: the math runs in fp32 (products accumulated in fp32, log-probs fp32), so the loss and the
   metrics keep the fp32 tolerance; a gradient comes back in bf16, so it may differ by the fp32
   tolerance plus its roundings to bf16: one on the logits path (the output), two on the hidden-state
-  path (the logits gradient rounded to the bf16 operand of the backward matmuls, then the output);
+  paths (the logits gradient rounded to the bf16 operand of the backward matmuls, then the output);
   ``backend="torch"`` on CUDA rounds a bf16 logits gradient's entries off the label column twice (``p``, then
   the product: :func:`gspo_kernels.backends.pytorch.logits_gradient_roundings`).
   One rounding is 2^-8 relative (round to nearest even; the Triton interpreter's fp32 -> bf16 cast,
@@ -97,6 +100,15 @@ def check_case(backend: str, path: str, level: str, loss_type: str, dtype_name: 
     lengths = [T, 1, 0] + [T - 3] * (B - 3)
     mask = (torch.arange(T)[None, :] < torch.tensor(lengths)[:, None]).float()
     labels = torch.randint(0, V, (B, T), generator=gen)
+    if path not in PATHS:
+        raise ValueError(f"path must be one of {PATHS}, got {path!r}")
+    # two-pass: a vocabulary wider than its backward's narrowest slice (2048 columns), with a budget that makes
+    # the slices that narrow: several slices, a ragged last one, a forward in several chunks (the sliced backward
+    # is the one taken: V >= 4 B T)
+    budget = None
+    if path == "two-pass":
+        V = max(V, 5000)
+        budget = B * T * 2048 * 6
     if path == "logits":
         inputs = [(torch.randn(B, T, V, generator=gen) * 3).to(dtype)]
         as_logits = lambda xs: xs[0]  # noqa: E731
@@ -134,6 +146,10 @@ def check_case(backend: str, path: str, level: str, loss_type: str, dtype_name: 
         args = (labels.to(device), adv.to(device), old.to(device))
         if path == "logits":
             return gk.gspo_loss(xs[0], *args, config=cfg, backend=backend, **dev_kw)
+        if path == "two-pass":  # the TRL drop-in's and verl's head: log-probs with autograd, then the stage
+            logp, entropy = gk.linear_logprobs(xs[0], xs[1], args[0], backend=backend, return_entropy=True,
+                                               temperature=cfg.temperature, memory_budget=budget)
+            return gk.policy_loss(logp, *args[1:], entropy=entropy, config=cfg, backend=backend, **dev_kw)
         return gk.fused_linear_gspo_loss(xs[0], xs[1], *args, config=cfg, backend=backend, **dev_kw)
 
     def oracle(xs):
@@ -146,7 +162,7 @@ def check_case(backend: str, path: str, level: str, loss_type: str, dtype_name: 
     loss_err = _loss_err(out.loss.cpu(), expected.loss)
     grad_err = max(rel_err(g.cpu(), r) for g, r in zip(grads, ref_grads))
     metric_err = max(abs(float(out.metrics[k]) - float(v)) for k, v in expected.metrics.items())
-    grad_tol = gradient_tolerance(dtype_name, path, backend=backend, device=device)
+    grad_tol = gradient_tolerance(dtype_name, "linear" if path == "two-pass" else path, backend=backend, device=device)
     return Row(backend=backend, path=path, level=level, loss_type=loss_type, dtype=dtype_name,
                layout="packed" if packed else "padded", loss_err=loss_err, grad_err=grad_err, metric_err=metric_err,
                loss_tol=FP32_RTOL, grad_tol=grad_tol, metric_tol=FP32_RTOL, seconds=seconds)
@@ -154,7 +170,9 @@ def check_case(backend: str, path: str, level: str, loss_type: str, dtype_name: 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backends", nargs="*", default=None, help="backends to check (default: all available)")
-    parser.add_argument("--paths", nargs="*", default=["logits", "linear"], choices=["logits", "linear"])
+    parser.add_argument("--paths", nargs="*", default=list(PATHS), choices=PATHS,
+                        help="logits: gspo_loss; linear: fused_linear_gspo_loss (one pass on triton); two-pass: "
+                             "linear_logprobs with autograd, then policy_loss (the TRL drop-in's and verl's head)")
     parser.add_argument("--dtypes", nargs="*", default=["fp32", "bf16"], choices=["fp32", "bf16"])
     parser.add_argument("--seed", type=int, default=None, help="default: a fresh seed, printed")
     parser.add_argument("--quick", action="store_true",
@@ -162,6 +180,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "one padded (grpo) and one packed (dapo) aggregation; same tolerances")
 
 
+PATHS = ("logits", "linear", "two-pass")
 # --quick: the GSPO level, one aggregation of each layout (grpo: padded, with KL; dapo: packed, with KL).
 QUICK_LEVELS = ("sequence",)
 QUICK_LOSS_TYPES = ("grpo", "dapo")
@@ -185,13 +204,13 @@ def run(args: argparse.Namespace) -> int:
     quick = getattr(args, "quick", False)
     levels, loss_types = (QUICK_LEVELS, QUICK_LOSS_TYPES) if quick else (IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES)
     cases = list(itertools.product(names, args.paths, levels, loss_types, args.dtypes))
-    header = f"{'backend':8} {'path':6} {'level':14} {'loss':8} {'dtype':5} {'layout':6} " \
+    header = f"{'backend':8} {'path':8} {'level':14} {'loss':8} {'dtype':5} {'layout':6} " \
              f"{'loss err':>9} {'tol':>8} {'grad err':>9} {'tol':>8} {'metric':>8} {'s':>6}  result"
     print(header)
     for i, (name, path, level, loss_type, dtype) in enumerate(cases):
         row = check_case(name, path, level, loss_type, dtype, seed=seed + i)
         rows.append(row)
-        print(f"{row.backend:8} {row.path:6} {row.level:14} {row.loss_type:8} {row.dtype:5} {row.layout:6} "
+        print(f"{row.backend:8} {row.path:8} {row.level:14} {row.loss_type:8} {row.dtype:5} {row.layout:6} "
               f"{row.loss_err:9.2e} {row.loss_tol:8.1e} {row.grad_err:9.2e} {row.grad_tol:8.1e} "
               f"{row.metric_err:8.1e} {row.seconds:6.2f}  {'pass' if row.ok else 'FAIL'}", flush=True)
     failed = [r for r in rows if not r.ok]
