@@ -62,7 +62,9 @@ DEFAULT_BUDGET_S = 20 * 60
 QUICK_BUDGET_S = 4 * 60
 QUICK_STEPS = ("versions", "verify", "gpu-tests", "memcheck", "benchmarks")
 # --quick: each step's own limit (seconds); they add up to the budget.
-QUICK_LIMITS_S = {"versions": 20, "verify": 45, "gpu-tests": 95, "memcheck": 35, "benchmarks": 45}
+# Measured on an H200 (README): verify 34 s, gpu-tests 90 s (before test_vocab_sliced_backward.py joined them),
+# memcheck 11 s; memcheck gave gpu-tests 15 of its seconds.
+QUICK_LIMITS_S = {"versions": 20, "verify": 45, "gpu-tests": 110, "memcheck": 20, "benchmarks": 45}
 # Test files (or single tests, ``file::name``) and the peers (importable modules) they need.
 PEER_TEST_FILES = {
     "tests/test_trl_integration.py": ("trl", "datasets"),
@@ -75,7 +77,11 @@ PEER_TEST_FILES = {
 # Where the ``suite`` step checks that pip can reach the package index (the ``network``-marked tests need it).
 PACKAGE_INDEX = ("pypi.org", 443)
 # The kernel test files of the quick selection (with every ``gpu``-marked test of the suite).
-QUICK_TEST_FILES = ("tests/test_triton_logits.py", "tests/test_triton_linear.py", "tests/test_hidden_path_gemm.py")
+QUICK_TEST_FILES = ("tests/test_triton_logits.py", "tests/test_triton_linear.py", "tests/test_hidden_path_gemm.py",
+                    "tests/test_vocab_sliced_backward.py")
+# --quick: verify's paths (the two-pass head's kernels are checked against float64 by its test file above instead:
+# the step's limit was set from a measured 26 s for these two paths)
+QUICK_VERIFY_PATHS = ("logits", "linear")
 _mode: Dict[str, bool] = {"quick": False}
 STATIC_STEPS = ("versions", "h100-report")
 ALL_STEPS = ("versions", "h100-report", "verify", "gpu-tests", "triton-tests", "memcheck", "benchmarks", "suite")
@@ -326,9 +332,11 @@ def _pytest_step(name: str, out_dir: str, limit_s: float, args: Sequence[str], x
 
 
 def step_verify(out_dir: str, limit_s: float) -> StepResult:
-    """``gspo-kernels verify`` on the GPU: every backend against the float64 reference (ships with the package)."""
+    """``gspo-kernels verify`` on the GPU: every backend against the float64 reference (ships with the package);
+    with ``--quick``, its :data:`QUICK_VERIFY_PATHS`."""
     log = os.path.join(out_dir, "verify.log")
-    result = _subprocess("verify", [sys.executable, "-m", "gspo_kernels", "verify"], limit_s, log_path=log)
+    paths = ["--paths", *QUICK_VERIFY_PATHS] if _mode["quick"] else []
+    result = _subprocess("verify", [sys.executable, "-m", "gspo_kernels", "verify", *paths], limit_s, log_path=log)
     result.data["file"] = log
     return result
 
@@ -583,7 +591,7 @@ def workload(device: str = "cuda", vocab_size: int = 4099, linear_vocab_size: in
     Logits path: padded ``[:, :-1]`` view (routed to its base), transposed rows, in place, ``-inf`` logits,
     out-of-range labels with the value checks skipped (decision 5: never read), a vocabulary that is not a
     multiple of the block. Hidden-state path: bf16 and fp32 operands, with bias, through the public
-    functions. Sequence stage: every level and loss type, KL and entropy. Raises on a non-finite loss.
+    functions; the two-pass backward over one and several vocabulary slices and over rows. Sequence stage: every level and loss type, KL and entropy. Raises on a non-finite loss.
     ``device="cpu"`` runs it in the Triton interpreter (tests).
     """
     import torch
@@ -622,6 +630,14 @@ def workload(device: str = "cuda", vocab_size: int = 4099, linear_vocab_size: in
         y = torch.randint(0, linear_vocab_size, (37,), device=device)
         logp, entropy = gk.linear_logprobs(hidden, weight, y, bias=bias, return_entropy=True, backend="triton")
         torch.autograd.grad((logp + entropy).sum(), (hidden, weight, bias))
+        # the two-pass backward's other forms: over several vocabulary slices (a ragged last one), and over rows
+        # (more rows than a quarter of the vocabulary)
+        for rows, vocab, budget in ((37, 5000, 37 * 2048 * 6), (300, linear_vocab_size, None)):
+            h = torch.randn(rows, 64, device=device, dtype=dtype, requires_grad=True)
+            w = (torch.randn(vocab, 64, device=device) * 0.1).to(dtype).requires_grad_(True)
+            lab = torch.randint(0, vocab, (rows,), device=device)
+            lp, ent = gk.linear_logprobs(h, w, lab, return_entropy=True, backend="triton", memory_budget=budget)
+            torch.autograd.grad((lp + ent).sum(), (h, w))
         out = gk.fused_linear_gspo_loss(hidden[None], weight, y.reshape(1, 37), torch.ones(1, device=device),
                                         backend="triton", config=gk.GSPOConfig(entropy_coef=0.01))
         torch.autograd.grad(out.loss, (hidden, weight))
