@@ -19,7 +19,8 @@ from tests.support import RTOL, TRITON_DEVICE, rel_err
 pytestmark = pytest.mark.skipif(backends.load("triton") is None or not backends.load("triton").supports(
     torch.device(TRITON_DEVICE)), reason="triton backend unavailable here")
 
-NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float64: "fp32"}  # fp64: held to the fp32 bound
+NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
+         torch.float64: "fp32"}  # fp64: held to the fp32 bound
 
 
 def _narrow_slices(monkeypatch, columns: int) -> None:
@@ -48,7 +49,7 @@ def _float64_gradients(hidden, weight, bias, labels, active, grad_logp, grad_ent
     return torch.autograd.grad(total, leaves)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 @pytest.mark.parametrize("columns,budget_rows", [(None, None), (13, None), (13, 4)],
                          ids=["one-slice", "slices", "slices-and-row-passes"])
 @pytest.mark.parametrize("with_bias,softcap", [(False, None), (True, None), (True, 4.0)], ids=["plain", "bias", "softcap"])
@@ -60,7 +61,7 @@ def test_sliced_backward_against_float64(monkeypatch, dtype, columns, budget_row
     budget = None
     if columns is not None:
         _narrow_slices(monkeypatch, columns)
-        per = 4 + (2 if dtype == torch.bfloat16 else 0) if dtype != torch.float64 else 8
+        per = {torch.float32: 4, torch.bfloat16: 6, torch.float16: 6, torch.float64: 8}[dtype]
         budget = (budget_rows or N) * columns * per
     g = torch.Generator().manual_seed(11)
     hidden = torch.randn(N, H, generator=g).to(TRITON_DEVICE, dtype)
