@@ -223,47 +223,53 @@ class VendorLinearLogprobs(torch.autograd.Function):
         carries &= computed
         grad_logp = None if grad_logp is None else torch.where(carries, grad_logp.to(acc), 0)
         grad_entropy = None if grad_entropy is None else torch.where(carries, grad_entropy.to(acc), 0)
-        if ctx.sliced:
-            grads = _vocab_sliced_backward(
-                rows=hidden.detach().reshape(-1, hidden.shape[-1]), weight=weight.detach(), operand=ctx.operand,
-                bias=None if bias is None else kernel_bias(bias.detach(), ctx.softcap, acc), labels=labels,
-                carries=carries, grad_logp=grad_logp, grad_entropy=grad_entropy, row_stats=row_stats, entropy=entropy,
-                temperature=ctx.temperature, softcap=ctx.softcap, memory_budget=ctx.memory_budget,
-                need=(need_dh, need_dw, need_db and bias is not None))
-            grads = [None if g is None else g.reshape(leaf[0]).to(leaf[1]) for g, leaf in zip(grads, ctx.leaves)]
-            return (*grads, None, None, None, None, None, None)
-        rows, w, b = _operands(hidden.detach(), weight.detach(), None if bias is None else bias.detach(),
-                               ctx.softcap)
-        n, vocab = rows.shape[0], w.shape[0]
-        dh = torch.zeros_like(rows) if need_dh else None
-        dw = torch.empty(w.shape, device=w.device, dtype=acc) if need_dw else None
-        db = torch.zeros(vocab, device=w.device, dtype=acc) if (need_db and bias is not None) else None
-        free = None
-        if ctx.memory_budget is None and w.is_cuda and checks.host_reads_allowed():
-            free = torch.cuda.mem_get_info(w.device)[0]
-        chunk, store_rows = configs.one_pass_chunk_rows(n, vocab, w.dtype, ctx.memory_budget, free, two_pass=True)
-        separate = w.dtype != acc
-        buffers = _Buffers(min(chunk, n), vocab, w.dtype, w.device, need_dz=not separate) if n else None
-        # no host read: every row goes through the GEMMs, those without gradient as zero rows (masked in the store)
-        store = _GradientStore(max(store_rows, chunk) if separate else chunk, vocab, buffers, w.dtype,
-                               w.device) if n else None
-        for r0 in range(0, n, chunk):
-            sl = slice(r0, min(n, r0 + chunk))
-            z = chunk_logits(rows[sl], w, b, buffers.logits)
-            store.backward(z=z, index=None, t0=r0, keep=carries[sl], labels=labels[sl],
-                           stats=row_stats[:, sl].contiguous(), entropy=entropy[sl],
-                           g=None if grad_logp is None else grad_logp[sl],
-                           ge=None if grad_entropy is None else grad_entropy[sl], temperature=ctx.temperature,
-                           softcap=ctx.softcap, db=db, gemms=(rows, w, dh, dw))
-        if store is not None:
-            store.flush(rows, w, dh, dw)
-        if dw is not None and (store is None or store.flushes == 0):
-            dw.zero_()
-        # the chunk buffers go before the gradients are cast to the leaves' dtypes (an fp32 hidden state's dH
-        # copy, N x H x 4 bytes), not beside it
-        store = buffers = z = None
-        grads = [None if g is None else g.reshape(leaf[0]).to(leaf[1]) for g, leaf in zip((dh, dw, db), ctx.leaves)]
+        # either form returns [dH, dW, dB] in the compute dtype, its chunk buffers freed on return: before the
+        # gradients are cast to the leaves' dtypes (an fp32 hidden state's dH copy, N x H x 4 bytes), not beside it
+        form = _vocab_sliced_backward if ctx.sliced else _row_chunked_backward
+        grads = form(rows=hidden.detach().reshape(-1, hidden.shape[-1]), weight=weight.detach(), operand=ctx.operand,
+                     bias=None if bias is None else kernel_bias(bias.detach(), ctx.softcap, acc), labels=labels,
+                     carries=carries, grad_logp=grad_logp, grad_entropy=grad_entropy, row_stats=row_stats,
+                     entropy=entropy, temperature=ctx.temperature, softcap=ctx.softcap,
+                     memory_budget=ctx.memory_budget, need=(need_dh, need_dw, need_db and bias is not None))
+        grads = [None if g is None else g.reshape(leaf[0]).to(leaf[1]) for g, leaf in zip(grads, ctx.leaves)]
         return (*grads, None, None, None, None, None, None)
+
+
+def _row_chunked_backward(rows: Tensor, weight: Tensor, operand: torch.dtype, bias: Optional[Tensor], labels: Tensor,
+                          carries: Tensor, grad_logp: Optional[Tensor], grad_entropy: Optional[Tensor],
+                          row_stats: Tensor, entropy: Tensor, temperature: float, softcap: Optional[float],
+                          memory_budget: Optional[int], need) -> List[Optional[Tensor]]:
+    """The two-pass backward over chunks of rows (more rows than a quarter of the vocabulary): each chunk's logits
+    recomputed, its ``dZ`` into a store whose full loads go through the ``dH`` / ``dW`` GEMMs (``dW`` accumulated
+    in fp32 across stores); ``[dH (operand dtype), dW, dB]``, None where ``need`` says no. No host read: every
+    row goes through the GEMMs, those without gradient as zero rows (masked in the store)."""
+    w = weight if weight.stride(-1) == 1 else weight.contiguous()  # the operand itself (saved by the forward)
+    n, vocab = rows.shape[0], w.shape[0]
+    acc = compute_dtype(operand)
+    dh = torch.zeros_like(rows) if need[0] else None
+    dw = torch.empty(w.shape, device=w.device, dtype=acc) if need[1] else None
+    db = torch.zeros(vocab, device=w.device, dtype=acc) if need[2] else None
+    free = None
+    if memory_budget is None and w.is_cuda and checks.host_reads_allowed():
+        free = torch.cuda.mem_get_info(w.device)[0]
+    chunk, store_rows = configs.one_pass_chunk_rows(n, vocab, w.dtype, memory_budget, free, two_pass=True)
+    separate = w.dtype != acc
+    buffers = _Buffers(min(chunk, n), vocab, w.dtype, w.device, need_dz=not separate) if n else None
+    store = _GradientStore(max(store_rows, chunk) if separate else chunk, vocab, buffers, w.dtype,
+                           w.device) if n else None
+    for r0 in range(0, n, chunk):
+        sl = slice(r0, min(n, r0 + chunk))
+        z = chunk_logits(rows[sl], w, bias, buffers.logits)
+        store.backward(z=z, index=None, t0=r0, keep=carries[sl], labels=labels[sl],
+                       stats=row_stats[:, sl].contiguous(), entropy=entropy[sl],
+                       g=None if grad_logp is None else grad_logp[sl],
+                       ge=None if grad_entropy is None else grad_entropy[sl], temperature=temperature,
+                       softcap=softcap, db=db, gemms=(rows, w, dh, dw))
+    if store is not None:
+        store.flush(rows, w, dh, dw)
+    if dw is not None and (store is None or store.flushes == 0):
+        dw.zero_()
+    return [dh, dw, db]
 
 
 def _slice_buffers(count: int, acc: torch.dtype, operand: torch.dtype, device: torch.device) -> Tuple[Tensor, Tensor]:
@@ -289,11 +295,10 @@ def _vocab_sliced_backward(rows: Tensor, weight: Tensor, operand: torch.dtype, b
     rows zeroed for ``dW`` (garbage such as NaN padding cannot reach it). No host read."""
     n, vocab = rows.shape[0], weight.shape[0]
     acc = compute_dtype(operand)
-    separate = operand != acc
     r_rows, s_cols = configs.vocab_slice_sizes(n, vocab, operand, memory_budget)
     dh = torch.empty(rows.shape, device=rows.device, dtype=acc) if need[0] else None
     dw = torch.empty(weight.shape, device=weight.device, dtype=acc) if need[1] else None
-    db = torch.empty(vocab, device=weight.device, dtype=acc) if need[2] else None
+    db = torch.zeros(vocab, device=weight.device, dtype=acc) if need[2] else None
     if n == 0 or vocab == 0:
         return [None if t is None else t.zero_() for t in (dh, dw, db)]
     kept = torch.where(carries[:, None], rows, torch.zeros((), device=rows.device, dtype=rows.dtype)) if need[1] \
@@ -309,21 +314,9 @@ def _vocab_sliced_backward(rows: Tensor, weight: Tensor, operand: torch.dtype, b
             z = chunk_logits(rows[r0:r1], w, b, logits_buf[: count * width].view(count, width))
             dz = dz_buf[: count * width].view(count, width)
             stats = row_stats if count == n else row_stats[:, r0:r1].contiguous()
-            args = dict(temperature=temperature, softcap=softcap, vocab_window=(v0, vocab))
-            g = None if grad_logp is None else grad_logp[r0:r1]
-            ge = None if grad_entropy is None else grad_entropy[r0:r1]
-            if db is not None or not separate:  # dZ in fp32 first (the bias gradient sums it), then one rounding
-                logprobs_backward(z, labels[r0:r1], stats, entropy[r0:r1], g, ge, inplace=True, **args)
-                if db is not None:
-                    column_sums = z.sum(0, dtype=acc)
-                    if r0 == 0:
-                        db[v0:v1] = column_sums
-                    else:
-                        db[v0:v1] += column_sums
-                if separate:
-                    dz.copy_(z)
-            else:
-                logprobs_backward(z, labels[r0:r1], stats, entropy[r0:r1], g, ge, out=dz, **args)
+            form_dz(z, dz, labels[r0:r1], stats, entropy[r0:r1], None if grad_logp is None else grad_logp[r0:r1],
+                    None if grad_entropy is None else grad_entropy[r0:r1], None if db is None else db[v0:v1],
+                    temperature=temperature, softcap=softcap, vocab_window=(v0, vocab))
             if dh is not None:
                 accumulate_dw(dh[r0:r1], dz.t(), w, first=v0 == 0)  # dH[rows] (+)= dZ @ W[slice]
             if dw is not None:
@@ -469,6 +462,24 @@ class _RowPlan:
                                         torch.full((), 2, dtype=torch.int8, device=batch.mask.device))
 
 
+def form_dz(z: Tensor, dz: Tensor, labels: Tensor, stats: Tensor, entropy: Tensor, g: Optional[Tensor],
+            ge: Optional[Tensor], db: Optional[Tensor], *, temperature: float, softcap: Optional[float],
+            vocab_window: Optional[Tuple[int, int]] = None) -> None:
+    """``dZ`` of the logits ``z`` into ``dz`` (the operand dtype; ``z`` itself for fp32 / fp64 operands), adding
+    its column sums to ``db`` when given: then ``dZ`` is formed in fp32 over ``z`` first (the bias gradient sums
+    it) and rounded once into ``dz``; else the kernel writes ``dz`` directly."""
+    if db is not None or dz.data_ptr() == z.data_ptr():
+        logprobs_backward(z, labels, stats, entropy, g, ge, temperature=temperature, inplace=True, softcap=softcap,
+                          vocab_window=vocab_window)
+        if db is not None:
+            db.add_(z.sum(0, dtype=db.dtype))
+        if dz.data_ptr() != z.data_ptr():
+            dz.copy_(z)
+    else:
+        logprobs_backward(z, labels, stats, entropy, g, ge, temperature=temperature, out=dz, softcap=softcap,
+                          vocab_window=vocab_window)
+
+
 class _GradientStore:
     """``dZ`` rows (operand dtype) waiting for the ``dH`` / ``dW`` GEMMs, with the token index of each; flushed
     when full and at the end, so that the fp32 ``dW`` accumulator is read and written once per store.
@@ -495,15 +506,7 @@ class _GradientStore:
         if self.used + n > self.rows:
             self.flush(*gemms)
         dz = self.add(n, index, t0, keep)
-        if db is not None or not self.separate:  # dZ in fp32 first (the bias gradient sums it), then one rounding
-            logprobs_backward(z, labels, stats, entropy, g, ge, temperature=temperature, inplace=True,
-                              softcap=softcap)
-            if db is not None:
-                db.add_(z.sum(0, dtype=db.dtype))
-            if dz.data_ptr() != z.data_ptr():
-                dz.copy_(z)
-        else:
-            logprobs_backward(z, labels, stats, entropy, g, ge, temperature=temperature, out=dz, softcap=softcap)
+        form_dz(z, dz, labels, stats, entropy, g, ge, db, temperature=temperature, softcap=softcap)
         if not self.separate:
             self.flush(*gemms)
 
