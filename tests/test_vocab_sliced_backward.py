@@ -6,8 +6,6 @@ holds is counted by benchmarks/memory_trace.py against bytes worked out by hand.
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 

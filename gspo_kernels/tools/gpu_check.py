@@ -631,8 +631,9 @@ def workload(device: str = "cuda", vocab_size: int = 4099, linear_vocab_size: in
         logp, entropy = gk.linear_logprobs(hidden, weight, y, bias=bias, return_entropy=True, backend="triton")
         torch.autograd.grad((logp + entropy).sum(), (hidden, weight, bias))
         # the two-pass backward's other forms: over several vocabulary slices (a ragged last one), and over rows
-        # (more rows than a quarter of the vocabulary)
-        for rows, vocab, budget in ((37, 5000, 37 * 2048 * 6), (300, linear_vocab_size, None)):
+        # (more rows than a quarter of the vocabulary: configs.vocab_sliced)
+        row_form = linear_vocab_size // 4 + 8
+        for rows, vocab, budget in ((37, 5000, 37 * 2048 * 6), (row_form, linear_vocab_size, None)):
             h = torch.randn(rows, 64, device=device, dtype=dtype, requires_grad=True)
             w = (torch.randn(vocab, 64, device=device) * 0.1).to(dtype).requires_grad_(True)
             lab = torch.randint(0, vocab, (rows,), device=device)
