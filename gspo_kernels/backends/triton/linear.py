@@ -437,7 +437,6 @@ class _RowPlan:
 
     def __init__(self, inputs, config, chunk_rows: int):
         batch, host = inputs.batch, inputs.host
-        self.known = host is not None
         if host is None:
             S, T = batch.token_shape  # padded (the caller checked): the boundaries need no read
             cu = [i * T for i in range(S + 1)]
