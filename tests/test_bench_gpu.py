@@ -41,6 +41,7 @@ def test_tiny_smoke_run_covers_every_in_process_case(tmp_path):
     must_run = [
         ("hidden", "ceiling: cuBLAS bf16 GEMM n^3"),
         ("hidden", "ceiling: cuBLAS hidden @ weight.T at the shape"),
+        ("hidden", "ceiling: chunk GEMM by rows, H=32"),
         ("hidden", "plain PyTorch, all rows"),
         ("hidden", "ours fused_linear_gspo_loss, all rows"),
         ("hidden", "plain PyTorch, half zero advantage"),
@@ -50,6 +51,8 @@ def test_tiny_smoke_run_covers_every_in_process_case(tmp_path):
         ("logits", "ours gspo_loss, V=256"), ("logits", "plain PyTorch, V=256"),
         ("logits", "ours gspo_loss, V=200"), ("logits", "plain PyTorch, V=200"),
     ]
+    sweep = rows[("hidden", "ceiling: chunk GEMM by rows, H=32")]
+    assert sorted(int(m) for m in sweep["sweep"]) == [8, 16, 24, 32] and all(t > 0 for t in sweep["sweep"].values())
     torch_cases = [k for k in rows if k[0] == "torch-backend"]
     assert len(torch_cases) == 4
     for key in must_run + torch_cases:
@@ -173,3 +176,21 @@ def test_profiled_busy_merges_device_intervals_and_times_the_first_op():
     assert first == pytest.approx((400 - 100) / 1e3)
     assert bench_gpu.profiled_busy(events)[1] is None
     assert bench_gpu.profiled_busy(events[:1], "gspo_bench_step") == (0.0, None)
+
+
+def test_chunk_gemm_sweep_times_the_librarys_own_chunk_rows_and_multiples_of_128():
+    """The sweep's rows at the bench's and the TRL client's shapes hold the row counts the library's chunk rules give
+    there (the no-grad pass's 1 GiB, the sliced route's 256 MiB forward) beside multiples of 128, and none above N."""
+    import torch
+
+    from gspo_kernels.backends.triton import configs
+
+    for N in (16384, 8192):
+        rows = bench_gpu.chunk_gemm_rows(N, 151936, torch.bfloat16, tiny=False)
+        own = {configs.gemm_chunk_rows(N, 151936, torch.bfloat16, b, need_dz=False)
+               for b in (None, configs.VOCAB_SLICE_BUDGET)}
+        assert own == {1760, 432} and own <= set(rows)
+        assert {384, 512, 1536, 1664, 1792} <= set(rows) and rows == sorted(rows)
+    assert bench_gpu.chunk_gemm_rows(20, 256, torch.float32, tiny=True) == [8, 16, 20]
+    assert bench_gpu.chunk_gemm_hidden_sizes(4096, tiny=False) == (4096, 2048)
+    assert bench_gpu.chunk_gemm_hidden_sizes(2048, tiny=False) == (2048,)

@@ -468,6 +468,9 @@ def section_hidden(ctx: _Ctx) -> None:
                     note=f"hidden @ weight.T, bf16 out; x3 (the three GEMMs of 6NHV): {3 * r['ms']:.1f} ms{limit}")
 
     _run_case(ctx, "hidden", "ceiling: cuBLAS hidden @ weight.T at the shape", gemm_shape)
+    for h_size in chunk_gemm_hidden_sizes(H, tiny=ctx.tiny):
+        _run_case(ctx, "hidden", f"ceiling: chunk GEMM by rows, H={h_size}",
+                  lambda h_size=h_size: chunk_gemm_sweep(ctx, N, h_size, V, dtype, peak_tflops))
 
     def plain_step(adv):
         def step():
@@ -531,6 +534,51 @@ def section_hidden(ctx: _Ctx) -> None:
 
     _hidden_peers(ctx, hidden=hidden, weight=weight, labels=labels, mask=mask, old=old, adv_all=adv_all,
                   zero_grads=zero_grads, with_rate=with_rate)
+
+
+# The chunk GEMM (``linear.chunk_logits``: ``hidden[:m] @ weight.T`` written as fp32 into the chunk buffer) at the
+# row counts the library's chunk rules give and their neighbours that are multiples of 128: whether a row count
+# that is not a multiple of cuBLAS's tile costs its padding (the sliced route's forward runs 432-row GEMMs at the
+# TRL client's shape, the no-grad pass 1760-row ones). H = 2048 is the TRL client's hidden size.
+CHUNK_GEMM_ROWS = (384, 512, 1024, 1536, 1664, 1792)
+CHUNK_GEMM_TINY_ROWS = (8, 16, 24, 32)
+
+
+def chunk_gemm_hidden_sizes(H: int, tiny: bool) -> Tuple[int, ...]:
+    return (H,) if tiny else tuple(dict.fromkeys((H, 2048)))
+
+
+def chunk_gemm_rows(N: int, V: int, dtype, tiny: bool) -> List[int]:
+    """The sweep's row counts: the library's own chunk rows at ``(N, V)`` (the no-grad pass, the vocabulary-sliced
+    route's forward) and :data:`CHUNK_GEMM_ROWS`, at most ``N``."""
+    from gspo_kernels.backends.triton import configs
+
+    own = [configs.gemm_chunk_rows(N, V, dtype, budget, need_dz=False)
+           for budget in (None, configs.VOCAB_SLICE_BUDGET)]
+    fixed = CHUNK_GEMM_TINY_ROWS if tiny else CHUNK_GEMM_ROWS
+    return sorted({m for m in (*own, *fixed) if 0 < m <= N})
+
+
+def chunk_gemm_sweep(ctx: _Ctx, N: int, H: int, V: int, dtype, peak_tflops: Optional[float]) -> Dict:
+    """TFLOP/s of the library's chunk GEMM for each row count of :func:`chunk_gemm_rows` (one row of the table;
+    ``sweep``: rows -> TFLOP/s, ``ms`` the largest count's)."""
+    from gspo_kernels.backends.triton.linear import chunk_logits
+
+    torch, dev = ctx.torch, ctx.device
+    rows = chunk_gemm_rows(N, V, dtype, ctx.tiny)
+    gen = torch.Generator(device=dev).manual_seed(1)
+    h = (torch.randn(max(rows), H, generator=gen, device=dev) * 0.5).to(dtype)
+    w = (torch.randn(V, H, generator=gen, device=dev) * H**-0.5).to(dtype)
+    out = torch.empty(max(rows), V, device=dev, dtype=torch.float32)
+    sweep, last = {}, None
+    for m in rows:
+        last = time_steps(ctx, lambda m=m: chunk_logits(h[:m], w, None, out), warmup=2, reps=5)
+        sweep[m] = 2.0 * m * H * V / (last["ms"] * 1e-3) / 1e12
+    best = max(sweep.values())
+    note = ", ".join(f"{m}: {t:.0f}" for m, t in sweep.items())
+    return dict(last, tflops=sweep[max(rows)], sweep=sweep, H=H,
+                of_gemm_ceiling=sweep[max(rows)] / peak_tflops if peak_tflops else None,
+                note=f"TFLOP/s by rows (fp32 out, V = {V}): {note}; best {best:.0f}")
 
 
 def _hidden_peers(ctx: _Ctx, *, hidden, weight, labels, mask, old, adv_all, zero_grads, with_rate) -> None:
