@@ -6,6 +6,9 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 PEERS ?= trl==1.16.0 liger-kernel==0.8.5 cut-cross-entropy==25.1.1
+# make test's worker processes (pytest-xdist; a test file stays in one worker): the interpreted Triton kernels
+# run on one core each, so two workers use both cores of the development machine.
+TEST_WORKERS ?= 2
 VERL_SPEC ?= verl==0.9.1
 VERL_IMPORTS ?= ray omegaconf tensordict orjson codetiming hydra-core
 
@@ -15,7 +18,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
 	$(PY) -m pip install -q "$(TORCH_SPEC)" numpy
-	$(PY) -m pip install -q triton transformers pytest pytest-benchmark ruff matplotlib tqdm build
+	$(PY) -m pip install -q triton transformers pytest pytest-benchmark pytest-xdist ruff matplotlib tqdm build
 	# Test peers: a failed install fails the build (their parity tests must run, never skip).
 	$(PY) -m pip install -q $(PEERS)
 	# verl pins transformers/tensordict ranges it does not need on the CPU: installed without its
@@ -39,7 +42,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/gspo-kernels build-ext
-	GSPO_KERNELS_REQUIRE_EXT=1 $(PY) -m pytest tests -q -ra
+	GSPO_KERNELS_REQUIRE_EXT=1 $(PY) -m pytest tests -q -ra -n $(TEST_WORKERS) --dist loadfile
 
 bench: $(STAMP)
 	$(VENV)/bin/gspo-kernels build-ext
