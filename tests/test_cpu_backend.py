@@ -161,6 +161,54 @@ def test_out_of_place_gradient_reuses_its_memory_only_when_free():
     cpu_backend.release_buffers()
 
 
+def test_saved_logits_reuse_their_memory_only_when_free_and_are_fully_rewritten():
+    """The hidden-state forward's saved logits (>= 4 MiB) go into the previous forward's buffer once nothing holds
+    it (no fresh pages per step), never while a graph still holds it, and a step that reuses the buffer of another
+    step's inputs gets the same bits as one that keeps nothing (``memory_budget=0``, recomputed logits: the
+    documented "same bits whatever the budget"), with inactive rows whose entries the new forward does not write."""
+    N, H, V = 64, 16, 16384  # N * V fp32: 4 MiB
+    gen = torch.Generator().manual_seed(3)
+
+    def problem():
+        return (torch.randn(N, H, generator=gen), torch.randn(V, H, generator=gen) * 0.3,
+                torch.randint(0, V, (N,), generator=gen), torch.rand(N, generator=gen) > 0.3)
+
+    def fwd(hidden, weight, labels, active=None):
+        row_block, gemm_rows, vocab_block = cpu_backend.blocks(N, H, V, False)
+        return torch.ops.gspo_kernels.linear_fwd(hidden, weight, None, labels, active, 1.0, True, row_block,
+                                                 gemm_rows, vocab_block, V)[3]
+
+    def step(hidden, weight, labels, active, budget):
+        h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        logp, ent = cpu_backend.linear_logprobs(h, w, None, labels, active=active, return_entropy=True,
+                                                memory_budget=budget)
+        g = torch.where(active, torch.randn(N, generator=torch.Generator().manual_seed(5)), 0.0)
+        dh, dw = torch.autograd.grad((g * logp.nan_to_num() + 0.1 * ent).sum(), (h, w))
+        return logp, ent, dh, dw
+
+    cpu_backend.release_buffers()
+    hidden, weight, labels, active = problem()
+    first = fwd(hidden, weight, labels)
+    kept = first.clone()
+    second = fwd(hidden * 2, weight, labels)  # the first is held: fresh memory, the first untouched
+    assert second.data_ptr() != first.data_ptr() and torch.equal(first, kept)
+    ptr = second.data_ptr()
+    del first, second
+    third = fwd(hidden, weight, labels)  # the kept (second) buffer is free: reused, rewritten
+    assert third.data_ptr() == ptr and torch.equal(third, kept)
+    fourth = fwd(hidden, weight, labels)  # the third is held: fresh again
+    assert fourth.data_ptr() != third.data_ptr()
+    del third, fourth
+
+    step(*problem(), None)  # a whole step of other inputs leaves its saved logits in the kept buffer
+    inputs = problem()
+    reused = step(*inputs, None)
+    recomputed = step(*inputs, 0)
+    for a, b in zip(reused, recomputed):
+        assert torch.equal(a.nan_to_num(), b.nan_to_num())
+    cpu_backend.release_buffers()
+
+
 @pytest.mark.parametrize("inplace", [False, True], ids=["out_of_place", "inplace"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_shifted_logits_op_level_softcap_entropy_and_leaf_base(inplace, dtype):

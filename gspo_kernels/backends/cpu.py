@@ -265,14 +265,15 @@ def logits_logprobs(
 
 
 def release_buffers() -> None:
-    """Free the memory of the logits path's out-of-place gradient that the backend keeps between backward calls.
+    """Free the buffers the backend keeps between calls: the logits path's out-of-place gradient and the
+    hidden-state path's saved logits (each reused by the next call once nothing holds it, like the gradient below).
 
     The backward of :func:`logits_logprobs` (``inplace_backward=False``) writes each gradient into the storage of
     the previous one once nothing else holds it (fresh memory on every step cost page faults, zero-filling and,
     in a VM that reports free pages to its host, host faults: steps of the same inputs varied up to 4x; see
     ``docs/cpu_backends.md``). That keeps one gradient-sized buffer (``[B, T, V]`` or ``[B, T + 1, V]`` in the
-    logits' dtype) allocated between steps; this frees it. ``GSPO_KERNELS_CPU_KEEP_GRADIENT=0`` in the
-    environment (read once per process) never keeps it.
+    logits' dtype) allocated between steps, and one saved-logits buffer (up to ``memory_budget`` bytes); this frees
+    them. ``GSPO_KERNELS_CPU_KEEP_GRADIENT=0`` in the environment (read once per process) never keeps either.
     """
     _load_extension()
     torch.ops.gspo_kernels.release_buffers()

@@ -62,6 +62,9 @@
 #include "gspo_cpu.h"
 
 namespace gspo {
+// The saved logits' buffer, kept from one step to the next (defined in logits_logprobs.cpp).
+at::Tensor saved_logits_buffer(int64_t numel, const at::TensorOptions& opts);
+
 namespace {
 
 void check_linear_inputs(const at::Tensor& hidden, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
@@ -467,8 +470,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_fwd(const at::
   const int64_t VB = std::min(std::max<int64_t>(vocab_block, 1), V);
   TORCH_CHECK(save_cols >= 0 && save_cols <= V && (save_cols % VB == 0 || save_cols == V),
               "save_cols must be a multiple of vocab_block in [0, V], or V; got ", save_cols);
-  at::Tensor saved = at::empty({N * save_cols}, f32);
-  advise_huge_pages(saved.data_ptr(), saved.nbytes());
+  at::Tensor saved = saved_logits_buffer(N * save_cols, f32);  // kept from step to step (logits_logprobs.cpp)
   float* saved_p = save_cols > 0 ? saved.data_ptr<float>() : nullptr;
 
   const bool all_rows = !active.has_value();

@@ -80,17 +80,24 @@ void zero_extra_position(at::Tensor& out) {
 // writes the next gradient into it when nothing else holds it any more (the caller dropped the previous
 // gradient, e.g. zero_grad(set_to_none=True) or the LM head's backward consumed it) and it is large enough
 // (and at most twice the size needed); otherwise it allocates a fresh one, which becomes the kept one.
-// Every element of the gradient is written, so the old contents never show. Memory: one gradient buffer stays
-// allocated between steps (released by release_buffers(), never kept with GSPO_KERNELS_CPU_KEEP_GRADIENT=0).
+// Every element of the gradient is written, so the old contents never show. The hidden-state path's saved
+// logits (linear_fwd, read by linear_bwd) are kept the same way in a slot of their own: the forward writes every
+// entry the backward reads. Memory: one buffer of each kind stays allocated between steps (released by
+// release_buffers(), never kept with GSPO_KERNELS_CPU_KEEP_GRADIENT=0).
 constexpr size_t kKeepMinBytes = size_t(4) << 20;  // smaller buffers come from malloc's heap anyway
 
-struct KeptGradient {
+struct KeptStorage {
   std::mutex mu;
   c10::Storage storage;
 };
 
-KeptGradient& kept_gradient() {
-  static KeptGradient kept;
+KeptStorage& kept_gradient() {
+  static KeptStorage kept;
+  return kept;
+}
+
+KeptStorage& kept_saved_logits() {
+  static KeptStorage kept;
   return kept;
 }
 
@@ -102,31 +109,39 @@ bool keep_gradient_enabled() {
   return enabled;
 }
 
-// A contiguous tensor shaped like `like`, on the kept storage when it is free and fits, else fresh.
-at::Tensor gradient_buffer(const at::Tensor& like) {
-  const auto opts = like.options().memory_format(at::MemoryFormat::Contiguous);
-  const size_t bytes = static_cast<size_t>(like.numel()) * like.element_size();
-  if (bytes < kKeepMinBytes || !keep_gradient_enabled()) return at::empty(like.sizes(), opts);
-  KeptGradient& kept = kept_gradient();
-  std::lock_guard<std::mutex> lock(kept.mu);
-  if (kept.storage && kept.storage.use_count() == 1 && kept.storage.nbytes() >= bytes &&
-      kept.storage.nbytes() / 2 <= bytes) {
-    std::vector<int64_t> strides(like.dim(), 1);
-    for (int64_t d = like.dim() - 2; d >= 0; --d) strides[d] = strides[d + 1] * std::max<int64_t>(like.size(d + 1), 1);
+// A contiguous tensor of `sizes`, on `slot`'s storage when nothing else holds it and it fits (at most twice the
+// bytes needed), else fresh (then kept in `slot`).
+at::Tensor kept_buffer(KeptStorage& slot, at::IntArrayRef sizes, const at::TensorOptions& opts) {
+  int64_t numel = 1;
+  for (const int64_t d : sizes) numel *= d;
+  const size_t bytes = static_cast<size_t>(numel) * opts.dtype().itemsize();
+  if (bytes < kKeepMinBytes || !keep_gradient_enabled()) return at::empty(sizes, opts);
+  std::lock_guard<std::mutex> lock(slot.mu);
+  if (slot.storage && slot.storage.use_count() == 1 && slot.storage.nbytes() >= bytes &&
+      slot.storage.nbytes() / 2 <= bytes) {
+    std::vector<int64_t> strides(sizes.size(), 1);
+    for (int64_t d = static_cast<int64_t>(sizes.size()) - 2; d >= 0; --d)
+      strides[d] = strides[d + 1] * std::max<int64_t>(sizes[d + 1], 1);
     at::Tensor out = at::empty({0}, opts);
-    out.set_(kept.storage, 0, like.sizes(), strides);
+    out.set_(slot.storage, 0, sizes, strides);
     return out;
   }
-  at::Tensor out = at::empty(like.sizes(), opts);
+  at::Tensor out = at::empty(sizes, opts);
   advise_huge_pages(out.data_ptr(), out.nbytes());
-  kept.storage = out.storage();  // the previous one is freed once its holder drops it
+  slot.storage = out.storage();  // the previous one is freed once its holder drops it
   return out;
 }
 
+// A contiguous tensor shaped like `like`, on the kept storage when it is free and fits, else fresh.
+at::Tensor gradient_buffer(const at::Tensor& like) {
+  return kept_buffer(kept_gradient(), like.sizes(), like.options().memory_format(at::MemoryFormat::Contiguous));
+}
+
 void release_buffers() {
-  KeptGradient& kept = kept_gradient();
-  std::lock_guard<std::mutex> lock(kept.mu);
-  kept.storage = c10::Storage();
+  for (KeptStorage* slot : {&kept_gradient(), &kept_saved_logits()}) {
+    std::lock_guard<std::mutex> lock(slot->mu);
+    slot->storage = c10::Storage();
+  }
 }
 
 void check_logits_inputs(const at::Tensor& logits, const at::Tensor& labels, const c10::optional<at::Tensor>& active) {
@@ -305,6 +320,11 @@ void logits_bwd_(at::Tensor& input, const at::Tensor& grad_logp, const c10::opti
 }
 
 }  // namespace
+
+// The hidden-state forward's saved logits ([numel] fp32), on their kept storage when it is free (see above).
+at::Tensor saved_logits_buffer(int64_t numel, const at::TensorOptions& opts) {
+  return kept_buffer(kept_saved_logits(), {numel}, opts);
+}
 }  // namespace gspo
 
 TORCH_LIBRARY_IMPL(gspo_kernels, CPU, m) {
