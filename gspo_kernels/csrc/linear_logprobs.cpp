@@ -172,11 +172,23 @@ struct RowBlocks {
 // used here. The entry point (at::native::mkldnn_matmul, exported by libtorch_cpu but not in the
 // installed headers) is looked up at run time, so a torch build without it falls back to at::mm.
 // GSPO_KERNELS_CPU_GEMM=aten forces at::mm (read on every call: tests compare both).
+// That entry point refuses fp32 operands (a RuntimeError, "bf16 path needs the cpu support ...") on a CPU
+// without AVX-512 BW/VL/DQ, e.g. an AVX2-only x86 machine: there at::mm runs, which takes the same
+// AVX2 path oneDNN would have had.
 using DnnlMatmul = void (*)(const at::Tensor&, const at::Tensor&, const at::Tensor&, float, float);
+
+bool dnnl_takes_fp32() {
+#if defined(__x86_64__) || defined(_M_X64)
+  return __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+         __builtin_cpu_supports("avx512dq");
+#else
+  return false;  // the Arm builds' oneDNN route is not measured here: at::mm
+#endif
+}
 
 DnnlMatmul dnnl_matmul() {
   static const DnnlMatmul fn = []() -> DnnlMatmul {
-    if (!at::hasMKLDNN()) return nullptr;
+    if (!at::hasMKLDNN() || !dnnl_takes_fp32()) return nullptr;
     void* lib = dlopen("libtorch_cpu.so", RTLD_LAZY | RTLD_NOLOAD);
     if (lib == nullptr) return nullptr;
     return reinterpret_cast<DnnlMatmul>(dlsym(lib, "_ZN2at6native13mkldnn_matmulERKNS_6TensorES3_S3_ff"));
