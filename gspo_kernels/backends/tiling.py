@@ -45,8 +45,8 @@ def next_token_base(logits: Tensor) -> Optional[Tensor]:
     """The ``[B, T + 1, V]`` tensor ``base`` when ``logits`` is exactly ``base[:, :-1]`` in autograd's eyes.
 
     True when ``logits`` requires grad, is a 3-D view of a 3-D ``base`` with the same strides and start, and
-    was produced from ``base`` by one slice (its ``grad_fn`` is a ``SliceBackward0`` whose input is
-    ``base``'s own node). A backend (triton, cpu) then takes ``base`` as its input and writes the gradient for all
+    was produced from ``base`` by slicing (its ``grad_fn`` is a ``SliceBackward0`` whose input is ``base``'s own
+    node, through at most one more slice per dimension: torch 2.8 records ``x[:, :-1]``'s ``:`` as a slice). A backend (triton, cpu) then takes ``base`` as its input and writes the gradient for all
     ``T + 1`` positions (zeros at the last), so autograd's ``slice_backward`` does not allocate a second
     ``[B, T + 1, V]`` buffer. Returns None in every other case (the view is then used as it is).
     """
@@ -61,6 +61,12 @@ def next_token_base(logits: Tensor) -> Optional[Tensor]:
     if node is None or type(node).__name__ != "SliceBackward0" or not node.next_functions:
         return None
     parent = node.next_functions[0][0]
+    # torch < 2.9 records the no-op ``:`` of ``x[:, :-1]`` as a slice of its own (dim 0, the whole extent):
+    # a chain of slices from ``base`` is still a view of ``base`` with the geometry checked above
+    for _ in range(base.dim()):
+        if parent is None or type(parent).__name__ != "SliceBackward0" or not parent.next_functions:
+            break
+        parent = parent.next_functions[0][0]
     if base.grad_fn is not None:
         return base if parent is base.grad_fn else None
     return base if getattr(parent, "variable", None) is base else None
