@@ -12,7 +12,19 @@ TEST_WORKERS ?= 2
 VERL_SPEC ?= verl==0.9.1
 VERL_IMPORTS ?= ray omegaconf tensordict orjson codetiming hydra-core
 
-.PHONY: demo test bench lint clean install
+# The tested floor (gspo_kernels/versions.py): torch 2.8 and the triton it pins (3.4), in their own virtual
+# environment. numpy < 2.4 there: the Triton interpreter of triton 3.4 - 3.6 predates numpy 2.4 (with it, every
+# interpreted kernel fails on a 1-element array converted to a Python scalar). make test-compat runs the
+# kernel, conformance and trainer test files there.
+FLOOR_VENV ?= .venv-floor
+FLOOR_PY := $(FLOOR_VENV)/bin/python
+FLOOR_STAMP := $(FLOOR_VENV)/.installed
+FLOOR_SPEC ?= torch==2.8.0 numpy==2.2.6 transformers==5.24.0
+COMPAT_TESTS ?= tests/test_versions.py tests/test_triton_logits.py tests/test_triton_linear.py tests/test_softcap.py \
+	tests/test_vocab_sliced_backward.py tests/test_cpu_backend.py tests/test_torch_backend.py \
+	tests/test_conformance.py tests/test_objectives.py tests/test_hf_trainer.py tests/test_toy_trainer.py
+
+.PHONY: demo test test-compat bench lint clean install
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +56,23 @@ test: $(STAMP)
 	$(VENV)/bin/gspo-kernels build-ext
 	GSPO_KERNELS_REQUIRE_EXT=1 $(PY) -m pytest tests -q -ra -n $(TEST_WORKERS) --dist loadfile
 
+$(FLOOR_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(FLOOR_VENV)
+	$(FLOOR_PY) -m pip install -q --upgrade pip setuptools wheel
+	$(FLOOR_PY) -m pip install -q $(FLOOR_SPEC) pytest pytest-xdist ninja
+	$(FLOOR_PY) -m pip install -q --no-deps -e .
+	touch $(FLOOR_STAMP)
+
+# The floor's own test run: first that the environment holds the floor's versions (never a newer triton by
+# accident), then the kernel, conformance and trainer files.
+test-compat: $(FLOOR_STAMP)
+	$(FLOOR_PY) -c "import torch, triton; from gspo_kernels import versions as v; \
+	got = (v.parse(torch.__version__)[:2], v.parse(triton.__version__)[:2]); \
+	assert got == (v.MIN_TORCH, v.MIN_TRITON), f'floor environment holds torch/triton {got}'; \
+	print('floor: torch', torch.__version__, 'triton', triton.__version__)"
+	$(FLOOR_VENV)/bin/gspo-kernels build-ext
+	GSPO_KERNELS_REQUIRE_EXT=1 $(FLOOR_PY) -m pytest $(COMPAT_TESTS) -q -ra -n $(TEST_WORKERS) --dist loadfile
+
 bench: $(STAMP)
 	$(VENV)/bin/gspo-kernels build-ext
 	$(VENV)/bin/gspo-kernels bench
@@ -52,4 +81,4 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check gspo_kernels tests benchmarks
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info gspo_kernels/backends/_C*.so
+	rm -rf $(VENV) $(FLOOR_VENV) build dist *.egg-info gspo_kernels/backends/_C*.so

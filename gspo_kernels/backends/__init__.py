@@ -50,7 +50,10 @@ leaves=None, logprobs_out=None)`` (optional)
 CPU -> cpu (the C++ kernels, compiled on first use: :mod:`gspo_kernels.backends.cpu_build`), torch. It logs
 the backend it picked once per (device, name). When the C++ kernels cannot be built (no compiler, ...), the
 ``cpu`` backend is unavailable with one ``RuntimeWarning`` and :func:`unavailable_reason` says why; with
-``GSPO_KERNELS_REQUIRE_EXT=1`` in the environment that is a ``RuntimeError`` instead.
+``GSPO_KERNELS_REQUIRE_EXT=1`` in the environment that is a ``RuntimeError`` instead. Likewise a triton
+older than the tested floor (:mod:`gspo_kernels.versions`) makes the ``triton`` backend unavailable with one
+``RuntimeWarning`` naming the installed and the required version (``"auto"`` then runs ``torch`` on CUDA
+tensors), and ``backend="triton"`` raises a ``RuntimeError`` that says the same; no kernel is ever built on it.
 """
 
 from __future__ import annotations
@@ -62,6 +65,8 @@ import warnings
 from typing import Callable, Dict, Optional
 
 import torch
+
+from gspo_kernels.versions import UnsupportedVersion
 
 logger = logging.getLogger("gspo_kernels")
 
@@ -123,6 +128,14 @@ def load(name: str) -> Optional[Backend]:
                 warnings.warn(
                     f"gspo_kernels: backend 'cpu' (the C++ CPU kernels) is unavailable, so backend='auto' runs "
                     f"'torch' on CPU tensors: {_errors[name]}",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+            elif name == "triton" and isinstance(exc, UnsupportedVersion):
+                # an absent triton (CPU-only installs) is normal and silent; one too old is said once
+                warnings.warn(
+                    f"gspo_kernels: backend 'triton' is unavailable, so backend='auto' runs 'torch' on CUDA "
+                    f"tensors: {exc}",
                     RuntimeWarning,
                     stacklevel=2,
                 )

@@ -41,9 +41,19 @@ def version_report() -> str:
     return "\n".join([
         f"gspo-kernels {gspo_kernels.__version__}",
         f"torch {torch.__version__}",  # with its build tag (+cpu, +cu130), which the distribution's version lacks
-        f"triton {installed('triton')}",
+        f"triton {triton_line(installed('triton'))}",
         f"C++ CPU kernels: {cpu_build.status()}",
     ])
+
+
+def triton_line(version: str) -> str:
+    """The installed triton's version, with why the Triton backend refuses it when it is older than the floor."""
+    from gspo_kernels.versions import triton_problem
+
+    if version == "not installed":
+        return version
+    problem = triton_problem(version)
+    return version if problem is None else f"{version} (the Triton backend is unavailable: {problem})"
 
 
 class _VersionAction(argparse.Action):

@@ -485,6 +485,12 @@ def run(args: argparse.Namespace) -> int:
         return _run_in_subprocess(args)
     import triton
 
+    from gspo_kernels.versions import triton_problem
+
+    problem = triton_problem(triton.__version__)
+    if problem is not None:  # the kernels are not built on a triton older than the floor
+        print(f"gspo-kernels h100-report: {problem}", file=sys.stderr)
+        return 2
     print(f"Static report for GPUTarget{TARGET} (H100, sm_90a); triton {triton.__version__}; no GPU needed")
     modules = args.modules.split(",") if getattr(args, "modules", None) else None
     rows = build_report(args.only, modules)

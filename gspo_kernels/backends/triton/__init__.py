@@ -38,7 +38,12 @@ def supports(device: torch.device) -> bool:
 
 
 def make_backend():
-    """The Triton backend; raises (reported by ``backends.load``) when triton cannot be imported."""
+    """The Triton backend; raises (reported by ``backends.load``) when triton cannot be imported, or is older
+    than the floor this package is tested on (:func:`gspo_kernels.versions.check_triton`), before any kernel
+    module is imported."""
+    from gspo_kernels.versions import check_triton
+
+    check_triton()
     from gspo_kernels.backends import Backend
     from gspo_kernels.backends.triton.linear import fused_linear_loss, linear_logprobs
     from gspo_kernels.backends.triton.logits import fused_logits_loss, logits_logprobs
