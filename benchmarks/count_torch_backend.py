@@ -36,7 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import gspo_kernels as gk
-from gspo_kernels.backends import pytorch as tb
+from gspo_kernels.backends.torch import linear as tb
 from gspo_kernels.tools.bench_gpu import gspo_formula
 
 BANDWIDTH = 4.2e12  # B/s, the H200's measured device-to-device copy rate

@@ -10,7 +10,7 @@ import torch
 
 import gspo_kernels as gk
 from gspo_kernels import reference
-from gspo_kernels.backends import pytorch as torch_backend
+from gspo_kernels.backends.torch import linear as torch_backend
 from tests.support import (
     RTOL,
     rel_err,

@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import gspo_kernels as gk
 from gspo_kernels import reference
 from gspo_kernels.backends import DEFAULT_MEMORY_BUDGET
-from gspo_kernels.backends import pytorch as torch_backend
+from gspo_kernels.backends.torch import linear as torch_backend
 
 # ops that wait for the device on CUDA (or sort there): none may run per chunk
 SYNCING = {"nonzero", "_local_scalar_dense", "item", "is_nonzero", "equal", "masked_select", "sort", "unique",

@@ -64,7 +64,7 @@ import os
 import warnings
 from typing import Callable, Dict, Optional
 
-import torch
+import torch as _torch  # not ``torch``: importing the subpackage backends/torch binds that name here
 
 from gspo_kernels.versions import UnsupportedVersion
 
@@ -73,7 +73,7 @@ logger = logging.getLogger("gspo_kernels")
 BACKENDS = ("torch", "triton", "cpu")
 DEFAULT_MEMORY_BUDGET = 1 << 30  # bytes; see the contract above
 _MODULES = {
-    "torch": "gspo_kernels.backends.pytorch",
+    "torch": "gspo_kernels.backends.torch",
     "triton": "gspo_kernels.backends.triton",
     "cpu": "gspo_kernels.backends.cpu",
 }
@@ -90,7 +90,7 @@ class Backend:
         logits_logprobs: Callable,
         linear_logprobs: Callable,
         objective: Optional[Callable] = None,
-        supports: Optional[Callable[[torch.device], bool]] = None,
+        supports: Optional[Callable[[_torch.device], bool]] = None,
         fused_linear_loss: Optional[Callable] = None,
         fused_logits_loss: Optional[Callable] = None,
     ) -> None:
@@ -102,7 +102,7 @@ class Backend:
         self.fused_logits_loss = fused_logits_loss
         self._supports = supports
 
-    def supports(self, device: torch.device) -> bool:
+    def supports(self, device: _torch.device) -> bool:
         return True if self._supports is None else bool(self._supports(device))
 
     def __repr__(self) -> str:
@@ -154,9 +154,9 @@ def unavailable_reason(name: str) -> Optional[str]:
     return _errors.get(name)
 
 
-def available(device: torch.device | str = "cpu") -> list:
+def available(device: _torch.device | str = "cpu") -> list:
     """Names of the backends that can run on ``device``."""
-    device = torch.device(device)
+    device = _torch.device(device)
     out = []
     for name in BACKENDS:
         backend = load(name)
@@ -165,7 +165,7 @@ def available(device: torch.device | str = "cpu") -> list:
     return out
 
 
-def resolve(name: str, device: torch.device) -> Backend:
+def resolve(name: str, device: _torch.device) -> Backend:
     """The backend ``name`` (or the fastest one for ``device`` when ``name == "auto"``)."""
     if name == "auto":
         for candidate in _AUTO_ORDER.get(device.type, ("torch",)):

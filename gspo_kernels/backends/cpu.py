@@ -210,7 +210,7 @@ def _fp64_fallback(what: str):
     if not _fp64_announced:
         _fp64_announced = True
         logger.info("gspo_kernels: backend 'cpu' runs fp64 %s through the 'torch' backend (fp64 math)", what)
-    from gspo_kernels.backends import pytorch as torch_backend
+    from gspo_kernels.backends import torch as torch_backend
 
     return torch_backend
 
