@@ -36,7 +36,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import gspo_kernels as gk
-from gspo_kernels.backends.torch import linear as tb
+from gspo_kernels.backends.torch import linear as tb_linear
+from gspo_kernels.backends.torch import logits as tb_logits
+from gspo_kernels.backends.torch import rows as tb_rows
 from gspo_kernels.tools.bench_gpu import gspo_formula
 
 BANDWIDTH = 4.2e12  # B/s, the H200's measured device-to-device copy rate
@@ -136,18 +138,26 @@ def kernel_ops(ops) -> List[tuple]:
 def cuda_route(half_softmax: bool, mm_fp32: bool, counter: OpCounter, budget: int):
     """The torch backend's CUDA route on CPU tensors: ``_accelerated`` True, the CUDA probes' answers set, host-side
     planning (``_row_plan``, ``_active_index``) left out of the counts and its ``_to_host`` calls counted."""
-    saved = dict(accelerated=tb._accelerated, to_host=tb._to_host, row_plan=tb._row_plan,
-                 active_index=tb._active_index, budget=tb.ACCELERATOR_BUDGET,
-                 half=dict(tb._half_softmax_ok), mm=dict(tb._mm_fp32_out_ok))
-    tb._accelerated = lambda device: True
-    tb.ACCELERATOR_BUDGET = budget
+    modules = (tb_rows, tb_logits, tb_linear)  # a name from rows.py is looked up in each module that calls it
+    saved = {(m, name): getattr(m, name) for m in modules for name in
+             ("_accelerated", "_to_host", "_row_plan", "_active_index", "ACCELERATOR_BUDGET") if hasattr(m, name)}
+    half, mm = dict(tb_rows._half_softmax_ok), dict(tb_linear._mm_fp32_out_ok)
+
+    def put(name, value):
+        for m in modules:
+            if hasattr(m, name):
+                setattr(m, name, value)
+
+    put("_accelerated", lambda device: True)
+    put("ACCELERATOR_BUDGET", budget)
     for dt in (torch.bfloat16, torch.float16):
-        tb._half_softmax_ok[("cpu", dt)] = half_softmax
-        tb._mm_fp32_out_ok[("cpu", dt)] = mm_fp32
+        tb_rows._half_softmax_ok[("cpu", dt)] = half_softmax
+        tb_linear._mm_fp32_out_ok[("cpu", dt)] = mm_fp32
+    original_to_host = tb_rows._to_host
 
     def to_host(mask):
         counter.host_reads += 1
-        return saved["to_host"](mask)
+        return original_to_host(mask)
 
     def paused(fn):
         def run(*a, **k):
@@ -158,16 +168,18 @@ def cuda_route(half_softmax: bool, mm_fp32: bool, counter: OpCounter, budget: in
                 counter.paused -= 1
         return run
 
-    tb._to_host, tb._row_plan, tb._active_index = to_host, paused(saved["row_plan"]), paused(saved["active_index"])
+    put("_to_host", to_host)
+    put("_row_plan", paused(tb_logits._row_plan))
+    put("_active_index", paused(tb_linear._active_index))
     try:
         yield
     finally:
-        tb._accelerated, tb._to_host, tb._row_plan = saved["accelerated"], saved["to_host"], saved["row_plan"]
-        tb._active_index, tb.ACCELERATOR_BUDGET = saved["active_index"], saved["budget"]
-        tb._half_softmax_ok.clear()
-        tb._half_softmax_ok.update(saved["half"])
-        tb._mm_fp32_out_ok.clear()
-        tb._mm_fp32_out_ok.update(saved["mm"])
+        for (m, name), value in saved.items():
+            setattr(m, name, value)
+        tb_rows._half_softmax_ok.clear()
+        tb_rows._half_softmax_ok.update(half)
+        tb_linear._mm_fp32_out_ok.clear()
+        tb_linear._mm_fp32_out_ok.update(mm)
 
 
 def summarize(counter: OpCounter, logits: int) -> Dict:
@@ -304,7 +316,7 @@ def main() -> None:
     # hidden path: bench shape N = 4096, H = 4096, V = 151936; 1 GiB / (2 tiles x V x 4 B) = 883 rows: 5 chunks
     n, h = 160, 96
     realN, realH = 4096, 4096
-    chunks = -(-realN // tb._linear_rows(realN, V, torch.float32, 2, None))
+    chunks = -(-realN // tb_linear._linear_rows(realN, V, torch.float32, 2, None))
     res = {}
     for ours in (True, False):
         s = count_hidden(2, n // 2, h, V, chunks, half, True, ours)

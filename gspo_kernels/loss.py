@@ -106,7 +106,7 @@ def linear_logprobs(
             for its chunk buffers (None: the backend's default; ``backend="cpu"``: 1 GiB of saved
             logits, 0 recomputes them; ``backend="torch"``: ignored on CPU tensors; on CUDA its chunk buffers,
             and the probabilities it keeps when they fit in the fp32 ``dW`` accumulator's bytes, see
-            ``backends/pytorch.py``'s ``linear_logprobs``). Results do not depend on it.
+            ``backends/torch/linear.py``'s ``linear_logprobs``). Results do not depend on it.
         batch_invariant: a row's log-prob, entropy and ``dH`` row are the same bits whatever the other rows
             of the batch, the row's position and ``memory_budget`` (``backend="triton"`` and ``"cpu"``; the
             price in speed is in ``docs/gpu.md`` and ``docs/cpu_backends.md``). ``backend="torch"`` refuses it.

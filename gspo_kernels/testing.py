@@ -31,10 +31,10 @@ def gradient_tolerance(dtype_name: str, path: str, *, backend: "str | None" = No
     if path == "logits" and backend == "torch" and device is not None and dtype_name in ("bf16", "fp16"):
         import torch
 
-        from gspo_kernels.backends.torch import linear as pytorch
+        from gspo_kernels.backends.torch.logits import logits_gradient_roundings
 
         dtype = torch.bfloat16 if dtype_name == "bf16" else torch.float16
-        roundings = pytorch.logits_gradient_roundings(torch.device(device), dtype)
+        roundings = logits_gradient_roundings(torch.device(device), dtype)
     return FP32_RTOL + roundings * UNIT_ROUNDOFF[dtype_name]
 
 

@@ -19,15 +19,25 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import gspo_kernels as gk
 from gspo_kernels import reference
 from gspo_kernels.backends import DEFAULT_MEMORY_BUDGET
-from gspo_kernels.backends.torch import linear as torch_backend
+from gspo_kernels.backends.torch import linear as torch_linear
+from gspo_kernels.backends.torch import logits as torch_logits
+from gspo_kernels.backends.torch import rows as torch_rows
 
 # ops that wait for the device on CUDA (or sort there): none may run per chunk
 SYNCING = {"nonzero", "_local_scalar_dense", "item", "is_nonzero", "equal", "masked_select", "sort", "unique",
            "_unique2", "nonzero_static", "_assert_async"}
 
 
-_ORIGINAL = dict(to_host=torch_backend._to_host, row_plan=torch_backend._row_plan,
-                 forward=torch_backend._LogitsLogprobs.forward, backward=torch_backend._LogitsLogprobs.backward)
+_ORIGINAL = dict(to_host=torch_rows._to_host, row_plan=torch_logits._row_plan,
+                 forward=torch_logits._LogitsLogprobs.forward, backward=torch_logits._LogitsLogprobs.backward)
+
+
+def patch(monkeypatch, name, value):
+    """``name = value`` in each module of the torch backend that binds it (a helper of ``rows.py`` is looked up
+    in the module that calls it)."""
+    for module in (torch_rows, torch_logits, torch_linear):
+        if hasattr(module, name):
+            monkeypatch.setattr(module, name, value)
 
 
 NOT_KERNELS = {"slice", "select", "view", "unsqueeze", "detach", "as_strided", "alias", "expand", "t", "split",
@@ -60,9 +70,9 @@ def count_call(monkeypatch, B=16, T=1024, V=64, rows_per_chunk=589, clipped=(), 
     """Forward + backward of ``gspo_loss`` on ``logits[:, :-1]`` of ``[B, T + 1, V]`` through the accelerator
     route, chunks of ``rows_per_chunk`` rows. Returns ``(ops, host_reads, chunks, grad)``: the aten ops the
     torch backend dispatched, ``_to_host`` calls, the forward's number of chunks, the logits' gradient."""
-    monkeypatch.setattr(torch_backend, "_accelerated", lambda device: True)
+    patch(monkeypatch, "_accelerated", lambda device: True)
     tiles = 3  # 2 scratch blocks + the active mask's block (no temperature, no cap)
-    monkeypatch.setattr(torch_backend, "ACCELERATOR_BUDGET", rows_per_chunk * tiles * V * 4)
+    patch(monkeypatch, "ACCELERATOR_BUDGET", rows_per_chunk * tiles * V * 4)
     counter = _Counter()
     reads, chunks = [], []
     to_host, row_plan = _ORIGINAL["to_host"], _ORIGINAL["row_plan"]
@@ -80,8 +90,8 @@ def count_call(monkeypatch, B=16, T=1024, V=64, rows_per_chunk=589, clipped=(), 
         chunks.append(len(plan))
         return plan
 
-    monkeypatch.setattr(torch_backend, "_to_host", counted_to_host)
-    monkeypatch.setattr(torch_backend, "_row_plan", paused_row_plan)
+    patch(monkeypatch, "_to_host", counted_to_host)
+    patch(monkeypatch, "_row_plan", paused_row_plan)
     fwd, bwd = _ORIGINAL["forward"], _ORIGINAL["backward"]
 
     def counted(fn):
@@ -90,8 +100,8 @@ def count_call(monkeypatch, B=16, T=1024, V=64, rows_per_chunk=589, clipped=(), 
                 return fn(*args)
         return run
 
-    monkeypatch.setattr(torch_backend._LogitsLogprobs, "forward", staticmethod(counted(fwd)))
-    monkeypatch.setattr(torch_backend._LogitsLogprobs, "backward", staticmethod(counted(bwd)))
+    monkeypatch.setattr(torch_logits._LogitsLogprobs, "forward", staticmethod(counted(fwd)))
+    monkeypatch.setattr(torch_logits._LogitsLogprobs, "backward", staticmethod(counted(bwd)))
     gen = torch.Generator().manual_seed(0)
     full = torch.randn(B, T + 1, V, generator=gen).to(dtype).requires_grad_()
     labels = torch.randint(0, V, (B, T), generator=gen)
@@ -129,10 +139,10 @@ def test_gpu_shape_takes_few_chunks():
     """At the measured GPU shape (bf16 logits [16, 1025, 151936] through [:, :-1], fp32 scratch, an active
     mask: 3 blocks) the default budget gives 2 chunks per response, 32 in all (the CPU route's 55-row blocks
     gave 304)."""
-    rows = torch_backend._logits_block_rows(151936, torch.device("cuda"), 3, 4)
+    rows = torch_logits._logits_block_rows(151936, torch.device("cuda"), 3, 4)
     assert rows == DEFAULT_MEMORY_BUDGET // (3 * 151936 * 4)
     assert 16 * -(-1024 // rows) == 32
-    assert torch_backend._logits_block_rows(151936, torch.device("cpu"), 3, 4) == 55
+    assert torch_logits._logits_block_rows(151936, torch.device("cpu"), 3, 4) == 55
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -172,7 +182,7 @@ def test_hidden_accelerator_route_matches_float64(monkeypatch, dtype, temperatur
     fp32 accumulator; forced here on CPU tensors, where the half GEMMs fall back to upcast operands) against the
     float64 reference: log-probs, entropies and the gradients of a loss of the log-probs alone (the entropy's
     gradient None) or of both, with masked rows compacted and NaN hidden states in them (which must not reach dW)."""
-    monkeypatch.setattr(torch_backend, "_accelerated", lambda device: True)
+    patch(monkeypatch, "_accelerated", lambda device: True)
     hidden, weight, labels = _hidden_case(dtype=dtype)
     B, T, H = hidden.shape
     V = weight.shape[0]
@@ -189,7 +199,7 @@ def test_hidden_accelerator_route_matches_float64(monkeypatch, dtype, temperatur
     if softcap is not None:
         kw["softcap"] = softcap
     h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    lp, ent = torch_backend.linear_logprobs(h, w, None, labels.reshape(-1), **kw)
+    lp, ent = torch_linear.linear_logprobs(h, w, None, labels.reshape(-1), **kw)
     ((lp * gw.reshape(-1)).sum() + ((ent * ge.reshape(-1)).sum() if entropy_grad else 0)).backward()
     hd = torch.where(active[..., None], hidden.double(), 0.0).requires_grad_()
     wd = weight.double().requires_grad_()
@@ -216,17 +226,17 @@ def test_hidden_accelerator_route_host_reads_and_ops(monkeypatch):
     """One host read per call (the forward's active rows), none in the backward; no op that waits for the device or
     sorts in either; the chunks follow the budget (forward: 2 fp32 tiles per row; backward without an entropy
     gradient: the logits tile, holding dZ too, and p) and each chunk adds a constant number of kernels."""
-    monkeypatch.setattr(torch_backend, "_accelerated", lambda device: True)
+    patch(monkeypatch, "_accelerated", lambda device: True)
     reads = []
     to_host = _ORIGINAL["to_host"]
-    monkeypatch.setattr(torch_backend, "_to_host", lambda mask: reads.append(1) or to_host(mask))
+    patch(monkeypatch, "_to_host", lambda mask: reads.append(1) or to_host(mask))
     hidden, weight, labels = _hidden_case(B=4, T=32, dtype=torch.bfloat16)
     V = weight.shape[0]
     active = torch.ones(4 * 32, dtype=torch.bool)
     active[-7:] = False
 
     current = []
-    active_index = torch_backend._active_index
+    active_index = torch_linear._active_index
 
     def paused_active_index(mask, device):  # host-side work on the host copy: not counted (as _row_plan above)
         current[-1].paused += 1
@@ -235,14 +245,14 @@ def test_hidden_accelerator_route_host_reads_and_ops(monkeypatch):
         finally:
             current[-1].paused -= 1
 
-    monkeypatch.setattr(torch_backend, "_active_index", paused_active_index)
+    patch(monkeypatch, "_active_index", paused_active_index)
 
     def run(rows_per_chunk):
         fwd, bwd = _Counter(), _Counter()
         current.append(fwd)
         h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
         with fwd:
-            lp, _ = torch_backend.linear_logprobs(h, w, None, labels.reshape(-1), active=active, return_entropy=True,
+            lp, _ = torch_linear.linear_logprobs(h, w, None, labels.reshape(-1), active=active, return_entropy=True,
                                                   memory_budget=rows_per_chunk * V * 4 * 2)
         reads_fwd = len(reads)
         with bwd:
@@ -270,11 +280,11 @@ def test_direct_half_backward_matches_float64(monkeypatch, dtype):
     label's entry from the forward's fp32 log-prob. Against float64: each entry within two roundings of the
     dtype (p, then the product), the label's entries within one, also where the label is nearly certain and
     ``p_y - 1`` formed from a rounded ``p_y`` would be far off; rows without gradient exactly 0."""
-    monkeypatch.setattr(torch_backend, "_accelerated", lambda device: True)
-    monkeypatch.setattr(torch_backend, "ACCELERATOR_BUDGET", 5 * 3 * 64 * 4)  # 5 rows per chunk: several chunks
+    patch(monkeypatch, "_accelerated", lambda device: True)
+    patch(monkeypatch, "ACCELERATOR_BUDGET", 5 * 3 * 64 * 4)  # 5 rows per chunk: several chunks
     direct = []
-    original = torch_backend._rows_backward_direct
-    monkeypatch.setattr(torch_backend, "_rows_backward_direct", lambda *a: direct.append(a[0].shape[0]) or original(*a))
+    original = torch_logits._rows_backward_direct
+    patch(monkeypatch, "_rows_backward_direct", lambda *a: direct.append(a[0].shape[0]) or original(*a))
     B, T, V = 3, 12, 64
     gen = torch.Generator().manual_seed(3)
     full = torch.randn(B, T + 1, V, generator=gen) * 2
@@ -286,7 +296,7 @@ def test_direct_half_backward_matches_float64(monkeypatch, dtype):
     g = torch.randn(B, T, generator=gen) * active
     g[1] = 0.0  # a response without gradient
     x = full.clone().requires_grad_()
-    lp, _ = torch_backend.logits_logprobs(x[:, :-1], labels.reshape(-1), active=active.reshape(-1))
+    lp, _ = torch_logits.logits_logprobs(x[:, :-1], labels.reshape(-1), active=active.reshape(-1))
     (lp * g.reshape(-1)).sum().backward()
     assert sum(direct) == 2 * T - 4  # only the rows with gradient, all through the direct route
     xd = full.double().requires_grad_()
@@ -314,11 +324,11 @@ def test_tolerance_names_the_direct_routes_second_rounding(monkeypatch):
     one, two = (testing.FP32_RTOL + k * testing.UNIT_ROUNDOFF["bf16"] for k in (1, 2))
     assert testing.gradient_tolerance("bf16", "logits", backend="torch", device="cpu") == one
     assert testing.gradient_tolerance("bf16", "logits") == one
-    monkeypatch.setattr(torch_backend, "_accelerated", lambda device: True)
+    patch(monkeypatch, "_accelerated", lambda device: True)
     assert testing.gradient_tolerance("bf16", "logits", backend="torch", device="cpu") == two <= 2.0**-6
     assert testing.gradient_tolerance("fp32", "logits", backend="torch", device="cpu") == testing.FP32_RTOL
     assert testing.gradient_tolerance("bf16", "logits", backend="triton", device="cpu") == one
-    monkeypatch.setitem(torch_backend._half_softmax_ok, ("cpu", torch.bfloat16), True)  # a kernel that reads bf16
+    monkeypatch.setitem(torch_rows._half_softmax_ok, ("cpu", torch.bfloat16), True)  # a kernel that reads bf16
     assert testing.gradient_tolerance("bf16", "logits", backend="torch", device="cpu") == one
 
 
@@ -326,13 +336,13 @@ def test_direct_half_backward_has_no_host_read_per_chunk(monkeypatch):
     """The half-row backward (bf16 logits, CPU tensors) with 4x the chunks: the same host reads (one per selection),
     no op that waits for the device or sorts, and the same kernels per chunk as the route it replaces."""
     calls = []
-    original = torch_backend._rows_backward_direct
+    original = torch_logits._rows_backward_direct
 
     def spy(*args):
         calls.append(1)
         return original(*args)
 
-    monkeypatch.setattr(torch_backend, "_rows_backward_direct", spy)
+    patch(monkeypatch, "_rows_backward_direct", spy)
     few, reads_few, chunks_few, _ = count_call(monkeypatch, B=4, T=64, rows_per_chunk=64, clipped=(1,))
     used = len(calls)
     many, reads_many, chunks_many, _ = count_call(monkeypatch, B=4, T=64, rows_per_chunk=16, clipped=(1,))
@@ -362,7 +372,7 @@ class _Fp32OutGemms(TorchDispatchMode):
 
 @pytest.fixture
 def fp32_out_gemms(monkeypatch):
-    monkeypatch.setitem(torch_backend._mm_fp32_out_ok, ("cpu", torch.bfloat16), True)
+    monkeypatch.setitem(torch_linear._mm_fp32_out_ok, ("cpu", torch.bfloat16), True)
     with _Fp32OutGemms():
         yield
 
@@ -375,10 +385,10 @@ def test_hidden_kept_probabilities_match_float64(monkeypatch, fp32_out_gemms, dt
     ``dH`` and ``dW`` one GEMM each. Against float64, with a bias, a temperature, masked rows (NaN hidden states
     in them), a response without gradient; with an entropy gradient the backward recomputes (it needs log p).
     Tolerances as the recomputing route's test; a second backward (retain_graph) gives the same gradients."""
-    monkeypatch.setattr(torch_backend, "_accelerated", lambda device: True)
+    patch(monkeypatch, "_accelerated", lambda device: True)
     kept_used = []
-    original = torch_backend._linear_backward_kept
-    monkeypatch.setattr(torch_backend, "_linear_backward_kept", lambda *a: kept_used.append(1) or original(*a))
+    original = torch_linear._linear_backward_kept
+    patch(monkeypatch, "_linear_backward_kept", lambda *a: kept_used.append(1) or original(*a))
     hidden, weight, labels = _hidden_case(H=96, dtype=dtype)
     B, T, H = hidden.shape
     V = weight.shape[0]
@@ -392,7 +402,7 @@ def test_hidden_kept_probabilities_match_float64(monkeypatch, fp32_out_gemms, dt
     if ge is not None:
         ge[1] = 0.0
     h, w, b = (t.clone().requires_grad_() for t in (hidden, weight, bias))
-    lp, ent = torch_backend.linear_logprobs(h, w, b, labels.reshape(-1), active=active.reshape(-1), temperature=0.8,
+    lp, ent = torch_linear.linear_logprobs(h, w, b, labels.reshape(-1), active=active.reshape(-1), temperature=0.8,
                                             return_entropy=True, memory_budget=7 * V * 4 * 2)
     loss = (lp * gw.reshape(-1)).sum() + ((ent * ge.reshape(-1)).sum() if entropy_grad else 0)
     loss.backward(retain_graph=True)
@@ -421,16 +431,16 @@ def test_hidden_kept_probabilities_backward_ops(monkeypatch, fp32_out_gemms):
     """With ``p`` kept: no host read and no softmax in the backward, two GEMMs (dH, dW) whatever the chunks, no
     fp32 ``dW`` accumulator (no addmm). Not kept (m > 4H / itemsize, or GEMMs that cannot write fp32 from bf16
     operands): the recomputing backward's three or more."""
-    monkeypatch.setattr(torch_backend, "_accelerated", lambda device: True)
+    patch(monkeypatch, "_accelerated", lambda device: True)
     reads = []
     to_host = _ORIGINAL["to_host"]
-    monkeypatch.setattr(torch_backend, "_to_host", lambda mask: reads.append(1) or to_host(mask))
+    patch(monkeypatch, "_to_host", lambda mask: reads.append(1) or to_host(mask))
 
     def backward_ops(H, rows_per_chunk):
         hidden, weight, labels = _hidden_case(B=4, T=32, H=H, dtype=torch.bfloat16)
         V = weight.shape[0]
         h, w = hidden.requires_grad_(), weight.requires_grad_()
-        lp, _ = torch_backend.linear_logprobs(h, w, None, labels.reshape(-1), return_entropy=True,
+        lp, _ = torch_linear.linear_logprobs(h, w, None, labels.reshape(-1), return_entropy=True,
                                               memory_budget=rows_per_chunk * V * 4 * 2)
         counter = _Counter()
         n_reads = len(reads)
@@ -445,7 +455,7 @@ def test_hidden_kept_probabilities_backward_ops(monkeypatch, fp32_out_gemms):
         assert not [op for op in ops if "softmax" in op or op in SYNCING]
     ops = backward_ops(16, 16)  # 128 rows * 2 bytes > 4 * 16: recomputed, 8 chunks
     assert ops.count("mm") >= 3 and any("softmax" in op for op in ops)
-    monkeypatch.setitem(torch_backend._mm_fp32_out_ok, ("cpu", torch.bfloat16), False)
+    monkeypatch.setitem(torch_linear._mm_fp32_out_ok, ("cpu", torch.bfloat16), False)
     ops = backward_ops(64, 128)  # upcast operands: a kept p would need an fp32 copy of dZ, so none is kept
     assert ops.count("mm") >= 3 and any("softmax" in op for op in ops)
 
@@ -453,13 +463,13 @@ def test_hidden_kept_probabilities_backward_ops(monkeypatch, fp32_out_gemms):
 def test_hidden_keeps_nothing_without_a_graph(monkeypatch, fp32_out_gemms):
     """Under ``torch.no_grad()`` (an old-log-prob pass, weights requiring grad) nothing is kept: no ``[m, V]``
     buffer and no copy into it (``ctx.needs_input_grad`` says True there too)."""
-    monkeypatch.setattr(torch_backend, "_accelerated", lambda device: True)
+    patch(monkeypatch, "_accelerated", lambda device: True)
     hidden, weight, labels = _hidden_case(B=2, T=16, H=64, dtype=torch.bfloat16)
     w = weight.requires_grad_()
     counter = _Counter()
     with torch.no_grad(), counter:
-        torch_backend.linear_logprobs(hidden, w, None, labels.reshape(-1), return_entropy=True)
+        torch_linear.linear_logprobs(hidden, w, None, labels.reshape(-1), return_entropy=True)
     with_graph = _Counter()
     with with_graph:
-        torch_backend.linear_logprobs(hidden, w, None, labels.reshape(-1), return_entropy=True)
+        torch_linear.linear_logprobs(hidden, w, None, labels.reshape(-1), return_entropy=True)
     assert with_graph.ops.count("copy_") == counter.ops.count("copy_") + 1  # p into the kept buffer, one chunk

@@ -16,7 +16,7 @@ sign, relative to ``max(|loss|, 1)``; metrics absolute):
   tolerance plus its roundings to bf16: one on the logits path (the output), two on the hidden-state
   paths (the logits gradient rounded to the bf16 operand of the backward matmuls, then the output);
   ``backend="torch"`` on CUDA rounds a bf16 logits gradient's entries off the label column twice (``p``, then
-  the product: :func:`gspo_kernels.backends.pytorch.logits_gradient_roundings`).
+  the product: :func:`gspo_kernels.backends.torch.logits.logits_gradient_roundings`).
   One rounding is 2^-8 relative (round to nearest even; the Triton interpreter's fp32 -> bf16 cast,
   which truncates, is made to round as the GPU does: :func:`gspo_kernels.testing.setup_triton_interpreter`). No tolerance
   exceeds 2^-6: a 5% gradient error fails.

@@ -1,36 +1,5 @@
-"""``backend="torch"``: the portable chunked heavy stage (any device), and the blueprint of the others.
-
-fp32 math (fp64 for fp64 inputs); no ``[N, V]`` fp32 intermediate exists.
-Logits path: blocks of whole rows through ATen's fused ``log_softmax`` / ``softmax`` kernels into two
-scratch blocks: forward 1 fused pass + 3 for the entropy; backward 2 passes (5 when the entropy carries
-gradient), writing the gradient directly. Block size: on CPU about ``LOGITS_BLOCK_ELEMENTS`` elements; on an
-accelerator (CUDA) the scratch blocks fill ``DEFAULT_MEMORY_BUDGET`` (bf16 [16384, 151936] logits: 32 blocks,
-~15 kernels each, where 55-row blocks made 304). Rows to compute (the forward's ``active``, the backward's rows
-with gradient) are read to the host once per call, never per block; no op sorts (``scatter_add``, not
-``index_put(accumulate=True)``); ``tests/test_torch_backend_launches.py`` counts both.
-On an accelerator (CUDA) the logits path's forward is max(dim=1) + one softmax + entr + sum (log p_y from the max's
-column, :func:`_rows_forward_accelerated`) and a ``[B, T + 1, V]`` base read as ``[:, :-1]`` takes its gradient
-directly; fp16/bf16 rows that no softmax kernel reads into fp32 (bf16 on CUDA) get their gradient from a softmax in
-their own dtype written into it (:func:`_rows_backward_direct`). The hidden-state path there: row chunks sized from
-``memory_budget``, one GEMM per chunk with fp32 output, no vocabulary tiles, dZ cast once, dW in one fp32
-accumulator, one host read per call (:func:`_linear_forward_accelerated`, :func:`_linear_backward_accelerated`);
-when ``p`` of all rows takes no more bytes than that accumulator, the forward keeps it and the backward makes no
-logits GEMM (:func:`_keeps_probabilities`, :func:`_linear_backward_kept`).
-``benchmarks/count_torch_backend.py`` counts the accelerator route's ops, bytes and GEMM FLOPs on CPU tensors.
-Hidden-state path on CPU: rows x vocabulary tiles, an online softmax (running max ``m``,
-``s = sum e^(x-m)``, ``a = sum e^(x-m)(x-m)``) with the label's logit and the entropy folded in;
-one ``[rows, vocab_block]`` logits tile exists at a time.
-Both keep the row max and ``log s`` apart (never one fp32 ``lse = m + log s``): log-probs and the
-entropy come from shifted logits, so logits offset by 1e4 or divided by a temperature of 1e-6 keep
-fp32 accuracy. Backward: recomputes from the logits (or tiles from the saved ``(m, log s)``),
-accumulates in fp32, and visits only the rows whose incoming gradient (of log-prob or entropy) is
-non-zero; the others get exactly zero gradient. ``-inf`` logits on non-label columns give ``p = 0`` and a zero gradient (never NaN).
-Labels outside ``[0, V)`` are never read (possible only when the public checks are skipped, under
-``torch.compile``): that row's log-prob is NaN.
-Soft cap ``c`` (``softcap=``): the scaled logits are ``x = c tanh(z / c) / tau`` (a scratch tile), the bias is
-not shifted, and each tile's gradient is multiplied by ``sech^2(z / c)`` (from ``cosh``, accurate where
-``tanh`` saturates and ``1 - tanh^2`` would cancel); the uncapped path runs exactly the code it ran before.
-"""
+"""The torch backend's hidden-state path: ``linear_logprobs`` (``hidden @ weight.T + bias`` in row chunks, or
+rows x vocabulary tiles with an online softmax on CPU tensors) and its autograd Function."""
 
 from __future__ import annotations
 
@@ -39,64 +8,24 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from gspo_kernels.backends import DEFAULT_MEMORY_BUDGET, Backend
-from gspo_kernels.backends.tiling import as_rows, next_token_base, row_blocks
+from gspo_kernels.backends import DEFAULT_MEMORY_BUDGET
+from gspo_kernels.backends.tiling import as_rows
+from gspo_kernels.backends.torch.rows import (
+    _accelerated,
+    _carries_gradient,
+    _label_columns,
+    _log_p_floor,
+    _rows_backward,
+    _rows_forward_accelerated,
+    _scale_probabilities,
+    _to_host,
+    _Workspace,
+)
 from gspo_kernels.checks import host_reads_allowed
 from gspo_kernels.precision import compute_dtype
 
-LOGITS_BLOCK_ELEMENTS = 1 << 23  # logits path: whole rows per block, about this many elements (32 MiB fp32)
 LINEAR_ROW_BLOCK = 1024  # rows per tile of the hidden-state path (the weight is streamed once per block)
 LINEAR_VOCAB_BLOCK = 4096
-ACCELERATOR_BUDGET: Optional[int] = None  # bytes of logits-path scratch on accelerators (None: the default budget)
-
-
-def _log_p_floor(dtype: torch.dtype) -> float:
-    """A log-probability below which ``exp`` is exactly 0 in ``dtype`` (used to keep ``-inf`` out of products)."""
-    return -800.0 if dtype == torch.float64 else -120.0
-
-
-class _Workspace:
-    """Flat scratch buffers of ``rows * cols`` elements, viewed as contiguous ``[r, c]`` tiles: two work
-    tiles, and one for a converted / scaled copy of the input tile (allocated when first needed)."""
-
-    def __init__(self, rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> None:
-        self.size, self.dtype, self.device = rows * cols, dtype, device
-        self.a: Optional[Tensor] = None  # allocated when first needed (a softmax alone uses only b)
-        self.b: Optional[Tensor] = None  # (none at all where the gradient is written without scratch)
-        self.x: Optional[Tensor] = None
-        self.s: Optional[Tensor] = None  # the soft cap's sech^2 tile (allocated when first needed)
-
-    def tiles(self, r: int, c: int) -> Tuple[Tensor, Tensor]:
-        if self.a is None:
-            self.a = torch.empty(self.size, dtype=self.dtype, device=self.device)
-        return self.a[: r * c].view(r, c), self.second(r, c)
-
-    def second(self, r: int, c: int) -> Tensor:
-        """The second work tile alone."""
-        if self.b is None:
-            self.b = torch.empty(self.size, dtype=self.dtype, device=self.device)
-        return self.b[: r * c].view(r, c)
-
-    def input_tile(self, r: int, c: int) -> Tensor:
-        if self.x is None:
-            self.x = torch.empty(self.size, dtype=self.dtype, device=self.device)
-        return self.x[: r * c].view(r, c)
-
-    def slope_tile(self, r: int, c: int) -> Tensor:
-        if self.s is None:
-            self.s = torch.empty(self.size, dtype=self.dtype, device=self.device)
-        return self.s[: r * c].view(r, c)
-
-
-def _scaled(tile: Tensor, tau: float, cdt: torch.dtype, ws: _Workspace) -> Tensor:
-    """``tile / tau`` in ``cdt``: the tile itself when nothing changes, else written into a scratch tile."""
-    if tile.dtype == cdt and tau == 1.0:
-        return tile
-    out = ws.input_tile(*tile.shape)
-    if tile.dtype == cdt:
-        return torch.div(tile, tau, out=out)
-    out.copy_(tile)
-    return out if tau == 1.0 else out.div_(tau)
 
 
 class _OnlineSoftmax:
@@ -136,6 +65,8 @@ class _OnlineSoftmax:
         """``(logp, entropy, stats [2, rows])``: ``log p_y = (x_y - m) - log s``, ``H = log s - a / s``."""
         log_s = torch.log(self.s)
         return (self.label_x - self.m) - log_s, log_s - self.a / self.s, torch.stack((self.m, log_s))
+
+
 def _grad_tile(x: Tensor, m: Tensor, log_s: Tensor, entropy: Tensor, g: Tensor, ge: Optional[Tensor],
                local: Tensor, tau: float, ws: _Workspace, out: Tensor) -> None:
     """Write ``dL/dlogits`` of one tile into ``out``: ``(g/tau)(onehot - p) - (ge/tau) p (log p + H)``.
@@ -158,401 +89,6 @@ def _grad_tile(x: Tensor, m: Tensor, log_s: Tensor, entropy: Tensor, g: Tensor, 
     inside = (local >= 0) & (local < x.shape[1])  # the label's column is in this tile: add g / tau there
     col = local.clamp(0, x.shape[1] - 1)[:, None]
     out.scatter_add_(1, col, torch.where(inside, g / tau, 0.0).to(out.dtype)[:, None])  # no host read, no sort
-
-
-def _carries_gradient(grad_logp: Optional[Tensor], grad_entropy: Optional[Tensor], n: int, device) -> Tensor:
-    """``[N]`` bool: rows whose incoming gradient (of log-prob or entropy) is non-zero."""
-    carries = torch.zeros(n, dtype=torch.bool, device=device)
-    if grad_logp is not None:
-        carries |= grad_logp != 0
-    if grad_entropy is not None:
-        carries |= grad_entropy != 0
-    return carries
-
-
-def _accelerated(device: torch.device) -> bool:
-    """Whether ``device`` takes the accelerator route (CUDA and any other non-CPU device): chunks sized from a
-    byte budget, no host read per chunk, none in the backward (the tests force it on CPU tensors)."""
-    return device.type != "cpu"
-
-
-def _logits_block_rows(V: int, device: torch.device, tiles: int, itemsize: int) -> int:
-    """Rows per block of the logits path. CPU: about ``LOGITS_BLOCK_ELEMENTS`` elements (cache-sized blocks
-    are fastest there). Accelerator: ``tiles`` scratch blocks of ``[rows, V]`` in the compute dtype fill
-    ``ACCELERATOR_BUDGET`` bytes (None: :data:`DEFAULT_MEMORY_BUDGET`): at V = 151936 fp32 with 3 tiles,
-    589 rows, so 16384 rows take ~28-32 launches of each op instead of ~300."""
-    if not _accelerated(device):
-        return max(1, LOGITS_BLOCK_ELEMENTS // max(V, 1))
-    budget = DEFAULT_MEMORY_BUDGET if ACCELERATOR_BUDGET is None else ACCELERATOR_BUDGET
-    return max(1, budget // (tiles * max(V, 1) * itemsize))
-
-
-_half_softmax_ok: dict = {}  # (device type, dtype) -> whether ATen's softmax reads half rows into fp32 itself
-
-
-def _half_softmax(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether ``aten::_softmax(x, dim, half_to_float=True)`` runs for ``dtype`` rows on ``device`` (one pass: reads
-    the half rows, writes fp32). CUDA has it for fp16; bf16 only where the installed PyTorch added it; CPU never.
-    Probed once per (device type, dtype) on a ``[1, 2]`` tensor."""
-    key = (device.type, dtype)
-    if key not in _half_softmax_ok:
-        ok = False
-        if dtype in (torch.float16, torch.bfloat16):
-            try:
-                out = torch.ops.aten._softmax(torch.zeros(1, 2, dtype=dtype, device=device), 1, True)
-                ok = out.dtype == torch.float32 and bool(torch.all(out == 0.5))
-            except (RuntimeError, NotImplementedError, TypeError):
-                ok = False
-        _half_softmax_ok[key] = ok
-    return _half_softmax_ok[key]
-
-
-def _softmax_rows(x: Tensor, cdt: torch.dtype, ws: "_Workspace", out: Tensor) -> Tensor:
-    """``out = softmax(x)`` (rows) in ``cdt`` on the accelerator route: one pass from half rows where the kernel
-    reads them (:func:`_half_softmax`), else the rows converted into the input scratch tile first (the pass that
-    ``torch.softmax(x, dtype=cdt)`` makes into a fresh tensor, made into the workspace instead)."""
-    if x.dtype == cdt:
-        return torch.softmax(x, 1, out=out)
-    if _half_softmax(x.device, x.dtype) and cdt == torch.float32:
-        return torch.ops.aten._softmax.out(x, 1, True, out=out)
-    return torch.softmax(ws.input_tile(*x.shape).copy_(x), 1, out=out)
-
-
-def _to_host(mask: Tensor) -> Tensor:
-    """``mask [N]`` bool on the CPU: the one host read of a forward call on an accelerator (free on CPU)."""
-    return mask if mask.device.type == "cpu" else mask.to("cpu")
-
-
-_SKIP = "skip"  # a chunk none of whose rows is selected
-
-
-def _row_plan(blocks, mask: Optional[Tensor], device: torch.device) -> list:
-    """``[(r0, r1, sel)]`` for the row blocks ``[(r0, r1, ...)]`` and the rows to compute ``mask [N]`` (None: all).
-
-    ``sel``: None (every row of the block), ``_SKIP`` (none), a ``[k]`` int64 tensor on ``device`` of the
-    block's selected rows (relative to ``r0``), or, where no host read is allowed (``torch.compile``, CUDA-graph
-    capture), the block's ``[r1 - r0]`` bool mask itself: every row is computed and the others' results are
-    replaced by 0. One host read of ``mask`` per plan (none for CPU tensors, none without a mask); the indices
-    of partially selected blocks go back to the device in one copy that does not wait for it.
-    """
-    if mask is None:
-        return [(r0, r1, None) for r0, r1, *_ in blocks]
-    if not host_reads_allowed():
-        return [(r0, r1, mask[r0:r1]) for r0, r1, *_ in blocks]
-    host = _to_host(mask)
-    csum = torch.cat((host.new_zeros(1, dtype=torch.int64), host.cumsum(0)))
-    bounds = torch.tensor([(r0, r1) for r0, r1, *_ in blocks], dtype=torch.int64, device="cpu").reshape(-1, 2)
-    counts = (csum[bounds[:, 1]] - csum[bounds[:, 0]]).tolist()
-    plan, parts = [], []
-    for (r0, r1, *_), k in zip(blocks, counts):
-        if k == 0:
-            plan.append((r0, r1, _SKIP))
-        elif k == r1 - r0:
-            plan.append((r0, r1, None))
-        else:
-            parts.append(torch.nonzero(host[r0:r1])[:, 0])
-            plan.append((r0, r1, len(parts) - 1))
-    if parts:
-        flat = torch.cat(parts)
-        if device.type == "cuda":
-            flat = flat.pin_memory().to(device, non_blocking=True)
-        else:
-            flat = flat.to(device)
-        pieces = torch.split(flat, [p.numel() for p in parts])
-        plan = [(r0, r1, pieces[sel] if isinstance(sel, int) else sel) for r0, r1, sel in plan]
-    return plan
-
-
-def _is_index(sel) -> bool:
-    return isinstance(sel, Tensor) and sel.dtype != torch.bool
-
-
-def _pick(t: Tensor, r0: int, r1: int, sel) -> Tensor:
-    """Rows ``[r0, r1)`` of ``t [N]`` (or ``[N, V]`` views), restricted to ``sel`` when it is an index."""
-    part = t[r0:r1]
-    return part.index_select(0, sel) if _is_index(sel) else part
-
-
-def _store(dst: Tensor, r0: int, r1: int, sel, values: Tensor) -> None:
-    """``dst[r0:r1] = values`` for the plan entry ``sel`` (no host read; unselected rows keep / get 0)."""
-    if sel is None:
-        dst[r0:r1] = values
-    elif _is_index(sel):
-        dst[r0:r1].index_copy_(0, sel, values)
-    else:
-        dst[r0:r1] = torch.where(sel, values, torch.zeros((), dtype=values.dtype, device=values.device))
-
-
-def _scaled_rows(rows: Tensor, tau: float, cdt: torch.dtype, ws: _Workspace, cap: Optional[float] = None) -> Tensor:
-    """``rows / tau`` for the fused ops: the rows themselves when they are already ``cdt`` at tau = 1
-    (fp16/bf16 rows at tau = 1 too: the softmax ops convert them to fp32 exactly themselves).
-    With the soft cap ``c``: ``c tanh(rows / c) / tau`` in a scratch tile."""
-    if cap is not None:
-        out = ws.input_tile(*rows.shape)
-        out.copy_(rows)  # converted first: the cap is computed in cdt, never in the rows' half dtype
-        return out.div_(cap).tanh_().mul_(cap / tau)
-    if tau == 1.0:
-        return rows
-    return _scaled(rows, tau, cdt, ws)
-
-
-def _cap_slope(z: Tensor, cap: float, out: Tensor) -> Tensor:
-    """``d(c tanh(z / c))/dz = sech^2(z / c) = cosh(z / c)^-2`` into ``out`` (0 where cosh overflows, and at
-    ``z = +-inf``; NaN stays NaN)."""
-    out.copy_(z)
-    return torch.cosh(out.div_(cap), out=out).pow_(-2)
-
-
-def _label_columns(labels: Tensor, V: int) -> Tuple[Tensor, Tensor]:
-    """``(col [N] int64, inside [N] bool)``: each label clamped into ``[0, V)`` and whether it was there (once
-    per call, not per block; a label outside is never read)."""
-    return labels.clamp(0, V - 1), (labels >= 0) & (labels < V)
-
-
-def _rows_forward(x: Tensor, col: Tensor, inside: Tensor, cdt: torch.dtype, ws: _Workspace,
-                  return_entropy: bool) -> Tuple[Tensor, Optional[Tensor]]:
-    """``(log p_y [r], entropy [r] | None)`` of the scaled logits rows ``x [r, V]``, their labels' columns
-    ``col [r]`` and ``inside [r]`` (:func:`_label_columns`; NaN where False).
-
-    One fused ``log_softmax`` pass; no host read, no index sort. The entropy ``-sum p log p``: on an accelerator
-    ``exp``, ``entr`` (``-p log p``, 0 at ``p = 0``: a ``-inf`` logit adds 0, never ``0 * -inf``) and a row sum
-    (26 bytes per logit in all for fp32 scratch, against 38 for the CPU's form); on CPU, where ``entr`` is not
-    vectorized, ``log p`` clamped to a floor where ``exp`` is exactly 0, ``exp``, a product and a row sum.
-    """
-    if _accelerated(x.device):
-        return _rows_forward_accelerated(x, col, inside, cdt, ws, return_entropy)
-    lp, p = ws.tiles(*x.shape)
-    torch.log_softmax(x, 1, dtype=cdt, out=lp)
-    picked = lp.gather(1, col[:, None])[:, 0]
-    logp = torch.where(inside, picked, float("nan"))  # a label outside [0, V) is never read
-    if not return_entropy:
-        return logp, None
-    lp.clamp_(min=_log_p_floor(cdt))  # exp is exactly 0 there: -inf logits add 0, not 0 * -inf
-    torch.exp(lp, out=p)
-    return logp, -p.mul_(lp).sum(dim=1)
-
-
-def _rows_forward_accelerated(x: Tensor, col: Tensor, inside: Tensor, cdt: torch.dtype, ws: _Workspace,
-                              return_entropy: bool, keep: Optional[Tensor] = None) -> Tuple[Tensor, Optional[Tensor]]:
-    """:func:`_rows_forward` on the accelerator route, in fewer bytes per logit: the row max and its column
-    (``max(dim=1)``, one read of the rows in their own dtype), ``p = softmax(x)`` (one fused pass, from half rows directly
-    where the kernel reads them, else after one conversion into scratch), then ``log p_y = (x_y - m) - log s`` with
-    ``log s = -log p[argmax]`` (``p`` at the max is ``1/s``, never below ``1/V``: no underflow; ``m`` and ``log s``
-    stay apart) and the entropy ``sum entr(p)`` (``entr``, a row sum). bf16 rows, no direct half read: 2 + 6 + 8 + 8
-    + 4 = 28 bytes per logit (20 with it), where log_softmax + exp + entr + sum read and wrote 34."""
-    m, arg = x.max(dim=1)  # the max and its column in one reduction
-    p = ws.second(*x.shape)
-    _softmax_rows(x, cdt, ws, p)
-    logp = x.gather(1, col[:, None])[:, 0].to(cdt).sub_(m).add_(torch.log(p.gather(1, arg[:, None])[:, 0]))
-    if keep is not None:  # p kept for the backward (the hidden path's kept rows), before entr overwrites it
-        keep.copy_(p)
-    # (a label outside [0, V) is never read: the caller sets its row's log-prob to NaN, once per call)
-    if not return_entropy:
-        return logp, None
-    return logp, torch.special.entr(p, out=p).sum(dim=1)
-
-
-def _rows_backward(x: Tensor, col: Tensor, inside: Tensor, g: Tensor, ge: Optional[Tensor], ent: Optional[Tensor],
-                   tau: float, cdt: torch.dtype, ws: _Workspace, slope: Optional[Tensor], out: Tensor,
-                   pre: Optional[Tuple[Tensor, Tensor]] = None) -> None:
-    """Write ``dL/dlogits`` of the rows into ``out [r, V]`` (the logits' dtype, possibly their own storage:
-    ``x`` is read before ``out`` is written): ``(g/tau)(onehot - p) - (ge/tau) p (log p + H)``, times the
-    soft cap's ``slope`` when given. Formed in the compute dtype and rounded once when stored.
-
-    Without an entropy gradient: ``p = softmax(x)``, ``p_y -= 1`` (a ``scatter_add``: no sort, no host read),
-    then one multiply by ``-g/tau`` written straight into ``out``: two passes over the rows. ``pre``: the rows'
-    ``(-1 where inside else 0, -g/tau)`` in ``cdt``, formed once per call by the caller (the accelerator route).
-    """
-    col = col[:, None]
-    if ge is None:
-        p = ws.second(*x.shape)
-        if _accelerated(x.device):
-            _softmax_rows(x, cdt, ws, p)
-        else:
-            torch.softmax(x, 1, dtype=cdt, out=p)
-        minus_one, coef = pre if pre is not None else (torch.where(inside, -1.0, 0.0).to(cdt), -g / tau)
-        p.scatter_add_(1, col, minus_one[:, None])  # p - onehot
-        coef = coef[:, None]
-        if slope is None:
-            torch.mul(p, coef, out=out)
-        else:
-            torch.mul(p.mul_(coef), slope, out=out)
-        return
-    lp, p = ws.tiles(*x.shape)
-    torch.log_softmax(x, 1, dtype=cdt, out=lp)
-    lp.clamp_(min=_log_p_floor(cdt))  # p = 0 there, and p * (log p + H) stays 0
-    torch.exp(lp, out=p)
-    alpha = -(g + ge * ent) / tau
-    torch.addcmul(alpha[:, None], lp, (-ge / tau)[:, None], out=lp)
-    lp.mul_(p)
-    lp.scatter_add_(1, col, torch.where(inside, g / tau, 0.0).to(cdt)[:, None])
-    if slope is not None:
-        lp.mul_(slope)
-    out.copy_(lp)
-
-
-def _direct_half_backward(rows: Tensor, device: torch.device, tau: float, cap: Optional[float], grad_entropy, inplace: bool,
-                          cdt: torch.dtype) -> bool:
-    """Whether the accelerator route writes the gradient of fp16/bf16 rows straight from a softmax in their own dtype
-    (:func:`_rows_backward_direct`): the rows are read as they are (tau = 1, no cap), no entropy gradient, the gradient
-    not written over the rows themselves, and no softmax kernel that reads half rows into fp32 (:func:`_half_softmax`;
-    with one, the fp32 route costs 16 bytes per logit and rounds once)."""
-    return (_accelerated(device) and rows.dtype in (torch.float16, torch.bfloat16) and cdt == torch.float32
-            and tau == 1.0 and cap is None and grad_entropy is None and not inplace
-            and not _half_softmax(device, rows.dtype))
-
-
-def logits_gradient_roundings(device: torch.device, dtype: torch.dtype) -> int:
-    """The most times an entry of the logits path's gradient is rounded to ``dtype`` on ``device``: 2 where fp16 /
-    bf16 rows may take :func:`_rows_backward_direct` (``p`` rounded, then the product; the label's entry once), else
-    1 (the library's rule for the logits path). What ``gspo_kernels.testing.gradient_tolerance`` asks."""
-    half = dtype in (torch.float16, torch.bfloat16)
-    return 2 if half and _accelerated(device) and not _half_softmax(device, dtype) else 1
-
-
-def _rows_backward_direct(x: Tensor, col: Tensor, inside: Tensor, coef: Tensor, label_grad: Tensor,
-                          out: Tensor) -> None:
-    """``out = coef (softmax(x) - onehot)`` for fp16/bf16 rows ``x`` into ``out`` (their dtype, not their storage) in
-    12 bytes per logit for bf16 (a softmax in the rows' dtype, fp32 inside, written into ``out``; one in-place
-    multiply), where converting the rows into fp32 scratch first costs 28. ``p`` is rounded to the rows' dtype before
-    the multiply: each entry rounded twice (at most 1 ulp of the dtype, against 1/2 ulp when rounded once). The
-    label's entry is ``coef (p_y - 1) = coef expm1(log p_y)`` from the forward's fp32 log-prob (``label_grad``, in
-    ``out``'s dtype), rounded once (``p_y - 1`` is never formed from a rounded ``p_y``); a row whose label is outside ``[0, V)``
-    keeps its clamped column's ``coef p``."""
-    torch.softmax(x, 1, out=out)
-    _scale_probabilities(out, coef, col, inside, label_grad)
-
-
-def _scale_probabilities(p: Tensor, coef: Tensor, col: Tensor, inside: Tensor, label_grad: Tensor) -> Tensor:
-    """``p [r, V]`` (half-precision probabilities) into ``coef (p - onehot)`` in place: one multiply, then each
-    row's label entry set to ``label_grad`` (``coef (p_y - 1)`` formed in fp32, rounded once), except a row whose
-    label is outside ``[0, V)`` (``inside`` False), which keeps its clamped column's ``coef p``."""
-    p.mul_(coef[:, None])
-    c = col[:, None]
-    return p.scatter_(1, c, torch.where(inside[:, None], label_grad.to(p.dtype)[:, None], p.gather(1, c)))
-
-
-class _LogitsLogprobs(torch.autograd.Function):
-    """Whole rows at a time, through ATen's fused ``log_softmax`` / ``softmax`` kernels (one pass each,
-    ``(x - max) - log sum`` kept apart inside), into scratch blocks of whole rows (CPU: about
-    ``LOGITS_BLOCK_ELEMENTS`` elements each; accelerators: a byte budget): the fewest passes over the logits
-    plain PyTorch allows, and no ``[N, V]`` intermediate.
-
-    Rows: the forward computes the ``active`` rows, the backward the active rows whose incoming gradient is
-    non-zero; the others get exactly 0 and are never read. Each selection is one host read of an ``[N]`` mask
-    on an accelerator (none on CPU tensors, none in the forward without ``active``), never one per block.
-    Where no host read is allowed (``torch.compile``, CUDA-graph capture) every row of the forward's selection
-    is computed and the results of the others are replaced by 0 (``torch.where`` / ``masked_fill``).
-    """
-
-    @staticmethod
-    def forward(ctx, logits, labels, active, temperature, return_entropy, inplace_backward, softcap,
-                extra_position=False):
-        ctx.extra = extra_position  # ``logits`` is the [B, T + 1, V] base of the rows read (its [:, :-1])
-        source = logits
-        if extra_position:
-            logits = logits[:, :-1]
-        V = logits.shape[-1]
-        n = labels.shape[0]
-        cdt = compute_dtype(logits.dtype)
-        device = logits.device
-        logp = torch.zeros(n, dtype=cdt, device=device)
-        entropy = torch.zeros(n, dtype=cdt, device=device)
-        scaled = softcap is not None or temperature != 1.0
-        tiles = 2 + scaled + (softcap is not None) + (active is not None)
-        R = _logits_block_rows(V, device, tiles, torch.empty((), dtype=cdt).element_size())
-        blocks = row_blocks(logits, R, balanced=_accelerated(device))
-        plan = _row_plan(blocks, active, device)
-        col, inside = _label_columns(labels, V)
-        ws = _Workspace(R, V, cdt, device)
-        for (r0, r1, rows), (_, _, sel) in zip(blocks, plan):
-            if sel is _SKIP:
-                continue
-            x = _scaled_rows(_pick(rows, 0, r1 - r0, sel), temperature, cdt, ws, softcap)
-            lp_rows, ent_rows = _rows_forward(x, _pick(col, r0, r1, sel), _pick(inside, r0, r1, sel), cdt, ws,
-                                              return_entropy)
-            _store(logp, r0, r1, sel, lp_rows)
-            if return_entropy:
-                _store(entropy, r0, r1, sel, ent_rows)
-        if _accelerated(device):  # the rows' forward leaves this to one op per call
-            logp = torch.where(inside, logp, float("nan"))
-        ctx.save_for_backward(source, labels, entropy)
-        # p_y - 1 of each row for the half rows' backward (an intermediate, not the output: that may be changed in place)
-        ctx.em1 = torch.expm1(logp) if _accelerated(device) else None
-        ctx.active = active
-        ctx.plan, ctx.rows = plan, R
-        ctx.temperature = temperature
-        ctx.softcap = softcap
-        ctx.inplace = inplace_backward
-        ctx.set_materialize_grads(False)  # an unused entropy gets grad None, not a zero-filled tensor
-        return logp, entropy
-
-    @staticmethod
-    def backward(ctx, grad_logp, grad_entropy):
-        logits, labels, entropy = ctx.saved_tensors
-        tau, cap = ctx.temperature, ctx.softcap
-        V = logits.shape[-1]
-        n = labels.shape[0]
-        cdt = entropy.dtype
-        device = logits.device
-        source = logits.detach()
-        full = source if ctx.inplace else torch.empty_like(logits, memory_format=torch.contiguous_format)
-        grad = full
-        if ctx.extra:  # the base's gradient: 0 at the last position, the rows' gradient written into the others
-            full[:, -1].zero_()
-            source, grad = source[:, :-1], full[:, :-1]
-            V = source.shape[-1]
-        g_all = grad_logp if grad_logp is not None else torch.zeros_like(entropy)
-        plan = ctx.plan
-        if host_reads_allowed():  # skip every row without gradient: one host read of the mask (none on CPU)
-            carries = _carries_gradient(grad_logp, grad_entropy, n, device)
-            if ctx.active is not None:
-                carries &= ctx.active
-            plan = _row_plan([(r0, r1) for r0, r1, _ in plan], carries, device)
-        col, inside = _label_columns(labels, V)
-        ws = _Workspace(ctx.rows, V, cdt, device)
-        pre = direct = None
-        if _direct_half_backward(source, device, tau, cap, grad_entropy, ctx.inplace, cdt):  # per call, not per block
-            coef = -g_all / tau
-            direct = (coef, (ctx.em1 * coef).to(grad.dtype))  # the label's entry, rounded once
-        elif _accelerated(device) and grad_entropy is None:
-            pre = (torch.where(inside, -1.0, 0.0).to(cdt), -g_all / tau)
-        for r0, r1, sel in plan:
-            target = _row_view(grad, r0, r1)
-            if sel is _SKIP:
-                target.zero_()
-                continue
-            index = _is_index(sel)
-            # (an index reads a copy of the rows, before the in-place target is zeroed)
-            sub = _pick(_row_view(source, r0, r1), 0, r1 - r0, sel)
-            slope = None if cap is None else _cap_slope(sub, cap, ws.slope_tile(*sub.shape))
-            x = _scaled_rows(sub, tau, cdt, ws, cap)
-            out = torch.empty(x.shape, dtype=grad.dtype, device=device) if index else target
-            ge = None if grad_entropy is None else _pick(grad_entropy, r0, r1, sel)
-            if direct is not None:
-                _rows_backward_direct(x, _pick(col, r0, r1, sel), _pick(inside, r0, r1, sel),
-                                      _pick(direct[0], r0, r1, sel), _pick(direct[1], r0, r1, sel), out)
-            else:
-                _rows_backward(x, _pick(col, r0, r1, sel), _pick(inside, r0, r1, sel), _pick(g_all, r0, r1, sel),
-                               ge, _pick(entropy, r0, r1, sel), tau, cdt, ws, slope, out,
-                               None if pre is None else (_pick(pre[0], r0, r1, sel), _pick(pre[1], r0, r1, sel)))
-            if index:
-                target.zero_()
-                target.index_copy_(0, sel, out)
-            elif sel is not None:  # a device mask (no host read allowed): the other rows are exactly 0
-                target.masked_fill_(~sel[:, None], 0)
-        return full, None, None, None, None, None, None, None
-
-
-def _row_view(x: Tensor, r0: int, r1: int) -> Tensor:
-    """Rows ``[r0, r1)`` of ``x`` (``[N, V]`` or ``[B, T, V]``) as a view; blocks never cross a batch row."""
-    if x.dim() == 2:
-        return x[r0:r1]
-    try:
-        return x.view(-1, x.shape[-1])[r0:r1]
-    except RuntimeError:
-        T = x.shape[1]
-        return x[r0 // T, r0 % T : r0 % T + (r1 - r0)]
 
 
 _mm_fp32_out_ok: dict = {}  # (device type, dtype) -> whether mm / addmm take out_dtype=float32 with out=
@@ -938,36 +474,6 @@ def _linear_tile(h: Tensor, weight: Tensor, bias: Optional[Tensor], v0: int, cdt
     return z.tanh_().mul_(cap / tau), s
 
 
-def logits_logprobs(
-    logits: Tensor,
-    labels: Tensor,
-    *,
-    active: Optional[Tensor] = None,
-    temperature: float = 1.0,
-    return_entropy: bool = False,
-    inplace_backward: bool = False,
-    softcap: Optional[float] = None,
-) -> Tuple[Tensor, Optional[Tensor]]:
-    """Per-token ``(logp [N], entropy [N] | None)`` from ``logits [N, V]`` / ``[B, T, V]``.
-
-    fp16/bf16/fp32 logits: fp32 math and outputs; fp64 logits: fp64 math and outputs. Extra memory:
-    ``O(N)`` plus two (three with a temperature or a soft cap, four in the capped backward, one more for the
-    rows of partly selected blocks) scratch blocks of whole rows: on CPU about ``LOGITS_BLOCK_ELEMENTS``
-    elements each; on an accelerator all of them together about ``DEFAULT_MEMORY_BUDGET`` bytes (1 GiB).
-    The backward writes one gradient the size of the logits (or into the logits with ``inplace_backward``).
-    Host reads: one ``[N]`` bool mask per forward with ``active`` and one per backward (none on CPU tensors,
-    none under ``torch.compile`` / CUDA-graph capture, where every row of a block is computed and the others'
-    results replaced by 0). ``softcap``: see the backend contract.
-    """
-    cap = None if softcap is None else float(softcap)
-    base = None
-    if _accelerated(logits.device) and torch.is_grad_enabled() and not torch.compiler.is_compiling():
-        base = next_token_base(logits)  # [B, T + 1, V] read as [:, :-1]: its gradient written here, no slice_backward
-    logp, entropy = _LogitsLogprobs.apply(logits if base is None else base, labels, active, float(temperature),
-                                          return_entropy, inplace_backward, cap, base is not None)
-    return logp, (entropy if return_entropy else None)
-
-
 def linear_logprobs(
     hidden: Tensor,
     weight: Tensor,
@@ -1007,7 +513,3 @@ def linear_logprobs(
     logp, entropy = _LinearLogprobs.apply(hidden, weight, bias, labels, active, float(temperature), return_entropy,
                                           cap, memory_budget, graph)
     return logp, (entropy if return_entropy else None)
-
-
-def make_backend() -> Backend:
-    return Backend("torch", logits_logprobs, linear_logprobs)
