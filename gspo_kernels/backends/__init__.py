@@ -1,50 +1,10 @@
 """Backend registry: which implementation of the heavy per-token stage (and the sequence stage) runs.
 
-A backend provides, as differentiable functions (autograd Functions inside the backend):
-
-``logits_logprobs(logits, labels, *, active, temperature, return_entropy, inplace_backward, softcap=None)``
-    ``logits``: ``[N, V]`` or ``[B, T, V]`` (any strides, fp16/bf16/fp32/fp64), ``labels``: ``[N]`` int64
-    already in ``[0, V)``; ``active``: ``[N]`` bool or None, rows that may be skipped in the forward
-    (their outputs are 0) when False. Returns ``(logp [N] fp32, entropy [N] fp32 or None)``. The backward
-    receives ``grad_logp`` / ``grad_entropy`` (``[N]`` each, possibly None) and does no work for rows
-    where both are zero; their logits gradient is exactly 0. With ``inplace_backward`` the gradient is
-    written into the logits' own storage.
-
-``softcap`` (every backend's three functions accept it): ``None``, no cap, or a float ``c > 0`` (checked by
-the public functions): every logit ``z`` (``hidden @ weight.T + bias`` on the hidden-state path, the bias
-added first) becomes ``c * tanh(z / c)`` *before* the division by the temperature, so the backward
-multiplies each logit's gradient by ``1 - tanh^2(z / c)``. The cap is not shift-invariant: a backend must
-not shift the bias (or the logits) by a constant when it is set. The public functions pass the keyword
-only when a cap is set, so an uncapped call is the call a backend received before the keyword existed.
-
-``linear_logprobs(hidden, weight, bias, labels, *, active, temperature, return_entropy, memory_budget=None,
-batch_invariant=False, softcap=None)``
-    ``hidden``: ``[N, H]`` or ``[B, T, H]``, ``weight``: ``[V, H]``, ``bias``: ``[V]`` or None; same
-    outputs and the same skipping rule, gradients for hidden, weight and bias. ``memory_budget``:
-    bytes the backend may use for logits saved between forward and backward and for its chunk
-    buffers (None: :data:`DEFAULT_MEMORY_BUDGET`, the one default of every backend that uses it); it is
-    validated by the public functions (:func:`gspo_kernels.checks.check_memory_budget`), never again
-    here, and never changes the results' meaning. ``batch_invariant=True`` (passed only when the caller asks):
-    a row's results are the same bits whatever the rest of the batch; a backend that cannot promise it raises.
-
-Labels outside ``[0, V)`` reach a backend only when the public checks are skipped (under
-``torch.compile``): a backend never reads out of bounds for them, and that row's log-prob is NaN.
-
-``objective`` (optional)
-    a replacement for :func:`gspo_kernels.objective.gspo_objective` with the same signature.
-
-``fused_linear_loss(objective, hidden, weight, bias, inputs, config, *, memory_budget=None, softcap=None,
-leaves=None, logprobs_out=None)`` (optional)
-    the whole loss of the hidden-state path in one call, its gradient formed during the forward (the
-    one-pass form of :func:`gspo_kernels.fused_linear_gspo_loss`); returns a ``LossOutput``, or None when it
-    cannot run this input (the pipeline then runs ``linear_logprobs`` and the objective). ``leaves``: the
-    caller's tensors that the precision policy cast into the operands (the gradients go to them, in their
-    dtypes); ``logprobs_out [N]``: receives the detached per-token log-probs, 0 where the mask is 0.
-
-``fused_logits_loss(logits, inputs, config, *, inplace_backward=False, softcap=None)`` (optional)
-    the whole loss of the logits path with the backend's own ``objective``, as one differentiable call (the
-    log-probs and the sequence stage in one autograd node, no per-token gradient tensors between them);
-    returns a ``LossOutput`` equal to ``objective(*logits_logprobs(...), inputs, config)``.
+A backend provides the stage functions of the backend contract, written once as Protocols in
+:mod:`gspo_kernels.backends.contract`: ``logits_logprobs`` (:class:`~.contract.LogitsLogprobs`),
+``linear_logprobs`` (:class:`~.contract.LinearLogprobs`) and, optionally, ``objective``,
+``fused_linear_loss`` and ``fused_logits_loss`` (:class:`~.contract.Objective`,
+:class:`~.contract.FusedLinearLoss`, :class:`~.contract.FusedLogitsLoss`).
 
 ``"auto"`` picks, for the tensors' device, the first available of: CUDA -> triton, torch;
 CPU -> cpu (the C++ kernels, compiled on first use: :mod:`gspo_kernels.backends.cpu_build`), torch. It logs
@@ -66,12 +26,19 @@ from typing import Callable, Dict, Optional
 
 import torch as _torch  # not ``torch``: importing the subpackage backends/torch binds that name here
 
+from gspo_kernels.backends.contract import (
+    FusedLinearLoss,
+    FusedLogitsLoss,
+    LinearLogprobs,
+    LogitsLogprobs,
+    Objective,
+)
 from gspo_kernels.versions import UnsupportedVersion
 
 logger = logging.getLogger("gspo_kernels")
 
 BACKENDS = ("torch", "triton", "cpu")
-DEFAULT_MEMORY_BUDGET = 1 << 30  # bytes; see the contract above
+DEFAULT_MEMORY_BUDGET = 1 << 30  # bytes; see the contract (LinearLogprobs)
 _MODULES = {
     "torch": "gspo_kernels.backends.torch",
     "triton": "gspo_kernels.backends.triton",
@@ -82,24 +49,24 @@ _announced: set = set()
 
 
 class Backend:
-    """A named set of stage implementations (see module docstring)."""
+    """A named set of stage implementations, each of the contract's Protocol (:mod:`.contract`)."""
 
     def __init__(
         self,
         name: str,
-        logits_logprobs: Callable,
-        linear_logprobs: Callable,
-        objective: Optional[Callable] = None,
+        logits_logprobs: LogitsLogprobs,
+        linear_logprobs: LinearLogprobs,
+        objective: Optional[Objective] = None,
         supports: Optional[Callable[[_torch.device], bool]] = None,
-        fused_linear_loss: Optional[Callable] = None,
-        fused_logits_loss: Optional[Callable] = None,
+        fused_linear_loss: Optional[FusedLinearLoss] = None,
+        fused_logits_loss: Optional[FusedLogitsLoss] = None,
     ) -> None:
         self.name = name
-        self.logits_logprobs = logits_logprobs
-        self.linear_logprobs = linear_logprobs
-        self.objective = objective
-        self.fused_linear_loss = fused_linear_loss
-        self.fused_logits_loss = fused_logits_loss
+        self.logits_logprobs: LogitsLogprobs = logits_logprobs
+        self.linear_logprobs: LinearLogprobs = linear_logprobs
+        self.objective: Optional[Objective] = objective
+        self.fused_linear_loss: Optional[FusedLinearLoss] = fused_linear_loss
+        self.fused_logits_loss: Optional[FusedLogitsLoss] = fused_logits_loss
         self._supports = supports
 
     def supports(self, device: _torch.device) -> bool:

@@ -691,7 +691,7 @@ def linear_logprobs(
     """Per-token log-probs (and entropy) of ``labels`` under ``softmax((hidden @ weight.T + bias) / temperature)``
     (with ``softcap = c``: ``softmax(c tanh((hidden @ weight.T + bias) / c) / temperature)``).
 
-    The backend contract's ``linear_logprobs`` (see ``gspo_kernels/backends/__init__.py``).
+    The backend contract's ``linear_logprobs`` (:class:`gspo_kernels.backends.contract.LinearLogprobs`).
 
     Args:
         hidden: ``[N, H]`` or ``[B, T, H]`` (any strides), fp16/bf16/fp32/fp64.

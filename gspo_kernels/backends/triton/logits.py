@@ -691,7 +691,7 @@ def logits_logprobs(
     inplace_backward: bool = False,
     softcap: Optional[float] = None,
 ) -> Tuple[Tensor, Optional[Tensor]]:
-    """The backend contract's ``logits_logprobs`` (see ``gspo_kernels/backends/__init__.py``).
+    """The backend contract's ``logits_logprobs`` (:class:`gspo_kernels.backends.contract.LogitsLogprobs`).
 
     Args:
         logits: ``[N, V]`` or ``[B, T, V]`` fp16/bf16/fp32/fp64, any strides. A ``model_output[:, :-1]`` view

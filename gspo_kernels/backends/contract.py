@@ -1,0 +1,146 @@
+"""The backend contract: what a backend's stage functions take and return, written once as Protocols.
+
+A backend (:class:`gspo_kernels.backends.Backend`) provides :class:`LogitsLogprobs` and :class:`LinearLogprobs`,
+and optionally :class:`Objective`, :class:`FusedLinearLoss` and :class:`FusedLogitsLoss`, as differentiable
+functions (autograd Functions inside the backend) whose parameters are those of the Protocol's ``__call__``:
+the same names, kinds (keyword-only after ``*``) and defaults (``tests/test_backend_contract.py`` checks each
+registered backend against them).
+
+``softcap`` (every backend's ``logits_logprobs``, ``linear_logprobs`` and ``fused_linear_loss`` accept it):
+``None``, no cap, or a float ``c > 0`` (checked by the public functions): every logit ``z`` (``hidden @ weight.T +
+bias`` on the hidden-state path, the bias added first) becomes ``c * tanh(z / c)`` *before* the division by the
+temperature, so the backward multiplies each logit's gradient by ``1 - tanh^2(z / c)``. The cap is not
+shift-invariant: a backend must not shift the bias (or the logits) by a constant when it is set. The public
+functions pass the keyword only when a cap is set, so an uncapped call is the call a backend received before the
+keyword existed.
+
+Labels outside ``[0, V)`` reach a backend only when the public checks are skipped (under ``torch.compile``): a
+backend never reads out of bounds for them, and that row's log-prob is NaN.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable, Optional, Protocol, Tuple
+
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from gspo_kernels.config import GSPOConfig
+    from gspo_kernels.layout import LossInputs
+    from gspo_kernels.objective import LossOutput
+
+
+class LogitsLogprobs(Protocol):
+    """``logits_logprobs``: per-token ``(logp, entropy)`` from the logits.
+
+    ``logits``: ``[N, V]`` or ``[B, T, V]`` (any strides, fp16/bf16/fp32/fp64), ``labels``: ``[N]`` int64 already
+    in ``[0, V)``; ``active``: ``[N]`` bool or None, rows that may be skipped in the forward (their outputs are 0)
+    when False. Returns ``(logp [N] fp32, entropy [N] fp32 or None)``. The backward receives ``grad_logp`` /
+    ``grad_entropy`` (``[N]`` each, possibly None) and does no work for rows where both are zero; their logits
+    gradient is exactly 0. With ``inplace_backward`` the gradient is written into the logits' own storage.
+    """
+
+    def __call__(
+        self,
+        logits: Tensor,
+        labels: Tensor,
+        *,
+        active: Optional[Tensor] = None,
+        temperature: float = 1.0,
+        return_entropy: bool = False,
+        inplace_backward: bool = False,
+        softcap: Optional[float] = None,
+    ) -> Tuple[Tensor, Optional[Tensor]]: ...
+
+
+class LinearLogprobs(Protocol):
+    """``linear_logprobs``: per-token ``(logp, entropy)`` of ``hidden @ weight.T + bias`` (the hidden-state path).
+
+    ``hidden``: ``[N, H]`` or ``[B, T, H]``, ``weight``: ``[V, H]``, ``bias``: ``[V]`` or None; the outputs and the
+    skipping rule of :class:`LogitsLogprobs`, gradients for hidden, weight and bias. ``memory_budget``: bytes the
+    backend may use for logits saved between forward and backward and for its chunk buffers (None:
+    :data:`gspo_kernels.backends.DEFAULT_MEMORY_BUDGET`, the one default of every backend that uses it); it is
+    validated by the public functions (:func:`gspo_kernels.checks.check_memory_budget`), never again in a
+    backend, and never changes the results' meaning. ``batch_invariant=True`` (passed only when the caller asks):
+    a row's results are the same bits whatever the rest of the batch; a backend that cannot promise it raises.
+    """
+
+    def __call__(
+        self,
+        hidden: Tensor,
+        weight: Tensor,
+        bias: Optional[Tensor],
+        labels: Tensor,
+        *,
+        active: Optional[Tensor] = None,
+        temperature: float = 1.0,
+        return_entropy: bool = False,
+        memory_budget: Optional[int] = None,
+        batch_invariant: bool = False,
+        softcap: Optional[float] = None,
+    ) -> Tuple[Tensor, Optional[Tensor]]: ...
+
+
+class Objective(Protocol):
+    """``objective`` (optional): a replacement for :func:`gspo_kernels.objective.gspo_objective`, with its signature.
+
+    ``logp``, ``entropy``: ``[N]``; ``entropy`` may be None only when ``config.entropy_coef == 0``. Returns the
+    ``LossOutput`` (the loss and its metrics).
+    """
+
+    def __call__(self, logp: Tensor, entropy: Optional[Tensor], inputs: LossInputs,
+                 config: GSPOConfig) -> LossOutput: ...
+
+
+class FusedLinearLoss(Protocol):
+    """``fused_linear_loss`` (optional): the whole loss of the hidden-state path in one call.
+
+    Its gradient is formed during the forward (the one-pass form of :func:`gspo_kernels.fused_linear_gspo_loss`);
+    returns a ``LossOutput``, or None when it cannot run this input (the pipeline then runs ``linear_logprobs`` and
+    the objective). ``objective``: the backend's sequence stage. ``leaves``: the caller's tensors that the
+    precision policy cast into the operands (the gradients go to them, in their dtypes); ``logprobs_out [N]``:
+    receives the detached per-token log-probs, 0 where the mask is 0.
+    """
+
+    def __call__(
+        self,
+        objective: Callable,
+        hidden: Tensor,
+        weight: Tensor,
+        bias: Optional[Tensor],
+        inputs: LossInputs,
+        config: GSPOConfig,
+        *,
+        memory_budget: Optional[int] = None,
+        softcap: Optional[float] = None,
+        leaves: Optional[Tuple[Tensor, Tensor, Optional[Tensor]]] = None,
+        logprobs_out: Optional[Tensor] = None,
+    ) -> Optional[LossOutput]: ...
+
+
+class FusedLogitsLoss(Protocol):
+    """``fused_logits_loss`` (optional): the whole loss of the logits path with the backend's own ``objective``.
+
+    One differentiable call (the log-probs and the sequence stage in one autograd node, no per-token gradient
+    tensors between them); returns a ``LossOutput`` equal to ``objective(*logits_logprobs(...), inputs, config)``.
+    """
+
+    def __call__(
+        self,
+        logits: Tensor,
+        inputs: LossInputs,
+        config: GSPOConfig,
+        *,
+        inplace_backward: bool = False,
+        softcap: Optional[float] = None,
+    ) -> LossOutput: ...
+
+
+ENTRIES = {
+    "logits_logprobs": LogitsLogprobs,
+    "linear_logprobs": LinearLogprobs,
+    "objective": Objective,
+    "fused_linear_loss": FusedLinearLoss,
+    "fused_logits_loss": FusedLogitsLoss,
+}
+"""Each :class:`~gspo_kernels.backends.Backend` field that holds a stage function, and its Protocol."""

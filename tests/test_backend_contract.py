@@ -1,0 +1,73 @@
+"""Every registered backend's stage functions against the contract's Protocols (``gspo_kernels.backends.contract``).
+
+For each entry a backend provides, the function's parameters (names, kinds, defaults, in order) are those of the
+Protocol's ``__call__`` without ``self``. The triton backend is loaded with the Triton interpreter active on a
+machine without a GPU (``tests/conftest.py`` sets ``TRITON_INTERPRET=1`` before triton is imported); loading a
+backend runs no kernel.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+from gspo_kernels import backends
+from gspo_kernels.backends.contract import ENTRIES, Objective
+from gspo_kernels.objective import gspo_objective
+
+# Keywords a backend's function takes beyond the contract, named one by one (anything else that differs fails).
+# Each is keyword-only with the default None, so a call written to the contract never passes it.
+# triton's linear_logprobs: ``leaves``, the caller's tensors the gradients go to in their dtypes, passed by the
+# pipeline to that backend only (gspo_kernels/loss.py); the contract's fused_linear_loss has the same keyword.
+EXTRAS = {("triton", "linear_logprobs"): ("leaves",)}
+
+
+def parameters(fn, method: bool = False) -> list:
+    """``[(name, kind, default, type of the default)]`` of ``fn``'s parameters (``method``: without ``self``)."""
+    params = list(inspect.signature(fn).parameters.values())
+    if method:
+        assert params[0].name == "self"
+        params = params[1:]
+    return [(p.name, p.kind, p.default, type(p.default)) for p in params]
+
+
+def loaded(name: str):
+    backend = backends.load(name)
+    if backend is None:
+        pytest.skip(f"backend {name!r} is not available here: {backends.unavailable_reason(name)}")
+    return backend
+
+
+@pytest.mark.parametrize("name", backends.BACKENDS)
+def test_backend_entries_have_the_contract_signatures(name):
+    backend = loaded(name)
+    assert backend.logits_logprobs is not None and backend.linear_logprobs is not None, "the two required entries"
+    checked = []
+    for entry, protocol in ENTRIES.items():
+        fn = getattr(backend, entry)
+        if fn is None:
+            continue
+        expected = parameters(protocol.__call__, method=True)
+        got = parameters(fn)
+        extras = EXTRAS.get((name, entry), ())
+        extra = [p for p in got if p[0] in extras]
+        assert [p[0] for p in extra] == list(extras), f"{name}.{entry}: the extra keywords named in EXTRAS"
+        for p_name, kind, default, _ in extra:
+            assert kind is inspect.Parameter.KEYWORD_ONLY and default is None, f"{name}.{entry}: extra {p_name!r}"
+        assert [p for p in got if p[0] not in extras] == expected, (
+            f"backend {name!r}: {entry}{inspect.signature(fn)} is not the contract's "
+            f"{protocol.__name__}{inspect.signature(protocol.__call__)}")
+        checked.append(entry)
+    assert checked[:2] == ["logits_logprobs", "linear_logprobs"]
+
+
+def test_the_objective_protocol_is_gspo_objective():
+    """A backend's ``objective`` replaces :func:`gspo_kernels.objective.gspo_objective`: the same parameters."""
+    assert parameters(gspo_objective) == parameters(Objective.__call__, method=True)
+
+
+def test_every_backend_field_is_a_contract_entry():
+    """The Backend's stage fields are the Protocols' entries, none more, none less."""
+    fields = [p for p in inspect.signature(backends.Backend).parameters if p not in ("name", "supports")]
+    assert sorted(fields) == sorted(ENTRIES)
