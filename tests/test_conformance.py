@@ -62,11 +62,15 @@ def use_backend(name: str, monkeypatch) -> str:
             pytest.fail(f"GSPO_KERNELS_REQUIRE_EXT=1 but backend 'cpu' is unavailable: {reason}")
         pytest.skip(f"backend {name!r} unavailable: {reason}")
     import importlib
+    import sys
 
-    module = importlib.import_module(backends._MODULES[name])
+    package = importlib.import_module(backends._MODULES[name]).__name__
+    # a backend package's tile sizes live in its submodules (each read where it is defined)
+    modules = [m for key, m in sorted(sys.modules.items()) if key == package or key.startswith(package + ".")]
     for attr, value in SMALL_TILES.get(name, {}).items():
-        if hasattr(module, attr):
-            monkeypatch.setattr(module, attr, value)
+        for module in modules:
+            if hasattr(module, attr):
+                monkeypatch.setattr(module, attr, value)
     return name
 
 
