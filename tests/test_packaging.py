@@ -32,7 +32,7 @@ from gspo_kernels import backends
 from gspo_kernels.backends import cpu_build
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCES = sorted(p.name for p in (ROOT / "gspo_kernels" / "csrc").iterdir() if p.suffix in (".cpp", ".h"))
+SOURCES = sorted(p.name for p in (ROOT / "csrc").iterdir() if p.suffix in (".cpp", ".h"))
 # Machine code in an archive member: ELF, Mach-O (32/64-bit, either byte order, universal), PE.
 BINARY_MAGIC = (b"\x7fELF", b"\xcf\xfa\xed\xfe", b"\xce\xfa\xed\xfe", b"\xfe\xed\xfa\xcf", b"\xca\xfe\xba\xbe", b"MZ")
 COMPILED_SUFFIXES = (".so", ".pyd", ".dylib", ".dll", ".o", ".a")
@@ -133,7 +133,7 @@ def test_wheel_is_pure_python_and_carries_the_cpp_sources(dist):
         metadata = next(whl.read(n).decode() for n in names if n.endswith(".dist-info/METADATA"))
         entry_points = next(whl.read(n).decode() for n in names if n.endswith(".dist-info/entry_points.txt"))
         for name in SOURCES:
-            assert whl.read(f"gspo_kernels/csrc/{name}") == (ROOT / "gspo_kernels" / "csrc" / name).read_bytes()
+            assert whl.read(f"gspo_kernels/csrc/{name}") == (ROOT / "csrc" / name).read_bytes()
     assert dist["wheel"].name.endswith("-py3-none-any.whl")
     assert "Root-Is-Purelib: true" in wheel_meta and "Tag: py3-none-any" in wheel_meta
     assert "Name: gspo-kernels" in metadata and f"Version: {gk.__version__}" in metadata

@@ -39,7 +39,7 @@ logger = logging.getLogger("gspo_kernels")
 # Bumped when the way the library is built or laid out changes (not for source changes: those are hashed).
 BUILD_FORMAT = 1
 LIBRARY_NAME = "_C"  # module.cpp defines PyInit__C; the operators register under torch.ops.gspo_kernels
-SOURCE_DIR = Path(__file__).resolve().parent.parent / "csrc"
+SOURCE_DIR = Path(__file__).resolve().parents[2] / "csrc"  # the top-level csrc/ of the checkout
 
 # No -ffast-math: its reciprocal approximations and reassociation change results (a logit scaled by
 # 1/temperature = 1e6 must round the same way everywhere). -ffp-contract=off: no implicit FMA, so one
