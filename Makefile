@@ -45,7 +45,7 @@ install: $(STAMP)
 	$(VENV)/bin/gspo-kernels build-ext
 
 # The C++ CPU kernels are compiled at first use into a per-user cache keyed by their sources (editing
-# gspo_kernels/csrc needs no reinstall); build-ext compiles them up front (a no-op when cached), so no
+# csrc/ needs no reinstall); build-ext compiles them up front (a no-op when cached), so no
 # timed step or test pays the compile.
 demo: $(STAMP)
 	$(VENV)/bin/gspo-kernels build-ext
@@ -80,5 +80,6 @@ bench: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check gspo_kernels tests benchmarks
 
+# gspo_kernels/csrc: the sources' former place (an old tree's leftovers; the checkout's sources are in csrc/).
 clean:
-	rm -rf $(VENV) $(FLOOR_VENV) build dist *.egg-info gspo_kernels/backends/_C*.so
+	rm -rf $(VENV) $(FLOOR_VENV) build dist *.egg-info gspo_kernels/backends/_C*.so gspo_kernels/csrc

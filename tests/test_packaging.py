@@ -110,6 +110,8 @@ def _check_install(python: Path, workdir: Path, env: dict) -> str:
         assert hidden.grad is not None and torch.isfinite(hidden.grad).all()
         assert "cpu" in gk.available_backends(), gk.backends.unavailable_reason("cpu")
         assert pathlib.Path(gk.__file__).is_relative_to(sys.prefix), gk.__file__  # the installed copy
+        from gspo_kernels.backends import cpu_build
+        assert cpu_build.SOURCE_DIR == pathlib.Path(gk.__file__).parent / "csrc", cpu_build.SOURCE_DIR  # its sources
         print("README example OK")
     """))
     assert "README example OK" in _run([python, script], cwd=workdir, env=env)
@@ -134,6 +136,7 @@ def test_wheel_is_pure_python_and_carries_the_cpp_sources(dist):
         entry_points = next(whl.read(n).decode() for n in names if n.endswith(".dist-info/entry_points.txt"))
         for name in SOURCES:
             assert whl.read(f"gspo_kernels/csrc/{name}") == (ROOT / "csrc" / name).read_bytes()
+        assert sorted(n for n in names if "csrc/" in n) == [f"gspo_kernels/csrc/{name}" for name in SOURCES]
     assert dist["wheel"].name.endswith("-py3-none-any.whl")
     assert "Root-Is-Purelib: true" in wheel_meta and "Tag: py3-none-any" in wheel_meta
     assert "Name: gspo-kernels" in metadata and f"Version: {gk.__version__}" in metadata
@@ -160,10 +163,15 @@ def test_sdist_carries_the_cpp_sources_and_no_binaries(dist):
         members = {m.name.split("/", 1)[1]: m for m in sdist.getmembers() if "/" in m.name and m.isfile()}
         binaries = [n for n, m in members.items()
                     if n.endswith(COMPILED_SUFFIXES) or sdist.extractfile(m).read(4).startswith(BINARY_MAGIC)]
+        sources = {s: sdist.extractfile(members[f"csrc/{s}"]).read() for s in SOURCES if f"csrc/{s}" in members}
+        setup_py = sdist.extractfile(members["setup.py"]).read().decode() if "setup.py" in members else ""
     assert binaries == []
-    for name in ["pyproject.toml", "LICENSE", "README.md"] + [f"gspo_kernels/csrc/{s}" for s in SOURCES]:
+    for name in ["pyproject.toml", "setup.py", "LICENSE", "README.md"] + [f"csrc/{s}" for s in SOURCES]:
         assert name in members, f"{name} missing from the sdist"
-    assert "setup.py" not in members
+    assert sources == {s: (ROOT / "csrc" / s).read_bytes() for s in SOURCES}
+    assert not any(n.startswith("gspo_kernels/csrc/") for n in members), "a second copy of the C++ sources"
+    # setup.py only maps csrc/ into the package: it compiles nothing (the wheel stays pure Python)
+    assert '"gspo_kernels.csrc": "csrc"' in setup_py and "ext_modules" not in setup_py
 
 
 @pytest.mark.network
@@ -195,6 +203,32 @@ def test_checkout_installs_with_default_pip_options_and_compiles_at_first_use(di
     (library,) = cache.glob("cpu-torch*/_C.so")
     assert f"built, cached at {library}" in version
     assert not list(cache.glob(".cpu-*")), "a staging directory was left behind"
+
+
+@pytest.mark.network
+def test_editable_install_compiles_the_checkouts_top_level_csrc(dist, fresh_venv, tmp_path):
+    """``pip install -e <checkout>`` into a fresh venv: the package runs from the checkout, and the first-use build
+    compiles the checkout's top-level ``csrc/`` (the same cache key as the wheel's copy of those sources)."""
+    python = fresh_venv
+    _run([python, "-m", "pip", "uninstall", "-q", "-y", "gspo-kernels"], cwd=tmp_path)
+    _run([python, "-m", "pip", "install", "-q", "-e", dist["src"]], cwd=tmp_path)
+    env = _clean_env(GSPO_KERNELS_REQUIRE_EXT="1")
+    out = _run([python, "-c", "import gspo_kernels as gk; from gspo_kernels.backends import cpu_build as b; "
+                "print(gk.__file__); print(b.SOURCE_DIR); print(b.cache_dir().name)"], cwd=tmp_path, env=env)
+    package_file, source_dir, key = out.split()
+    assert Path(package_file) == dist["src"] / "gspo_kernels" / "__init__.py"
+    assert Path(source_dir) == dist["src"] / "csrc" and not (dist["src"] / "gspo_kernels" / "csrc").exists()
+    assert key == cpu_build.cache_dir().name
+    assert "gspo-kernels build-ext: " in _run([python.parent / "gspo-kernels", "build-ext"], cwd=tmp_path, env=env)
+    _run([python, "-m", "pip", "uninstall", "-q", "-y", "gspo-kernels"], cwd=tmp_path)
+
+
+def test_a_checkout_builds_its_top_level_csrc():
+    """Run from the checkout (``PYTHONPATH``, as the tests do): the sources are the top-level ``csrc/``, the only copy."""
+    assert Path(gk.__file__).resolve().parent == ROOT / "gspo_kernels"
+    assert cpu_build.SOURCE_DIR == ROOT / "csrc"
+    assert cpu_build.source_files() == [ROOT / "csrc" / name for name in SOURCES]
+    assert not (ROOT / "gspo_kernels" / "csrc").exists()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,8 +1,9 @@
-"""Builds the C++ CPU kernels (``gspo_kernels/csrc``) on first use, into a per-user cache, and loads them.
+"""Builds the C++ CPU kernels (``csrc/``) on first use, into a per-user cache, and loads them.
 
-The wheel is pure Python: it carries the C++ sources as package data, and the first process that needs
-``backend="cpu"`` compiles them with :func:`torch.utils.cpp_extension.load` against the torch it runs with
-(about a minute on 2 cores, once). Why this design, and not a compiled wheel: ``docs/install.md``.
+The wheel is pure Python: it carries the C++ sources as package data (``gspo_kernels/csrc``; a checkout has
+them in its top-level ``csrc/``: :func:`_find_source_dir`), and the first process that needs ``backend="cpu"``
+compiles them with :func:`torch.utils.cpp_extension.load` against the torch it runs with (about a minute on
+2 cores, once). Why this design, and not a compiled wheel: ``docs/install.md``.
 
 Cache: ``$GSPO_KERNELS_CACHE``, else ``$XDG_CACHE_HOME/gspo_kernels``, else ``~/.cache/gspo_kernels``; one
 directory per key. The key hashes everything the binary depends on: the torch build (version, git revision,
@@ -39,7 +40,21 @@ logger = logging.getLogger("gspo_kernels")
 # Bumped when the way the library is built or laid out changes (not for source changes: those are hashed).
 BUILD_FORMAT = 1
 LIBRARY_NAME = "_C"  # module.cpp defines PyInit__C; the operators register under torch.ops.gspo_kernels
-SOURCE_DIR = Path(__file__).resolve().parents[2] / "csrc"  # the top-level csrc/ of the checkout
+
+
+def _find_source_dir() -> Path:
+    """Where the C++ sources are: ``gspo_kernels/csrc`` inside an installed package (the wheel maps the
+    checkout's top-level ``csrc/`` there), else the top-level ``csrc/`` beside the package folder (a source
+    checkout, an editable install, a ``PYTHONPATH`` run). Neither: the installed location, which
+    :func:`_check_platform` reports as missing."""
+    package = Path(__file__).resolve().parents[1]
+    for candidate in (package / "csrc", package.parent / "csrc"):
+        if (candidate / "module.cpp").is_file():
+            return candidate
+    return package / "csrc"
+
+
+SOURCE_DIR = _find_source_dir()
 
 # No -ffast-math: its reciprocal approximations and reassociation change results (a logit scaled by
 # 1/temperature = 1e6 must round the same way everywhere). -ffp-contract=off: no implicit FMA, so one
