@@ -29,7 +29,7 @@ import torch
 
 import gspo_kernels as gk
 from gspo_kernels import backends
-from gspo_kernels.backends import cpu_build
+from gspo_kernels.backends.cpu import build as cpu_build
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = sorted(p.name for p in (ROOT / "csrc").iterdir() if p.suffix in (".cpp", ".h"))
@@ -110,7 +110,7 @@ def _check_install(python: Path, workdir: Path, env: dict) -> str:
         assert hidden.grad is not None and torch.isfinite(hidden.grad).all()
         assert "cpu" in gk.available_backends(), gk.backends.unavailable_reason("cpu")
         assert pathlib.Path(gk.__file__).is_relative_to(sys.prefix), gk.__file__  # the installed copy
-        from gspo_kernels.backends import cpu_build
+        from gspo_kernels.backends.cpu import build as cpu_build
         assert cpu_build.SOURCE_DIR == pathlib.Path(gk.__file__).parent / "csrc", cpu_build.SOURCE_DIR  # its sources
         print("README example OK")
     """))
@@ -213,7 +213,7 @@ def test_editable_install_compiles_the_checkouts_top_level_csrc(dist, fresh_venv
     _run([python, "-m", "pip", "uninstall", "-q", "-y", "gspo-kernels"], cwd=tmp_path)
     _run([python, "-m", "pip", "install", "-q", "-e", dist["src"]], cwd=tmp_path)
     env = _clean_env(GSPO_KERNELS_REQUIRE_EXT="1")
-    out = _run([python, "-c", "import gspo_kernels as gk; from gspo_kernels.backends import cpu_build as b; "
+    out = _run([python, "-c", "import gspo_kernels as gk; from gspo_kernels.backends.cpu import build as b; "
                 "print(gk.__file__); print(b.SOURCE_DIR); print(b.cache_dir().name)"], cwd=tmp_path, env=env)
     package_file, source_dir, key = out.split()
     assert Path(package_file) == dist["src"] / "gspo_kernels" / "__init__.py"
@@ -238,7 +238,7 @@ def test_a_checkout_builds_its_top_level_csrc():
 _FAKE_BUILD = """
 import os, sys, time
 from pathlib import Path
-from gspo_kernels.backends import cpu_build
+from gspo_kernels.backends.cpu import build as cpu_build
 
 def fake_compile(build_directory, log, verbose):  # a slow "compiler": counts its runs, writes the library last
     with open(sys.argv[1], "a") as f:
@@ -258,7 +258,7 @@ def test_concurrent_first_use_builds_once(tmp_path):
     staging directory stays behind (nor the one a killed build left)."""
     cache = tmp_path / "cache"
     env = _clean_env(GSPO_KERNELS_CACHE=str(cache), PYTHONPATH=str(ROOT))
-    env_key_dir = subprocess.run([sys.executable, "-c", "from gspo_kernels.backends import cpu_build as b; "
+    env_key_dir = subprocess.run([sys.executable, "-c", "from gspo_kernels.backends.cpu import build as b; "
                                   "print(b.cache_dir().name)"], env=env, capture_output=True, text=True,
                                  cwd=tmp_path, check=True).stdout.strip()
     killed = cache / f".{env_key_dir}.killed"

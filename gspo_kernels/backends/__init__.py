@@ -7,7 +7,7 @@ A backend provides the stage functions of the backend contract, written once as 
 :class:`~.contract.FusedLinearLoss`, :class:`~.contract.FusedLogitsLoss`).
 
 ``"auto"`` picks, for the tensors' device, the first available of: CUDA -> triton, torch;
-CPU -> cpu (the C++ kernels, compiled on first use: :mod:`gspo_kernels.backends.cpu_build`), torch. It logs
+CPU -> cpu (the C++ kernels, compiled on first use: :mod:`gspo_kernels.backends.cpu.build`), torch. It logs
 the backend it picked once per (device, name). When the C++ kernels cannot be built (no compiler, ...), the
 ``cpu`` backend is unavailable with one ``RuntimeWarning`` and :func:`unavailable_reason` says why; with
 ``GSPO_KERNELS_REQUIRE_EXT=1`` in the environment that is a ``RuntimeError`` instead. Likewise a triton

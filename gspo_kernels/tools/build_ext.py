@@ -14,7 +14,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from gspo_kernels.backends import cpu_build
+    from gspo_kernels.backends.cpu import build as cpu_build
 
     try:
         library = cpu_build.build(verbose=args.verbose_build)

@@ -30,7 +30,7 @@ def version_report() -> str:
     import torch
 
     import gspo_kernels
-    from gspo_kernels.backends import cpu_build
+    from gspo_kernels.backends.cpu import build as cpu_build
 
     def installed(dist: str) -> str:
         try:

@@ -48,7 +48,8 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from gspo_kernels.backends import DEFAULT_MEMORY_BUDGET, Backend, cpu_build
+from gspo_kernels.backends import DEFAULT_MEMORY_BUDGET, Backend
+from gspo_kernels.backends.cpu import build as cpu_build
 from gspo_kernels.backends.tiling import as_rows, next_token_base
 
 logger = logging.getLogger("gspo_kernels")
@@ -78,7 +79,7 @@ _fp64_announced = False
 
 
 def _load_extension() -> None:
-    """Load the C++ kernels (built on first use, :mod:`gspo_kernels.backends.cpu_build`) and register the fake
+    """Load the C++ kernels (built on first use, :mod:`gspo_kernels.backends.cpu.build`) and register the fake
     and autograd implementations once. Raises ``RuntimeError`` (``cpu_build.ExtensionUnavailable``) with the
     reason when they cannot be built or loaded here."""
     global _registered

@@ -47,7 +47,7 @@ def _find_source_dir() -> Path:
     checkout's top-level ``csrc/`` there), else the top-level ``csrc/`` beside the package folder (a source
     checkout, an editable install, a ``PYTHONPATH`` run). Neither: the installed location, which
     :func:`_check_platform` reports as missing."""
-    package = Path(__file__).resolve().parents[1]
+    package = Path(__file__).resolve().parents[2]
     for candidate in (package / "csrc", package.parent / "csrc"):
         if (candidate / "module.cpp").is_file():
             return candidate
