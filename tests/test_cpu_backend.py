@@ -256,13 +256,13 @@ def small_blocks(monkeypatch, mode):
     vocabulary tiles of 33 (the last one partial); in the invariant mode 2-row GEMMs (padding in the
     last); in the default mode the GEMMs of the actual rows through oneDNN, or ATen's matmul."""
     if mode == "invariant":
-        monkeypatch.setattr(cpu_backend, "ROW_BLOCK", 5)
-        monkeypatch.setattr(cpu_backend, "VOCAB_BLOCK", 33)
-        monkeypatch.setattr(cpu_backend, "GEMM_ROWS", 2)
+        monkeypatch.setattr(cpu_backend.linear, "ROW_BLOCK", 5)
+        monkeypatch.setattr(cpu_backend.linear, "VOCAB_BLOCK", 33)
+        monkeypatch.setattr(cpu_backend.linear, "GEMM_ROWS", 2)
     else:
-        monkeypatch.setattr(cpu_backend, "FAST_ROW_BLOCK", 5)
-        monkeypatch.setattr(cpu_backend, "FAST_MIN_ROW_BLOCK", 1)
-        monkeypatch.setattr(cpu_backend, "FAST_VOCAB_BLOCK", 33)
+        monkeypatch.setattr(cpu_backend.linear, "FAST_ROW_BLOCK", 5)
+        monkeypatch.setattr(cpu_backend.linear, "FAST_MIN_ROW_BLOCK", 1)
+        monkeypatch.setattr(cpu_backend.linear, "FAST_VOCAB_BLOCK", 33)
         if mode == "default-aten":
             monkeypatch.setenv("GSPO_KERNELS_CPU_GEMM", "aten")
     return mode == "invariant"
@@ -391,8 +391,8 @@ def test_auto_picks_cpu_backend():
 def test_missing_compiler_says_why(monkeypatch, tmp_path):
     monkeypatch.setenv("GSPO_KERNELS_CACHE", str(tmp_path))  # nothing built there
     monkeypatch.setenv("CXX", "no-such-compiler")
-    monkeypatch.setattr(cpu_backend.cpu_build, "_loaded_path", None)
-    monkeypatch.setattr(cpu_backend, "_registered", False)
+    monkeypatch.setattr(cpu_backend.build, "_loaded_path", None)
+    monkeypatch.setattr(cpu_backend.ops, "_registered", False)
     with pytest.raises(RuntimeError, match="no C\\+\\+ compiler"):
         cpu_backend.make_backend()
 
@@ -524,9 +524,9 @@ def _rows_alone_and_in_batch(blocks, monkeypatch):
     """A row's (logp, entropy, dH row) alone and among 64 others at several positions, with several
     budgets and active masks; every variant must give the same bits."""
     if blocks is not None:
-        monkeypatch.setattr(cpu_backend, "GEMM_ROWS", blocks[0])
-        monkeypatch.setattr(cpu_backend, "ROW_BLOCK", blocks[1])
-        monkeypatch.setattr(cpu_backend, "VOCAB_BLOCK", blocks[2])
+        monkeypatch.setattr(cpu_backend.linear, "GEMM_ROWS", blocks[0])
+        monkeypatch.setattr(cpu_backend.linear, "ROW_BLOCK", blocks[1])
+        monkeypatch.setattr(cpu_backend.linear, "VOCAB_BLOCK", blocks[2])
     gen = torch.Generator().manual_seed(11)
     H, V = 256, 3000  # shapes where MKL's row results do depend on the number of rows of a GEMM
     weight = torch.randn(V, H, generator=gen) * 0.2
@@ -575,9 +575,9 @@ def test_linear_batch_invariant_bits_do_not_depend_on_the_thread_count(blocks, m
     with dynamic threading the count, and so the row's bits, then depends on the machine's load (an H200 host
     under pytest-xdist failed the batch-invariance test). 8 threads on a 2-core machine is fine."""
     if blocks is not None:
-        monkeypatch.setattr(cpu_backend, "GEMM_ROWS", blocks[0])
-        monkeypatch.setattr(cpu_backend, "ROW_BLOCK", blocks[1])
-        monkeypatch.setattr(cpu_backend, "VOCAB_BLOCK", blocks[2])
+        monkeypatch.setattr(cpu_backend.linear, "GEMM_ROWS", blocks[0])
+        monkeypatch.setattr(cpu_backend.linear, "ROW_BLOCK", blocks[1])
+        monkeypatch.setattr(cpu_backend.linear, "VOCAB_BLOCK", blocks[2])
     gen = torch.Generator().manual_seed(12)
     N, H, V = 37, 256, 3000
     hidden, weight, bias = torch.randn(N, H, generator=gen), torch.randn(V, H, generator=gen) * 0.2, torch.randn(V)

@@ -278,7 +278,7 @@ def test_concurrent_first_use_builds_once(tmp_path):
 @pytest.fixture
 def no_compiler(monkeypatch, tmp_path):
     """A fresh backend registry in an environment without a C++ compiler and with an empty build cache."""
-    from gspo_kernels.backends import cpu as cpu_backend
+    from gspo_kernels.backends.cpu import ops as cpu_ops
 
     monkeypatch.setenv("GSPO_KERNELS_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("CXX", "no-such-compiler")
@@ -286,7 +286,7 @@ def no_compiler(monkeypatch, tmp_path):
     monkeypatch.setattr(backends, "_cache", {})
     monkeypatch.setattr(backends, "_errors", {})
     monkeypatch.setattr(cpu_build, "_loaded_path", None)
-    monkeypatch.setattr(cpu_backend, "_registered", False)
+    monkeypatch.setattr(cpu_ops, "_registered", False)
     return monkeypatch
 
 
