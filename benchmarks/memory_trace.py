@@ -385,7 +385,7 @@ CLASSES = (
     ("TRL fp32 grad_hidden", ("zeros float32 @ chunked_logprob.py:407",)),
     ("TRL fp32 grad_weight", ("zeros float32 @ chunked_logprob.py:410",)),
     ("TRL hidden[mask] (fp32, saved)", ("index float32 @ utils.py",)),
-    ("cpu backend: bf16 dW and dH (autograd casts dW to fp32)", ("linear_bwd bfloat16 @ cpu.py",)),
+    ("cpu backend: bf16 dW and dH (autograd casts dW to fp32)", ("linear_bwd bfloat16 @ ops.py",)),
     ("model activations (saved for backward)", ("modeling_",)),
     ("model activations (saved for backward)", ("activations.py",)),
     ("model activations (saved for backward)", ("sdpa_attention",)),
