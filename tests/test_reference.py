@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from gspo_kernels import GSPOConfig, reference
+from gspo_kernels import GSPOConfig, reference, reference_objectives
 
 WIDE = dict(epsilon_low=0.2, epsilon_high=0.2)  # GRPO-style band, so clipping is visible
 
@@ -223,10 +223,16 @@ def test_the_oracle_does_not_import_the_fast_paths():
     tree = ast.parse(inspect.getsource(reference))
     imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
     imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
-    assert {m for m in imported if m.startswith("gspo_kernels")} == {"gspo_kernels.config", "gspo_kernels.objective"}
+    assert {m for m in imported if m.startswith("gspo_kernels")} == {"gspo_kernels.config", "gspo_kernels.objective",
+                                                                     "gspo_kernels.reference_objectives"}
     names = {alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
              and node.module == "gspo_kernels.objective" for alias in node.names}
     assert names == {"LossOutput"}
+    # the oracle's second module (its per-response formulas) shares the config only
+    tree = ast.parse(inspect.getsource(reference_objectives))
+    imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    assert {m for m in imported if m.startswith("gspo_kernels")} == {"gspo_kernels.config"}
 
 
 def test_all_masked_and_empty_batches_give_zero_loss_and_zero_gradients():
