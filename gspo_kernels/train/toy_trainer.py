@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from gspo_kernels.config import GSPOConfig
-from gspo_kernels.train.hf_trainer import completion_mask_of
+from gspo_kernels.train.rollout import completion_mask_of
 from gspo_kernels.train.tasks import Task, ToyTokenizer, get_task
 
 LOSSES = ("reference", "torch", "cpu", "triton", "auto")
@@ -144,7 +144,7 @@ class ToyRollout:
     ``rewards [S]`` fp32, ``advantages [S]`` fp32; filled in later: ``old_logprobs`` and
     ``ref_logprobs [S, C]`` fp32, ``old_experts`` (MoE) a list per layer of ``[S, P + C, k]``.
 
-    Not ``hf_trainer.Rollout``: the toy tasks' prompts all have ``P`` tokens, so the batch is kept as the
+    Not ``rollout.Rollout``: the toy tasks' prompts all have ``P`` tokens, so the batch is kept as the
     padded ``[S, P + C]`` model input (and the MoE routing), where ``GSPOTrainer`` keeps texts and per-prompt ids
     for its packed / padded mini-batches.
     """
