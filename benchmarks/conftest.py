@@ -1,7 +1,7 @@
 """pytest-benchmark suite setup: the cases of ``gspo-kernels bench``, GPU-only cases skipped with a reason.
 
 Run: ``pytest benchmarks/ --benchmark-only`` (quick shapes, a few minutes on 2 CPU cores);
-``GSPO_BENCH_FULL=1 pytest benchmarks/ --benchmark-only`` for the issue's shapes (tens of minutes).
+``GSPO_BENCH_FULL=1 pytest benchmarks/ --benchmark-only`` for the full shapes of `gspo-kernels bench` (tens of minutes).
 Peak memory is not measured here (pytest runs every case in one process): ``gspo-kernels bench``
 measures it in a fresh subprocess per case.
 """

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The one run on a GPU machine for issue 26: `gspo-kernels gpu-check --quick`, then `gspo-kernels bench --gpu`.
+# The one run on a GPU machine: `gspo-kernels gpu-check --quick`, then `gspo-kernels bench --gpu`.
 #
 #   bash benchmarks/gpu_run.sh            # from the repository root; results under $OUT (default results/gpu_run)
 #
@@ -74,7 +74,7 @@ if [ -d "$CHECK_DIR" ]; then
     tar -czf "$OUT/gpu_check_files.tar.gz" -C /tmp gpu_check 2>/dev/null || true
 fi
 
-# 2. bench --gpu: every ratio of issue 26 in one run.
+# 2. bench --gpu: every ratio against plain PyTorch and the peers in one run.
 SECTIONS=()
 [ -n "${BENCH_SECTIONS:-}" ] && SECTIONS=(--sections "$BENCH_SECTIONS")
 echo "== gspo-kernels bench --gpu ${SECTIONS[*]} --out $OUT/bench_gpu"

@@ -8,7 +8,7 @@ Shapes (``--shape``; the default follows ``--device``):
 - ``cpu`` (the CPU default): hidden 896, vocabulary 151936 (Qwen2.5-0.5B's head), 8 completions x 256 tokens
   after 16-token prompts. The policy is a 1-layer Qwen3 with a narrow MLP so that the head dominates, as it
   does for a 0.5B model's loss step.
-- ``client`` (the CUDA default): the client shape of issue 26: Qwen3 architecture (Qwen3-1.7B's layer
+- ``client`` (the CUDA default): the client shape: Qwen3 architecture (Qwen3-1.7B's layer
   widths), 2 layers, hidden 2048, vocabulary 151936 with an untied head, 8 completions x 1024 tokens after
   64-token prompts.
 - ``tiny``: a smoke test of the code path (hidden 64, vocabulary 512, 2 x 16 tokens); not a measurement.

@@ -1,4 +1,4 @@
-"""Adversarial inputs, the eleven classes of issue 13, over every available backend (and the float64 oracle).
+"""Adversarial inputs, eleven classes of them, over every available backend (and the float64 oracle).
 
 Each case ends in one of two ways: a clear error naming the argument, or a match with the float64
 reference (fp32: 1e-5 relative, ``tests.support.check_against_reference``). The policies pinned here are
@@ -140,7 +140,7 @@ def test_minus_inf_bias_entry_on_the_hidden_state_path(backend):
 def test_strided_bias_is_read_with_its_stride(backend):
     B, T, V, H = 2, 3, 11, 8
     hidden, weight = torch.randn(B, T, H), torch.randn(V, H) * 0.3
-    bias = torch.randn(2 * V)[::2]  # the issue's reproducer: stride 2
+    bias = torch.randn(2 * V)[::2]  # the reported reproducer: stride 2
     assert not bias.is_contiguous()
     labels = torch.randint(0, V, (B, T))
     logp = gk.linear_logprobs(dev(hidden), dev(weight), dev(labels), bias=dev(bias), backend=backend)

@@ -97,7 +97,7 @@ LogitsSizedAllocations = NewTensors  # every new tensor of at least a logits' si
 
 @pytest.mark.parametrize("inplace", [False, True], ids=["out_of_place", "inplace"])
 def test_shifted_logits_write_the_base_gradient_once(inplace):
-    """Issue 29: ``gspo_loss(model_out[:, :-1], ...)`` on a model's (non-leaf) ``[B, T + 1, V]`` output. Counted
+    """``gspo_loss(model_out[:, :-1], ...)`` on a model's (non-leaf) ``[B, T + 1, V]`` output. Counted
     at the dispatcher during the backward: one new logits-sized tensor out of place (the gradient), none with
     ``inplace_backward`` (written into the model output); autograd's ``slice_backward`` (a zero-filled second
     ``[B, T + 1, V]`` buffer) never runs. The gradient is float64's, zeros at the last position, and the same
@@ -131,7 +131,7 @@ def test_shifted_logits_write_the_base_gradient_once(inplace):
 
 
 def test_out_of_place_gradient_reuses_its_memory_only_when_free():
-    """Issue 29: the out-of-place logits gradient (>= 4 MiB) is written into the previous gradient's memory once
+    """The out-of-place logits gradient (>= 4 MiB) is written into the previous gradient's memory once
     nothing holds it (no fresh pages, faults or zero-fill per step), never while the caller still holds it (its
     bits stay), and every element is rewritten (equal to a gradient computed into fresh memory)."""
     N, V = 64, 16384  # 4 MiB of fp32

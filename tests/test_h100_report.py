@@ -152,7 +152,7 @@ def test_static_report_api_in_a_subprocess():
 
 # SASS instructions per element on the main loop's shortest path (the running max unchanged), per thread, from
 # the static sm_90a report: the budget of each logits kernel, its measured count + ~10%. The kernels before
-# issue 22 measured, with the same method (h100_report.main_loop_stats): forward bf16 + entropy 19.88, bf16 no
+# these budgets measured, with the same method (h100_report.main_loop_stats): forward bf16 + entropy 19.88, bf16 no
 # entropy 14.31, fp16 19.38, fp32 22.5; unaligned V = 50257 bf16 23.94 with 16-bit loads; backward bf16 dlogp
 # 17.69, bf16 dlogp + dH 24.06 (28.75 and 16-bit loads and stores at V = 50257), fp16 17.19, fp32 22.5: every one
 # of them fails its budget below.
@@ -177,7 +177,7 @@ LOGITS_BUDGETS = {
 
 
 def test_logits_kernels_instruction_budget_and_vector_width(full_report):
-    """Issue 22, item 6: the logits kernels' main loops stay within their instruction budgets, and stream with
+    """The logits kernels' main loops stay within their instruction budgets, and stream with
     128-bit loads (and stores) whatever the vocabulary's alignment (V = 50257 included); the pipeline depth and
     register use are reported for every kernel."""
     rows = {row["name"]: row for row in full_report}

@@ -138,7 +138,7 @@ def test_minus_inf_logits_on_other_columns_give_the_smaller_vocabulary():
     (logp_s + 0.3 * ent_s).sum().backward()
     assert torch.isfinite(z.grad).all() and z.grad[0, 2] == 0
     torch.testing.assert_close(z.grad[0, [0, 1, 3]], small.grad[0], rtol=1e-12, atol=0)
-    # through the loss, with an entropy bonus (issue: the old oracle returned NaN here)
+    # through the loss, with an entropy bonus (the old oracle returned NaN here)
     logits = torch.randn(2, 3, 5, dtype=torch.float64)
     logits[..., 0] = float("-inf")
     x = logits.clone().requires_grad_()

@@ -137,7 +137,7 @@ def check_minus_inf_columns(backend: str, path: str) -> None:
             assert rel_err(grad, ref) < RTOL
     dz = grads[0] if path == "logits" else grads[2]
     assert torch.all(dz[..., dead] == 0)
-    # the reproducer, through the public API, with the entropy in the loss
+    # the reported reproducer, through the public API, with the entropy in the loss
     x = torch.randn(2, 4, 11, generator=gen)
     x[..., 0] = float("-inf")
     y = torch.randint(1, 11, (2, 4), generator=gen)

@@ -393,7 +393,7 @@ def test_a_logits_loss_step_captures_in_a_cuda_graph():
         assert bool((grad[~zero].abs().amax(dim=(1, 2)) > 0).all())
 
 
-# --- Edge inputs (issues 12 and 13): each test below failed before its fix. ------------------------------------
+# --- Edge inputs (adversarial values, views, host reads, devices): each test below failed before its fix. -------------
 
 
 
@@ -418,7 +418,7 @@ def _grads_vs_float64(x, labels, g, h, temperature=1.0):
 
 
 def test_minus_inf_logits_give_finite_gradients_with_entropy():
-    """Issue 12 / 13 class 1: a -inf logit on a non-label column, the entropy carrying gradient:
+    """test_adversarial.py's class 1: a -inf logit on a non-label column, the entropy carrying gradient:
     ``p * (log p + H)`` with ``p = 0`` and ``log p = -inf`` was NaN."""
     V = 40
     x = torch.randn(6, V, device=DEVICE) * 2
@@ -455,7 +455,7 @@ def test_minus_inf_logits_in_the_loss_with_entropy_coef():
 
 @pytest.mark.parametrize("case", ["offset_1e4", "temperature_1e-6"])
 def test_precision_huge_offsets_and_tiny_temperature(case):
-    """Issue 13 class 4: fp32 logits near 1e4 (a single fp32 logsumexp rounds to ~5e-4 there) and
+    """test_adversarial.py's class 4: fp32 logits near 1e4 (a single fp32 logsumexp rounds to ~5e-4 there) and
     temperature 1e-6: gradients within 1e-5 of float64 (relative to their largest magnitude)."""
     N, V = 8, 300
     if case == "offset_1e4":
@@ -495,7 +495,7 @@ def test_out_of_range_labels_are_never_read():
 
 @pytest.mark.parametrize("inplace", [False, True])
 def test_shifted_logits_no_second_logits_sized_buffer(inplace):
-    """Issue 12: ``model_output[:, :-1]`` with ``[B, T + 1, V]`` model output. Counted with a dispatch mode
+    """``model_output[:, :-1]`` with ``[B, T + 1, V]`` model output. Counted with a dispatch mode
     during the backward: no new logits-sized tensor with ``inplace_backward`` (the gradient is written
     into the model output), exactly one (the gradient) without; autograd's ``slice_backward`` never runs.
     The gradient equals float64's, with zeros at the last position."""
@@ -537,7 +537,7 @@ def test_views_that_are_not_a_plain_shift_keep_their_own_gradient():
 
 
 def test_logits_path_autograd_has_no_host_synchronization():
-    """Issue 12: no ``.item()`` / ``nonzero`` / ``.any()`` in the logits path's autograd (forward, backward
+    """No ``.item()`` / ``nonzero`` / ``.any()`` in the logits path's autograd (forward, backward
     and the sequence stage), so it can be captured in a CUDA graph. Recorded under a dispatch mode."""
     from gspo_kernels.backends.triton.logits import logits_logprobs
     from gspo_kernels.backends.triton.sequence import fused_objective
@@ -569,7 +569,7 @@ def _prepared(labels, adv, old, mask, config, V):
 @pytest.mark.parametrize("level", IMPORTANCE_SAMPLING_LEVELS)
 @pytest.mark.parametrize("clip", ["all_clipped", "delta"])
 def test_overflowing_importance_weight_never_gives_nan(level, clip):
-    """Issue 13 class 5: ``old = logp - 100`` (w = e^100: inf in fp32, finite in float64). Every response
+    """test_adversarial.py's class 5: ``old = logp - 100`` (w = e^100: inf in fp32, finite in float64). Every response
     clipped (A > 0), or ``delta = 2`` capping the weight (A of both signs): a zero gradient meets the inf
     weight and must stay 0. The loss and the gradient match float64."""
     B, T, V = 3, 4, 17
@@ -593,7 +593,7 @@ def test_overflowing_importance_weight_never_gives_nan(level, clip):
 
 
 def test_every_launch_runs_under_the_device_guard(monkeypatch):
-    """Issue 12: each launcher enters ``device_guard`` of its tensors (Triton launches on the *current* CUDA
+    """Each launcher enters ``device_guard`` of its tensors (Triton launches on the *current* CUDA
     device otherwise). The GPU test below checks the behaviour on two devices."""
     import contextlib
 

@@ -113,7 +113,7 @@ def test_linear_errors():
         gk.token_logprobs(torch.randn(B, V), torch.zeros(B, dtype=torch.long), backend="cuda-magic")
 
 
-# --- one rule per check (issue 9): the same input gets the same answer from every entry point ----------
+# --- one rule per check: the same input gets the same answer from every entry point ----------
 
 
 @pytest.mark.parametrize("temperature", [float("inf"), float("nan"), 0.0, -1.0, True, "1"])

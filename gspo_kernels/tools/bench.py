@@ -40,7 +40,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 from gspo_kernels.tools.bench_gpu import gspo_formula  # the GSPO formula the peers are completed with
 
 # ---------------------------------------------------------------------------------------------
-# Cases: the issue's shapes, and small ones for --quick (a few minutes on 2 CPU cores).
+# Cases: the full shapes, and small ones for --quick (a few minutes on 2 CPU cores).
 # ---------------------------------------------------------------------------------------------
 
 CASES: Dict[str, Dict] = {
@@ -399,7 +399,7 @@ def print_table(results: List[Dict], cases: Dict[str, Dict]) -> None:
 
 
 def targets(results: List[Dict], quick: bool = False) -> List[Dict]:
-    """The issue's CPU targets, evaluated on this run (only where every figure they need exists); with
+    """The CPU targets, evaluated on this run (only where every figure they need exists); with
     ``quick``, only "the cpu backend is never slower than plain PyTorch" (the others name the full shapes)."""
     def get(case, impl):
         return next((r for r in results if r["case"] == case and r["impl"] == impl and r["status"] == "ok"), None)
@@ -493,8 +493,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--timeout", type=float, default=None, help="seconds per implementation and case")
     parser.add_argument("--out", default="results/bench", help="prefix of the .json and .png outputs")
-    parser.add_argument("--gpu", action="store_true", help="the GPU measurements of issue 26 in one run (ratios "
-                        "against the peers, the issue's targets) -> results/bench_gpu.{json,md}; see bench_gpu.py")
+    parser.add_argument("--gpu", action="store_true", help="on a GPU: every ratio against plain PyTorch and the "
+                        "peers, and each target met or missed -> results/bench_gpu.{json,md}; see docs/bench_gpu.md")
     from gspo_kernels.tools import bench_gpu
 
     bench_gpu.add_arguments(parser)
@@ -528,7 +528,7 @@ def run(args: argparse.Namespace) -> int:
     print_table(results, cases)
     met = targets(results, quick=args.quick) if device == "cpu" else []
     if met:
-        print("\nissue targets (CPU, this run):")
+        print("\ntargets (CPU, this run):")
         for t in met:
             print(f"  [{'met' if t['met'] else 'MISSED'}] {t['target']}: {t['detail']}")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

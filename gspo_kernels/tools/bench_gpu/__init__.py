@@ -1,4 +1,4 @@
-"""``gspo-kernels bench --gpu``: the GPU measurements of issue 26 in one run, as ratios against the peers.
+"""``gspo-kernels bench --gpu``: the GPU measurements in one run, as ratios against plain PyTorch and the peers.
 
 Sections, each in a fresh subprocess (a crash or a poisoned CUDA context stays in its section; each
 case's figures are streamed back as they come, so a section stopped at its time limit keeps them):
@@ -35,7 +35,7 @@ Peers are optional: a missing one is listed as skipped with the reason. The whol
 ``--budget-s`` (hidden option, default 215 s): a section starts only with time left, slow optional cases
 are skipped when their section's deadline is near.
 
-Output: a table of ratios and of the issue's targets (met / MISSED), ``<out>.json`` and ``<out>.md``
+Output: a table of ratios and of the targets (met / MISSED; ``plan.TARGETS``), ``<out>.json`` and ``<out>.md``
 (``--out``, default ``results/bench_gpu``). Without CUDA: a message and exit status 2. ``--device cpu
 --tiny`` (hidden) runs every code path on tiny shapes on the CPU: a smoke test, not a measurement.
 """

@@ -52,7 +52,7 @@ def add_ratios(rows: List[Dict]) -> None:
 
 
 def evaluate_targets(rows: List[Dict]) -> List[Dict]:
-    """The issue's targets as (value, limit, met); a target whose rows are missing is 'not measured'."""
+    """The targets (``plan.TARGETS``) as (value, limit, met); a target whose rows are missing is 'not measured'."""
     f = lambda section, prefix: _find(rows, section, prefix)  # noqa: E731
     ours_all, ours_half = f("hidden", "ours fused_linear_gspo_loss, all"), f("hidden", "ours fused_linear_gspo_loss, half")
     plain_all, plain_half = f("hidden", "plain PyTorch, all"), f("hidden", "plain PyTorch, half")
@@ -165,7 +165,7 @@ def table_lines(rows: List[Dict], markdown: bool) -> List[str]:
 
 
 def target_lines(targets: List[Dict], markdown: bool) -> List[str]:
-    lines = ["", "### issue 26 targets (this run)" if markdown else "issue 26 targets (this run):", ""]
+    lines = ["", "### targets (this run)" if markdown else "targets (this run):", ""]
     if markdown:
         lines += ["| target | value | limit | status |", "|---|---|---|---|"]
     for t in targets:
