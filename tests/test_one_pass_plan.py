@@ -220,7 +220,7 @@ def test_the_handed_over_gradients_are_scaled_once_in_place(dtype):
     rounded once: within half an ulp of ``g``'s dtype of the exact product, plus the fp32 product's own rounding
     (2^-24 relative) for half ``g``. A scale of exactly 1 leaves every bit as it was (NaN, infinities, -0,
     subnormals included)."""
-    from gspo_kernels.backends.triton.linear import scale_gradient_
+    from gspo_kernels.backends.triton.linear_loss import scale_gradient_
 
     gen = torch.Generator().manual_seed(3)
     n = 3 * 4096 + 37  # more blocks than the interpreter's 4 programs, and a ragged last block

@@ -45,8 +45,10 @@ def make_backend():
 
     check_triton()
     from gspo_kernels.backends import Backend
-    from gspo_kernels.backends.triton.linear import fused_linear_loss, linear_logprobs
-    from gspo_kernels.backends.triton.logits import fused_logits_loss, logits_logprobs
+    from gspo_kernels.backends.triton.linear import linear_logprobs
+    from gspo_kernels.backends.triton.linear_loss import fused_linear_loss
+    from gspo_kernels.backends.triton.logits import logits_logprobs
+    from gspo_kernels.backends.triton.logits_loss import fused_logits_loss
     from gspo_kernels.backends.triton.sequence import fused_objective
 
     return Backend("triton", logits_logprobs, linear_logprobs, objective=fused_objective, supports=supports,

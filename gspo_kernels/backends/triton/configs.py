@@ -471,7 +471,7 @@ H100_CONFIGS: List[dict] = [
                    HAS_IS_RATIO=True),
     *[{
         "name": f"scale_gradient[{dtype}]",
-        "kernel": "linear.scale_gradient_kernel",
+        "kernel": "linear_loss.scale_gradient_kernel",
         "pointers": {"g_ptr": dtype},
         "constexprs": {"BLOCK": SCALE_BLOCK, "FP64": dtype == "fp64"},
         "aligned_ints": ["n"],

@@ -73,6 +73,7 @@ import triton.language as tl
 from torch import Tensor
 
 from gspo_kernels.backends.triton import configs
+from gspo_kernels.backends.triton.kernel_math import kernel_bias, soft_cap, softcap_value
 from gspo_kernels.backends.triton.launch import (
     device_guard,
     grouped_tile,
@@ -80,7 +81,6 @@ from gspo_kernels.backends.triton.launch import (
     row_offsets,
     row_strides,
 )
-from gspo_kernels.backends.triton.logits import soft_cap, softcap_value
 from gspo_kernels.precision import kernel_operand_dtype
 
 # A finite "minus infinity" for the running max: exp(_NEG_BIG - m) is 0 and (_NEG_BIG - m) * 0 is 0 (no NaN
@@ -407,26 +407,6 @@ def compact_rows(mask: Tensor) -> Tuple[Tensor, Tensor]:
     slot = torch.where(mask, seen - 1, count + index - seen)
     order = torch.empty(n, device=mask.device, dtype=torch.int64).scatter_(0, slot, index)
     return order, count.clone()
-
-
-def kernel_bias(bias: Optional[Tensor], softcap: Optional[float], dtype: torch.dtype = torch.float32
-                ) -> Optional[Tensor]:
-    """The bias the kernels add: :func:`max_subtracted_bias` without a soft cap; with one, the bias itself in
-    ``dtype`` (``tanh`` does not commute with a shift, and the capped logits are bounded by the cap anyway)."""
-    if bias is None or softcap is None:
-        return max_subtracted_bias(bias, dtype)
-    return bias.to(dtype)
-
-
-def max_subtracted_bias(bias: Optional[Tensor], dtype: torch.dtype = torch.float32) -> Optional[Tensor]:
-    """``bias - max(finite bias)`` in ``dtype`` (fp32; fp64 for the vendor path's fp64 operands): the same
-    softmax, small logits (``1e4`` offsets lose no bits)."""
-    if bias is None:
-        return None
-    b = bias.to(dtype)
-    finite = torch.where(torch.isfinite(b), b, torch.full_like(b, float("-inf")))
-    top = finite.max() if b.numel() else torch.zeros((), dtype=b.dtype, device=b.device)
-    return b - torch.where(torch.isfinite(top), top, torch.zeros_like(top))
 
 
 def linear_logprobs_forward(

@@ -66,6 +66,7 @@ entropy) plus the logits themselves (no copy); ``inplace_backward=True`` writes 
 storage (the caller's logits are consumed).
 """
 
+
 from __future__ import annotations
 
 import functools
@@ -75,7 +76,6 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
-from triton.language.extra import libdevice
 
 from gspo_kernels.backends.tiling import next_token_base
 from gspo_kernels.backends.triton.configs import (
@@ -84,10 +84,8 @@ from gspo_kernels.backends.triton.configs import (
     logits_block_v,
     logits_edge_v,
 )
+from gspo_kernels.backends.triton.kernel_math import exp2, soft_cap, softcap_value
 from gspo_kernels.backends.triton.launch import device_guard, interpreter_active, row_offsets, row_strides
-from gspo_kernels.backends.triton.sequence import O_SCALE_ENTROPY, O_SCALE_LOGP, _sequence_stage, metric_slots
-from gspo_kernels.checks import check_softcap
-from gspo_kernels.objective import LossOutput
 from gspo_kernels.precision import compute_dtype
 
 # A finite "minus infinity": the running max starts there (exp2((_NEG_BIG - m) k) is 0, no -inf - -inf), and the
@@ -95,52 +93,6 @@ from gspo_kernels.precision import compute_dtype
 _NEG_BIG = tl.constexpr(-1.0e30)
 _LOG2E = tl.constexpr(1.4426950408889634)  # 1 / ln 2
 _LN2 = tl.constexpr(0.6931471805599453)
-# tanh, |u| < _TANH_SMALL: its odd Taylor series to u^13 (next term < 3e-10 relative there); otherwise
-# (1 - t) / (1 + t), t = exp(-2 |u|) = exp2(-2 log2(e) |u|), whose rounding stays ~2e-7 relative for |u| >= 0.35.
-_TANH_SMALL = tl.constexpr(0.35)
-_TANH_C3 = tl.constexpr(-1.0 / 3.0)
-_TANH_C5 = tl.constexpr(2.0 / 15.0)
-_TANH_C7 = tl.constexpr(-17.0 / 315.0)
-_TANH_C9 = tl.constexpr(62.0 / 2835.0)
-_TANH_C11 = tl.constexpr(-1382.0 / 155925.0)
-_TANH_C13 = tl.constexpr(21844.0 / 6081075.0)
-_MINUS_2_LOG2E = tl.constexpr(-2.8853900817779268)
-
-
-@triton.jit
-def exp2(x, FAST_MATH: tl.constexpr):
-    """``2 ** x``. ``FAST_MATH`` (CUDA): libdevice's ``exp2f``, one ``MUFU.EX2`` (``ex2.approx.ftz``: results
-    below 2^-126 flush to 0, ~2 ulp); ``tl.exp2`` lowers to the same instruction wrapped in 3 more that keep
-    denormal results. The interpreter (no libdevice) uses ``tl.exp2``."""
-    if FAST_MATH:
-        return libdevice.exp2(x)
-    else:
-        return tl.exp2(x)
-
-
-@triton.jit
-def soft_cap(z, inv_cap, cap, FAST_MATH: tl.constexpr, WITH_SLOPE: tl.constexpr):
-    """``(cap * tanh(z / cap), 1 - tanh^2(z / cap))`` elementwise (the slope is 1.0, unused, without
-    ``WITH_SLOPE``). One formula on every target (no libdevice ``tanh``, which the interpreter lacks): a Taylor
-    polynomial near 0, ``(1 - t) / (1 + t)`` with ``t = e^{-2|u|}`` elsewhere (the slope as ``4 t / (1 + t)^2``,
-    exact near saturation). ``z = -inf`` gives ``-cap`` (slope 0)."""
-    u = z * inv_cap
-    au = tl.abs(u)
-    u2 = u * u
-    poly = _TANH_C3 + u2 * (_TANH_C5 + u2 * (_TANH_C7 + u2 * (_TANH_C9 + u2 * (_TANH_C11 + u2 * _TANH_C13))))
-    th_small = au + au * (u2 * poly)
-    t = exp2(au * _MINUS_2_LOG2E, FAST_MATH)
-    if FAST_MATH and t.dtype == tl.float32:  # 1 + t in [1, 2]: an approximate division (2 ulp), no range checks
-        r = libdevice.fast_dividef(1.0, 1.0 + t)
-    else:
-        r = 1.0 / (1.0 + t)
-    small = au < _TANH_SMALL
-    th = tl.where(small, th_small, (1.0 - t) * r)
-    capped = tl.where(u < 0, -th, th) * cap
-    slope = 1.0
-    if WITH_SLOPE:
-        slope = tl.where(small, 1.0 - th_small * th_small, 4.0 * t * (r * r))
-    return capped, slope
 
 
 @triton.jit
@@ -396,12 +348,6 @@ def logprobs_bwd_kernel(
         for e0 in range(0, n_edge, BLOCK_V):
             idx, inside = edge_columns(e0, cols, n_head, tail_start, n_edge)
             tl.store(dlogits_ptr + dst_off + column_offsets(idx, dstride_v, VEC), zeros, mask=inside)
-
-
-def softcap_value(softcap) -> Optional[float]:
-    """``softcap`` as a float (None stays None), by :func:`gspo_kernels.checks.check_softcap` (the public functions
-    check ``final_logit_softcapping`` first; this guards direct calls of the backend, naming ``softcap``)."""
-    return check_softcap(softcap, "softcap")
 
 
 @functools.lru_cache(maxsize=256)
@@ -712,86 +658,3 @@ def logits_logprobs(
         bool(inplace_backward), base is not None, softcap_value(softcap),
     )
     return logp, (entropy if return_entropy else None)
-
-
-class TritonLogitsLoss(torch.autograd.Function):
-    """``logits [N, V] | [B, T, V] -> (loss 0-dim, out [NUM_OUTPUTS])``: :class:`TritonLogitsLogprobs` and the
-    sequence stage (:class:`~gspo_kernels.backends.triton.sequence.TritonSequenceObjective`) as one autograd node.
-
-    The same launches and the same bits as the two nodes: the forward kernel, then the sequence stage's two; the
-    backward is the one backward kernel, which forms ``dL/dlogp = coef * (grad_loss * out[O_SCALE_LOGP])`` and
-    ``dL/dH = mask * (grad_loss * out[O_SCALE_ENTROPY])`` per row itself (``grad_scale``). What it saves per
-    call: a node of the graph (a Python backward the engine calls), the two elementwise products and the
-    ``[N]`` gradients between the nodes. ``extra_position`` as in :class:`TritonLogitsLogprobs`.
-    """
-
-    @staticmethod
-    def forward(ctx, logits, inputs, config, inplace_backward, extra_position, softcap):
-        # The rows that count: the layout's bool flags (the forward kernel the two-node path launches), else the
-        # 0/1 fp32 mask (the kernels test ``!= 0`` either way).
-        active = _flat_bool(inputs.batch.counted)
-        active = inputs.batch.mask if active is None else active
-        rows = logits[:, :-1] if extra_position else logits
-        logp, entropy, row_stats = logprobs_forward(rows, inputs.labels, active=active,
-                                                    temperature=config.temperature, softcap=softcap)
-        coef, out, loss = _sequence_stage(logp, entropy, inputs, config)
-        ctx.save_for_backward(logits, inputs.labels, row_stats, entropy, active, inputs.batch.mask, coef, out)
-        ctx.temperature = config.temperature
-        ctx.entropy_coef = config.entropy_coef
-        ctx.softcap = softcap
-        ctx.inplace = inplace_backward
-        ctx.extra_position = extra_position
-        ctx.mark_non_differentiable(out)
-        ctx.set_materialize_grads(False)
-        return loss.to(logp.dtype), out
-
-    @staticmethod
-    def backward(ctx, grad_loss, _grad_out):
-        if grad_loss is None:
-            return None, None, None, None, None, None
-        logits, labels, row_stats, entropy, active, mask, coef, out = ctx.saved_tensors
-        rows, dst = _gradient_rows(logits, ctx.inplace, ctx.extra_position)
-        with_entropy = ctx.entropy_coef != 0
-        dlogits = logprobs_backward(
-            rows,
-            labels,
-            row_stats,
-            entropy if with_entropy else None,
-            coef,
-            mask if with_entropy else None,
-            active=active,
-            temperature=ctx.temperature,
-            out=dst,
-            softcap=ctx.softcap,
-            grad_scale=(grad_loss.to(torch.float32), out[O_SCALE_LOGP.value], out[O_SCALE_ENTROPY.value]),
-        )
-        return dlogits, None, None, None, None, None
-
-
-def _flat_bool(flags: Optional[Tensor]) -> Optional[Tensor]:
-    """``flags`` when it is a flat, contiguous bool tensor (what a kernel may index as ``[N]``), else None."""
-    if flags is not None and flags.dtype == torch.bool and flags.dim() == 1 and flags.is_contiguous():
-        return flags
-    return None
-
-
-def fused_logits_loss(logits: Tensor, inputs, config, *, inplace_backward: bool = False,
-                      softcap: Optional[float] = None):
-    """The backend contract's ``fused_logits_loss``: :func:`logits_logprobs` then the backend's objective
-    (:func:`gspo_kernels.backends.triton.sequence.fused_objective`) in one autograd node (:class:`TritonLogitsLoss`).
-
-    Args:
-        logits: ``[N, V]`` or ``[B, T, V]``, any float dtype and strides (a ``model_output[:, :-1]`` view is
-            routed to its base, as in :func:`logits_logprobs`).
-        inputs: the validated :class:`~gspo_kernels.layout.LossInputs` (labels in ``[0, V)``, the token mask).
-        config: the loss options; ``config.temperature`` divides the logits.
-        softcap: None or ``c > 0`` (the config's ``final_logit_softcapping``, checked by the public functions).
-    Returns:
-        ``LossOutput(loss, metrics)``, what the two stages return one after the other.
-    """
-    base = next_token_base(logits) if torch.is_grad_enabled() else None
-    loss, out = TritonLogitsLoss.apply(logits if base is None else base, inputs, config, bool(inplace_backward),
-                                       base is not None, softcap_value(softcap))
-    # fused_objective's metrics, read from the same ``out`` slots
-    slots = metric_slots(config, inputs.rollout_logprobs is not None, True)
-    return LossOutput(loss, {name: out[index] for name, index in slots})
