@@ -215,7 +215,7 @@ class GemmClock:
         self.times = []
 
     def install(self):
-        from gspo_kernels.backends.triton import linear
+        from gspo_kernels.backends.triton import linear, linear_loss
 
         original_logits, original_dw = linear.chunk_logits, linear.accumulate_dw
 
@@ -228,6 +228,7 @@ class GemmClock:
             return original_dw(*a, **k)
 
         linear.chunk_logits, linear.accumulate_dw = chunk_logits, accumulate_dw
+        linear_loss.chunk_logits = chunk_logits  # the one-pass loss's own binding of linear.chunk_logits
         linear.configs.one_pass_chunk_rows = lambda *a, **k: (HIDDEN["chunk"], HIDDEN["store"])
 
 

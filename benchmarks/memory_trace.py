@@ -263,7 +263,7 @@ def as_on_cuda(trace: MemoryTrace, *, trl: bool = True) -> Iterator[MemoryTrace]
     """
     import gc
 
-    from gspo_kernels.backends.triton import linear
+    from gspo_kernels.backends.triton import linear, linear_loss
 
     patched = []
 
@@ -281,6 +281,7 @@ def as_on_cuda(trace: MemoryTrace, *, trl: bool = True) -> Iterator[MemoryTrace]
         patch(owner, name, wrapper)
 
     pause(linear, "chunk_logits")
+    pause(linear_loss, "chunk_logits")  # the one-pass loss's own binding of linear.chunk_logits
     pause(linear, "accumulate_dw")
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     if interpreted:
@@ -376,7 +377,9 @@ CLASSES = (
     ("logits chunk buffer (fp32)", ("empty float32 @ linear.py", "__init__")),
     ("dZ store (bf16)", ("empty bfloat16 @ linear.py", "__init__")),
     ("dH in the operand dtype", ("zeros_like bfloat16 @ linear.py",)),
+    ("dH in the operand dtype", ("zeros_like bfloat16 @ linear_loss.py",)),
     ("dH cast to the hidden state's fp32", ("_to_copy float32 @ linear.py",)),
+    ("dH cast to the hidden state's fp32", ("_to_copy float32 @ linear_loss.py",)),
     ("hidden states' bf16 copy", ("_to_copy bfloat16 @ precision.py:79",)),
     ("flush: masked copy of K hidden rows", ("where bfloat16 @ linear.py",)),
     ("TRL tile buffer mm_buf", ("empty bfloat16 @ chunked_logprob.py",)),

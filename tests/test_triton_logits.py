@@ -779,15 +779,15 @@ def test_softcap_hidden_state_paths_match_float64(batch_invariant):
     """Both modes of the triton ``linear_logprobs`` with ``softcap``: ``c tanh((h W^T + b) / c) / T``. The bias sits
     far from 0 (a max-subtracted bias would change the capped logits); V = 37 is not a multiple of 16. Log-probs,
     entropy and the hidden, weight and bias gradients against float64."""
-    from gspo_kernels.backends.triton import linear
+    from gspo_kernels.backends import triton as triton_backend
 
     N, H, V, cap, T = 12, 16, 37, 4.0, 0.8
     hidden, weight, bias = torch.randn(N, H), torch.randn(V, H) * 0.7, torch.randn(V) + 3.0
     labels = torch.randint(0, V, (N,))
     g, gh = torch.randn(N), torch.randn(N)
     leaves = [t.clone().to(DEVICE).requires_grad_(True) for t in (hidden, weight, bias)]
-    logp, entropy = linear.linear_logprobs(*leaves, labels.to(DEVICE), temperature=T, return_entropy=True,
-                                           softcap=cap, batch_invariant=batch_invariant)
+    logp, entropy = triton_backend.linear_logprobs(*leaves, labels.to(DEVICE), temperature=T, return_entropy=True,
+                                                   softcap=cap, batch_invariant=batch_invariant)
     grads = torch.autograd.grad((logp * g.to(DEVICE) + entropy * gh.to(DEVICE)).sum(), leaves)
     ref_leaves = [t.double().requires_grad_(True) for t in (hidden, weight, bias)]
     z64 = ref_leaves[0] @ ref_leaves[1].T + ref_leaves[2]
@@ -845,7 +845,7 @@ def test_softcap_one_pass_fused_linear_loss_matches_float64(layout, monkeypatch)
 def test_softcap_must_be_finite_and_positive():
     """The backend's entry points name the argument when the cap is not a finite number > 0 (the public
     functions check ``final_logit_softcapping`` before; this is the backend's own guard)."""
-    from gspo_kernels.backends.triton import linear
+    from gspo_kernels.backends import triton as triton_backend
     from gspo_kernels.backends.triton.logits import logits_logprobs
 
     x, labels = torch.randn(2, 8, device=DEVICE), torch.zeros(2, dtype=torch.int64, device=DEVICE)
@@ -855,7 +855,7 @@ def test_softcap_must_be_finite_and_positive():
             logits_logprobs(x, labels, softcap=bad)
         for invariant in (False, True):
             with pytest.raises(ValueError, match="softcap"):
-                linear.linear_logprobs(hidden, weight, None, labels, softcap=bad, batch_invariant=invariant)
+                triton_backend.linear_logprobs(hidden, weight, None, labels, softcap=bad, batch_invariant=invariant)
 
 
 @pytest.mark.parametrize("V", [4103, 37])

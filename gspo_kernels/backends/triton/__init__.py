@@ -1,18 +1,27 @@
 """``backend="triton"``: fused Triton kernels for the logits path, the hidden-state path and the sequence stage.
 
-One module per operation, each holding its ``@triton.jit`` kernels, their launchers and the autograd
-Function side by side:
+One module per operation, each read top to bottom: its ``@triton.jit`` kernels, their launchers, the autograd
+Function, the public function:
 
 * ``logits.py``: ``logits -> (logp, entropy)`` and its gradient (``logits_logprobs``);
-* ``linear.py``: ``hidden @ weight.T (+ bias) -> (logp, entropy)`` without the logits (``linear_logprobs``);
+* ``linear.py``: ``hidden @ weight.T (+ bias) -> (logp, entropy)`` without the ``[N, V]`` logits, on the vendor
+  GEMMs (``linear_logprobs``, the default);
+* ``linear_invariant.py``: the same on Triton GEMMs, batch invariant (``linear_logprobs(batch_invariant=True)``);
 * ``sequence.py``: ``(logp, entropy) -> loss`` with the metrics (the backend's ``fused_objective``);
 
-plus ``launch.py`` (device guard, interpreter detection, row offsets shared by the kernels) and
-``configs.py`` (every tile size and tuning table, and ``H100_CONFIGS`` for ``gspo-kernels h100-report``).
+the composite losses, each one call over an operation and the sequence stage:
 
-Every entry point (``logits_logprobs``, ``linear_logprobs`` in both modes, ``fused_linear_loss``) takes
-``softcap: Optional[float] = None``: the final-logit soft cap ``z -> c tanh(z / c)``, applied before the
-temperature inside the kernels (None: the uncapped kernels, unchanged).
+* ``logits_loss.py``: ``logits -> loss`` in one autograd node (``fused_logits_loss``);
+* ``linear_loss.py``: ``hidden -> loss`` in one pass, the gradient formed in the forward (``fused_linear_loss``);
+
+and what they share: ``kernel_math.py`` (the ``@triton.jit`` exp2 and soft cap, the cap's check, the bias the
+kernels add), ``launch.py`` (device guard, interpreter detection, row offsets) and ``configs.py`` (every tile
+size and tuning table, and ``H100_CONFIGS`` for ``gspo-kernels h100-report``). ``linear.py`` imports nothing
+from ``linear_invariant.py``: :func:`linear_logprobs` here picks one of the two.
+
+Every entry point (``logits_logprobs``, ``linear_logprobs`` in both modes, ``fused_linear_loss``,
+``fused_logits_loss``) takes ``softcap: Optional[float] = None``: the final-logit soft cap ``z -> c tanh(z / c)``,
+applied before the temperature inside the kernels (None: the uncapped kernels, unchanged).
 
 Runs on CUDA tensors, and on CPU tensors when the Triton interpreter is active (``TRITON_INTERPRET=1`` set
 before ``triton`` was imported), which is how the kernels are tested on machines without a GPU.
@@ -22,7 +31,10 @@ still be set first.
 
 from __future__ import annotations
 
+from typing import Optional, Tuple
+
 import torch
+from torch import Tensor
 
 
 def supports(device: torch.device) -> bool:
@@ -37,6 +49,38 @@ def supports(device: torch.device) -> bool:
     return False
 
 
+def linear_logprobs(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    labels: Tensor,
+    *,
+    active: Optional[Tensor] = None,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+    memory_budget: Optional[int] = None,
+    batch_invariant: bool = False,
+    softcap: Optional[float] = None,
+    leaves: Optional[Tuple[Tensor, Tensor, Optional[Tensor]]] = None,
+) -> Tuple[Tensor, Optional[Tensor]]:
+    """The backend contract's ``linear_logprobs`` (see ``gspo_kernels/backends/__init__.py``): the vendor GEMMs
+    (:func:`.linear.linear_logprobs`) by default; the batch-invariant Triton GEMMs
+    (:func:`.linear_invariant.linear_logprobs`) with ``batch_invariant=True``, which return the gradients to the
+    operands they are given (``leaves``, the caller's tensors before the precision policy's cast, is the vendor
+    path's)."""
+    if batch_invariant:
+        from gspo_kernels.backends.triton import linear_invariant
+
+        return linear_invariant.linear_logprobs(hidden, weight, bias, labels, active=active, temperature=temperature,
+                                                return_entropy=return_entropy, memory_budget=memory_budget,
+                                                softcap=softcap)
+    from gspo_kernels.backends.triton import linear
+
+    return linear.linear_logprobs(hidden, weight, bias, labels, active=active, temperature=temperature,
+                                  return_entropy=return_entropy, memory_budget=memory_budget, softcap=softcap,
+                                  leaves=leaves)
+
+
 def make_backend():
     """The Triton backend; raises (reported by ``backends.load``) when triton cannot be imported, or is older
     than the floor this package is tested on (:func:`gspo_kernels.versions.check_triton`), before any kernel
@@ -45,7 +89,6 @@ def make_backend():
 
     check_triton()
     from gspo_kernels.backends import Backend
-    from gspo_kernels.backends.triton.linear import linear_logprobs
     from gspo_kernels.backends.triton.linear_loss import fused_linear_loss
     from gspo_kernels.backends.triton.logits import logits_logprobs
     from gspo_kernels.backends.triton.logits_loss import fused_logits_loss

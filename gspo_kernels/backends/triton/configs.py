@@ -1,10 +1,11 @@
 """Every launch configuration of ``backend="triton"``: tile sizes, warps, stages, the tables they come from
 and the functions that pick one, plus ``H100_CONFIGS``, what ``gspo-kernels h100-report`` compiles.
 
-The kernel modules (``logits.py``, ``linear.py``, ``sequence.py``) import their launch parameters from here;
-this module imports no kernel module. ``H100_CONFIGS`` therefore names each kernel by ``"module.function"``
-(``h100_report.resolve_kernel`` looks it up), and its signatures are derived from the kernels' argument
-names: only what a name cannot say (non-fp32 pointers, fp32 scalars, 16-divisible sizes) is written here.
+The kernel modules (``logits.py``, ``linear.py``, ``linear_invariant.py``, ``linear_loss.py``, ``sequence.py``)
+import their launch parameters from here; this module imports no kernel module. ``H100_CONFIGS`` therefore names
+each kernel by ``"module.function"`` (``h100_report.resolve_kernel`` looks it up), and its signatures are derived
+from the kernels' argument names: only what a name cannot say (non-fp32 pointers, fp32 scalars, 16-divisible
+sizes) is written here.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def gemm_chunk_rows(n_rows: int, V: int, operand: torch.dtype, memory_budget: Op
     return int(min(rows, max(n_rows, 1)))
 
 
-# The one-pass loss (linear.py, ``fused_linear_loss``) without a memory_budget: the fp32 logits of
+# The one-pass loss (linear_loss.py, ``fused_linear_loss``) without a memory_budget: the fp32 logits of
 # ``ONE_PASS_LOGITS_ROWS`` rows at a time, and a store of ``ONE_PASS_STORE_ROWS`` rows of ``dZ`` (operand dtype)
 # that the ``dH`` / ``dW`` GEMMs read at once. Each ``dW`` GEMM reads and writes the fp32 ``[V, H]`` accumulator
 # once: ``8 V H`` bytes against the ``6 K V H`` FLOPs of ``K`` rows' three GEMMs, so the accumulator's share of the
@@ -60,7 +61,7 @@ ONE_PASS_STORE_ROWS = 4096
 TWO_PASS_LOGITS_ROWS = 512
 TWO_PASS_STORE_ROWS = 2048
 # The one-pass loss's backward scales the gradients it formed in the forward by the loss's incoming gradient, in
-# place (linear.scale_gradient_kernel): BLOCK elements per step (16 per thread at 8 warps: four 128-bit fp32
+# place (linear_loss.scale_gradient_kernel): BLOCK elements per step (16 per thread at 8 warps: four 128-bit fp32
 # loads, two bf16), a grid of a few programs per SM striding over the blocks (one launch, whatever the size; when
 # the incoming gradient is 1 each program reads one scalar and stops).
 SCALE_BLOCK = 4096

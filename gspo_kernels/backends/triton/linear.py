@@ -21,21 +21,16 @@ the vocabulary instead (:func:`_vocab_sliced_backward`): per slice, the head's r
 whole-head copy kept from the forward), the logits of every row, ``dZ``, ``dW[slice]`` written once and ``dH``
 accumulated in fp32 (the accumulator re-read per pass is the ``[N, H]`` one, not the ``[V, H]`` one).
 
-That is ``8 N H V`` FLOPs for a forward and a backward (the logits are computed twice). The one-call loss
-(:func:`fused_linear_loss`) needs the gradient while the chunk's logits are still there: it runs over
-chunks of *whole responses*, so that the sequence stage can produce ``dL/dlogp`` for the chunk's tokens
-before ``dZ`` is formed, and does ``6 N H V`` (``2 N H V`` per counted row plus ``4 H V`` per row that carries
-a gradient).
+That is ``8 N H V`` FLOPs for a forward and a backward (the logits are computed twice). The one-pass loss
+(:mod:`.linear_loss`, ``6 N H V``) reuses this module's chunk GEMM (:func:`chunk_logits`), buffers
+(:class:`ChunkBuffers`) and ``dZ`` store (:class:`GradientStore`).
 
-Host reads: none here. The one-call loss plans its rows from ``inputs.host`` (read with the value checks, once
-per call): masked rows enter no GEMM, rows of responses without a gradient enter no backward GEMM, rows found
-clipped in the forward enter them as zero rows. The two-pass backward visits every row, those without gradient
-as zero rows (their hidden rows zeroed, so garbage such as NaN padding cannot reach ``dW``). Inside CUDA-graph
-capture (and ``torch.compile``) there is no host layout: every row of a chunk goes through the GEMMs, so a step
-can be captured.
+Host reads: none. The two-pass backward visits every row, those without gradient as zero rows (their hidden rows
+zeroed, so garbage such as NaN padding cannot reach ``dW``), so a step can be captured in a CUDA graph.
 
 Results are deterministic run to run but not batch invariant (cuBLAS picks its kernels by shape): a row's
-bits may depend on how many rows share its GEMM. ``batch_invariant=True`` selects :mod:`.linear_invariant`.
+bits may depend on how many rows share its GEMM. ``batch_invariant=True`` selects :mod:`.linear_invariant`
+instead (the package's ``linear_logprobs`` picks; this module imports nothing from it).
 """
 
 
@@ -48,7 +43,7 @@ import torch
 from torch import Tensor
 
 from gspo_kernels import checks
-from gspo_kernels.backends.triton import configs, linear_invariant
+from gspo_kernels.backends.triton import configs
 from gspo_kernels.backends.triton.kernel_math import kernel_bias, softcap_value
 from gspo_kernels.backends.triton.logits import logprobs_backward, logprobs_forward
 from gspo_kernels.precision import compute_dtype
@@ -132,7 +127,7 @@ def accumulate_dw(dw: Tensor, dz: Tensor, h: Tensor, *, first: bool = False) -> 
         dw.addmm_(dz.t().to(dw.dtype), h.to(dw.dtype))
 
 
-class _Buffers:
+class ChunkBuffers:
     """The chunk's logits buffer (fp32) and its ``dZ`` in the operand dtype (a view of the same storage
     when the operand dtype is the compute dtype)."""
 
@@ -144,7 +139,7 @@ class _Buffers:
             self.dz = self.logits if operand == acc else torch.empty((rows, vocab), device=device, dtype=operand)
 
 
-def _chunk_statistics(z: Tensor, labels: Tensor, active: Optional[Tensor], temperature: float, logp: Tensor,
+def chunk_statistics(z: Tensor, labels: Tensor, active: Optional[Tensor], temperature: float, logp: Tensor,
                       entropy: Tensor, row_stats: Tensor, softcap: Optional[float] = None) -> None:
     """The forward kernel on one chunk's logits, its outputs written into the slices given (the kernel
     writes ``row_stats`` as a dense ``[2, n]`` block: the chunk's own, then copied into its columns)."""
@@ -154,7 +149,7 @@ def _chunk_statistics(z: Tensor, labels: Tensor, active: Optional[Tensor], tempe
     row_stats.copy_(stats)
 
 
-def _operands(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], softcap: Optional[float] = None):
+def gemm_operands(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], softcap: Optional[float] = None):
     rows = hidden.reshape(-1, hidden.shape[-1])
     w = weight if weight.stride(-1) == 1 else weight.contiguous()
     return rows, w, kernel_bias(bias, softcap, compute_dtype(weight.dtype))
@@ -178,14 +173,14 @@ def form_dz(z: Tensor, dz: Tensor, labels: Tensor, stats: Tensor, entropy: Tenso
                           vocab_window=vocab_window)
 
 
-class _GradientStore:
+class GradientStore:
     """``dZ`` rows (operand dtype) waiting for the ``dH`` / ``dW`` GEMMs, with the token index of each; flushed
     when full and at the end, so that the fp32 ``dW`` accumulator is read and written once per store.
 
     Rows added with a ``keep`` mask (rows whose plan is not known on the host) enter the GEMMs with their hidden
     rows zeroed where ``keep`` is False: garbage there (e.g. NaN padding) cannot reach ``dW``."""
 
-    def __init__(self, rows: int, vocab: int, buffers: _Buffers, operand: torch.dtype, device: torch.device):
+    def __init__(self, rows: int, vocab: int, buffers: ChunkBuffers, operand: torch.dtype, device: torch.device):
         self.separate = buffers.dz is None  # else dZ is written over the logits buffer (fp32 / fp64 operands)
         self.dz = torch.empty((rows, vocab), device=device, dtype=operand) if self.separate else buffers.dz
         self.index = torch.empty(rows, device=device, dtype=torch.int64)
@@ -272,8 +267,8 @@ def _row_chunked_backward(rows: Tensor, weight: Tensor, operand: torch.dtype, bi
         free = torch.cuda.mem_get_info(w.device)[0]
     chunk, store_rows = configs.one_pass_chunk_rows(n, vocab, w.dtype, memory_budget, free, two_pass=True)
     separate = w.dtype != acc
-    buffers = _Buffers(min(chunk, n), vocab, w.dtype, w.device, need_dz=not separate) if n else None
-    store = _GradientStore(max(store_rows, chunk) if separate else chunk, vocab, buffers, w.dtype,
+    buffers = ChunkBuffers(min(chunk, n), vocab, w.dtype, w.device, need_dz=not separate) if n else None
+    store = GradientStore(max(store_rows, chunk) if separate else chunk, vocab, buffers, w.dtype,
                            w.device) if n else None
     for r0 in range(0, n, chunk):
         sl = slice(r0, min(n, r0 + chunk))
@@ -356,7 +351,7 @@ class VendorLinearLogprobs(torch.autograd.Function):
         caller_weight = weight
         if operands is not None:
             hidden, weight, bias = operands
-        rows, w, b = _operands(hidden.detach(), weight.detach(), None if bias is None else bias.detach(), softcap)
+        rows, w, b = gemm_operands(hidden.detach(), weight.detach(), None if bias is None else bias.detach(), softcap)
         n, vocab = rows.shape[0], w.shape[0]
         acc = compute_dtype(w.dtype)
         logp = torch.zeros(n, device=rows.device, dtype=acc)
@@ -370,13 +365,13 @@ class VendorLinearLogprobs(torch.autograd.Function):
         if budget is None and ctx.sliced and any(ctx.needs_input_grad[:3]):
             budget = configs.VOCAB_SLICE_BUDGET
         chunk = configs.gemm_chunk_rows(n, vocab, w.dtype, budget, need_dz=False)
-        buffers = _Buffers(min(chunk, n), vocab, w.dtype, rows.device, need_dz=False) if n else None
+        buffers = ChunkBuffers(min(chunk, n), vocab, w.dtype, rows.device, need_dz=False) if n else None
         for r0 in range(0, n, chunk):
             r1 = min(n, r0 + chunk)
             z = chunk_logits(rows[r0:r1], w, b, buffers.logits)
-            _chunk_statistics(z=z, labels=labels[r0:r1], active=None if active is None else active[r0:r1],
-                              temperature=temperature, logp=logp[r0:r1], entropy=entropy[r0:r1],
-                              row_stats=row_stats[:, r0:r1], softcap=softcap)
+            chunk_statistics(z=z, labels=labels[r0:r1], active=None if active is None else active[r0:r1],
+                             temperature=temperature, logp=logp[r0:r1], entropy=entropy[r0:r1],
+                             row_stats=row_stats[:, r0:r1], softcap=softcap)
         computed = torch.ones(n, device=rows.device, dtype=torch.bool) if active is None else active
         # The sliced backward casts the head slice by slice from the caller's tensor: the operand copy of the head
         # (the precision policy's cast) is not kept.
@@ -424,12 +419,11 @@ def linear_logprobs(
     temperature: float = 1.0,
     return_entropy: bool = False,
     memory_budget: Optional[int] = None,
-    batch_invariant: bool = False,
     softcap: Optional[float] = None,
     leaves: Optional[Tuple[Tensor, Tensor, Optional[Tensor]]] = None,
 ) -> Tuple[Tensor, Optional[Tensor]]:
-    """The backend contract's ``linear_logprobs``: the vendor GEMMs (this module) by default; the batch-invariant
-    Triton GEMMs (:mod:`.linear_invariant`) with ``batch_invariant=True``.
+    """The backend contract's ``linear_logprobs`` on the vendor GEMMs, the backend's default: the package's
+    ``linear_logprobs`` calls it unless ``batch_invariant=True`` (then :mod:`.linear_invariant`'s).
 
     ``leaves``: the caller's ``(hidden, weight, bias)`` that the precision policy cast into the operands; the
     vendor path then returns the gradients to them directly in their dtypes (an fp32 weight gets the fp32 ``dW``
@@ -438,13 +432,9 @@ def linear_logprobs(
     ``hidden [N, H]`` / ``[B, T, H]``, ``weight [V, H]`` in one dtype (the precision policy has cast them);
     fp64 runs in fp64 here (cuBLAS's fp64 GEMM; fp32 in the invariant path). Returns fp32 ``(logp, entropy)``
     (fp64 for fp64 operands here). ``softcap = c``: the logits are capped, ``z -> c tanh(z / c)``, before the
-    temperature, in both modes (None: no cap).
+    temperature (None: no cap).
     """
     softcap = softcap_value(softcap)
-    if batch_invariant:
-        return linear_invariant.linear_logprobs(hidden, weight, bias, labels, active=active, temperature=temperature,
-                                                return_entropy=return_entropy, memory_budget=memory_budget,
-                                                softcap=softcap)
     args = (labels.reshape(-1).to(torch.int64), active, float(temperature), memory_budget, softcap)
     if leaves is None or (leaves[2] is None) != (bias is None):
         logp, entropy = VendorLinearLogprobs.apply(hidden, weight, bias, *args)

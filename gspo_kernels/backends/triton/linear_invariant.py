@@ -15,10 +15,11 @@ Per row, with ``z = (h . W[v] + b[v]) / tau`` and a split's running maximum ``ro
 ``row_max`` and ``log_sum = log s`` are returned separately (not summed into one fp32 log-sum-exp), so that
 ``log p = (z - row_max) - log_sum`` keeps its precision when the logits are large (``1e4`` offsets):
 ``z - row_max`` is exact there, while ``row_max + log_sum`` would be rounded to the spacing of ``row_max``.
-A bias is replaced by :func:`max_subtracted_bias` before the kernels (the softmax does not change; the
-logits stay small), except under a soft cap (``softcap = c``: ``z = c tanh((h . W[v] + b[v]) / c) / tau``, which
-a shift would change; :func:`kernel_bias`). With the cap, the ``dz`` kernel multiplies ``q`` by the cap's slope
-``1 - tanh^2``, ``tanh`` recovered from ``log p`` so that no second logits-sized tile stays in registers.
+A bias is replaced by :func:`.kernel_math.max_subtracted_bias` before the kernels (the softmax does not change;
+the logits stay small), except under a soft cap (``softcap = c``: ``z = c tanh((h . W[v] + b[v]) / c) / tau``,
+which a shift would change; :func:`.kernel_math.kernel_bias`). With the cap, the ``dz`` kernel multiplies ``q`` by
+the cap's slope ``1 - tanh^2``, ``tanh`` recovered from ``log p`` so that no second logits-sized tile stays in
+registers.
 
 Backward (:func:`linear_logprobs_backward`). Only the rows whose incoming gradient is non-zero are visited:
 the autograd Function compacts them on the device (``order[:count]``, :func:`compact_rows`; ``count`` stays
@@ -426,7 +427,7 @@ def linear_logprobs_forward(
     Args:
         hidden: ``[N, H]`` or ``[B, T, H]`` (any strides), fp16/bf16/fp32.
         weight: ``[V, H]``, same dtype as ``hidden``. bias: ``[V]`` (any stride and float dtype) or None;
-            used as given (callers pass :func:`max_subtracted_bias` for precision).
+            used as given (callers pass :func:`.kernel_math.max_subtracted_bias` for precision).
         labels: ``[N]`` int64. Out-of-range labels give a NaN log-prob (they are never used as addresses).
         temperature: logits are divided by it.
         order, count: a compaction of the rows to compute (see :func:`compact_rows`), or None for all rows.

@@ -1,4 +1,22 @@
-"""The hidden-state path's one-pass loss: the loss and its gradient over chunks of whole responses (6 N H V)."""
+"""The hidden-state path's one-pass loss (the backend's ``fused_linear_loss``): the loss and its gradient over
+chunks of whole responses, ``6 N H V`` FLOPs.
+
+The two-pass form (:mod:`.linear`'s ``linear_logprobs``, then the objective) does ``8 N H V``: its backward
+computes the logits again. The one-call loss (:func:`fused_linear_loss`) needs the gradient while the chunk's
+logits are still there: it runs over chunks of *whole responses*, so that the sequence stage can produce
+``dL/dlogp`` for the chunk's tokens before ``dZ`` is formed, and does ``6 N H V`` (``2 N H V`` per counted row
+plus ``4 H V`` per row that carries a gradient). The chunk GEMM, the buffers and the ``dZ`` store are
+:mod:`.linear`'s (:func:`~.linear.chunk_logits`, :class:`~.linear.ChunkBuffers`, :class:`~.linear.GradientStore`).
+
+Host reads: none here. The one-call loss plans its rows from ``inputs.host`` (read with the value checks, once
+per call; :class:`_RowPlan`): masked rows enter no GEMM, rows of responses without a gradient enter no backward
+GEMM, rows found clipped in the forward enter them as zero rows. Inside CUDA-graph capture (and
+``torch.compile``) there is no host layout: every row of a chunk goes through the GEMMs, so a step can be
+captured.
+
+The gradients are known at the end of the forward: :class:`_GradientsKnown` hands them to the backward, scaled
+in place by the incoming gradient (:func:`scale_gradient_kernel`, the one kernel of this module).
+"""
 
 from __future__ import annotations
 
@@ -14,7 +32,13 @@ from gspo_kernels import checks
 from gspo_kernels.backends.triton import configs, sequence
 from gspo_kernels.backends.triton.kernel_math import softcap_value
 from gspo_kernels.backends.triton.launch import device_guard
-from gspo_kernels.backends.triton.linear import _Buffers, _chunk_statistics, _GradientStore, _operands, chunk_logits
+from gspo_kernels.backends.triton.linear import (
+    ChunkBuffers,
+    GradientStore,
+    chunk_logits,
+    chunk_statistics,
+    gemm_operands,
+)
 from gspo_kernels.backends.triton.logits import logprobs_forward
 from gspo_kernels.precision import compute_dtype
 
@@ -166,8 +190,8 @@ def _long_response(objective, rows, w, b, labels, valid, t0, t1, chunk, n_carryi
     parts = [(s, min(t1, s + chunk)) for s in range(t0, t1, chunk)]
     for s0, s1 in parts:
         z = chunk_logits(rows[s0:s1], w, b, buffers.logits)
-        _chunk_statistics(z=z, labels=labels[s0:s1], active=valid[s0:s1], temperature=temperature, logp=logp[s0:s1],
-                          entropy=entropy[s0:s1], row_stats=row_stats[:, s0:s1], softcap=softcap)
+        chunk_statistics(z=z, labels=labels[s0:s1], active=valid[s0:s1], temperature=temperature, logp=logp[s0:s1],
+                         entropy=entropy[s0:s1], row_stats=row_stats[:, s0:s1], softcap=softcap)
     if n_carrying == 0:
         return
     g, ge = _chunk_gradient(objective=objective, logp=logp, entropy=entropy, stand_in=stand_in, sl=slice(t0, t1),
@@ -185,7 +209,7 @@ def _one_pass(objective, hidden, weight, bias, inputs, config, sizes, need, soft
     """The pass of :func:`fused_linear_loss`: ``(LossOutput with its metrics, [dH, dW, dB])`` (fp32 / operand
     dtypes; None where ``need`` says no), over chunks of ``sizes = (C, K)`` rows; the log-probs into
     ``logprobs_out`` when given."""
-    rows, w, b = _operands(hidden.detach(), weight.detach(), None if bias is None else bias.detach(), softcap)
+    rows, w, b = gemm_operands(hidden.detach(), weight.detach(), None if bias is None else bias.detach(), softcap)
     n, vocab = rows.shape[0], w.shape[0]
     acc = compute_dtype(w.dtype)
     separate = w.dtype != acc
@@ -200,8 +224,8 @@ def _one_pass(objective, hidden, weight, bias, inputs, config, sizes, need, soft
     entropy = torch.zeros_like(logp)
     row_stats = torch.zeros((2, n), device=w.device, dtype=acc)
     stand_in = torch.zeros_like(logp) if inputs.old_logprobs is None else inputs.old_logprobs.to(acc).clone()
-    buffers = _Buffers(min(chunk, n), vocab, w.dtype, w.device, need_dz=not separate) if n else None
-    store = _GradientStore(max(store_rows, chunk) if separate else chunk, vocab, buffers, w.dtype,
+    buffers = ChunkBuffers(min(chunk, n), vocab, w.dtype, w.device, need_dz=not separate) if n else None
+    store = GradientStore(max(store_rows, chunk) if separate else chunk, vocab, buffers, w.dtype,
                            w.device) if n else None
     two_pass_tokens = 0
     for t0, t1, whole, n_counted, n_carrying in plan.chunks:

@@ -46,9 +46,9 @@ the gradient's rows share the logits' alignment, ``DST_ALIGNED``). A row whose `
 only writes zeros.
 
 Soft cap (``softcap = c``, Gemma's ``final_logit_softcapping``): every logit is first replaced by
-``c tanh(z / c)`` (:func:`soft_cap`), then divided by the temperature; ``row_stats[0]`` is the max *capped* logit
-and the backward multiplies the gradient with respect to the capped logit by ``1 - tanh^2(z / c)``. A constexpr
-(``HAS_SOFTCAP``): the uncapped kernels are unchanged.
+``c tanh(z / c)`` (:func:`.kernel_math.soft_cap`), then divided by the temperature; ``row_stats[0]`` is the max
+*capped* logit and the backward multiplies the gradient with respect to the capped logit by ``1 - tanh^2(z / c)``.
+A constexpr (``HAS_SOFTCAP``): the uncapped kernels are unchanged.
 
 Extra position: the gradient may have one more position per sequence than the logits
 (``out_rows_per_batch = rows_per_batch + 1``): a model's ``[B, T + 1, V]`` output read as ``logits[:, :-1]``
@@ -453,7 +453,7 @@ def logprobs_forward(
     return logp, entropy, row_stats
 
 
-def _gradient_rows(logits: Tensor, inplace: bool, extra_position: bool) -> Tuple[Tensor, Optional[Tensor]]:
+def gradient_rows(logits: Tensor, inplace: bool, extra_position: bool) -> Tuple[Tensor, Optional[Tensor]]:
     """``(rows, destination)`` of a logits backward: the saved logits' rows (``[:, :-1]`` of a model's
     ``[B, T+1, V]`` output) and where the gradient goes: the logits' own storage (in place), a new tensor of the
     full output's shape (its last position's gradient is zero), or None (a new tensor of the rows' shape)."""
@@ -611,7 +611,7 @@ class TritonLogitsLogprobs(torch.autograd.Function):
             grad_entropy = None
         if grad_logp is None and grad_entropy is None:
             return None, None, None, None, None, None, None, None
-        rows, out = _gradient_rows(logits, ctx.inplace, ctx.extra_position)
+        rows, out = gradient_rows(logits, ctx.inplace, ctx.extra_position)
         dlogits = logprobs_backward(
             rows,
             labels,

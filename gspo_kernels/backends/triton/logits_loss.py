@@ -1,5 +1,6 @@
-"""The logits path's whole loss in one autograd node: ``logits -> (loss, metrics)``, the log-probs of
-:mod:`.logits` and the sequence stage of :mod:`.sequence` (the backend's ``fused_logits_loss``)."""
+"""The logits path's whole loss in one autograd node (the backend's ``fused_logits_loss``): ``logits ->
+LossOutput(loss, metrics)``, the forward kernel of :mod:`.logits`, the sequence stage of :mod:`.sequence`, and
+one backward kernel for both (:class:`TritonLogitsLoss`). No kernel of its own."""
 
 from __future__ import annotations
 
@@ -10,20 +11,20 @@ from torch import Tensor
 
 from gspo_kernels.backends.tiling import next_token_base
 from gspo_kernels.backends.triton.kernel_math import softcap_value
-from gspo_kernels.backends.triton.logits import _gradient_rows, logprobs_backward, logprobs_forward
+from gspo_kernels.backends.triton.logits import gradient_rows, logprobs_backward, logprobs_forward
 from gspo_kernels.backends.triton.sequence import O_SCALE_ENTROPY, O_SCALE_LOGP, _sequence_stage, metric_slots
 from gspo_kernels.objective import LossOutput
 
 
 class TritonLogitsLoss(torch.autograd.Function):
-    """``logits [N, V] | [B, T, V] -> (loss 0-dim, out [NUM_OUTPUTS])``: :class:`TritonLogitsLogprobs` and the
+    """``logits [N, V] | [B, T, V] -> (loss 0-dim, out [NUM_OUTPUTS])``: :class:`.logits.TritonLogitsLogprobs` and the
     sequence stage (:class:`~gspo_kernels.backends.triton.sequence.TritonSequenceObjective`) as one autograd node.
 
     The same launches and the same bits as the two nodes: the forward kernel, then the sequence stage's two; the
     backward is the one backward kernel, which forms ``dL/dlogp = coef * (grad_loss * out[O_SCALE_LOGP])`` and
     ``dL/dH = mask * (grad_loss * out[O_SCALE_ENTROPY])`` per row itself (``grad_scale``). What it saves per
     call: a node of the graph (a Python backward the engine calls), the two elementwise products and the
-    ``[N]`` gradients between the nodes. ``extra_position`` as in :class:`TritonLogitsLogprobs`.
+    ``[N]`` gradients between the nodes. ``extra_position`` as in :class:`.logits.TritonLogitsLogprobs`.
     """
 
     @staticmethod
@@ -51,7 +52,7 @@ class TritonLogitsLoss(torch.autograd.Function):
         if grad_loss is None:
             return None, None, None, None, None, None
         logits, labels, row_stats, entropy, active, mask, coef, out = ctx.saved_tensors
-        rows, dst = _gradient_rows(logits, ctx.inplace, ctx.extra_position)
+        rows, dst = gradient_rows(logits, ctx.inplace, ctx.extra_position)
         with_entropy = ctx.entropy_coef != 0
         dlogits = logprobs_backward(
             rows,
@@ -78,12 +79,12 @@ def _flat_bool(flags: Optional[Tensor]) -> Optional[Tensor]:
 
 def fused_logits_loss(logits: Tensor, inputs, config, *, inplace_backward: bool = False,
                       softcap: Optional[float] = None):
-    """The backend contract's ``fused_logits_loss``: :func:`logits_logprobs` then the backend's objective
+    """The backend contract's ``fused_logits_loss``: :func:`.logits.logits_logprobs` then the backend's objective
     (:func:`gspo_kernels.backends.triton.sequence.fused_objective`) in one autograd node (:class:`TritonLogitsLoss`).
 
     Args:
         logits: ``[N, V]`` or ``[B, T, V]``, any float dtype and strides (a ``model_output[:, :-1]`` view is
-            routed to its base, as in :func:`logits_logprobs`).
+            routed to its base, as in :func:`.logits.logits_logprobs`).
         inputs: the validated :class:`~gspo_kernels.layout.LossInputs` (labels in ``[0, V)``, the token mask).
         config: the loss options; ``config.temperature`` divides the logits.
         softcap: None or ``c > 0`` (the config's ``final_logit_softcapping``, checked by the public functions).
