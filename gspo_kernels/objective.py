@@ -16,7 +16,6 @@ even when its weight overflows (``exp(100)`` in fp32), instead of ``0 * inf = Na
 
 from __future__ import annotations
 
-import math
 from typing import Dict, NamedTuple, Optional, Tuple
 
 import torch
@@ -24,6 +23,15 @@ from torch import Tensor
 
 from gspo_kernels.config import GSPOConfig
 from gspo_kernels.layout import LossInputs
+from gspo_kernels.objectives.base import segment_sum
+from gspo_kernels.objectives.cispo import cispo_weight
+from gspo_kernels.objectives.clipped import _live_log_weight
+from gspo_kernels.objectives.gmpo import _gmpo_surrogate
+from gspo_kernels.objectives.sapo import _sapo_live_log_weight
+from gspo_kernels.objectives.vespo import VESPO_LOG_MAX, VESPO_LOG_MIN, _vespo_surrogate, vespo_log_weight, vespo_phi
+
+__all__ = ["LossOutput", "gspo_objective", "segment_sum", "off_policy_keep", "rollout_correction", "k3_kl",
+           "clip_flags", "cispo_weight", "vespo_log_weight", "vespo_phi", "VESPO_LOG_MIN", "VESPO_LOG_MAX"]
 
 
 class LossOutput(NamedTuple):
@@ -31,11 +39,6 @@ class LossOutput(NamedTuple):
 
     loss: Tensor
     metrics: Dict[str, Tensor]
-
-
-def segment_sum(values: Tensor, seq_index: Tensor, num_seqs: int) -> Tensor:
-    """``out[i] = sum of values[t] over tokens t of response i`` (differentiable)."""
-    return values.new_zeros(num_seqs).index_add(0, seq_index, values)
 
 
 def gspo_objective(
@@ -155,53 +158,6 @@ def gspo_objective(
     return LossOutput(loss, metrics)
 
 
-def _vespo_surrogate(*, log_ratio: Tensor, fold: Optional[Tensor], A: Tensor, A_live: Tensor, adv: Tensor,
-                     logp_m: Tensor, lengths: Tensor, inputs: LossInputs, config: GSPOConfig,
-                     metrics: Dict[str, Tensor]) -> Tuple[Tensor, Tensor]:
-    """VESPO: ``l_t = -phi(w_i) A_t logp_t`` with the response's weight ``w_i`` (its correction ``fold`` folded
-    in); ``(per-token loss [N], w_i [S])``, and ``vespo/phi_seq_mean`` into ``metrics``."""
-    batch = inputs.batch
-    valid, seq, S = batch.mask > 0, batch.seq_index, batch.num_seqs
-    zero = logp_m.new_zeros(())
-    log_w_seq = vespo_log_weight(log_ratio.detach(), fold, valid, seq, S)
-    phi = vespo_phi(log_w_seq[seq], A, config)
-    with torch.no_grad():
-        if inputs.advantages_per_token:
-            tokens = batch.mask.to(logp_m.dtype).sum().clamp(min=1)
-            metrics["vespo/phi_seq_mean"] = (torch.where(valid, phi, zero).sum() / tokens).float()
-        else:
-            counted = lengths > 0
-            phi_seq = vespo_phi(log_w_seq, adv, config)
-            metrics["vespo/phi_seq_mean"] = (torch.where(counted, phi_seq, zero).sum()
-                                             / counted.sum().clamp(min=1)).float()
-    return -phi * A_live * logp_m, torch.exp(log_w_seq)
-
-
-def _gmpo_surrogate(*, log_ratio: Tensor, A: Tensor, factor: Optional[Tensor], denom: Tensor, inputs: LossInputs,
-                    config: GSPOConfig, metrics: Dict[str, Tensor]) -> Tuple[Tensor, Tensor]:
-    """GMPO: ``l = -mean_t(A) rho_i`` on every token, ``rho_i`` the geometric mean of the sign-aware clipped
-    token ratios; ``(per-token loss [N], rho_i [S] detached)``, and its clip shares into ``metrics``."""
-    batch = inputs.batch
-    valid, seq, S = batch.mask > 0, batch.seq_index, batch.num_seqs
-    zero = log_ratio.new_zeros(())
-    clipped = torch.clamp(log_ratio, -config.epsilon_low, config.epsilon_high)
-    sign = torch.sign(A)
-    m = sign * torch.minimum(sign * log_ratio, sign * clipped)  # sign-aware clip of the token log-ratio
-    rho_seq = torch.exp(segment_sum(m, seq, S) / denom)
-    adv_seq = segment_sum(A, seq, S) / denom
-    per_token = torch.where(valid, -(adv_seq * rho_seq)[seq], zero)
-    if factor is not None:
-        per_token = torch.where(factor == 0, zero, per_token)
-    with torch.no_grad():
-        moved = valid & (log_ratio != clipped)
-        n_tok = batch.mask.to(log_ratio.dtype).sum().clamp(min=1)
-        low, high = moved & (A < 0), moved & (A > 0)
-        metrics["clip_ratio/low_mean"] = (low.sum() / n_tok).float()
-        metrics["clip_ratio/high_mean"] = (high.sum() / n_tok).float()
-        metrics["clip_ratio/region_mean"] = ((low | high).sum() / n_tok).float()
-    return per_token, rho_seq.detach()
-
-
 def _aggregate(per_token: Tensor, denom: Tensor, num_tokens: Tensor, inputs: LossInputs, config: GSPOConfig) -> Tensor:
     batch = inputs.batch
     S = batch.num_seqs
@@ -224,51 +180,6 @@ def _aggregate(per_token: Tensor, denom: Tensor, num_tokens: Tensor, inputs: Los
 # ---------------------------------------------------------------------------------------------
 # The objectives' pieces (no gradient flows through any of these but the SAPO stand-in's live branch).
 # ---------------------------------------------------------------------------------------------
-
-# log(1e-8): VESPO's lower clamp of the log sequence weight (TRL's, from the paper's implementation).
-VESPO_LOG_MIN = math.log(1e-8)
-VESPO_LOG_MAX = 20.0
-# SAPO's gate sigma(tau (w - 1)) is 1 to within e^-60 once tau (w - 1) >= 60: past that the weight is frozen.
-SAPO_SATURATION = 60.0
-
-
-def _sapo_live_log_weight(log_w: Tensor, A: Tensor, tau: Tensor) -> Tensor:
-    """``log_w``, except where the gate is saturated (``tau (w - 1) >= 60``) or ``A == 0``: there a detached,
-    finite stand-in (the loss changes by less than ``e^-60`` relative, its gradient ``4 s (1 - s) w A`` is below
-    ``e^-59``), so an overflowing weight gives a zero gradient instead of ``0 * inf``."""
-    with torch.no_grad():
-        cap = torch.log1p(SAPO_SATURATION / tau)
-        frozen = (A == 0) | (log_w.detach() > cap)
-        stand_in = torch.minimum(log_w.detach(), cap)
-    return torch.where(frozen, stand_in, log_w)
-
-
-def cispo_weight(log_w: Tensor, config: GSPOConfig) -> Tensor:
-    """CISPO's detached weight: ``min(w, epsilon_high)`` (``cispo_clip="upper"``) or
-    ``clamp(w, 1 - epsilon_low, 1 + epsilon_high)`` (``"band"``)."""
-    w = torch.exp(log_w.detach())
-    if config.cispo_clip == "upper":
-        return torch.clamp(w, max=config.epsilon_high)
-    return torch.clamp(w, 1.0 - config.epsilon_low, 1.0 + config.epsilon_high)
-
-
-def vespo_log_weight(log_ratio: Tensor, fold: Optional[Tensor], valid: Tensor, seq: Tensor, S: int) -> Tensor:
-    """``[S]`` VESPO's log sequence weight: ``clamp(sum_t clamp(log r_t, -20, 20) + sum_t clamp(log c_t,
-    log 1e-8, 20), log 1e-8, 20)`` with ``c_t`` the folded correction factor (detached)."""
-    zero = log_ratio.new_zeros(())
-    total = torch.where(valid, torch.clamp(log_ratio, -VESPO_LOG_MAX, VESPO_LOG_MAX), zero)
-    if fold is not None:
-        total = total + torch.where(valid, torch.clamp(torch.log(fold), VESPO_LOG_MIN, VESPO_LOG_MAX), zero)
-    return torch.clamp(segment_sum(total, seq, S), VESPO_LOG_MIN, VESPO_LOG_MAX)
-
-
-def vespo_phi(log_w: Tensor, A: Tensor, config: GSPOConfig) -> Tensor:
-    """``phi = exp(lambda + k log w - lambda w)``, ``(k, lambda)`` by ``A >= 0`` (detached; non-finite -> 0)."""
-    pos = A >= 0
-    k = torch.where(pos, A.new_tensor(config.vespo_k_pos), A.new_tensor(config.vespo_k_neg))
-    lam = torch.where(pos, A.new_tensor(config.vespo_lambda_pos), A.new_tensor(config.vespo_lambda_neg))
-    phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w))
-    return torch.where(torch.isfinite(phi), phi, torch.zeros_like(phi)).detach()
 
 
 def off_policy_keep(logp: Tensor, sampling: Tensor, A: Tensor, valid: Tensor, seq: Tensor, S: int,
@@ -338,33 +249,6 @@ def rollout_correction(old: Tensor, rollout: Tensor, valid: Tensor, seq: Tensor,
     metrics["rollout/weight_mean"] = stats["importance_weight/mean"]
     metrics["rollout/weight_max"] = stats["importance_weight/max"]
     return (None if mode is None else rho.detach()), metrics
-
-
-def _live_log_weight(log_w: Tensor, A: Tensor, config: GSPOConfig) -> Tensor:
-    """``log_w`` where the token's surrogate ``-min(c1 A, c2 A)`` depends on the weight; a detached, finite
-    stand-in giving the same clipped value elsewhere (its gradient is exactly 0 there, with no ``0 * inf``).
-
-    ``c1 = min(w, delta)`` (or ``w``), ``c2 = clamp(w, 1 - eps_low, 1 + eps_high)``. The value is constant
-    in ``w`` when ``A == 0``, or when the branch ``torch.minimum`` picks is a clamped constant (for a tie,
-    when both are), or when the dual clip caps it (``A < 0`` and ``max(c1, c2) > clip_ratio_c``). Only those
-    tokens get the stand-in: ``min(log_w, log(cap))`` with ``cap`` above every clip edge, which leaves the
-    clipped values unchanged.
-    """
-    lo, hi, delta, dual = 1.0 - config.epsilon_low, 1.0 + config.epsilon_high, config.delta, config.clip_ratio_c
-    with torch.no_grad():
-        lw = log_w.detach()
-        w = torch.exp(lw)  # may be inf: used for comparisons only
-        c1 = w if delta is None else torch.clamp(w, max=delta)
-        c2 = torch.clamp(w, lo, hi)
-        c1_const = torch.zeros_like(w, dtype=torch.bool) if delta is None else w > delta
-        c2_const = (w < lo) | (w > hi)
-        a1, a2 = c1 * A, c2 * A
-        frozen = (A == 0) | ((a1 < a2) & c1_const) | ((a2 < a1) & c2_const) | (c1_const & c2_const)
-        if dual is not None:
-            frozen = frozen | ((A < 0) & (torch.maximum(c1, c2) > dual))
-        cap = math.log(2.0 * max(hi, delta or hi, dual or hi))
-        stand_in = torch.clamp(lw, max=cap)
-    return torch.where(frozen, stand_in, log_w)
 
 
 def k3_kl(ref_logp: Tensor, logp: Tensor) -> Tensor:
