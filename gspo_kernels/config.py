@@ -5,26 +5,36 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from gspo_kernels import objectives
 from gspo_kernels.checks import check_softcap, check_temperature, is_finite_number
 
 IMPORTANCE_SAMPLING_LEVELS = ("sequence", "sequence_token", "token")
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")  # the aggregations (TRL's names)
-# Every loss_type: the four above (the clipped surrogate with that aggregation) and the objectives of TRL 1.16
-# (cispo, sapo, luspo, vespo) and verl (gmpo = its "geo_mean"); see docs/math.md.
-ALL_LOSS_TYPES = LOSS_TYPES + ("cispo", "sapo", "luspo", "vespo", "gmpo")
 # ``aggregation`` values: the four of LOSS_TYPES and "seq_sum" = (1/S) sum_i sum_t l_it (LUSPO's, verl's
 # seq-mean-token-sum).
 AGGREGATIONS = LOSS_TYPES + ("seq_sum",)
-# The aggregation each loss_type implies (TRL's _compute_loss); ``aggregation`` overrides it.
-IMPLIED_AGGREGATION = {**{name: name for name in LOSS_TYPES}, "cispo": "dapo", "sapo": "grpo", "luspo": "seq_sum",
-                       "vespo": "dapo", "gmpo": "grpo"}
-# The per-token objective of each loss_type: "clip" is the PPO/GRPO/GSPO clipped surrogate.
-OBJECTIVES = ("clip", "cispo", "sapo", "vespo", "gmpo")
-OBJECTIVE_OF = {**{name: "clip" for name in LOSS_TYPES}, "luspo": "clip", "cispo": "cispo", "sapo": "sapo",
-                "vespo": "vespo", "gmpo": "gmpo"}
-CISPO_CLIPS = ("upper", "band")
 ROLLOUT_CORRECTIONS = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "icepop",
                        "sequence_masked_tis")
+# The tables of the objectives, read from their registry (gspo_kernels.objectives) at each access, so an
+# objective registered later is in them:
+#   ALL_LOSS_TYPES       every loss_type: the four above (the clipped surrogate with that aggregation) and the
+#                        objectives of TRL 1.16 and verl; see docs/math.md
+#   IMPLIED_AGGREGATION  the aggregation each loss_type implies (TRL's _compute_loss); ``aggregation`` overrides it
+#   OBJECTIVES           the per-token objectives ("clip": the PPO/GRPO/GSPO clipped surrogate)
+#   OBJECTIVE_OF         the per-token objective of each loss_type
+_REGISTRY_TABLES = {
+    "ALL_LOSS_TYPES": lambda: tuple(t.name for t in objectives.loss_types()),
+    "IMPLIED_AGGREGATION": lambda: {t.name: t.aggregation for t in objectives.loss_types()},
+    "OBJECTIVES": lambda: tuple(o.name for o in objectives.objectives()),
+    "OBJECTIVE_OF": lambda: {t.name: t.objective for t in objectives.loss_types()},
+}
+
+
+def __getattr__(name: str):
+    table = _REGISTRY_TABLES.get(name)
+    if table is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return table()
 
 
 @dataclass(frozen=True)
@@ -97,12 +107,12 @@ class GSPOConfig:
     @property
     def objective(self) -> str:
         """The per-token objective of ``loss_type`` (one of :data:`OBJECTIVES`)."""
-        return OBJECTIVE_OF[self.loss_type]
+        return objectives.loss_type(self.loss_type).objective
 
     @property
     def effective_aggregation(self) -> str:
         """``aggregation`` when set, else the one ``loss_type`` implies (one of :data:`AGGREGATIONS`)."""
-        return self.aggregation if self.aggregation is not None else IMPLIED_AGGREGATION[self.loss_type]
+        return self.aggregation if self.aggregation is not None else objectives.loss_type(self.loss_type).aggregation
 
     @property
     def rollout_bounds(self):
@@ -119,8 +129,9 @@ class GSPOConfig:
                 f"importance_sampling_level must be one of {IMPORTANCE_SAMPLING_LEVELS}, "
                 f"got {self.importance_sampling_level!r}"
             )
-        if self.loss_type not in ALL_LOSS_TYPES:
-            raise ValueError(f"loss_type must be one of {ALL_LOSS_TYPES}, got {self.loss_type!r}")
+        loss_types = tuple(t.name for t in objectives.loss_types())
+        if self.loss_type not in loss_types:
+            raise ValueError(f"loss_type must be one of {loss_types}, got {self.loss_type!r}")
         if self.aggregation is not None and self.aggregation not in AGGREGATIONS:
             raise ValueError(f"aggregation must be None or one of {AGGREGATIONS}, got {self.aggregation!r}")
         for name in ("epsilon_low", "epsilon_high"):
@@ -129,8 +140,6 @@ class GSPOConfig:
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
         if self.epsilon_low >= 1:
             raise ValueError(f"epsilon_low must be < 1 (the band's low edge is 1 - epsilon_low), got {self.epsilon_low!r}")
-        if self.delta is not None and (not is_finite_number(self.delta) or self.delta <= 1):
-            raise ValueError(f"delta must be None or a finite number > 1, got {self.delta!r}")
         if not is_finite_number(self.beta) or self.beta < 0:
             raise ValueError(f"beta must be a finite number >= 0, got {self.beta!r}")
         check_temperature(self.temperature)
@@ -150,41 +159,12 @@ class GSPOConfig:
             raise ValueError(f"log_ratio_clamp must be None or a finite number > 0, got {self.log_ratio_clamp!r}")
         if not isinstance(self.use_bias_correction_kl, bool):
             raise ValueError(f"use_bias_correction_kl must be a bool, got {self.use_bias_correction_kl!r}")
-        self._check_objective_options()
         self._check_rollout_correction()
+        self._check_objective_options()
         check_softcap(self.final_logit_softcapping)
 
     def _check_objective_options(self) -> None:
-        objective = self.objective
-        for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
-            value = getattr(self, name)
-            if not is_finite_number(value) or value <= 0:
-                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
-        if self.cispo_clip not in CISPO_CLIPS:
-            raise ValueError(f"cispo_clip must be one of {CISPO_CLIPS}, got {self.cispo_clip!r}")
-        if objective == "cispo" and self.cispo_clip == "upper" and self.epsilon_high < 1:
-            raise ValueError(
-                f"epsilon_high is CISPO's absolute cap on the importance weight when loss_type='cispo' and "
-                f"cispo_clip='upper' (TRL's convention, e.g. 5.0): it must be >= 1, got {self.epsilon_high!r} "
-                f"(for the band [1 - epsilon_low, 1 + epsilon_high] set cispo_clip='band')"
-            )
-        for name in ("vespo_k_pos", "vespo_k_neg"):
-            value = getattr(self, name)
-            if not is_finite_number(value) or value < 0:
-                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
-        for name in ("vespo_lambda_pos", "vespo_lambda_neg"):
-            value = getattr(self, name)
-            if not is_finite_number(value) or value < 1e-4:
-                raise ValueError(f"{name} must be a finite number >= 1e-4 (TRL's floor), got {value!r}")
-        if self.clip_ratio_c is not None:
-            if not is_finite_number(self.clip_ratio_c) or self.clip_ratio_c <= 1:
-                raise ValueError(f"clip_ratio_c must be None or a finite number > 1, got {self.clip_ratio_c!r}")
-            if objective != "clip":
-                raise ValueError(f"clip_ratio_c (the dual clip) applies to the clipped surrogate only "
-                                 f"(loss_type in {LOSS_TYPES + ('luspo',)}), not loss_type={self.loss_type!r}")
-        if self.delta is not None and objective != "clip":
-            raise ValueError(f"delta (two-sided clipping) applies to the clipped surrogate only "
-                             f"(loss_type in {LOSS_TYPES + ('luspo',)}), not loss_type={self.loss_type!r}")
+        objectives.check_options(self)  # each objective's options (its module's ``check``)
         threshold = self.off_policy_mask_threshold
         if threshold is not None and (not is_finite_number(threshold) or threshold < 0):
             raise ValueError(f"off_policy_mask_threshold must be None or a finite number >= 0, got {threshold!r}")
@@ -205,11 +185,6 @@ class GSPOConfig:
             raise ValueError(f"rollout_correction={mode!r} needs rollout_correction_max or rollout_correction_min")
         if mode in ("icepop", "sequence_masked_tis") and hi is None:
             raise ValueError(f"rollout_correction={mode!r} needs rollout_correction_max (C_max)")
-        if self.objective == "vespo" and mode not in ("token_truncate", "token_mask", "icepop"):
-            raise ValueError(
-                f"loss_type='vespo' folds the rollout correction into its sequence weight token by token (TRL): "
-                f"rollout_correction must be 'token_truncate', 'token_mask' or 'icepop', got {mode!r}"
-            )
 
 
 _DEFAULT_CONFIG: Optional[GSPOConfig] = None

@@ -21,17 +21,14 @@ from typing import Dict, NamedTuple, Optional, Tuple
 import torch
 from torch import Tensor
 
+from gspo_kernels import objectives
 from gspo_kernels.config import GSPOConfig
 from gspo_kernels.layout import LossInputs
 from gspo_kernels.objectives.base import segment_sum
-from gspo_kernels.objectives.cispo import cispo_weight
-from gspo_kernels.objectives.clipped import _live_log_weight
-from gspo_kernels.objectives.gmpo import _gmpo_surrogate
-from gspo_kernels.objectives.sapo import _sapo_live_log_weight
-from gspo_kernels.objectives.vespo import VESPO_LOG_MAX, VESPO_LOG_MIN, _vespo_surrogate, vespo_log_weight, vespo_phi
+from gspo_kernels.objectives.clipped import _live_log_weight, clip_flags
 
 __all__ = ["LossOutput", "gspo_objective", "segment_sum", "off_policy_keep", "rollout_correction", "k3_kl",
-           "clip_flags", "cispo_weight", "vespo_log_weight", "vespo_phi", "VESPO_LOG_MIN", "VESPO_LOG_MAX"]
+           "clip_flags", "_live_log_weight"]
 
 
 class LossOutput(NamedTuple):
@@ -87,7 +84,8 @@ def gspo_objective(
         metrics.update(rollout_metrics)
         if rho is not None:
             factor = rho.to(logp.dtype)
-    fold = factor if config.objective == "vespo" else None
+    spec = objectives.objective(config.objective)
+    fold = factor if spec.folds_correction else None
     if fold is not None:
         factor = None
     if config.off_policy_mask_threshold is not None:
@@ -99,30 +97,10 @@ def gspo_objective(
     # weight, so an overflowing weight there is no inf * 0.
     A_live = A if factor is None else torch.where(factor == 0, zero, A)
 
-    objective = config.objective
-    unit_w = None  # VESPO, GMPO: the one weight per response the importance_weight/* metrics count
-    if objective == "clip":
-        w = torch.exp(_live_log_weight(log_w, A_live, config))
-        c1 = w if config.delta is None else torch.clamp(w, max=config.delta)
-        c2 = torch.clamp(w, 1.0 - config.epsilon_low, 1.0 + config.epsilon_high)
-        per_token = -torch.minimum(c1 * A_live, c2 * A_live)
-        if config.clip_ratio_c is not None:  # dual clip: for A < 0 the loss is at most clip_ratio_c * |A|
-            per_token = torch.where(A_live < 0, torch.minimum(per_token, -config.clip_ratio_c * A_live), per_token)
-    elif objective == "sapo":
-        tau = torch.where(A > 0, A.new_tensor(config.sapo_temperature_pos),
-                          A.new_tensor(config.sapo_temperature_neg))
-        w = torch.exp(_sapo_live_log_weight(log_w, A_live, tau))
-        per_token = -torch.sigmoid(tau * (w - 1.0)) * (4.0 / tau) * A_live
-    elif objective == "cispo":
-        w_hat = cispo_weight(log_w.detach(), config)
-        per_token = -w_hat * A_live * logp_m
-    elif objective == "vespo":
-        per_token, unit_w = _vespo_surrogate(log_ratio=log_ratio, fold=fold, A=A, A_live=A_live, adv=adv,
-                                             logp_m=logp_m, lengths=lengths, inputs=inputs, config=config,
-                                             metrics=metrics)
-    else:
-        per_token, unit_w = _gmpo_surrogate(log_ratio=log_ratio, A=A, factor=factor, denom=denom, inputs=inputs,
-                                            config=config, metrics=metrics)
+    # The objective's per-token loss, and the one weight per response its metrics count (None: per item).
+    per_token, unit_w = spec.surrogate(log_w=log_w, log_ratio=log_ratio, A=A, A_live=A_live, adv=adv, logp_m=logp_m,
+                                       lengths=lengths, denom=denom, fold=fold, factor=factor, inputs=inputs,
+                                       config=config, metrics=metrics)
     if factor is not None:
         per_token = per_token * factor
 
@@ -144,7 +122,7 @@ def gspo_objective(
             loss = loss - config.entropy_coef * entropy_mean
 
     with torch.no_grad():
-        if unit_w is not None:  # VESPO, GMPO: one weight per response
+        if unit_w is not None:  # one weight per response
             metrics.update(_weight_stats(unit_w, lengths > 0))
         elif level == "sequence" and not inputs.advantages_per_token:
             seq_w = torch.exp(seq_log_ratio if clamp is None else torch.clamp(seq_log_ratio, max=clamp))
@@ -257,34 +235,10 @@ def k3_kl(ref_logp: Tensor, logp: Tensor) -> Tensor:
     return torch.exp(d) - d - 1.0
 
 
-def clip_flags(w: Tensor, A: Tensor, config: GSPOConfig) -> Tuple[Tensor, Tensor]:
-    """``(low, high)`` bool: the weight left the band on the side where clipping removes the gradient
-    (``w < 1 - epsilon_low`` with ``A < 0``; ``w > 1 + epsilon_high`` with ``A > 0``). The one definition
-    of the ``clip_ratio/*`` metrics (the TRL drop-in weights them across processes itself)."""
-    low = (w < 1.0 - config.epsilon_low) & (A < 0)
-    high = (w > 1.0 + config.epsilon_high) & (A > 0)
-    return low, high
-
-
 def _objective_metrics(w: Tensor, A: Tensor, valid: Tensor, config: GSPOConfig) -> Dict[str, Tensor]:
-    """The clip metrics of the objective (TRL's names) and the importance-weight statistics over the counted
-    items (responses or tokens): ``clip_ratio/*`` for the clipped surrogate, ``cispo_clip_ratio`` for CISPO
-    (upper: ``w > epsilon_high`` with ``A > 0``, TRL; band: ``w`` outside the band, verl), none for SAPO."""
-    count = valid.sum()
-    n = count.clamp(min=1).to(torch.float32)
-    out: Dict[str, Tensor] = {}
-    if config.objective == "clip":
-        low, high = clip_flags(w, A, config)
-        low, high = valid & low, valid & high
-        out["clip_ratio/low_mean"] = low.sum() / n
-        out["clip_ratio/high_mean"] = high.sum() / n
-        out["clip_ratio/region_mean"] = (low | high).sum() / n
-    elif config.objective == "cispo":
-        if config.cispo_clip == "upper":
-            clipped = (w > config.epsilon_high) & (A > 0)
-        else:
-            clipped = (w < 1.0 - config.epsilon_low) | (w > 1.0 + config.epsilon_high)
-        out["cispo_clip_ratio"] = (valid & clipped).sum() / n
+    """The clip metrics of the objective (TRL's names; ``Objective.clip_metrics``) and the importance-weight
+    statistics over the counted items (responses or tokens)."""
+    out: Dict[str, Tensor] = dict(objectives.objective(config.objective).clip_metrics(w, A, valid, config))
     out.update(_weight_stats(w, valid))
     return out
 

@@ -55,7 +55,7 @@ import torch
 import trl
 from trl.trainer.utils import FusedCausalLMOutput, maybe_gather_lm_head_ctx, nanmax, nanmin
 
-from gspo_kernels import backends
+from gspo_kernels import backends, objectives
 from gspo_kernels.checks import check_bool, check_memory_budget, check_softcap
 from gspo_kernels.config import GSPOConfig
 from gspo_kernels.loss import fused_linear_gspo_loss, linear_logprobs, policy_loss
@@ -83,9 +83,13 @@ _FSDP1_OWN_UNIT = (
     "GRPOTrainer; keep lm_head in the root FSDP unit (use_orig_params=True), or use FSDP2 (fully_shard) or DDP"
 )
 SUPPORTED_IMPORTANCE_LEVELS = ("token", "sequence", "sequence_token")
-# TRL 1.16's loss types (its GRPOConfig.loss_type); each maps onto the library's loss_type of the same name
-TRL_LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo", "luspo", "vespo")
-CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # the clipped surrogate: TRL logs clip_ratio/*
+# TRL 1.16's loss types (its GRPOConfig.loss_type); each maps onto the library's loss_type of the same name (the
+# objectives' registry marks them)
+TRL_LOSS_TYPES = tuple(t.name for t in objectives.loss_types() if t.trl)
+CLIPPED_LOSS_TYPES = tuple(t.name for t in objectives.loss_types()  # the clipped surrogate: TRL logs clip_ratio/*
+                           if t.trl and t.objective == "clip")
+# The metrics TRL logs as the library computes them (per process, averaged over processes)
+_LIBRARY_METRICS = tuple(name for o in objectives.objectives() for name in o.trl_metrics)
 # TRL's vllm_importance_sampling_mode values, the library's rollout_correction modes of the same names
 VLLM_IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 _MULTIMODAL_KEYS = (
@@ -189,14 +193,9 @@ class GRPOTrainer(trl.GRPOTrainer):
             off_policy_mask_threshold=self.off_policy_mask_threshold,
             rollout_correction_max=None,
         )
-        if self.loss_type in CLIPPED_LOSS_TYPES:
-            options["delta"] = args.delta  # TRL applies delta to the clipped surrogate only
-        elif self.loss_type == "sapo":
-            options.update(sapo_temperature_pos=args.sapo_temperature_pos,
-                           sapo_temperature_neg=args.sapo_temperature_neg)
-        elif self.loss_type == "vespo":
-            options.update(vespo_k_pos=args.vespo_k_pos, vespo_lambda_pos=args.vespo_lambda_pos,
-                           vespo_k_neg=args.vespo_k_neg, vespo_lambda_neg=args.vespo_lambda_neg)
+        # the objective's own options, TRL's names (the clipped surrogate: delta; SAPO's, VESPO's)
+        spec = objectives.objective(objectives.loss_type(self.loss_type).objective)
+        options.update({name: getattr(args, name) for name in spec.trl_options})
         if rollout_correction:  # TRL's vLLM importance sampling: mode, C_max and C_min map one-to-one
             options.update(rollout_correction=self.vllm_importance_sampling_mode,
                            rollout_correction_max=self.vllm_importance_sampling_clip_max,
@@ -341,7 +340,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         if "kl" in library:
             metrics["kl"].append(token_weighted(library["kl"]))
         metrics["entropy"].append(token_weighted(library["entropy"]))
-        for name in ("cispo_clip_ratio", "vespo/phi_seq_mean"):
+        for name in _LIBRARY_METRICS:
             if name in library:
                 metrics[name].append(self.accelerator.gather(library[name].reshape(1)).nanmean().item())
 

@@ -48,6 +48,7 @@ import torch
 import verl.trainer.ppo.core_algos as core_algos
 from torch import Tensor
 
+from gspo_kernels import objectives
 from gspo_kernels.config import GSPOConfig
 from gspo_kernels.loss import linear_logprobs, policy_loss
 from gspo_kernels.parallel import VocabParallel
@@ -58,12 +59,8 @@ LEVEL_LOSS_NAMES = {
     "gspo_kernels_sequence": "sequence",
     "gspo_kernels_token": "token",
 }
-# verl's sapo / cispo / geo_mean as the library's objectives
-OBJECTIVE_LOSS_NAMES = {
-    "gspo_kernels_sapo": "sapo",
-    "gspo_kernels_cispo": "cispo",
-    "gspo_kernels_geo_mean": "gmpo",
-}
+# verl's sapo / cispo / geo_mean as the library's objectives (the names each loss type declares in the registry)
+OBJECTIVE_LOSS_NAMES = {name: t.name for t in objectives.loss_types() for name in t.verl}
 AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 GSPO_LOG_RATIO_CLAMP = 10.0  # verl's compute_policy_loss_gspo: clamp(max=10) before exp
 PPO_LOG_RATIO_CLAMP = 20.0  # verl's vanilla / sapo / cispo: clamp(-20, 20) before exp

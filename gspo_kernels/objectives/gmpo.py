@@ -3,17 +3,18 @@ token ratios (docs/math.md)."""
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from gspo_kernels.layout import LossInputs
 from gspo_kernels.objectives.base import Options, segment_sum
+from gspo_kernels.objectives.registry import LossType, Objective
 
 
 def _gmpo_surrogate(*, log_ratio: Tensor, A: Tensor, factor: Optional[Tensor], denom: Tensor, inputs: LossInputs,
-                    config: Options, metrics: Dict[str, Tensor]) -> Tuple[Tensor, Tensor]:
+                    config: Options, metrics: Dict[str, Tensor], **_: Any) -> Tuple[Tensor, Tensor]:
     """GMPO: ``l = -mean_t(A) rho_i`` on every token, ``rho_i`` the geometric mean of the sign-aware clipped
     token ratios; ``(per-token loss [N], rho_i [S] detached)``, and its clip shares into ``metrics``."""
     batch = inputs.batch
@@ -35,3 +36,15 @@ def _gmpo_surrogate(*, log_ratio: Tensor, A: Tensor, factor: Optional[Tensor], d
         metrics["clip_ratio/high_mean"] = (high.sum() / n_tok).float()
         metrics["clip_ratio/region_mean"] = ((low | high).sum() / n_tok).float()
     return per_token, rho_seq.detach()
+
+
+NAME = "gmpo"
+OBJECTIVE = Objective(
+    name=NAME,
+    loss_types=(LossType(NAME, NAME, "grpo", verl=("gspo_kernels_geo_mean",)),),  # verl's geo_mean
+    surrogate=_gmpo_surrogate,
+    one_weight_per_response=True,
+    metrics=(("clip_ratio/low_mean", "O_LOW"), ("clip_ratio/high_mean", "O_HIGH"),
+             ("clip_ratio/region_mean", "O_REGION")),  # the tokens whose log-ratio its clip moved
+    triton="gspo_kernels.objectives.gmpo_triton",
+)

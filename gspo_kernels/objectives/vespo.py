@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import math
-from typing import Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 from torch import Tensor
 
+from gspo_kernels.checks import is_finite_number
 from gspo_kernels.layout import LossInputs
 from gspo_kernels.objectives.base import Options, segment_sum
+from gspo_kernels.objectives.registry import LossType, Objective
 
 # log(1e-8): VESPO's lower clamp of the log sequence weight (TRL's, from the paper's implementation).
 VESPO_LOG_MIN = math.log(1e-8)
@@ -18,7 +20,7 @@ VESPO_LOG_MAX = 20.0
 
 def _vespo_surrogate(*, log_ratio: Tensor, fold: Optional[Tensor], A: Tensor, A_live: Tensor, adv: Tensor,
                      logp_m: Tensor, lengths: Tensor, inputs: LossInputs, config: Options,
-                     metrics: Dict[str, Tensor]) -> Tuple[Tensor, Tensor]:
+                     metrics: Dict[str, Tensor], **_: Any) -> Tuple[Tensor, Tensor]:
     """VESPO: ``l_t = -phi(w_i) A_t logp_t`` with the response's weight ``w_i`` (its correction ``fold`` folded
     in); ``(per-token loss [N], w_i [S])``, and ``vespo/phi_seq_mean`` into ``metrics``."""
     batch = inputs.batch
@@ -55,3 +57,41 @@ def vespo_phi(log_w: Tensor, A: Tensor, config: Options) -> Tensor:
     lam = torch.where(pos, A.new_tensor(config.vespo_lambda_pos), A.new_tensor(config.vespo_lambda_neg))
     phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w))
     return torch.where(torch.isfinite(phi), phi, torch.zeros_like(phi)).detach()
+
+
+# The rollout corrections VESPO folds into its weight token by token (TRL).
+FOLDED_ROLLOUT_CORRECTIONS = ("token_truncate", "token_mask", "icepop")
+
+
+def check(config: Options, active: bool) -> None:
+    """The gamma weight's ``k >= 0`` and ``lambda >= 1e-4``; VESPO takes the token-level rollout corrections
+    only."""
+    for name in ("vespo_k_pos", "vespo_k_neg"):
+        value = getattr(config, name)
+        if not is_finite_number(value) or value < 0:
+            raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+    for name in ("vespo_lambda_pos", "vespo_lambda_neg"):
+        value = getattr(config, name)
+        if not is_finite_number(value) or value < 1e-4:
+            raise ValueError(f"{name} must be a finite number >= 1e-4 (TRL's floor), got {value!r}")
+    mode = config.rollout_correction
+    if active and mode is not None and mode not in FOLDED_ROLLOUT_CORRECTIONS:
+        raise ValueError(
+            f"loss_type='vespo' folds the rollout correction into its sequence weight token by token (TRL): "
+            f"rollout_correction must be 'token_truncate', 'token_mask' or 'icepop', got {mode!r}"
+        )
+
+
+NAME = "vespo"
+OBJECTIVE = Objective(
+    name=NAME,
+    loss_types=(LossType(NAME, NAME, "dapo", trl=True),),
+    surrogate=_vespo_surrogate,
+    check=check,
+    folds_correction=True,
+    one_weight_per_response=True,
+    metrics=(("vespo/phi_seq_mean", "O_PHI_MEAN"),),
+    trl_options=("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"),
+    trl_metrics=("vespo/phi_seq_mean",),
+    triton="gspo_kernels.objectives.vespo_triton",
+)

@@ -59,7 +59,8 @@ from gspo_kernels.backends.triton.configs import (  # noqa: F401 (LOSS_TYPE_CODE
 from gspo_kernels.backends.triton.launch import device_guard
 from gspo_kernels.config import OBJECTIVES, GSPOConfig
 from gspo_kernels.layout import LossInputs
-from gspo_kernels.objective import VESPO_LOG_MAX, VESPO_LOG_MIN, LossOutput
+from gspo_kernels.objective import LossOutput
+from gspo_kernels.objectives.vespo import VESPO_LOG_MAX, VESPO_LOG_MIN
 
 # Columns of the per-response partial sums (row i of a [S, PARTIALS_STRIDE] fp32 buffer), written by the
 # sequence kernel and reduced by the reduction kernel. Kernel constants: the host reads their ``.value``.

@@ -1,0 +1,134 @@
+"""The registry of objectives: what a module declares about its objective, and the tables derived from it.
+
+An :class:`Objective` is the per-token math of one or more ``loss_type`` names (``config.objective``); a
+:class:`LossType` is a name a user passes as ``GSPOConfig.loss_type``: the objective it runs and the
+aggregation it implies. Every table that used to list the objectives by hand (``config.ALL_LOSS_TYPES``,
+``IMPLIED_AGGREGATION``, ``OBJECTIVES``, ``OBJECTIVE_OF``, the Triton codes, the sequence kernels' metric rows,
+the TRL and verl name maps) is read from here, in registration order.
+
+This module imports nothing of the package: ``config.py`` validates through it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Optional, Tuple
+
+
+def _no_check(config: Any, active: bool) -> None:
+    return None
+
+
+def _no_metrics(w: Any, A: Any, valid: Any, config: Any) -> Dict[str, Any]:
+    return {}
+
+
+@dataclass(frozen=True)
+class LossType:
+    """A ``loss_type`` name: the objective it runs and the aggregation it implies (``aggregation`` overrides
+    it). ``trl``: TRL's ``GRPOConfig.loss_type`` of the same name; ``verl``: the verl ``loss_mode`` names the
+    verl integration registers for it."""
+
+    name: str
+    objective: str
+    aggregation: str
+    trl: bool = False
+    verl: Tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Objective:
+    """One per-token objective, as its module declares it.
+
+    Attributes:
+        name: ``config.objective`` (e.g. ``"clip"``).
+        loss_types: the ``loss_type`` names that run it.
+        surrogate: the PyTorch stage's per-token loss, called by :func:`gspo_kernels.objective.gspo_objective`
+            with keyword arguments only (``log_w``, ``log_ratio``, ``A``, ``A_live``, ``adv``, ``logp_m``,
+            ``lengths``, ``denom``, ``fold``, ``factor``, ``inputs``, ``config``, ``metrics``; it takes the ones it
+            needs and ``**_``). Returns ``(per-token loss [N], w_i [S] or None)``: ``w_i``, the one weight of
+            each response that the ``importance_weight/*`` metrics count (``one_weight_per_response``).
+        check: ``check(config, active)`` raises ``ValueError`` for an invalid option of this objective
+            (``active``: ``config.objective`` is this one; the options' values are checked for every config).
+        clip_metrics: ``clip_metrics(w, A, valid, config)``: its clip metrics (TRL's names) over the counted
+            items (responses or tokens); the PyTorch stage adds the ``importance_weight/*`` statistics.
+        folds_correction: the correction factor (``is_ratio``, the rollout correction) is folded into the
+            objective's weight (passed as ``fold``) instead of multiplying its loss.
+        one_weight_per_response: the ``importance_weight/*`` metrics count one weight per response.
+        metrics: ``(name, kernel slot)`` of the metrics it reports besides ``importance_weight/*``, the
+            slot named as the Triton sequence kernel's output (``"O_HIGH"``): its rows of the metric table.
+        trl_options: ``GRPOConfig`` fields the TRL drop-in passes to ``GSPOConfig`` under the same name.
+        trl_metrics: the metrics the TRL drop-in logs as the library computed them (averaged over processes).
+        triton: the module holding its Triton helpers (imported by the Triton backend only, never by
+            ``import gspo_kernels``); None: the objective has no Triton form (the PyTorch stage runs it).
+    """
+
+    name: str
+    loss_types: Tuple[LossType, ...]
+    surrogate: Callable[..., Any]
+    check: Callable[[Any, bool], None] = _no_check
+    clip_metrics: Callable[..., Dict[str, Any]] = _no_metrics
+    folds_correction: bool = False
+    one_weight_per_response: bool = False
+    metrics: Tuple[Tuple[str, str], ...] = ()
+    trl_options: Tuple[str, ...] = ()
+    trl_metrics: Tuple[str, ...] = ()
+    triton: Optional[str] = None
+
+
+_OBJECTIVES: Dict[str, Objective] = {}
+_LOSS_TYPES: Dict[str, LossType] = {}
+
+
+def register(objective: Objective) -> Objective:
+    """Add ``objective`` and its loss types (a name already taken is refused)."""
+    if objective.name in _OBJECTIVES:
+        raise ValueError(f"objective {objective.name!r} is already registered")
+    for loss_type in objective.loss_types:
+        register_loss_type(loss_type, _pending=objective)
+    _OBJECTIVES[objective.name] = objective
+    return objective
+
+
+def register_loss_type(loss_type: LossType, *, _pending: Optional[Objective] = None) -> LossType:
+    """Add a ``loss_type`` name running an objective already registered (or the one being registered)."""
+    if loss_type.name in _LOSS_TYPES:
+        raise ValueError(f"loss_type {loss_type.name!r} is already registered")
+    known = loss_type.objective in _OBJECTIVES or (_pending is not None and _pending.name == loss_type.objective)
+    if not known:
+        raise ValueError(f"loss_type {loss_type.name!r} names an unknown objective {loss_type.objective!r}")
+    _LOSS_TYPES[loss_type.name] = loss_type
+    return loss_type
+
+
+def unregister(name: str) -> None:
+    """Remove the objective ``name`` and its loss types (for tests that register one of their own)."""
+    _OBJECTIVES.pop(name)
+    for loss_type in [t for t in _LOSS_TYPES.values() if t.objective == name]:
+        del _LOSS_TYPES[loss_type.name]
+
+
+def objective(name: str) -> Objective:
+    """The registered objective ``name``."""
+    return _OBJECTIVES[name]
+
+
+def objectives() -> Tuple[Objective, ...]:
+    """Every registered objective, in registration order."""
+    return tuple(_OBJECTIVES.values())
+
+
+def loss_type(name: str) -> LossType:
+    """The registered ``loss_type`` ``name``."""
+    return _LOSS_TYPES[name]
+
+
+def loss_types() -> Tuple[LossType, ...]:
+    """Every registered ``loss_type``, in registration order."""
+    return tuple(_LOSS_TYPES.values())
+
+
+def check_options(config: Any) -> None:
+    """Every objective's option checks for ``config`` (raises ``ValueError``)."""
+    for obj in objectives():
+        obj.check(config, obj.name == config.objective)
