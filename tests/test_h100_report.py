@@ -51,7 +51,7 @@ def test_every_kernel_is_in_the_launch_configs():
         assert names <= covered, f"{module.__name__}: kernels missing from configs.H100_CONFIGS: {names - covered}"
         seen |= names
     assert seen == covered  # and no entry names a kernel that does not exist
-    assert {name.split(".")[0] for name in seen} == {"logits", "linear_loss", "linear_invariant", "sequence"}
+    assert {name.split(".")[0] for name in seen} == {"logits", "linear_loss", "linear_invariant", "sequence_kernels"}
     for config in configs.H100_CONFIGS:
         assert {"name", "kernel", "constexprs", "num_warps", "num_stages"} <= set(config)
         full = h100_report.normalize_config(config)  # the signature is derived from the arguments
@@ -145,7 +145,7 @@ def test_static_report_api_in_a_subprocess():
     """``static_report`` (the function the other kernel tests call) returns the rows of the named modules."""
     if not os.path.exists(h100_report._cuobjdump()):
         pytest.skip("triton's bundled cuobjdump is missing")
-    rows = h100_report.static_report(modules=["sequence"], only="gspo_reduce")
+    rows = h100_report.static_report(modules=["sequence_kernels"], only="gspo_reduce")
     assert [row["name"] for row in rows] == ["gspo_reduce[dapo]"]
     assert h100_report.problems(rows[0]) == [] and rows[0]["registers"] > 0
 

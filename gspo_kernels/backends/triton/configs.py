@@ -422,7 +422,7 @@ def _sequence_h100(level: str, **flags: bool) -> dict:
                   for k, v in flags.items() if v)
     return {
         "name": f"gspo_sequence[{level}{',' + on if on else ''}]",
-        "kernel": "sequence.gspo_sequence_kernel",
+        "kernel": "sequence_kernels.gspo_sequence_kernel",
         # Every pointer is fp32 but cu_seqlens; the float options are fp32.
         "pointers": {"cu_seqlens_ptr": "i32"},
         "floats": ["eps_low", "eps_high", "delta", "beta", "log_ratio_clamp", "clip_ratio_c", "tau_pos", "tau_neg",
@@ -482,7 +482,7 @@ H100_CONFIGS: List[dict] = [
     } for dtype in ("bf16", "fp32")],
     {
         "name": "gspo_reduce[dapo]",
-        "kernel": "sequence.gspo_reduce_kernel",
+        "kernel": "sequence_kernels.gspo_reduce_kernel",
         "floats": ["grpo_denominator", "dr_grpo_denominator", "entropy_coef"],
         "constexprs": {"LOSS_TYPE": AGGREGATION_CODES["dapo"], "HAS_NUM_ITEMS": True, "BLOCK_S": SEQUENCE_BLOCK_S},
         "num_warps": SEQUENCE_NUM_WARPS,

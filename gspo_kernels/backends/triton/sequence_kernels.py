@@ -1,0 +1,775 @@
+"""The fused sequence stage's kernels: ``(logp [N], entropy [N]) -> loss`` with importance weights, the objective
+of the config (clipped surrogate with optional dual clip, SAPO, CISPO, VESPO, GMPO), the off-policy mask, the
+rollout correction, IS correction, KL, aggregation, metrics and gradients. Their launcher, the autograd Function
+and the backend's objective (:func:`~gspo_kernels.backends.triton.sequence.fused_objective`) are in
+``sequence.py``.
+
+Two launches (:func:`sequence_stage`), both deterministic (fixed reduction order, no floating-point atomics):
+
+1. :func:`gspo_sequence_kernel`, one program per response ``i`` (a 1-D grid over ``cu_seqlens``; the padded
+   layout arrives as regular ``cu_seqlens``). Pass 1 (:func:`_response_sums`) forms the response's sums:
+   ``|y_i|``, ``sum_t (logp - old)``, the rollout log-ratio sum, the off-policy gap, VESPO's log weight, GMPO's
+   clipped log-ratio and advantage sums. Pass 2 computes, per token, the weight ``w``, the objective's loss
+   ``l_t`` (times the correction factor, plus ``beta * kl_t``), the response's partial sums (the columns
+   ``P_*``) and the gradient coefficient ``c_t = dL/dlogp_t`` up to the global divisor; pass 3 adds the terms
+   that flow through a per-response quantity: the mean log-ratio at the ``"sequence"`` level
+   (``w_i / |y_i| * sum_t' dl_t'/dw``), and GMPO's geometric mean.
+2. :func:`gspo_reduce_kernel`, a single program: sums (or takes the min / max of) the ``[S, PARTIALS_STRIDE]``
+   partials in a fixed order and writes the loss, the metrics and the two global gradient scales (``O_*``).
+
+:class:`TritonSequenceObjective` turns the coefficients into gradients with
+``dL/dlogp = c * (grad_out * out[O_SCALE_LOGP])`` and ``dL/dH = mask * (grad_out * out[O_SCALE_ENTROPY])``:
+it saves the per-token coefficients ``[N]``, so its backward is two ``[N]`` multiplications.
+
+Per token (docs/math.md): ``c1 = min(w, delta)``, ``c2 = clamp(w, 1 - eps_low, 1 + eps_high)``,
+``l = -min(c1 A, c2 A)``. ``dl/dw`` follows PyTorch's subgradients of the reference: the clamps pass the
+gradient on their closed intervals, and a tie ``c1 A == c2 A`` splits it in halves (``torch.minimum``).
+
+Overflow: a weight ``w = e^(logp - old)`` may be ``inf`` in fp32 (``old = logp - 100``) where the float64
+reference still has a finite ``e^100``. Every product with a weight is taken as ``_times(a, w)``: a factor
+``a == 0`` (a clipped token's ``dl/dw``, a zero advantage, a zero KL term) gives exactly 0, never
+``0 * inf = NaN``; a clipped or ``delta``-capped response therefore has finite loss and gradients.
+
+The level, objective, aggregation and rollout-mode codes are the positions of the names in the config's
+tuples; the kernels compare them with the named constants below. The per-token steps of the sequence kernel
+are ``@triton.jit`` helpers (inlined by the compiler: the same code as one function).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from gspo_kernels.backends.triton.configs import AGGREGATION_CODES, LEVEL_CODES, OBJECTIVE_CODES, ROLLOUT_CODES
+from gspo_kernels.config import OBJECTIVES
+from gspo_kernels.objectives.vespo import VESPO_LOG_MAX, VESPO_LOG_MIN
+
+# Columns of the per-response partial sums (row i of a [S, PARTIALS_STRIDE] fp32 buffer), written by the
+# sequence kernel and reduced by the reduction kernel. Kernel constants: the host reads their ``.value``.
+PARTIALS_STRIDE = tl.constexpr(32)
+P_LOSS = tl.constexpr(0)  # the aggregated loss sum
+P_TOKENS = tl.constexpr(1)  # |y_i|
+P_ENTROPY = tl.constexpr(2)  # sum of masked entropy
+P_KL = tl.constexpr(3)  # sum of masked KL
+P_LOW = tl.constexpr(4)  # low / high clip counts (CISPO: its clip count in P_HIGH)
+P_HIGH = tl.constexpr(5)
+P_CLIP_UNITS = tl.constexpr(6)  # the items the clip counts count (tokens, or responses)
+P_W_SUM = tl.constexpr(7)  # weight sum, min, max
+P_W_MIN = tl.constexpr(8)
+P_W_MAX = tl.constexpr(9)
+P_UNITS = tl.constexpr(10)  # the number of counted items (tokens, or responses for sequence-level metrics)
+P_PHI = tl.constexpr(11)  # VESPO: sum of phi over its items, and their number
+P_PHI_UNITS = tl.constexpr(12)
+P_R_DIFF = tl.constexpr(13)  # rollout mismatch: sum of (rollout - trainer) log-probs
+P_R_ZERO = tl.constexpr(14)  # tokens whose rollout correction weight is 0
+P_RW_SUM = tl.constexpr(15)  # rollout weight sum, min, max, items
+P_RW_MIN = tl.constexpr(16)
+P_RW_MAX = tl.constexpr(17)
+P_RW_UNITS = tl.constexpr(18)
+P_COUNT = tl.constexpr(P_RW_UNITS.value + 1)  # the columns written; the rest of the row is never read
+# Columns the reduction takes the minimum / maximum of (the others are summed); kernel constants.
+MIN_COLUMNS = tl.constexpr((P_W_MIN.value, P_RW_MIN.value))
+MAX_COLUMNS = tl.constexpr((P_W_MAX.value, P_RW_MAX.value))
+
+# Slots of the reduction kernel's output ``out [NUM_OUTPUTS]`` (on the host: ``out[O_LOSS.value]``); the metrics
+# they report are named in ``METRICS`` below. Both numberings run 0, 1, ... without a gap (tests/test_structure.py).
+O_LOSS = tl.constexpr(0)
+O_SCALE_LOGP = tl.constexpr(1)  # dL/dlogp = coef * O_SCALE_LOGP
+O_SCALE_ENTROPY = tl.constexpr(2)  # dL/dentropy = mask * O_SCALE_ENTROPY
+O_LOW = tl.constexpr(3)
+O_HIGH = tl.constexpr(4)
+O_REGION = tl.constexpr(5)
+O_W_MEAN = tl.constexpr(6)
+O_W_MIN = tl.constexpr(7)
+O_W_MAX = tl.constexpr(8)
+O_ENTROPY = tl.constexpr(9)
+O_KL = tl.constexpr(10)
+O_PHI_MEAN = tl.constexpr(11)
+O_ROLLOUT_KL = tl.constexpr(12)
+O_ROLLOUT_MASKED = tl.constexpr(13)
+O_RW_MIN = tl.constexpr(14)
+O_RW_MEAN = tl.constexpr(15)
+O_RW_MAX = tl.constexpr(16)
+NUM_OUTPUTS = O_RW_MAX.value + 1
+
+# The metrics the output reports (TRL's names: those of ``objective.gspo_objective``), one row each: the name,
+# its ``O_*`` slot, and when it is reported: for the objectives named, or when the batch has rollout log-probs
+# ("rollout"), an entropy ("entropy"), a KL term ("kl"). The one table of the metric slots: :func:`metric_slots`
+# reads it, and nothing else names a slot of a metric.
+_CLIP_RATIO = ("clip", "gmpo")
+METRICS = (
+    ("clip_ratio/low_mean", O_LOW, _CLIP_RATIO),
+    ("clip_ratio/high_mean", O_HIGH, _CLIP_RATIO),
+    ("clip_ratio/region_mean", O_REGION, _CLIP_RATIO),
+    ("cispo_clip_ratio", O_HIGH, ("cispo",)),  # CISPO counts its clipped items in the high column
+    ("vespo/phi_seq_mean", O_PHI_MEAN, ("vespo",)),
+    ("importance_weight/mean", O_W_MEAN, OBJECTIVES),
+    ("importance_weight/min", O_W_MIN, OBJECTIVES),
+    ("importance_weight/max", O_W_MAX, OBJECTIVES),
+    ("rollout/kl", O_ROLLOUT_KL, "rollout"),
+    ("rollout/masked_fraction", O_ROLLOUT_MASKED, "rollout"),
+    ("rollout/weight_min", O_RW_MIN, "rollout"),
+    ("rollout/weight_mean", O_RW_MEAN, "rollout"),
+    ("rollout/weight_max", O_RW_MAX, "rollout"),
+    ("entropy", O_ENTROPY, "entropy"),
+    ("kl", O_KL, "kl"),
+)
+
+# The codes as kernel constants (the kernels branch on these names, never on literal numbers).
+LEVEL_SEQUENCE = tl.constexpr(LEVEL_CODES["sequence"])
+LEVEL_SEQUENCE_TOKEN = tl.constexpr(LEVEL_CODES["sequence_token"])
+LEVEL_TOKEN = tl.constexpr(LEVEL_CODES["token"])
+LOSS_BNPO = tl.constexpr(AGGREGATION_CODES["bnpo"])
+LOSS_DR_GRPO = tl.constexpr(AGGREGATION_CODES["dr_grpo"])
+LOSS_DAPO = tl.constexpr(AGGREGATION_CODES["dapo"])
+OBJ_CLIP = tl.constexpr(OBJECTIVE_CODES["clip"])
+OBJ_CISPO = tl.constexpr(OBJECTIVE_CODES["cispo"])
+OBJ_SAPO = tl.constexpr(OBJECTIVE_CODES["sapo"])
+OBJ_VESPO = tl.constexpr(OBJECTIVE_CODES["vespo"])
+OBJ_GMPO = tl.constexpr(OBJECTIVE_CODES["gmpo"])
+RC_NONE = tl.constexpr(ROLLOUT_CODES[None])
+RC_TOKEN_TRUNCATE = tl.constexpr(ROLLOUT_CODES["token_truncate"])
+RC_TOKEN_MASK = tl.constexpr(ROLLOUT_CODES["token_mask"])
+RC_SEQUENCE_TRUNCATE = tl.constexpr(ROLLOUT_CODES["sequence_truncate"])
+RC_SEQUENCE_MASK = tl.constexpr(ROLLOUT_CODES["sequence_mask"])
+RC_ICEPOP = tl.constexpr(ROLLOUT_CODES["icepop"])
+RC_SEQUENCE_MASKED_TIS = tl.constexpr(ROLLOUT_CODES["sequence_masked_tis"])
+_VESPO_LOG_MIN = tl.constexpr(VESPO_LOG_MIN)
+_VESPO_LOG_MAX = tl.constexpr(VESPO_LOG_MAX)
+
+
+@triton.jit
+def _times(a, w):
+    """``a * w`` where a zero ``a`` gives exactly 0 even when ``w`` overflowed to ``inf``."""
+    return tl.where(a == 0, 0.0, a * w)
+
+
+@triton.jit
+def _rollout_weight(d, seq_value, lo, hi, ROLLOUT: tl.constexpr):
+    """The rollout correction weight of tokens with trainer - rollout log-ratio ``d`` (``seq_value``: the
+    response's sum of ``d`` for the sequence modes, its mean for ``sequence_masked_tis``); ``RC_NONE``: the raw
+    ratio (metrics only)."""
+    if ROLLOUT == RC_SEQUENCE_TRUNCATE:
+        rho = tl.minimum(tl.maximum(tl.exp(seq_value + 0.0 * d), lo), hi)
+    elif ROLLOUT == RC_SEQUENCE_MASK:
+        e = tl.exp(seq_value + 0.0 * d)
+        rho = tl.where((e >= lo) & (e <= hi), e, 0.0)
+    elif ROLLOUT == RC_SEQUENCE_MASKED_TIS:
+        g = tl.exp(seq_value)
+        rho = tl.where((g >= lo) & (g <= hi), tl.minimum(tl.exp(d), hi), 0.0)
+    elif ROLLOUT == RC_TOKEN_TRUNCATE:
+        rho = tl.minimum(tl.maximum(tl.exp(d), lo), hi)
+    elif (ROLLOUT == RC_TOKEN_MASK) | (ROLLOUT == RC_ICEPOP):
+        e = tl.exp(d)
+        rho = tl.where((e >= lo) & (e <= hi), e, 0.0)
+    else:
+        rho = tl.exp(d)
+    return rho
+
+
+@triton.jit
+def _rollout_log_ratio(lp, old, roll_ptr, idx, inside, on):
+    """``d = old - rollout`` of the tile, 0 at masked tokens and where the engine's log-prob is NaN."""
+    d = old - tl.load(roll_ptr + idx, mask=inside, other=0.0)
+    return tl.where(on & (d == d), d, 0.0)
+
+
+@triton.jit
+def _gmpo_clipped(r, adv, eps_low, eps_high):
+    """GMPO's sign-aware clip of the token log-ratio ``r`` and whether the gradient passes (``(m, pass)``)."""
+    rc = tl.minimum(tl.maximum(r, -eps_low), eps_high)
+    s = tl.where(adv > 0, 1.0, tl.where(adv < 0, -1.0, 0.0))
+    m = s * tl.minimum(s * r, s * rc)
+    in_band = (r >= -eps_low) & (r <= eps_high)
+    passes = (s != 0) & (in_band | (s * r < s * rc))
+    return m, passes.to(tl.float32)
+
+
+@triton.jit
+def _masked_load(ptr, idx, inside, on):
+    """The tile of ``ptr`` at ``idx``: 0 at masked tokens and past the response's end."""
+    return tl.where(on, tl.load(ptr + idx, mask=inside, other=0.0), 0.0)
+
+
+@triton.jit
+def _old_logprobs(old_ptr, idx, inside, on, lp):
+    """The tile's sampling-time log-probs (0 at masked tokens); ``lp`` itself when ``old_ptr`` is None (on-policy:
+    every weight is 1)."""
+    if old_ptr is not None:
+        old = _masked_load(old_ptr, idx, inside, on)
+    else:
+        old = lp
+    return old
+
+
+@triton.jit
+def _advantages(adv_ptr, idx, inside, adv_seq, ADV_PER_TOKEN: tl.constexpr, BLOCK_T: tl.constexpr):
+    """The tile's advantages: per token (``ADV_PER_TOKEN``), else the response's ``adv_seq`` on every token."""
+    if ADV_PER_TOKEN:
+        adv = tl.load(adv_ptr + idx, mask=inside, other=0.0)
+    else:
+        adv = tl.full([BLOCK_T], 1.0, tl.float32) * adv_seq
+    return adv
+
+
+@triton.jit
+def _clamped_log(c):
+    """``log c`` clamped to VESPO's ``[VESPO_LOG_MIN, VESPO_LOG_MAX]`` (``c <= 0`` counts as ``1e-30``)."""
+    return tl.minimum(tl.maximum(tl.log(tl.maximum(c, 1e-30)), _VESPO_LOG_MIN), _VESPO_LOG_MAX)
+
+
+@triton.jit
+def _vespo_log_weight(r, is_ratio_ptr, rollout_ptr, idx, inside, d, lo, hi, ROLLOUT: tl.constexpr):
+    """VESPO's per-token log weight: the clamped log-ratio ``r``, plus the clamped logs of the IS ratio and of the
+    token-level rollout weight (of the log-ratio ``d``) when present: VESPO folds its corrections into the weight."""
+    v = tl.minimum(tl.maximum(r, -_VESPO_LOG_MAX), _VESPO_LOG_MAX)
+    if is_ratio_ptr is not None:
+        v += _clamped_log(tl.load(is_ratio_ptr + idx, mask=inside, other=1.0))
+    if rollout_ptr is not None:
+        if ROLLOUT != RC_NONE:  # token modes only (the config refuses the others for VESPO)
+            v += _clamped_log(_rollout_weight(d, 0.0, lo, hi, ROLLOUT))
+    return v
+
+
+@triton.jit
+def _response_sums(logp_ptr, old_ptr, mask_ptr, roll_ptr, isr_ptr, adv_ptr, start, end, adv_seq, lo, hi,
+                   eps_low, eps_high, LEVEL: tl.constexpr, OBJECTIVE: tl.constexpr, ROLLOUT: tl.constexpr,
+                   HAS_OPSM: tl.constexpr, ADV_PER_TOKEN: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Pass 1 over the response ``[start, end)``: ``|y_i|``, ``sum (logp - old)``, ``sum (old - rollout)``,
+    the off-policy gap ``sum (sampling - logp)``, VESPO's log weight sum, GMPO's ``sum m_t`` and ``sum A_t``
+    (each only when the options and the inputs present need it; the others stay 0)."""
+    offs = tl.arange(0, BLOCK_T)
+    tok_acc = tl.zeros([BLOCK_T], tl.float32)
+    r_acc = tl.zeros([BLOCK_T], tl.float32)
+    d_acc = tl.zeros([BLOCK_T], tl.float32)
+    gap_acc = tl.zeros([BLOCK_T], tl.float32)
+    v_acc = tl.zeros([BLOCK_T], tl.float32)
+    m_acc = tl.zeros([BLOCK_T], tl.float32)
+    a_acc = tl.zeros([BLOCK_T], tl.float32)
+    for t0 in range(start, end, BLOCK_T):
+        idx = t0 + offs
+        inside = idx < end
+        token_mask = tl.load(mask_ptr + idx, mask=inside, other=0.0)
+        on = token_mask > 0
+        tok_acc += token_mask
+        lp = _masked_load(logp_ptr, idx, inside, on)
+        old = _old_logprobs(old_ptr, idx, inside, on, lp)
+        r = lp - old
+        if LEVEL != LEVEL_TOKEN:
+            r_acc += r
+        d = tl.zeros([BLOCK_T], tl.float32)
+        if roll_ptr is not None:
+            d = _rollout_log_ratio(lp, old, roll_ptr, idx, inside, on)
+            d_acc += d
+            if HAS_OPSM:
+                g = tl.load(roll_ptr + idx, mask=inside, other=0.0) - lp
+                gap_acc += tl.where(on & (g == g), g, 0.0)
+        elif HAS_OPSM:
+            gap_acc += old - lp
+        adv = _advantages(adv_ptr, idx, inside, adv_seq, ADV_PER_TOKEN, BLOCK_T)
+        if OBJECTIVE == OBJ_VESPO:
+            v_acc += tl.where(on, _vespo_log_weight(r, isr_ptr, roll_ptr, idx, inside, d, lo, hi, ROLLOUT), 0.0)
+        if OBJECTIVE == OBJ_GMPO:
+            m, _ = _gmpo_clipped(r, adv, eps_low, eps_high)
+            m_acc += tl.where(on, m, 0.0)
+            a_acc += tl.where(on, adv, 0.0)
+    return (tl.sum(tok_acc, axis=0), tl.sum(r_acc, axis=0), tl.sum(d_acc, axis=0), tl.sum(gap_acc, axis=0),
+            tl.sum(v_acc, axis=0), tl.sum(m_acc, axis=0), tl.sum(a_acc, axis=0))
+
+
+@triton.jit
+def _token_weight(lp, old_ptr, idx, inside, on, w_seq, seq_pass, log_ratio_clamp, LEVEL: tl.constexpr,
+                  HAS_CLAMP: tl.constexpr, BLOCK_T: tl.constexpr):
+    """``(w, dw)``: the tile's importance weights and ``d w_t / d logp_t`` (0 at the ``"sequence"`` level,
+    whose gradient flows through the mean log-ratio in pass 3)."""
+    if LEVEL == LEVEL_TOKEN:
+        if old_ptr is not None:
+            lr = lp - _masked_load(old_ptr, idx, inside, on)
+            if HAS_CLAMP:
+                w = tl.exp(tl.minimum(lr, log_ratio_clamp))
+                dw = tl.where(lr <= log_ratio_clamp, w, 0.0)
+            else:
+                w = tl.exp(lr)
+                dw = w
+        else:
+            w = tl.full([BLOCK_T], 1.0, tl.float32)
+            dw = w
+    else:
+        w = tl.full([BLOCK_T], 1.0, tl.float32) * w_seq
+        if LEVEL == LEVEL_SEQUENCE_TOKEN:
+            dw = w * seq_pass  # GSPO-token: the sequence value, the token's own gradient
+        else:
+            dw = tl.zeros([BLOCK_T], tl.float32)  # GSPO: flows through the mean (pass 3)
+    return w, dw
+
+
+@triton.jit
+def _correction_factor(lp, adv, old_ptr, is_ratio_ptr, rollout_ptr, idx, inside, on, rc_seq, rc_lo, rc_hi, seq_gap,
+                       opsm_threshold, rz_acc, rw_acc, rw_min, rw_max, OBJECTIVE: tl.constexpr,
+                       ROLLOUT: tl.constexpr, HAS_OPSM: tl.constexpr, BLOCK_T: tl.constexpr):
+    """``(f, rz_acc, rw_acc, rw_min, rw_max)``: the tile's correction factor ``f_t`` (the IS ratio, or the rollout
+    weight; VESPO folds them into its weight instead) times the off-policy mask, and the rollout statistics
+    (zero weights, sum, min, max) with the tile added."""
+    f = tl.full([BLOCK_T], 1.0, tl.float32)
+    if is_ratio_ptr is not None:
+        if OBJECTIVE != OBJ_VESPO:
+            f = tl.load(is_ratio_ptr + idx, mask=inside, other=0.0)
+    if rollout_ptr is not None:
+        old = _old_logprobs(old_ptr, idx, inside, on, lp)
+        rho = tl.where(on, _rollout_weight(_rollout_log_ratio(lp, old, rollout_ptr, idx, inside, on), rc_seq,
+                                           rc_lo, rc_hi, ROLLOUT), 0.0)
+        if ROLLOUT != RC_NONE:
+            rz_acc += (on & (rho == 0)).to(tl.float32)
+            if OBJECTIVE != OBJ_VESPO:
+                f = rho
+        rw_acc += rho
+        rw_min = tl.minimum(rw_min, tl.where(on, rho, float("inf")))
+        rw_max = tl.maximum(rw_max, tl.where(on, rho, float("-inf")))
+    if HAS_OPSM:
+        f = f * tl.where(adv >= 0, 1.0, tl.where(seq_gap <= opsm_threshold, 1.0, 0.0))
+    return f, rz_acc, rw_acc, rw_min, rw_max
+
+
+@triton.jit
+def _clipped_surrogate(w, adv, low_edge, high_edge, delta, clip_ratio_c, HAS_DELTA: tl.constexpr,
+                       HAS_DUAL: tl.constexpr, BLOCK_T: tl.constexpr):
+    """``(l, dl/dw)`` of ``l = -min(min(w, delta) A, clamp(w, low_edge, high_edge) A)`` (PyTorch's subgradients),
+    then for ``A < 0`` the dual clip ``min(l, clip_ratio_c |A|)``."""
+    c2 = tl.minimum(tl.maximum(w, low_edge), high_edge)
+    dc2 = ((w >= low_edge) & (w <= high_edge)).to(tl.float32)
+    if HAS_DELTA:
+        c1 = tl.minimum(w, delta)
+        dc1 = (w <= delta).to(tl.float32)
+    else:
+        c1 = w
+        dc1 = tl.full([BLOCK_T], 1.0, tl.float32)
+    u1 = _times(adv, c1)  # c1 = w may be inf; a zero advantage contributes 0
+    u2 = c2 * adv
+    loss = -tl.minimum(u1, u2)
+    dmin = tl.where(u1 < u2, dc1, tl.where(u1 > u2, dc2, 0.5 * (dc1 + dc2)))
+    dl_dw = -adv * dmin
+    if HAS_DUAL:
+        cap = -clip_ratio_c * adv
+        neg = adv < 0
+        dl_dw = tl.where(neg & (loss > cap), 0.0, tl.where(neg & (loss == cap), 0.5 * dl_dw, dl_dw))
+        loss = tl.where(neg, tl.minimum(loss, cap), loss)
+    return loss, dl_dw
+
+
+@triton.jit
+def _sapo_surrogate(w, adv, tau_pos, tau_neg):
+    """``(l, dl/dw)`` of SAPO's soft gate ``l = -(4 / tau) sigmoid(tau (w - 1)) A``, ``tau`` by ``A > 0``:
+    ``dl/dw = -4 s (1 - s) A`` (0 where the gate saturates, also for ``w = inf``)."""
+    tau = tl.where(adv > 0, tau_pos, tau_neg)
+    sig = tl.sigmoid(tau * (w - 1.0))
+    loss = -(4.0 / tau) * sig * adv
+    return tl.where(adv == 0, 0.0, loss), -4.0 * sig * (1.0 - sig) * adv
+
+
+@triton.jit
+def _cispo_surrogate(w, adv, lp, on, low_edge, high_edge, eps_high, high_acc, CISPO_BAND: tl.constexpr):
+    """``(l, dl/dlogp, high_acc)`` of CISPO's ``l = -sg(w_hat) A logp``: ``w_hat = clamp(w, low_edge, high_edge)``
+    (``CISPO_BAND``) or ``min(w, eps_high)``; the clipped tokens counted into ``high_acc``."""
+    if CISPO_BAND:
+        w_hat = tl.minimum(tl.maximum(w, low_edge), high_edge)
+        high_acc += (on & ((w < low_edge) | (w > high_edge))).to(tl.float32)
+    else:
+        w_hat = tl.minimum(w, eps_high)
+        high_acc += (on & (w > eps_high) & (adv > 0)).to(tl.float32)
+    return -w_hat * adv * lp, -w_hat * adv, high_acc
+
+
+@triton.jit
+def _vespo_phi(log_w, adv, k_pos, lam_pos, k_neg, lam_neg):
+    """VESPO's gamma weight ``exp(lambda + k log w - lambda w)`` (``(k, lambda)`` by ``A >= 0``); 0 if not finite."""
+    pos = adv >= 0
+    k = tl.where(pos, k_pos, k_neg)
+    lam = tl.where(pos, lam_pos, lam_neg)
+    phi = tl.exp(lam + k * log_w - lam * tl.exp(log_w))
+    return tl.where((phi == phi) & (phi < float("inf")), phi, 0.0)
+
+
+@triton.jit
+def _gmpo_token(lp, old, adv, on, loss_g, eps_low, eps_high, low_acc, high_acc, BLOCK_T: tl.constexpr):
+    """``(l, low_acc, high_acc)``: GMPO's per-response loss ``loss_g`` on every token of the tile (its gradient
+    is added in pass 3), and the tokens whose log-ratio left ``[-eps_low, eps_high]`` counted by the sign of A."""
+    r = lp - old
+    moved = on & ((r < -eps_low) | (r > eps_high))
+    low_acc += (moved & (adv < 0)).to(tl.float32)
+    high_acc += (moved & (adv > 0)).to(tl.float32)
+    return tl.full([BLOCK_T], 1.0, tl.float32) * loss_g, low_acc, high_acc
+
+
+@triton.jit
+def _token_objective(w, adv, lp, old_ptr, idx, inside, on, low_edge, high_edge, eps_low, eps_high, delta,
+                     clip_ratio_c, tau_pos, tau_neg, log_wv, k_pos, lam_pos, k_neg, lam_neg, loss_g, low_acc,
+                     high_acc, phi_acc, OBJECTIVE: tl.constexpr, HAS_DELTA: tl.constexpr, HAS_DUAL: tl.constexpr,
+                     CISPO_BAND: tl.constexpr, BLOCK_T: tl.constexpr):
+    """``(l, dl/dw, direct, low_acc, high_acc, phi_acc)``: the objective's per-token loss ``l_t``, its derivative
+    in the weight, and ``direct = dl_t/dlogp_t`` not through the weight; the clip counts and VESPO's phi sum with
+    the tile added."""
+    dl_dw = tl.zeros([BLOCK_T], tl.float32)
+    direct = tl.zeros([BLOCK_T], tl.float32)
+    if OBJECTIVE == OBJ_CLIP:
+        loss, dl_dw = _clipped_surrogate(w, adv, low_edge, high_edge, delta, clip_ratio_c, HAS_DELTA, HAS_DUAL,
+                                         BLOCK_T)
+        low_acc += (on & (w < low_edge) & (adv < 0)).to(tl.float32)
+        high_acc += (on & (w > high_edge) & (adv > 0)).to(tl.float32)
+    elif OBJECTIVE == OBJ_SAPO:
+        loss, dl_dw = _sapo_surrogate(w, adv, tau_pos, tau_neg)
+    elif OBJECTIVE == OBJ_CISPO:
+        loss, direct, high_acc = _cispo_surrogate(w, adv, lp, on, low_edge, high_edge, eps_high, high_acc,
+                                                  CISPO_BAND)
+    elif OBJECTIVE == OBJ_VESPO:  # l = -phi(w_i) A logp, phi of the response's weight
+        phi = _vespo_phi(log_wv, adv, k_pos, lam_pos, k_neg, lam_neg)
+        phi_acc += tl.where(on, phi, 0.0)
+        loss = -phi * adv * lp
+        direct = -phi * adv
+    else:  # GMPO
+        loss, low_acc, high_acc = _gmpo_token(lp, _old_logprobs(old_ptr, idx, inside, on, lp), adv, on, loss_g,
+                                              eps_low, eps_high, low_acc, high_acc, BLOCK_T)
+    return loss, dl_dw, direct, low_acc, high_acc, phi_acc
+
+
+@triton.jit
+def _response_weight(w_seq, log_wv, rho_g, OBJECTIVE: tl.constexpr):
+    """The one weight of a response whose metrics count responses: VESPO's ``exp(log_wv)``, GMPO's geometric
+    mean ``rho_g``, or the sequence-level weight ``w_seq``."""
+    if OBJECTIVE == OBJ_VESPO:
+        w_one = tl.exp(log_wv)
+    elif OBJECTIVE == OBJ_GMPO:
+        w_one = rho_g
+    else:
+        w_one = w_seq
+    return w_one
+
+
+@triton.jit
+def _kl_penalty(ref_ptr, idx, inside, on, lp, w, beta, BIAS_CORRECTION_KL: tl.constexpr):
+    """``(kl, kl as added to the loss, d(beta kl)/dlogp not through w)`` of ``kl = e^d - d - 1``,
+    ``d = ref - logp``; with the bias correction (``use_bias_correction_kl``) the added term is ``w kl``."""
+    d = _masked_load(ref_ptr, idx, inside, on) - lp
+    ed = tl.exp(d)
+    kl = ed - d - 1.0
+    if BIAS_CORRECTION_KL:
+        return kl, _times(kl, w), _times(beta * (1.0 - ed), w)
+    else:
+        return kl, kl, beta * (1.0 - ed)
+
+
+@triton.jit
+def _add_sequence_cross_term(coef_ptr, mask_ptr, start, end, cross, BLOCK_T: tl.constexpr):
+    """Pass 3 (``"sequence"`` level): ``coef_t += cross`` on every unmasked token of the response, the
+    gradient through the mean log-ratio."""
+    offs = tl.arange(0, BLOCK_T)
+    for t0 in range(start, end, BLOCK_T):
+        idx = t0 + offs
+        inside = idx < end
+        token_mask = tl.load(mask_ptr + idx, mask=inside, other=0.0)
+        coef = tl.load(coef_ptr + idx, mask=inside, other=0.0)
+        tl.store(coef_ptr + idx, coef + tl.where(token_mask > 0, cross, 0.0), mask=inside)
+
+
+@triton.jit
+def _add_gmpo_term(coef_ptr, logp_ptr, old_ptr, mask_ptr, adv_ptr, start, end, adv_seq, scale, eps_low, eps_high,
+                   ADV_PER_TOKEN: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Pass 3 (GMPO): ``coef_t += scale`` on the tokens whose clipped log-ratio passes the gradient
+    (``scale = lam * sum_t' f_t' * (-A_mean) * rho_i / |y_i|``, the gradient through the geometric mean)."""
+    offs = tl.arange(0, BLOCK_T)
+    for t0 in range(start, end, BLOCK_T):
+        idx = t0 + offs
+        inside = idx < end
+        on = tl.load(mask_ptr + idx, mask=inside, other=0.0) > 0
+        lp = _masked_load(logp_ptr, idx, inside, on)
+        old = _old_logprobs(old_ptr, idx, inside, on, lp)
+        adv = _advantages(adv_ptr, idx, inside, adv_seq, ADV_PER_TOKEN, BLOCK_T)
+        _, passes = _gmpo_clipped(lp - old, adv, eps_low, eps_high)
+        coef = tl.load(coef_ptr + idx, mask=inside, other=0.0)
+        tl.store(coef_ptr + idx, coef + tl.where(on, _times(passes, scale), 0.0), mask=inside)
+
+
+@triton.jit
+def _store_clip_counts(out, low_sum, high_sum, n_tok, w_seq, adv_seq, low_edge, high_edge, eps_high,
+                       OBJECTIVE: tl.constexpr, CISPO_BAND: tl.constexpr, SEQ_UNITS: tl.constexpr):
+    """The clip counts of one response into its partials row ``out``: the token counts ``low_sum`` /
+    ``high_sum`` over ``n_tok`` tokens, or, with one weight and one advantage per response (``SEQ_UNITS``, not
+    GMPO), the response counted once."""
+    if (OBJECTIVE == OBJ_GMPO) | (SEQ_UNITS == 0):  # clip counts over unmasked tokens
+        tl.store(out + P_LOW, low_sum)
+        tl.store(out + P_HIGH, high_sum)
+        tl.store(out + P_CLIP_UNITS, n_tok)
+    else:  # one weight and one advantage per response: counted once
+        counted = n_tok > 0
+        if OBJECTIVE == OBJ_CISPO:
+            if CISPO_BAND:
+                high = counted & ((w_seq < low_edge) | (w_seq > high_edge))
+            else:
+                high = counted & (w_seq > eps_high) & (adv_seq > 0)
+            low = counted & (w_seq < 0.0)
+        else:
+            low = counted & (w_seq < low_edge) & (adv_seq < 0)
+            high = counted & (w_seq > high_edge) & (adv_seq > 0)
+        tl.store(out + P_LOW, low.to(tl.float32))
+        tl.store(out + P_HIGH, high.to(tl.float32))
+        tl.store(out + P_CLIP_UNITS, counted.to(tl.float32))
+
+
+@triton.jit
+def _store_weight_metrics(out, w_sum, w_min, w_max, units):
+    """The weight statistics of one response into its partials row ``out``."""
+    tl.store(out + P_W_SUM, w_sum)
+    tl.store(out + P_W_MIN, w_min)
+    tl.store(out + P_W_MAX, w_max)
+    tl.store(out + P_UNITS, units)
+
+
+@triton.jit
+def _store_rollout_metrics(out, diff, zeros, w_sum, w_min, w_max, units):
+    """The rollout mismatch sums of one response into its partials row ``out``."""
+    tl.store(out + P_R_DIFF, diff)
+    tl.store(out + P_R_ZERO, zeros)
+    tl.store(out + P_RW_SUM, w_sum)
+    tl.store(out + P_RW_MIN, w_min)
+    tl.store(out + P_RW_MAX, w_max)
+    tl.store(out + P_RW_UNITS, units)
+
+
+@triton.jit
+def _store_one_per_response(out, value, counted, SUM: tl.constexpr, MIN: tl.constexpr, MAX: tl.constexpr,
+                            UNITS: tl.constexpr):
+    """A statistic with one value per response into the partials row ``out``: sum, min, max and units count it
+    once when the response has a token (``counted``), not at all otherwise."""
+    tl.store(out + SUM, tl.where(counted, value, 0.0))
+    tl.store(out + MIN, tl.where(counted, value, float("inf")))
+    tl.store(out + MAX, tl.where(counted, value, float("-inf")))
+    tl.store(out + UNITS, counted.to(tl.float32))
+
+
+# Inputs the options do not need arrive as None (``old_ptr``: on-policy; ``entropy_ptr``: no entropy term;
+# ``ref_ptr``: no KL; ``is_ratio_ptr``, ``rollout_ptr``): Triton compiles a launch for each pattern of absent
+# inputs, as for the constexpr options, so each launch is the code of its options only. Pass 2's per-token
+# steps are the helpers above (inlined by the compiler: the same code as one function).
+@triton.jit
+def gspo_sequence_kernel(
+    logp_ptr, entropy_ptr, old_ptr, ref_ptr, adv_ptr, is_ratio_ptr, rollout_ptr, mask_ptr, cu_seqlens_ptr,
+    coef_ptr, partials_ptr,
+    eps_low, eps_high, delta, beta, log_ratio_clamp, clip_ratio_c, tau_pos, tau_neg, k_pos, lam_pos, k_neg, lam_neg,
+    rc_lo, rc_hi, opsm_threshold,
+    LEVEL: tl.constexpr, OBJECTIVE: tl.constexpr, ROLLOUT: tl.constexpr, BIAS_CORRECTION_KL: tl.constexpr,
+    HAS_DELTA: tl.constexpr, HAS_CLAMP: tl.constexpr, HAS_DUAL: tl.constexpr, CISPO_BAND: tl.constexpr,
+    HAS_OPSM: tl.constexpr, ADV_PER_TOKEN: tl.constexpr, SEQ_MEAN: tl.constexpr, SEQ_UNITS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    start = tl.load(cu_seqlens_ptr + seq).to(tl.int64)
+    end = tl.load(cu_seqlens_ptr + seq + 1).to(tl.int64)
+    offs = tl.arange(0, BLOCK_T)
+    low_edge = 1.0 - eps_low
+    high_edge = 1.0 + eps_high
+    if not ADV_PER_TOKEN:
+        adv_seq = tl.load(adv_ptr + seq)
+    else:
+        adv_seq = 0.0
+
+    n_tok, sum_r, sum_d, sum_gap, sum_v, sum_m, sum_a = _response_sums(
+        logp_ptr, old_ptr, mask_ptr, rollout_ptr, is_ratio_ptr, adv_ptr, start, end, adv_seq, rc_lo, rc_hi,
+        eps_low, eps_high, LEVEL, OBJECTIVE, ROLLOUT, HAS_OPSM, ADV_PER_TOKEN, BLOCK_T)
+    denom = tl.maximum(n_tok, 1.0)
+    mean_r = sum_r / denom
+    if HAS_CLAMP:  # w = exp(min(log w, c)) (verl's guard); no gradient through a clamped weight
+        seq_pass = (mean_r <= log_ratio_clamp).to(tl.float32)
+        mean_r = tl.minimum(mean_r, log_ratio_clamp)
+    else:
+        seq_pass = 1.0
+    w_seq = tl.exp(mean_r)
+    if SEQ_MEAN:
+        lam = 1.0 / denom
+    else:
+        lam = 1.0
+    if ROLLOUT == RC_SEQUENCE_MASKED_TIS:
+        rc_seq = sum_d / denom  # the geometric mean's log
+    else:
+        rc_seq = sum_d
+    seq_gap = sum_gap / denom
+    log_wv = tl.minimum(tl.maximum(sum_v, _VESPO_LOG_MIN), _VESPO_LOG_MAX)  # VESPO's log sequence weight
+    rho_g = tl.exp(sum_m / denom)  # GMPO's geometric-mean weight
+    if ADV_PER_TOKEN:
+        adv_mean = sum_a / denom
+    else:
+        adv_mean = adv_seq
+    loss_g = _times(-adv_mean, rho_g)  # GMPO's per-response loss
+
+    # Pass 2: per-token objective, partial sums and (local) gradient coefficients.
+    loss_acc = tl.zeros([BLOCK_T], tl.float32)
+    ent_acc = tl.zeros([BLOCK_T], tl.float32)
+    kl_acc = tl.zeros([BLOCK_T], tl.float32)
+    q_acc = tl.zeros([BLOCK_T], tl.float32)
+    f_acc = tl.zeros([BLOCK_T], tl.float32)
+    low_acc = tl.zeros([BLOCK_T], tl.float32)
+    high_acc = tl.zeros([BLOCK_T], tl.float32)
+    w_acc = tl.zeros([BLOCK_T], tl.float32)
+    w_min = tl.full([BLOCK_T], float("inf"), tl.float32)
+    w_max = tl.full([BLOCK_T], float("-inf"), tl.float32)
+    phi_acc = tl.zeros([BLOCK_T], tl.float32)
+    rz_acc = tl.zeros([BLOCK_T], tl.float32)
+    rw_acc = tl.zeros([BLOCK_T], tl.float32)
+    rw_min = tl.full([BLOCK_T], float("inf"), tl.float32)
+    rw_max = tl.full([BLOCK_T], float("-inf"), tl.float32)
+    for t0 in range(start, end, BLOCK_T):
+        idx = t0 + offs
+        inside = idx < end
+        on = tl.load(mask_ptr + idx, mask=inside, other=0.0) > 0
+        lp = _masked_load(logp_ptr, idx, inside, on)
+        w, dw = _token_weight(lp, old_ptr, idx, inside, on, w_seq, seq_pass, log_ratio_clamp, LEVEL, HAS_CLAMP,
+                              BLOCK_T)
+        adv = _advantages(adv_ptr, idx, inside, adv_seq, ADV_PER_TOKEN, BLOCK_T)
+        f, rz_acc, rw_acc, rw_min, rw_max = _correction_factor(
+            lp, adv, old_ptr, is_ratio_ptr, rollout_ptr, idx, inside, on, rc_seq, rc_lo, rc_hi, seq_gap,
+            opsm_threshold, rz_acc, rw_acc, rw_min, rw_max, OBJECTIVE, ROLLOUT, HAS_OPSM, BLOCK_T)
+        loss, dl_dw, direct, low_acc, high_acc, phi_acc = _token_objective(
+            w, adv, lp, old_ptr, idx, inside, on, low_edge, high_edge, eps_low, eps_high, delta, clip_ratio_c,
+            tau_pos, tau_neg, log_wv, k_pos, lam_pos, k_neg, lam_neg, loss_g, low_acc, high_acc, phi_acc, OBJECTIVE,
+            HAS_DELTA, HAS_DUAL, CISPO_BAND, BLOCK_T)
+        loss = _times(f, loss)  # a token dropped by its factor adds 0 even when its weight overflowed
+        dl_dw = _times(f, dl_dw)
+        direct = direct * f
+        f_acc += tl.where(on, f, 0.0)
+        if ref_ptr is not None:  # the KL term
+            kl, kl_weighted, kl_direct = _kl_penalty(ref_ptr, idx, inside, on, lp, w, beta, BIAS_CORRECTION_KL)
+            direct += kl_direct
+            if BIAS_CORRECTION_KL:
+                dl_dw += beta * kl
+            loss += beta * kl_weighted
+            kl_acc += tl.where(on, kl_weighted, 0.0)
+        loss_acc += tl.where(on, loss, 0.0)
+        if entropy_ptr is not None:
+            ent_acc += _masked_load(entropy_ptr, idx, inside, on)
+        if LEVEL == LEVEL_SEQUENCE:
+            q_acc += tl.where(on, dl_dw, 0.0)
+            coef = tl.where(on, lam * direct, 0.0)
+        else:
+            coef = tl.where(on, lam * (_times(dl_dw, dw) + direct), 0.0)
+        tl.store(coef_ptr + idx, coef, mask=inside)
+        if not SEQ_UNITS:  # weight statistics over unmasked tokens
+            w_acc += tl.where(on, w, 0.0)
+            w_min = tl.minimum(w_min, tl.where(on, w, float("inf")))
+            w_max = tl.maximum(w_max, tl.where(on, w, float("-inf")))
+
+    # Pass 3: the gradient through a per-response quantity.
+    if LEVEL == LEVEL_SEQUENCE:
+        # the objectives whose loss depends on w, and the bias-corrected KL (w kl) whatever the objective
+        if (OBJECTIVE == OBJ_CLIP) | (OBJECTIVE == OBJ_SAPO) | BIAS_CORRECTION_KL:
+            cross = _times(lam * tl.sum(q_acc, axis=0) * seq_pass / denom, w_seq)
+            _add_sequence_cross_term(coef_ptr, mask_ptr, start, end, cross, BLOCK_T)
+    if OBJECTIVE == OBJ_GMPO:
+        scale = _times(lam * tl.sum(f_acc, axis=0) * -adv_mean / denom, rho_g)
+        _add_gmpo_term(coef_ptr, logp_ptr, old_ptr, mask_ptr, adv_ptr, start, end, adv_seq, scale, eps_low, eps_high,
+                       ADV_PER_TOKEN, BLOCK_T)
+
+    # The response's partials row.
+    out = partials_ptr + seq.to(tl.int64) * PARTIALS_STRIDE
+    counted = n_tok > 0
+    tl.store(out + P_LOSS, lam * tl.sum(loss_acc, axis=0))
+    tl.store(out + P_TOKENS, n_tok)
+    tl.store(out + P_ENTROPY, tl.sum(ent_acc, axis=0))
+    tl.store(out + P_KL, tl.sum(kl_acc, axis=0))
+    _store_clip_counts(out, tl.sum(low_acc, axis=0), tl.sum(high_acc, axis=0), n_tok, w_seq, adv_seq, low_edge,
+                       high_edge, eps_high, OBJECTIVE, CISPO_BAND, SEQ_UNITS)
+    if SEQ_UNITS:  # one weight per response
+        _store_one_per_response(out, _response_weight(w_seq, log_wv, rho_g, OBJECTIVE), counted, P_W_SUM, P_W_MIN,
+                                P_W_MAX, P_UNITS)
+    else:
+        _store_weight_metrics(out, tl.sum(w_acc, axis=0), tl.min(w_min, axis=0), tl.max(w_max, axis=0), n_tok)
+    if ADV_PER_TOKEN:
+        tl.store(out + P_PHI, tl.sum(phi_acc, axis=0))
+        tl.store(out + P_PHI_UNITS, n_tok)
+    else:  # one phi per response
+        tl.store(out + P_PHI, tl.where(counted, _vespo_phi(log_wv, adv_seq, k_pos, lam_pos, k_neg, lam_neg), 0.0))
+        tl.store(out + P_PHI_UNITS, counted.to(tl.float32))
+    if rollout_ptr is None:
+        _store_rollout_metrics(out, 0.0, 0.0, 0.0, float("inf"), float("-inf"), 0.0)
+    elif (ROLLOUT == RC_SEQUENCE_TRUNCATE) | (ROLLOUT == RC_SEQUENCE_MASK):  # one weight per response
+        tl.store(out + P_R_DIFF, -sum_d)
+        tl.store(out + P_R_ZERO, tl.sum(rz_acc, axis=0))
+        _store_one_per_response(out, _rollout_weight(0.0, rc_seq, rc_lo, rc_hi, ROLLOUT), counted, P_RW_SUM,
+                                P_RW_MIN, P_RW_MAX, P_RW_UNITS)
+    else:
+        _store_rollout_metrics(out, -sum_d, tl.sum(rz_acc, axis=0), tl.sum(rw_acc, axis=0), tl.min(rw_min, axis=0),
+                               tl.max(rw_max, axis=0), n_tok)
+
+
+@triton.jit
+def _column(values, cols, c):
+    """Entry ``c`` of the ``[PARTIALS_STRIDE]`` vector ``values``."""
+    return tl.sum(tl.where(cols == c, values, 0.0), axis=0)
+
+
+@triton.jit
+def _ratio(values, cols, c, units):
+    """Column ``c`` over column ``units`` (at least 1)."""
+    return _column(values, cols, c) / tl.maximum(_column(values, cols, units), 1.0)
+
+
+@triton.jit
+def gspo_reduce_kernel(
+    partials_ptr, num_items_ptr, out_ptr, loss_ptr, num_seqs, grpo_denominator, dr_grpo_denominator, entropy_coef,
+    LOSS_TYPE: tl.constexpr, HAS_NUM_ITEMS: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    """Reduce the ``[S, PARTIALS_STRIDE]`` partials (sum; min / max for the ``*_MIN`` / ``*_MAX`` columns) in a
+    fixed order, then write the ``O_*`` slots, and the loss once more at ``loss_ptr`` (a 0-dim tensor of its
+    own: the autograd output, no copy of ``out[O_LOSS]`` on the host's side). ``LOSS_TYPE``: the aggregation's
+    code (``AGGREGATION_CODES``)."""
+    rows_in = tl.arange(0, BLOCK_S)
+    cols = tl.arange(0, PARTIALS_STRIDE)
+    is_min = (cols == MIN_COLUMNS[0]) | (cols == MIN_COLUMNS[1])
+    is_max = (cols == MAX_COLUMNS[0]) | (cols == MAX_COLUMNS[1])
+    pad = tl.where(is_min, float("inf"), tl.where(is_max, float("-inf"), 0.0))
+    acc = tl.zeros([BLOCK_S, PARTIALS_STRIDE], tl.float32) + pad[None, :]
+    for s0 in range(0, num_seqs, BLOCK_S):
+        rows = s0 + rows_in
+        inside = (rows < num_seqs)[:, None] & (cols < P_COUNT)[None, :]
+        tile = tl.load(partials_ptr + rows.to(tl.int64)[:, None] * PARTIALS_STRIDE + cols[None, :], mask=inside,
+                       other=0.0)
+        tile = tl.where(inside, tile, pad[None, :])
+        acc = tl.where(is_min[None, :], tl.minimum(acc, tile), tl.where(is_max[None, :], tl.maximum(acc, tile),
+                                                                        acc + tile))
+    sums = tl.sum(acc, axis=0)
+    mins = tl.min(acc, axis=0)
+    maxs = tl.max(acc, axis=0)
+    values = tl.where(is_min, mins, tl.where(is_max, maxs, sums))
+    token_mean = tl.maximum(_column(values, cols, P_TOKENS), 1.0)
+    if LOSS_TYPE == LOSS_BNPO:  # bnpo: token mean
+        denominator = token_mean
+    elif LOSS_TYPE == LOSS_DR_GRPO:  # dr_grpo: S * max_completion_length
+        denominator = dr_grpo_denominator
+    elif LOSS_TYPE == LOSS_DAPO:  # dapo: the caller's global token count, else this batch's
+        if HAS_NUM_ITEMS:  # validated finite and > 0, used as given (docs/policies.md)
+            denominator = tl.load(num_items_ptr).to(tl.float32)
+        else:
+            denominator = token_mean
+    else:  # grpo (mean over responses of the per-response token means) and seq_sum: S
+        denominator = grpo_denominator
+    entropy_mean = _column(values, cols, P_ENTROPY) / token_mean
+    low = _ratio(values, cols, P_LOW, P_CLIP_UNITS)
+    high = _ratio(values, cols, P_HIGH, P_CLIP_UNITS)
+    some = _column(values, cols, P_UNITS) > 0
+    rollout_some = _column(values, cols, P_RW_UNITS) > 0
+    loss = _column(values, cols, P_LOSS) / denominator - entropy_coef * entropy_mean
+    tl.store(out_ptr + O_LOSS, loss)
+    tl.store(loss_ptr, loss)
+    tl.store(out_ptr + O_SCALE_LOGP, 1.0 / denominator)
+    tl.store(out_ptr + O_SCALE_ENTROPY, -entropy_coef / token_mean)
+    tl.store(out_ptr + O_LOW, low)
+    tl.store(out_ptr + O_HIGH, high)
+    tl.store(out_ptr + O_REGION, low + high)  # low and high never hold for the same item
+    tl.store(out_ptr + O_W_MEAN, _ratio(values, cols, P_W_SUM, P_UNITS))
+    tl.store(out_ptr + O_W_MIN, tl.where(some, _column(values, cols, P_W_MIN), 0.0))
+    tl.store(out_ptr + O_W_MAX, tl.where(some, _column(values, cols, P_W_MAX), 0.0))
+    tl.store(out_ptr + O_ENTROPY, entropy_mean)
+    tl.store(out_ptr + O_KL, _column(values, cols, P_KL) / token_mean)
+    tl.store(out_ptr + O_PHI_MEAN, _ratio(values, cols, P_PHI, P_PHI_UNITS))
+    tl.store(out_ptr + O_ROLLOUT_KL, _column(values, cols, P_R_DIFF) / token_mean)
+    tl.store(out_ptr + O_ROLLOUT_MASKED, _column(values, cols, P_R_ZERO) / token_mean)
+    tl.store(out_ptr + O_RW_MIN, tl.where(rollout_some, _column(values, cols, P_RW_MIN), 0.0))
+    tl.store(out_ptr + O_RW_MEAN, _ratio(values, cols, P_RW_SUM, P_RW_UNITS))
+    tl.store(out_ptr + O_RW_MAX, tl.where(rollout_some, _column(values, cols, P_RW_MAX), 0.0))
