@@ -19,11 +19,12 @@ from gspo_kernels.objectives.registry import (
     objectives,
     register,
     register_loss_type,
+    triton_helpers,
     unregister,
 )
 
 __all__ = ["LossType", "Objective", "check_options", "loss_type", "loss_types", "objective", "objectives",
-           "register", "register_loss_type", "unregister"]
+           "register", "register_loss_type", "triton_helpers", "unregister"]
 
 for _module in (clipped, cispo, sapo):
     register(_module.OBJECTIVE)

@@ -61,4 +61,6 @@ OBJECTIVE = Objective(
     metrics=(("cispo_clip_ratio", "O_HIGH"),),  # its clipped items in the high column
     trl_metrics=("cispo_clip_ratio",),
     triton="gspo_kernels.objectives.cispo_triton",
+    triton_option=lambda config: config.cispo_clip == "band",
+    h100=(dict(level="token", OBJ_OPTION=True, HAS_ROLLOUT=True, ROLLOUT="sequence_masked_tis"),),
 )

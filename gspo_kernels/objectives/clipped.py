@@ -98,5 +98,6 @@ OBJECTIVE = Objective(
     metrics=(("clip_ratio/low_mean", "O_LOW"), ("clip_ratio/high_mean", "O_HIGH"),
              ("clip_ratio/region_mean", "O_REGION")),
     trl_options=("delta",),  # TRL applies delta to the clipped surrogate only
-    triton="gspo_kernels.objectives.clipped_triton",
+    loss_through_weight=True,
+    triton="gspo_kernels.objectives.clipped_triton",  # configs.py's general rows are its h100 launches
 )

@@ -11,8 +11,9 @@ This module imports nothing of the package: ``config.py`` validates through it.
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 
 def _no_check(config: Any, active: bool) -> None:
@@ -21,6 +22,14 @@ def _no_check(config: Any, active: bool) -> None:
 
 def _no_metrics(w: Any, A: Any, valid: Any, config: Any) -> Dict[str, Any]:
     return {}
+
+
+def _no_floats(config: Any) -> Tuple[float, ...]:
+    return ()
+
+
+def _no_option(config: Any) -> bool:
+    return False
 
 
 @dataclass(frozen=True)
@@ -54,13 +63,20 @@ class Objective:
             items (responses or tokens); the PyTorch stage adds the ``importance_weight/*`` statistics.
         folds_correction: the correction factor (``is_ratio``, the rollout correction) is folded into the
             objective's weight (passed as ``fold``) instead of multiplying its loss.
+        loss_through_weight: its loss depends on the importance weight (at the ``"sequence"`` level the Triton
+            kernel adds the gradient through the mean log-ratio).
         one_weight_per_response: the ``importance_weight/*`` metrics count one weight per response.
         metrics: ``(name, kernel slot)`` of the metrics it reports besides ``importance_weight/*``, the
             slot named as the Triton sequence kernel's output (``"O_HIGH"``): its rows of the metric table.
         trl_options: ``GRPOConfig`` fields the TRL drop-in passes to ``GSPOConfig`` under the same name.
         trl_metrics: the metrics the TRL drop-in logs as the library computed them (averaged over processes).
-        triton: the module holding its Triton helpers (imported by the Triton backend only, never by
-            ``import gspo_kernels``); None: the objective has no Triton form (the PyTorch stage runs it).
+        triton: the module holding its Triton helpers, ``TRITON`` (the sequence kernel's ``OBJECTIVE``; see
+            ``backends/triton/sequence_kernels.py``, ``H_*``), imported by the Triton backend only, never by
+            ``import gspo_kernels``; None: no Triton form (the Triton backend runs the PyTorch stage for it).
+        triton_floats: ``triton_floats(config)``: its float options as the kernel's ``obj_a`` .. ``obj_d``.
+        triton_option: ``triton_option(config)``: its constexpr option, the kernel's ``OBJ_OPTION``.
+        h100: the sequence kernel launches ``gspo-kernels h100-report`` compiles for it: keyword arguments of
+            ``configs._sequence_h100`` (``level``, constexpr flags, ``HAS_*`` inputs, ``ROLLOUT`` by name).
     """
 
     name: str
@@ -69,11 +85,15 @@ class Objective:
     check: Callable[[Any, bool], None] = _no_check
     clip_metrics: Callable[..., Dict[str, Any]] = _no_metrics
     folds_correction: bool = False
+    loss_through_weight: bool = False
     one_weight_per_response: bool = False
     metrics: Tuple[Tuple[str, str], ...] = ()
     trl_options: Tuple[str, ...] = ()
     trl_metrics: Tuple[str, ...] = ()
     triton: Optional[str] = None
+    triton_floats: Callable[[Any], Tuple[float, ...]] = _no_floats
+    triton_option: Callable[[Any], bool] = _no_option
+    h100: Tuple[Mapping[str, Any], ...] = ()
 
 
 _OBJECTIVES: Dict[str, Objective] = {}
@@ -126,6 +146,12 @@ def loss_type(name: str) -> LossType:
 def loss_types() -> Tuple[LossType, ...]:
     """Every registered ``loss_type``, in registration order."""
     return tuple(_LOSS_TYPES.values())
+
+
+def triton_helpers(name: str) -> tuple:
+    """The Triton helpers of the objective ``name`` (its ``triton`` module's ``TRITON``), importing that module now
+    (the Triton backend's call: it imports triton)."""
+    return importlib.import_module(objective(name).triton).TRITON
 
 
 def check_options(config: Any) -> None:

@@ -49,5 +49,8 @@ OBJECTIVE = Objective(
     surrogate=surrogate,
     check=check,
     trl_options=("sapo_temperature_pos", "sapo_temperature_neg"),
+    loss_through_weight=True,
     triton="gspo_kernels.objectives.sapo_triton",
+    triton_floats=lambda config: (config.sapo_temperature_pos, config.sapo_temperature_neg),
+    h100=(dict(level="sequence", HAS_ROLLOUT=True, ROLLOUT="sequence_mask"),),
 )

@@ -15,9 +15,10 @@ from typing import Dict, List, Optional
 import torch
 import triton
 
+from gspo_kernels import objectives
 from gspo_kernels.backends import DEFAULT_MEMORY_BUDGET
 from gspo_kernels.backends.triton.launch import ELEMENT_SIZES, interpreter_active
-from gspo_kernels.config import AGGREGATIONS, IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, OBJECTIVES, ROLLOUT_CORRECTIONS
+from gspo_kernels.config import AGGREGATIONS, IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, ROLLOUT_CORRECTIONS, GSPOConfig
 from gspo_kernels.precision import compute_dtype
 
 # The option codes the sequence kernels branch on (``sequence.py`` makes its kernel constants from these, the
@@ -25,7 +26,6 @@ from gspo_kernels.precision import compute_dtype
 LEVEL_CODES = {name: code for code, name in enumerate(IMPORTANCE_SAMPLING_LEVELS)}
 LOSS_TYPE_CODES = {name: code for code, name in enumerate(LOSS_TYPES)}
 AGGREGATION_CODES = {name: code for code, name in enumerate(AGGREGATIONS)}  # LOSS_TYPE_CODES, then seq_sum
-OBJECTIVE_CODES = {name: code for code, name in enumerate(OBJECTIVES)}
 ROLLOUT_CODES = {None: 0, **{name: code + 1 for code, name in enumerate(ROLLOUT_CORRECTIONS)}}  # 0: metrics only
 
 # The vendor-GEMM hidden-state path (linear.py): rows per chunk of the fp32 logits buffer.
@@ -409,83 +409,94 @@ _SEQUENCE_FLAG_NAMES = {"HAS_KL": "kl", "BIAS_CORRECTION_KL": "kl_bias_corr", "H
 _SEQUENCE_INPUTS = {"HAS_KL": "ref_ptr", "HAS_IS_RATIO": "is_ratio_ptr", "HAS_ROLLOUT": "rollout_ptr"}
 
 
-def _sequence_h100(level: str, **flags: bool) -> dict:
+def _sequence_h100(level: str, objective: Optional[str] = None, **flags) -> dict:
+    """A launch of the sequence kernel for ``h100-report``: the objective ``objective`` (the default config's when
+    None: its Triton helpers, imported now), at ``level``, with ``flags`` (constexprs; ``HAS_*`` inputs present;
+    ``ROLLOUT`` by its mode's name)."""
+    spec = objectives.objective(objective or GSPOConfig().objective)
+    if "ROLLOUT" in flags:
+        flags["ROLLOUT"] = ROLLOUT_CODES[flags["ROLLOUT"]]
     constexprs = {
         "LEVEL": LEVEL_CODES[level], "BIAS_CORRECTION_KL": False, "HAS_DELTA": False, "ADV_PER_TOKEN": False,
-        "SEQ_MEAN": True, "BLOCK_T": SEQUENCE_BLOCK_T, "HAS_CLAMP": False, "OBJECTIVE": OBJECTIVE_CODES["clip"],
-        "CISPO_BAND": False, "HAS_DUAL": False, "ROLLOUT": ROLLOUT_CODES[None], "HAS_OPSM": False,
-        "SEQ_UNITS": level == "sequence" and not flags.get("ADV_PER_TOKEN", False),
+        "SEQ_MEAN": True, "BLOCK_T": SEQUENCE_BLOCK_T, "HAS_CLAMP": False,
+        "OBJECTIVE": objectives.triton_helpers(spec.name), "OBJ_OPTION": False, "FOLD": spec.folds_correction,
+        "THROUGH_WEIGHT": spec.loss_through_weight, "HAS_DUAL": False, "ROLLOUT": ROLLOUT_CODES[None],
+        "HAS_OPSM": False,
+        "SEQ_UNITS": spec.one_weight_per_response or (level == "sequence" and not flags.get("ADV_PER_TOKEN", False)),
     }
     constexprs.update({k: v for k, v in flags.items() if k not in _SEQUENCE_INPUTS})
     constexprs.update({pointer: None for flag, pointer in _SEQUENCE_INPUTS.items() if not flags.get(flag)})
-    on = ",".join(_SEQUENCE_FLAG_NAMES.get(k, k.lower()) + ("" if v is True else f"={v}")
-                  for k, v in flags.items() if v)
+    on = ",".join(([f"objective={spec.name}"] if objective else [])
+                  + [_SEQUENCE_FLAG_NAMES.get(k, k.lower()) + ("" if v is True else f"={v}")
+                     for k, v in flags.items() if v])
     return {
         "name": f"gspo_sequence[{level}{',' + on if on else ''}]",
         "kernel": "sequence_kernels.gspo_sequence_kernel",
         # Every pointer is fp32 but cu_seqlens; the float options are fp32.
         "pointers": {"cu_seqlens_ptr": "i32"},
-        "floats": ["eps_low", "eps_high", "delta", "beta", "log_ratio_clamp", "clip_ratio_c", "tau_pos", "tau_neg",
-                   "k_pos", "lam_pos", "k_neg", "lam_neg", "rc_lo", "rc_hi", "opsm_threshold"],
+        "floats": ["eps_low", "eps_high", "delta", "beta", "log_ratio_clamp", "clip_ratio_c", "obj_a", "obj_b",
+                   "obj_c", "obj_d", "rc_lo", "rc_hi", "opsm_threshold"],
         "constexprs": constexprs,
         "num_warps": SEQUENCE_NUM_WARPS,
         "num_stages": 3,
     }
 
 
-H100_CONFIGS: List[dict] = [
-    _logits_fwd_h100("bf16", True, True),
-    _logits_fwd_h100("bf16", False, False),
-    _logits_fwd_h100("fp16", True, True),
-    _logits_fwd_h100("fp32", True, True),
-    _logits_fwd_h100("bf16", True, True, vocab="unaligned"),
-    _logits_fwd_h100("fp32", True, True, vocab="unaligned"),
-    _logits_fwd_h100("bf16", True, True, vocab="v1"),
-    _logits_fwd_h100("bf16", True, True, softcap=True),
-    _logits_fwd_h100("fp32", True, True, softcap=True),
-    _logits_fwd_h100("fp64", True, True, softcap=True),  # libdevice's fp64 paths compile
-    _logits_bwd_h100("bf16", False),
-    _logits_bwd_h100("bf16", True),
-    _logits_bwd_h100("fp16", False),
-    _logits_bwd_h100("fp32", True),
-    _logits_bwd_h100("bf16", True, vocab="unaligned"),
-    _logits_bwd_h100("fp32", True, vocab="unaligned"),
-    _logits_bwd_h100("bf16", True, vocab="v1"),
-    _logits_bwd_h100("bf16", True, softcap=True),
-    _logits_bwd_h100("fp64", True, softcap=True),
-    *_linear_h100(),
-    _sequence_h100("sequence"),
-    _sequence_h100("sequence", HAS_KL=True, BIAS_CORRECTION_KL=True, HAS_IS_RATIO=True, HAS_DELTA=True),
-    _sequence_h100("sequence_token", ADV_PER_TOKEN=True, HAS_IS_RATIO=True),
-    _sequence_h100("token", HAS_KL=True, HAS_DELTA=True),
-    _sequence_h100("sequence_token", ADV_PER_TOKEN=True, HAS_IS_RATIO=True, HAS_CLAMP=True),
-    # the other objectives, the dual clip, off-policy masking and rollout correction (one launch each)
-    _sequence_h100("token", HAS_DUAL=True, HAS_OPSM=True, HAS_ROLLOUT=True,
-                   ROLLOUT=ROLLOUT_CODES["token_truncate"]),
-    _sequence_h100("sequence", OBJECTIVE=OBJECTIVE_CODES["sapo"], HAS_ROLLOUT=True,
-                   ROLLOUT=ROLLOUT_CODES["sequence_mask"]),
-    _sequence_h100("token", OBJECTIVE=OBJECTIVE_CODES["cispo"], CISPO_BAND=True, HAS_ROLLOUT=True,
-                   ROLLOUT=ROLLOUT_CODES["sequence_masked_tis"]),
-    _sequence_h100("token", OBJECTIVE=OBJECTIVE_CODES["vespo"], SEQ_UNITS=True, HAS_KL=True, HAS_ROLLOUT=True,
-                   ROLLOUT=ROLLOUT_CODES["token_mask"]),
-    _sequence_h100("sequence", OBJECTIVE=OBJECTIVE_CODES["gmpo"], SEQ_UNITS=True, ADV_PER_TOKEN=True,
-                   HAS_IS_RATIO=True),
-    *[{
-        "name": f"scale_gradient[{dtype}]",
-        "kernel": "linear_loss.scale_gradient_kernel",
-        "pointers": {"g_ptr": dtype},
-        "constexprs": {"BLOCK": SCALE_BLOCK, "FP64": dtype == "fp64"},
-        "aligned_ints": ["n"],
-        "vector_loads": True,
-        "num_warps": SCALE_NUM_WARPS,
-        "num_stages": 3,
-    } for dtype in ("bf16", "fp32")],
-    {
-        "name": "gspo_reduce[dapo]",
-        "kernel": "sequence_kernels.gspo_reduce_kernel",
-        "floats": ["grpo_denominator", "dr_grpo_denominator", "entropy_coef"],
-        "constexprs": {"LOSS_TYPE": AGGREGATION_CODES["dapo"], "HAS_NUM_ITEMS": True, "BLOCK_S": SEQUENCE_BLOCK_S},
-        "num_warps": SEQUENCE_NUM_WARPS,
-        "num_stages": 3,
-    },
-]
+def _h100_configs() -> List[dict]:
+    """``H100_CONFIGS``, built at its first use: its sequence kernel rows hold the objectives' Triton helpers, which
+    this module does not import before (importing it imports no kernel module)."""
+    return [
+        _logits_fwd_h100("bf16", True, True),
+        _logits_fwd_h100("bf16", False, False),
+        _logits_fwd_h100("fp16", True, True),
+        _logits_fwd_h100("fp32", True, True),
+        _logits_fwd_h100("bf16", True, True, vocab="unaligned"),
+        _logits_fwd_h100("fp32", True, True, vocab="unaligned"),
+        _logits_fwd_h100("bf16", True, True, vocab="v1"),
+        _logits_fwd_h100("bf16", True, True, softcap=True),
+        _logits_fwd_h100("fp32", True, True, softcap=True),
+        _logits_fwd_h100("fp64", True, True, softcap=True),  # libdevice's fp64 paths compile
+        _logits_bwd_h100("bf16", False),
+        _logits_bwd_h100("bf16", True),
+        _logits_bwd_h100("fp16", False),
+        _logits_bwd_h100("fp32", True),
+        _logits_bwd_h100("bf16", True, vocab="unaligned"),
+        _logits_bwd_h100("fp32", True, vocab="unaligned"),
+        _logits_bwd_h100("bf16", True, vocab="v1"),
+        _logits_bwd_h100("bf16", True, softcap=True),
+        _logits_bwd_h100("fp64", True, softcap=True),
+        *_linear_h100(),
+        _sequence_h100("sequence"),
+        _sequence_h100("sequence", HAS_KL=True, BIAS_CORRECTION_KL=True, HAS_IS_RATIO=True, HAS_DELTA=True),
+        _sequence_h100("sequence_token", ADV_PER_TOKEN=True, HAS_IS_RATIO=True),
+        _sequence_h100("token", HAS_KL=True, HAS_DELTA=True),
+        _sequence_h100("sequence_token", ADV_PER_TOKEN=True, HAS_IS_RATIO=True, HAS_CLAMP=True),
+        # the other objectives, the dual clip, off-policy masking and rollout correction (one launch each)
+        _sequence_h100("token", HAS_DUAL=True, HAS_OPSM=True, HAS_ROLLOUT=True, ROLLOUT="token_truncate"),
+        # each objective's launches (Objective.h100)
+        *[_sequence_h100(objective=spec.name, **launch) for spec in objectives.objectives() for launch in spec.h100],
+        *[{
+            "name": f"scale_gradient[{dtype}]",
+            "kernel": "linear_loss.scale_gradient_kernel",
+            "pointers": {"g_ptr": dtype},
+            "constexprs": {"BLOCK": SCALE_BLOCK, "FP64": dtype == "fp64"},
+            "aligned_ints": ["n"],
+            "vector_loads": True,
+            "num_warps": SCALE_NUM_WARPS,
+            "num_stages": 3,
+        } for dtype in ("bf16", "fp32")],
+        {
+            "name": "gspo_reduce[dapo]",
+            "kernel": "sequence_kernels.gspo_reduce_kernel",
+            "floats": ["grpo_denominator", "dr_grpo_denominator", "entropy_coef"],
+            "constexprs": {"LOSS_TYPE": AGGREGATION_CODES["dapo"], "HAS_NUM_ITEMS": True, "BLOCK_S": SEQUENCE_BLOCK_S},
+            "num_warps": SEQUENCE_NUM_WARPS,
+            "num_stages": 3,
+        },
+    ]
+
+
+def __getattr__(name: str):
+    if name == "H100_CONFIGS":  # every launch configuration gspo-kernels h100-report compiles
+        return _h100_configs()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

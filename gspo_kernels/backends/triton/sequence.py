@@ -17,11 +17,11 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
+from gspo_kernels import objectives
 from gspo_kernels.backends.triton.configs import (  # noqa: F401 (LOSS_TYPE_CODES: part of the table, read by tests)
     AGGREGATION_CODES,
     LEVEL_CODES,
     LOSS_TYPE_CODES,
-    OBJECTIVE_CODES,
     ROLLOUT_CODES,
     SEQUENCE_BLOCK_S,
     SEQUENCE_BLOCK_T,
@@ -35,13 +35,14 @@ from gspo_kernels.backends.triton.sequence_kernels import (  # noqa: F401 (the s
     O_SCALE_ENTROPY,
     O_SCALE_LOGP,
     O_W_MEAN,
+    OBJECTIVE_SLOTS,
     PARTIALS_STRIDE,
     gspo_reduce_kernel,
     gspo_sequence_kernel,
 )
 from gspo_kernels.config import GSPOConfig
 from gspo_kernels.layout import LossInputs
-from gspo_kernels.objective import LossOutput
+from gspo_kernels.objective import LossOutput, gspo_objective
 
 
 def _f32(x: Optional[Tensor]) -> Optional[Tensor]:
@@ -67,23 +68,23 @@ class SequenceParams:
     beta: float
     log_ratio_clamp: float  # 0 without a clamp (HAS_CLAMP False)
     clip_ratio_c: float
-    tau_pos: float
-    tau_neg: float
-    k_pos: float
-    lam_pos: float
-    k_neg: float
-    lam_neg: float
+    obj_a: float  # the objective's float options (Objective.triton_floats), 0 past its own
+    obj_b: float
+    obj_c: float
+    obj_d: float
     rc_lo: float
     rc_hi: float
     opsm_threshold: float
     LEVEL: int
-    OBJECTIVE: int
+    OBJECTIVE: tuple  # the objective's Triton helpers (its module's TRITON)
     ROLLOUT: int
     BIAS_CORRECTION_KL: bool
     HAS_DELTA: bool
     HAS_CLAMP: bool
     HAS_DUAL: bool
-    CISPO_BAND: bool
+    OBJ_OPTION: bool  # the objective's constexpr option (Objective.triton_option)
+    FOLD: bool  # it folds the correction factor into its weight
+    THROUGH_WEIGHT: bool  # its loss depends on the weight
     HAS_OPSM: bool
     ADV_PER_TOKEN: bool
     SEQ_MEAN: bool
@@ -95,6 +96,11 @@ class SequenceParams:
     @classmethod
     def of(cls, config: GSPOConfig, per_token_adv: bool) -> "SequenceParams":
         lo, hi = config.rollout_bounds
+        spec = objectives.objective(config.objective)
+        if spec.triton is None:
+            raise NotImplementedError(f"the objective {spec.name!r} has no Triton helpers (Objective.triton): "
+                                      f"use backend='torch' (or 'cpu')")
+        floats = tuple(float(x) for x in spec.triton_floats(config)) + (0.0,) * 4
         return cls(
             eps_low=float(config.epsilon_low),
             eps_high=float(config.epsilon_high),
@@ -102,28 +108,28 @@ class SequenceParams:
             beta=float(config.beta),
             log_ratio_clamp=float(config.log_ratio_clamp) if config.log_ratio_clamp is not None else 0.0,
             clip_ratio_c=float(config.clip_ratio_c or 0.0),
-            tau_pos=float(config.sapo_temperature_pos),
-            tau_neg=float(config.sapo_temperature_neg),
-            k_pos=float(config.vespo_k_pos),
-            lam_pos=float(config.vespo_lambda_pos),
-            k_neg=float(config.vespo_k_neg),
-            lam_neg=float(config.vespo_lambda_neg),
+            obj_a=floats[0],
+            obj_b=floats[1],
+            obj_c=floats[2],
+            obj_d=floats[3],
             rc_lo=float("-inf") if lo is None else float(lo),
             rc_hi=float("inf") if hi is None else float(hi),
             opsm_threshold=float(config.off_policy_mask_threshold or 0.0),
             LEVEL=LEVEL_CODES[config.importance_sampling_level],
-            OBJECTIVE=OBJECTIVE_CODES[config.objective],
+            OBJECTIVE=objectives.triton_helpers(spec.name),
             ROLLOUT=ROLLOUT_CODES[config.rollout_correction],
             BIAS_CORRECTION_KL=bool(config.use_bias_correction_kl),
             HAS_DELTA=config.delta is not None,
             HAS_CLAMP=config.log_ratio_clamp is not None,
             HAS_DUAL=config.clip_ratio_c is not None,
-            CISPO_BAND=config.cispo_clip == "band",
+            OBJ_OPTION=bool(spec.triton_option(config)),
+            FOLD=spec.folds_correction,
+            THROUGH_WEIGHT=spec.loss_through_weight,
             HAS_OPSM=config.off_policy_mask_threshold is not None,
             ADV_PER_TOKEN=per_token_adv,
             SEQ_MEAN=config.effective_aggregation == "grpo",
-            SEQ_UNITS=config.objective in ("vespo", "gmpo") or (config.importance_sampling_level == "sequence"
-                                                                and not per_token_adv),
+            SEQ_UNITS=spec.one_weight_per_response or (config.importance_sampling_level == "sequence"
+                                                       and not per_token_adv),
             loss_type=AGGREGATION_CODES[config.effective_aggregation],
             dr_grpo_factor=float(config.max_completion_length or 1),
             entropy_coef=float(config.entropy_coef),
@@ -132,8 +138,7 @@ class SequenceParams:
     @functools.cached_property
     def sequence_kwargs(self) -> dict:
         """The sequence kernel's keyword arguments: every field but the reduction's (kept: built once)."""
-        values = dataclasses.asdict(self)
-        return {name: values[name] for name in _SEQUENCE_KERNEL_FIELDS}
+        return {name: getattr(self, name) for name in _SEQUENCE_KERNEL_FIELDS}  # not asdict: it copies the helpers
 
 
 _SEQUENCE_KERNEL_FIELDS = tuple(f.name for f in dataclasses.fields(SequenceParams)
@@ -237,10 +242,11 @@ def _sequence_stage(logp: Tensor, entropy: Optional[Tensor], inputs: LossInputs,
 def metric_slots(config: GSPOConfig, has_rollout: bool, has_entropy: bool = False):
     """``(name, O_* slot as an int)`` of the metrics the objective of ``config`` reports (those of
     :func:`gspo_kernels.objective.gspo_objective`), read from ``METRICS``: with ``has_rollout`` the
-    ``rollout/*`` ones, with ``has_entropy`` the ``entropy``, with ``config.beta > 0`` the ``kl``."""
-    present = {"rollout": has_rollout, "entropy": has_entropy, "kl": config.beta > 0}
-    return [(name, slot.value) for name, slot, when in METRICS
-            if (present[when] if isinstance(when, str) else config.objective in when)]
+    ``rollout/*`` ones, with ``has_entropy`` the ``entropy``, with ``config.beta > 0`` the ``kl``; first the
+    objective's own (``Objective.metrics``, its slots named in ``OBJECTIVE_SLOTS``)."""
+    present = {"objective": True, "rollout": has_rollout, "entropy": has_entropy, "kl": config.beta > 0}
+    own = [(name, OBJECTIVE_SLOTS[slot].value) for name, slot in objectives.objective(config.objective).metrics]
+    return own + [(name, slot.value) for name, slot, when in METRICS if present[when]]
 
 
 class TritonSequenceObjective(torch.autograd.Function):
@@ -279,6 +285,8 @@ def fused_objective(logp: Tensor, entropy: Optional[Tensor], inputs: LossInputs,
     ``logp``, ``entropy``: ``[N]`` (fp32). ``entropy`` may be None only when ``config.entropy_coef == 0``
     (the ``entropy`` metric is then omitted; the loss pipeline checked it). Metrics are detached 0-dim fp32 tensors.
     """
+    if objectives.objective(config.objective).triton is None:  # an objective without Triton helpers: PyTorch's
+        return gspo_objective(logp, entropy, inputs, config)
     loss, out = TritonSequenceObjective.apply(logp, entropy, inputs, config)
     slots = metric_slots(config, inputs.rollout_logprobs is not None, entropy is not None)
     metrics = {name: out[index] for name, index in slots}

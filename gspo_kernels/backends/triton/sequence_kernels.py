@@ -40,9 +40,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from gspo_kernels.backends.triton.configs import AGGREGATION_CODES, LEVEL_CODES, OBJECTIVE_CODES, ROLLOUT_CODES
-from gspo_kernels.config import OBJECTIVES
-from gspo_kernels.objectives.vespo import VESPO_LOG_MAX, VESPO_LOG_MIN
+from gspo_kernels.backends.triton.configs import AGGREGATION_CODES, LEVEL_CODES, ROLLOUT_CODES
 
 # Columns of the per-response partial sums (row i of a [S, PARTIALS_STRIDE] fp32 buffer), written by the
 # sequence kernel and reduced by the reduction kernel. Kernel constants: the host reads their ``.value``.
@@ -51,15 +49,15 @@ P_LOSS = tl.constexpr(0)  # the aggregated loss sum
 P_TOKENS = tl.constexpr(1)  # |y_i|
 P_ENTROPY = tl.constexpr(2)  # sum of masked entropy
 P_KL = tl.constexpr(3)  # sum of masked KL
-P_LOW = tl.constexpr(4)  # low / high clip counts (CISPO: its clip count in P_HIGH)
+P_LOW = tl.constexpr(4)  # low / high clip counts (an objective with one clip count: P_HIGH)
 P_HIGH = tl.constexpr(5)
 P_CLIP_UNITS = tl.constexpr(6)  # the items the clip counts count (tokens, or responses)
 P_W_SUM = tl.constexpr(7)  # weight sum, min, max
 P_W_MIN = tl.constexpr(8)
 P_W_MAX = tl.constexpr(9)
 P_UNITS = tl.constexpr(10)  # the number of counted items (tokens, or responses for sequence-level metrics)
-P_PHI = tl.constexpr(11)  # VESPO: sum of phi over its items, and their number
-P_PHI_UNITS = tl.constexpr(12)
+P_AUX = tl.constexpr(11)  # the objective's extra metric (VESPO's phi): its sum over the items, and their number
+P_AUX_UNITS = tl.constexpr(12)
 P_R_DIFF = tl.constexpr(13)  # rollout mismatch: sum of (rollout - trainer) log-probs
 P_R_ZERO = tl.constexpr(14)  # tokens whose rollout correction weight is 0
 P_RW_SUM = tl.constexpr(15)  # rollout weight sum, min, max, items
@@ -84,7 +82,7 @@ O_W_MIN = tl.constexpr(7)
 O_W_MAX = tl.constexpr(8)
 O_ENTROPY = tl.constexpr(9)
 O_KL = tl.constexpr(10)
-O_PHI_MEAN = tl.constexpr(11)
+O_AUX_MEAN = tl.constexpr(11)  # the objective's extra metric
 O_ROLLOUT_KL = tl.constexpr(12)
 O_ROLLOUT_MASKED = tl.constexpr(13)
 O_RW_MIN = tl.constexpr(14)
@@ -93,19 +91,14 @@ O_RW_MAX = tl.constexpr(16)
 NUM_OUTPUTS = O_RW_MAX.value + 1
 
 # The metrics the output reports (TRL's names: those of ``objective.gspo_objective``), one row each: the name,
-# its ``O_*`` slot, and when it is reported: for the objectives named, or when the batch has rollout log-probs
-# ("rollout"), an entropy ("entropy"), a KL term ("kl"). The one table of the metric slots: :func:`metric_slots`
-# reads it, and nothing else names a slot of a metric.
-_CLIP_RATIO = ("clip", "gmpo")
+# its ``O_*`` slot, and when it is reported: for every objective ("objective"), or when the batch has rollout
+# log-probs ("rollout"), an entropy ("entropy"), a KL term ("kl"). An objective's own metrics are its rows,
+# declared by its module (``Objective.metrics``: name and slot name) and read from the objectives' registry by
+# :func:`~gspo_kernels.backends.triton.sequence.metric_slots`; nothing else names a slot of a metric.
 METRICS = (
-    ("clip_ratio/low_mean", O_LOW, _CLIP_RATIO),
-    ("clip_ratio/high_mean", O_HIGH, _CLIP_RATIO),
-    ("clip_ratio/region_mean", O_REGION, _CLIP_RATIO),
-    ("cispo_clip_ratio", O_HIGH, ("cispo",)),  # CISPO counts its clipped items in the high column
-    ("vespo/phi_seq_mean", O_PHI_MEAN, ("vespo",)),
-    ("importance_weight/mean", O_W_MEAN, OBJECTIVES),
-    ("importance_weight/min", O_W_MIN, OBJECTIVES),
-    ("importance_weight/max", O_W_MAX, OBJECTIVES),
+    ("importance_weight/mean", O_W_MEAN, "objective"),
+    ("importance_weight/min", O_W_MIN, "objective"),
+    ("importance_weight/max", O_W_MAX, "objective"),
     ("rollout/kl", O_ROLLOUT_KL, "rollout"),
     ("rollout/masked_fraction", O_ROLLOUT_MASKED, "rollout"),
     ("rollout/weight_min", O_RW_MIN, "rollout"),
@@ -114,6 +107,8 @@ METRICS = (
     ("entropy", O_ENTROPY, "entropy"),
     ("kl", O_KL, "kl"),
 )
+# The slots an objective's metric may name (``Objective.metrics``): its clip counts and its extra metric.
+OBJECTIVE_SLOTS = {"O_LOW": O_LOW, "O_HIGH": O_HIGH, "O_REGION": O_REGION, "O_AUX_MEAN": O_AUX_MEAN}
 
 # The codes as kernel constants (the kernels branch on these names, never on literal numbers).
 LEVEL_SEQUENCE = tl.constexpr(LEVEL_CODES["sequence"])
@@ -122,11 +117,6 @@ LEVEL_TOKEN = tl.constexpr(LEVEL_CODES["token"])
 LOSS_BNPO = tl.constexpr(AGGREGATION_CODES["bnpo"])
 LOSS_DR_GRPO = tl.constexpr(AGGREGATION_CODES["dr_grpo"])
 LOSS_DAPO = tl.constexpr(AGGREGATION_CODES["dapo"])
-OBJ_CLIP = tl.constexpr(OBJECTIVE_CODES["clip"])
-OBJ_CISPO = tl.constexpr(OBJECTIVE_CODES["cispo"])
-OBJ_SAPO = tl.constexpr(OBJECTIVE_CODES["sapo"])
-OBJ_VESPO = tl.constexpr(OBJECTIVE_CODES["vespo"])
-OBJ_GMPO = tl.constexpr(OBJECTIVE_CODES["gmpo"])
 RC_NONE = tl.constexpr(ROLLOUT_CODES[None])
 RC_TOKEN_TRUNCATE = tl.constexpr(ROLLOUT_CODES["token_truncate"])
 RC_TOKEN_MASK = tl.constexpr(ROLLOUT_CODES["token_mask"])
@@ -134,8 +124,13 @@ RC_SEQUENCE_TRUNCATE = tl.constexpr(ROLLOUT_CODES["sequence_truncate"])
 RC_SEQUENCE_MASK = tl.constexpr(ROLLOUT_CODES["sequence_mask"])
 RC_ICEPOP = tl.constexpr(ROLLOUT_CODES["icepop"])
 RC_SEQUENCE_MASKED_TIS = tl.constexpr(ROLLOUT_CODES["sequence_masked_tis"])
-_VESPO_LOG_MIN = tl.constexpr(VESPO_LOG_MIN)
-_VESPO_LOG_MAX = tl.constexpr(VESPO_LOG_MAX)
+# The objective's Triton helpers (``OBJECTIVE``, a kernel constant: a tuple of ``@triton.jit`` functions, its
+# module's ``TRITON``), by position; their signatures are those of the defaults below.
+H_SUMS = tl.constexpr(0)  # pass 1, per tile: two per-response sums of its own
+H_RESPONSE = tl.constexpr(1)  # after pass 1: its per-response values, the response's weight and extra metric
+H_TOKEN = tl.constexpr(2)  # pass 2, per tile: l_t, dl_t/dw, dl_t/dlogp_t not through w, its metric sums
+H_FINISH = tl.constexpr(3)  # pass 3: a gradient through its per-response values
+H_CLIP_COUNTS = tl.constexpr(4)  # the clip counts of the response's partials row
 
 
 @triton.jit
@@ -175,17 +170,6 @@ def _rollout_log_ratio(lp, old, roll_ptr, idx, inside, on):
 
 
 @triton.jit
-def _gmpo_clipped(r, adv, eps_low, eps_high):
-    """GMPO's sign-aware clip of the token log-ratio ``r`` and whether the gradient passes (``(m, pass)``)."""
-    rc = tl.minimum(tl.maximum(r, -eps_low), eps_high)
-    s = tl.where(adv > 0, 1.0, tl.where(adv < 0, -1.0, 0.0))
-    m = s * tl.minimum(s * r, s * rc)
-    in_band = (r >= -eps_low) & (r <= eps_high)
-    passes = (s != 0) & (in_band | (s * r < s * rc))
-    return m, passes.to(tl.float32)
-
-
-@triton.jit
 def _masked_load(ptr, idx, inside, on):
     """The tile of ``ptr`` at ``idx``: 0 at masked tokens and past the response's end."""
     return tl.where(on, tl.load(ptr + idx, mask=inside, other=0.0), 0.0)
@@ -213,39 +197,19 @@ def _advantages(adv_ptr, idx, inside, adv_seq, ADV_PER_TOKEN: tl.constexpr, BLOC
 
 
 @triton.jit
-def _clamped_log(c):
-    """``log c`` clamped to VESPO's ``[VESPO_LOG_MIN, VESPO_LOG_MAX]`` (``c <= 0`` counts as ``1e-30``)."""
-    return tl.minimum(tl.maximum(tl.log(tl.maximum(c, 1e-30)), _VESPO_LOG_MIN), _VESPO_LOG_MAX)
-
-
-@triton.jit
-def _vespo_log_weight(r, is_ratio_ptr, rollout_ptr, idx, inside, d, lo, hi, ROLLOUT: tl.constexpr):
-    """VESPO's per-token log weight: the clamped log-ratio ``r``, plus the clamped logs of the IS ratio and of the
-    token-level rollout weight (of the log-ratio ``d``) when present: VESPO folds its corrections into the weight."""
-    v = tl.minimum(tl.maximum(r, -_VESPO_LOG_MAX), _VESPO_LOG_MAX)
-    if is_ratio_ptr is not None:
-        v += _clamped_log(tl.load(is_ratio_ptr + idx, mask=inside, other=1.0))
-    if rollout_ptr is not None:
-        if ROLLOUT != RC_NONE:  # token modes only (the config refuses the others for VESPO)
-            v += _clamped_log(_rollout_weight(d, 0.0, lo, hi, ROLLOUT))
-    return v
-
-
-@triton.jit
 def _response_sums(logp_ptr, old_ptr, mask_ptr, roll_ptr, isr_ptr, adv_ptr, start, end, adv_seq, lo, hi,
                    eps_low, eps_high, LEVEL: tl.constexpr, OBJECTIVE: tl.constexpr, ROLLOUT: tl.constexpr,
                    HAS_OPSM: tl.constexpr, ADV_PER_TOKEN: tl.constexpr, BLOCK_T: tl.constexpr):
     """Pass 1 over the response ``[start, end)``: ``|y_i|``, ``sum (logp - old)``, ``sum (old - rollout)``,
-    the off-policy gap ``sum (sampling - logp)``, VESPO's log weight sum, GMPO's ``sum m_t`` and ``sum A_t``
-    (each only when the options and the inputs present need it; the others stay 0)."""
+    the off-policy gap ``sum (sampling - logp)`` and the objective's two sums (``OBJECTIVE[H_SUMS]``) (each only
+    when the options and the inputs present need it; the others stay 0)."""
     offs = tl.arange(0, BLOCK_T)
     tok_acc = tl.zeros([BLOCK_T], tl.float32)
     r_acc = tl.zeros([BLOCK_T], tl.float32)
     d_acc = tl.zeros([BLOCK_T], tl.float32)
     gap_acc = tl.zeros([BLOCK_T], tl.float32)
-    v_acc = tl.zeros([BLOCK_T], tl.float32)
-    m_acc = tl.zeros([BLOCK_T], tl.float32)
-    a_acc = tl.zeros([BLOCK_T], tl.float32)
+    s1_acc = tl.zeros([BLOCK_T], tl.float32)
+    s2_acc = tl.zeros([BLOCK_T], tl.float32)
     for t0 in range(start, end, BLOCK_T):
         idx = t0 + offs
         inside = idx < end
@@ -267,14 +231,12 @@ def _response_sums(logp_ptr, old_ptr, mask_ptr, roll_ptr, isr_ptr, adv_ptr, star
         elif HAS_OPSM:
             gap_acc += old - lp
         adv = _advantages(adv_ptr, idx, inside, adv_seq, ADV_PER_TOKEN, BLOCK_T)
-        if OBJECTIVE == OBJ_VESPO:
-            v_acc += tl.where(on, _vespo_log_weight(r, isr_ptr, roll_ptr, idx, inside, d, lo, hi, ROLLOUT), 0.0)
-        if OBJECTIVE == OBJ_GMPO:
-            m, _ = _gmpo_clipped(r, adv, eps_low, eps_high)
-            m_acc += tl.where(on, m, 0.0)
-            a_acc += tl.where(on, adv, 0.0)
+        x1, x2 = OBJECTIVE[H_SUMS](r, adv, on, isr_ptr, roll_ptr, idx, inside, d, lo, hi, eps_low, eps_high,
+                                   ROLLOUT, BLOCK_T)
+        s1_acc += x1
+        s2_acc += x2
     return (tl.sum(tok_acc, axis=0), tl.sum(r_acc, axis=0), tl.sum(d_acc, axis=0), tl.sum(gap_acc, axis=0),
-            tl.sum(v_acc, axis=0), tl.sum(m_acc, axis=0), tl.sum(a_acc, axis=0))
+            tl.sum(s1_acc, axis=0), tl.sum(s2_acc, axis=0))
 
 
 @triton.jit
@@ -305,14 +267,14 @@ def _token_weight(lp, old_ptr, idx, inside, on, w_seq, seq_pass, log_ratio_clamp
 
 @triton.jit
 def _correction_factor(lp, adv, old_ptr, is_ratio_ptr, rollout_ptr, idx, inside, on, rc_seq, rc_lo, rc_hi, seq_gap,
-                       opsm_threshold, rz_acc, rw_acc, rw_min, rw_max, OBJECTIVE: tl.constexpr,
+                       opsm_threshold, rz_acc, rw_acc, rw_min, rw_max, FOLD: tl.constexpr,
                        ROLLOUT: tl.constexpr, HAS_OPSM: tl.constexpr, BLOCK_T: tl.constexpr):
     """``(f, rz_acc, rw_acc, rw_min, rw_max)``: the tile's correction factor ``f_t`` (the IS ratio, or the rollout
-    weight; VESPO folds them into its weight instead) times the off-policy mask, and the rollout statistics
-    (zero weights, sum, min, max) with the tile added."""
+    weight; an objective that folds them into its weight (``FOLD``) takes them in pass 1 instead) times the
+    off-policy mask, and the rollout statistics (zero weights, sum, min, max) with the tile added."""
     f = tl.full([BLOCK_T], 1.0, tl.float32)
     if is_ratio_ptr is not None:
-        if OBJECTIVE != OBJ_VESPO:
+        if not FOLD:
             f = tl.load(is_ratio_ptr + idx, mask=inside, other=0.0)
     if rollout_ptr is not None:
         old = _old_logprobs(old_ptr, idx, inside, on, lp)
@@ -320,7 +282,7 @@ def _correction_factor(lp, adv, old_ptr, is_ratio_ptr, rollout_ptr, idx, inside,
                                            rc_lo, rc_hi, ROLLOUT), 0.0)
         if ROLLOUT != RC_NONE:
             rz_acc += (on & (rho == 0)).to(tl.float32)
-            if OBJECTIVE != OBJ_VESPO:
+            if not FOLD:
                 f = rho
         rw_acc += rho
         rw_min = tl.minimum(rw_min, tl.where(on, rho, float("inf")))
@@ -328,120 +290,6 @@ def _correction_factor(lp, adv, old_ptr, is_ratio_ptr, rollout_ptr, idx, inside,
     if HAS_OPSM:
         f = f * tl.where(adv >= 0, 1.0, tl.where(seq_gap <= opsm_threshold, 1.0, 0.0))
     return f, rz_acc, rw_acc, rw_min, rw_max
-
-
-@triton.jit
-def _clipped_surrogate(w, adv, low_edge, high_edge, delta, clip_ratio_c, HAS_DELTA: tl.constexpr,
-                       HAS_DUAL: tl.constexpr, BLOCK_T: tl.constexpr):
-    """``(l, dl/dw)`` of ``l = -min(min(w, delta) A, clamp(w, low_edge, high_edge) A)`` (PyTorch's subgradients),
-    then for ``A < 0`` the dual clip ``min(l, clip_ratio_c |A|)``."""
-    c2 = tl.minimum(tl.maximum(w, low_edge), high_edge)
-    dc2 = ((w >= low_edge) & (w <= high_edge)).to(tl.float32)
-    if HAS_DELTA:
-        c1 = tl.minimum(w, delta)
-        dc1 = (w <= delta).to(tl.float32)
-    else:
-        c1 = w
-        dc1 = tl.full([BLOCK_T], 1.0, tl.float32)
-    u1 = _times(adv, c1)  # c1 = w may be inf; a zero advantage contributes 0
-    u2 = c2 * adv
-    loss = -tl.minimum(u1, u2)
-    dmin = tl.where(u1 < u2, dc1, tl.where(u1 > u2, dc2, 0.5 * (dc1 + dc2)))
-    dl_dw = -adv * dmin
-    if HAS_DUAL:
-        cap = -clip_ratio_c * adv
-        neg = adv < 0
-        dl_dw = tl.where(neg & (loss > cap), 0.0, tl.where(neg & (loss == cap), 0.5 * dl_dw, dl_dw))
-        loss = tl.where(neg, tl.minimum(loss, cap), loss)
-    return loss, dl_dw
-
-
-@triton.jit
-def _sapo_surrogate(w, adv, tau_pos, tau_neg):
-    """``(l, dl/dw)`` of SAPO's soft gate ``l = -(4 / tau) sigmoid(tau (w - 1)) A``, ``tau`` by ``A > 0``:
-    ``dl/dw = -4 s (1 - s) A`` (0 where the gate saturates, also for ``w = inf``)."""
-    tau = tl.where(adv > 0, tau_pos, tau_neg)
-    sig = tl.sigmoid(tau * (w - 1.0))
-    loss = -(4.0 / tau) * sig * adv
-    return tl.where(adv == 0, 0.0, loss), -4.0 * sig * (1.0 - sig) * adv
-
-
-@triton.jit
-def _cispo_surrogate(w, adv, lp, on, low_edge, high_edge, eps_high, high_acc, CISPO_BAND: tl.constexpr):
-    """``(l, dl/dlogp, high_acc)`` of CISPO's ``l = -sg(w_hat) A logp``: ``w_hat = clamp(w, low_edge, high_edge)``
-    (``CISPO_BAND``) or ``min(w, eps_high)``; the clipped tokens counted into ``high_acc``."""
-    if CISPO_BAND:
-        w_hat = tl.minimum(tl.maximum(w, low_edge), high_edge)
-        high_acc += (on & ((w < low_edge) | (w > high_edge))).to(tl.float32)
-    else:
-        w_hat = tl.minimum(w, eps_high)
-        high_acc += (on & (w > eps_high) & (adv > 0)).to(tl.float32)
-    return -w_hat * adv * lp, -w_hat * adv, high_acc
-
-
-@triton.jit
-def _vespo_phi(log_w, adv, k_pos, lam_pos, k_neg, lam_neg):
-    """VESPO's gamma weight ``exp(lambda + k log w - lambda w)`` (``(k, lambda)`` by ``A >= 0``); 0 if not finite."""
-    pos = adv >= 0
-    k = tl.where(pos, k_pos, k_neg)
-    lam = tl.where(pos, lam_pos, lam_neg)
-    phi = tl.exp(lam + k * log_w - lam * tl.exp(log_w))
-    return tl.where((phi == phi) & (phi < float("inf")), phi, 0.0)
-
-
-@triton.jit
-def _gmpo_token(lp, old, adv, on, loss_g, eps_low, eps_high, low_acc, high_acc, BLOCK_T: tl.constexpr):
-    """``(l, low_acc, high_acc)``: GMPO's per-response loss ``loss_g`` on every token of the tile (its gradient
-    is added in pass 3), and the tokens whose log-ratio left ``[-eps_low, eps_high]`` counted by the sign of A."""
-    r = lp - old
-    moved = on & ((r < -eps_low) | (r > eps_high))
-    low_acc += (moved & (adv < 0)).to(tl.float32)
-    high_acc += (moved & (adv > 0)).to(tl.float32)
-    return tl.full([BLOCK_T], 1.0, tl.float32) * loss_g, low_acc, high_acc
-
-
-@triton.jit
-def _token_objective(w, adv, lp, old_ptr, idx, inside, on, low_edge, high_edge, eps_low, eps_high, delta,
-                     clip_ratio_c, tau_pos, tau_neg, log_wv, k_pos, lam_pos, k_neg, lam_neg, loss_g, low_acc,
-                     high_acc, phi_acc, OBJECTIVE: tl.constexpr, HAS_DELTA: tl.constexpr, HAS_DUAL: tl.constexpr,
-                     CISPO_BAND: tl.constexpr, BLOCK_T: tl.constexpr):
-    """``(l, dl/dw, direct, low_acc, high_acc, phi_acc)``: the objective's per-token loss ``l_t``, its derivative
-    in the weight, and ``direct = dl_t/dlogp_t`` not through the weight; the clip counts and VESPO's phi sum with
-    the tile added."""
-    dl_dw = tl.zeros([BLOCK_T], tl.float32)
-    direct = tl.zeros([BLOCK_T], tl.float32)
-    if OBJECTIVE == OBJ_CLIP:
-        loss, dl_dw = _clipped_surrogate(w, adv, low_edge, high_edge, delta, clip_ratio_c, HAS_DELTA, HAS_DUAL,
-                                         BLOCK_T)
-        low_acc += (on & (w < low_edge) & (adv < 0)).to(tl.float32)
-        high_acc += (on & (w > high_edge) & (adv > 0)).to(tl.float32)
-    elif OBJECTIVE == OBJ_SAPO:
-        loss, dl_dw = _sapo_surrogate(w, adv, tau_pos, tau_neg)
-    elif OBJECTIVE == OBJ_CISPO:
-        loss, direct, high_acc = _cispo_surrogate(w, adv, lp, on, low_edge, high_edge, eps_high, high_acc,
-                                                  CISPO_BAND)
-    elif OBJECTIVE == OBJ_VESPO:  # l = -phi(w_i) A logp, phi of the response's weight
-        phi = _vespo_phi(log_wv, adv, k_pos, lam_pos, k_neg, lam_neg)
-        phi_acc += tl.where(on, phi, 0.0)
-        loss = -phi * adv * lp
-        direct = -phi * adv
-    else:  # GMPO
-        loss, low_acc, high_acc = _gmpo_token(lp, _old_logprobs(old_ptr, idx, inside, on, lp), adv, on, loss_g,
-                                              eps_low, eps_high, low_acc, high_acc, BLOCK_T)
-    return loss, dl_dw, direct, low_acc, high_acc, phi_acc
-
-
-@triton.jit
-def _response_weight(w_seq, log_wv, rho_g, OBJECTIVE: tl.constexpr):
-    """The one weight of a response whose metrics count responses: VESPO's ``exp(log_wv)``, GMPO's geometric
-    mean ``rho_g``, or the sequence-level weight ``w_seq``."""
-    if OBJECTIVE == OBJ_VESPO:
-        w_one = tl.exp(log_wv)
-    elif OBJECTIVE == OBJ_GMPO:
-        w_one = rho_g
-    else:
-        w_one = w_seq
-    return w_one
 
 
 @triton.jit
@@ -468,50 +316,6 @@ def _add_sequence_cross_term(coef_ptr, mask_ptr, start, end, cross, BLOCK_T: tl.
         token_mask = tl.load(mask_ptr + idx, mask=inside, other=0.0)
         coef = tl.load(coef_ptr + idx, mask=inside, other=0.0)
         tl.store(coef_ptr + idx, coef + tl.where(token_mask > 0, cross, 0.0), mask=inside)
-
-
-@triton.jit
-def _add_gmpo_term(coef_ptr, logp_ptr, old_ptr, mask_ptr, adv_ptr, start, end, adv_seq, scale, eps_low, eps_high,
-                   ADV_PER_TOKEN: tl.constexpr, BLOCK_T: tl.constexpr):
-    """Pass 3 (GMPO): ``coef_t += scale`` on the tokens whose clipped log-ratio passes the gradient
-    (``scale = lam * sum_t' f_t' * (-A_mean) * rho_i / |y_i|``, the gradient through the geometric mean)."""
-    offs = tl.arange(0, BLOCK_T)
-    for t0 in range(start, end, BLOCK_T):
-        idx = t0 + offs
-        inside = idx < end
-        on = tl.load(mask_ptr + idx, mask=inside, other=0.0) > 0
-        lp = _masked_load(logp_ptr, idx, inside, on)
-        old = _old_logprobs(old_ptr, idx, inside, on, lp)
-        adv = _advantages(adv_ptr, idx, inside, adv_seq, ADV_PER_TOKEN, BLOCK_T)
-        _, passes = _gmpo_clipped(lp - old, adv, eps_low, eps_high)
-        coef = tl.load(coef_ptr + idx, mask=inside, other=0.0)
-        tl.store(coef_ptr + idx, coef + tl.where(on, _times(passes, scale), 0.0), mask=inside)
-
-
-@triton.jit
-def _store_clip_counts(out, low_sum, high_sum, n_tok, w_seq, adv_seq, low_edge, high_edge, eps_high,
-                       OBJECTIVE: tl.constexpr, CISPO_BAND: tl.constexpr, SEQ_UNITS: tl.constexpr):
-    """The clip counts of one response into its partials row ``out``: the token counts ``low_sum`` /
-    ``high_sum`` over ``n_tok`` tokens, or, with one weight and one advantage per response (``SEQ_UNITS``, not
-    GMPO), the response counted once."""
-    if (OBJECTIVE == OBJ_GMPO) | (SEQ_UNITS == 0):  # clip counts over unmasked tokens
-        tl.store(out + P_LOW, low_sum)
-        tl.store(out + P_HIGH, high_sum)
-        tl.store(out + P_CLIP_UNITS, n_tok)
-    else:  # one weight and one advantage per response: counted once
-        counted = n_tok > 0
-        if OBJECTIVE == OBJ_CISPO:
-            if CISPO_BAND:
-                high = counted & ((w_seq < low_edge) | (w_seq > high_edge))
-            else:
-                high = counted & (w_seq > eps_high) & (adv_seq > 0)
-            low = counted & (w_seq < 0.0)
-        else:
-            low = counted & (w_seq < low_edge) & (adv_seq < 0)
-            high = counted & (w_seq > high_edge) & (adv_seq > 0)
-        tl.store(out + P_LOW, low.to(tl.float32))
-        tl.store(out + P_HIGH, high.to(tl.float32))
-        tl.store(out + P_CLIP_UNITS, counted.to(tl.float32))
 
 
 @triton.jit
@@ -545,6 +349,49 @@ def _store_one_per_response(out, value, counted, SUM: tl.constexpr, MIN: tl.cons
     tl.store(out + UNITS, counted.to(tl.float32))
 
 
+# The objective's helpers when it has nothing to add at a step (``OBJECTIVE[H_*]``; an objective's module uses
+# them in its ``TRITON`` tuple). Their signatures are the hooks' signatures.
+@triton.jit
+def no_sums(r, adv, on, is_ratio_ptr, rollout_ptr, idx, inside, d, lo, hi, eps_low, eps_high, ROLLOUT: tl.constexpr,
+            BLOCK_T: tl.constexpr):
+    """``H_SUMS``: the tile's contributions to the objective's two per-response sums (none)."""
+    zeros = tl.zeros([BLOCK_T], tl.float32)
+    return zeros, zeros
+
+
+@triton.jit
+def no_response_values(sum_1, sum_2, denom, w_seq, adv_seq, obj_a, obj_b, obj_c, obj_d, ADV_PER_TOKEN: tl.constexpr):
+    """``H_RESPONSE``: ``(u1, u2, u3, w_one, aux_one)``, the objective's per-response values (passed to its token
+    and finish helpers), the response's one weight (its metrics with one weight per response) and its extra
+    metric's value (none; the sequence-level weight)."""
+    return 0.0, 0.0, 0.0, w_seq, 0.0
+
+
+@triton.jit
+def no_finish(coef_ptr, logp_ptr, old_ptr, mask_ptr, adv_ptr, start, end, adv_seq, f_sum, lam, denom, u1, u2, u3,
+              eps_low, eps_high, ADV_PER_TOKEN: tl.constexpr, BLOCK_T: tl.constexpr):
+    """``H_FINISH``: pass 3, a gradient through the objective's per-response values (none)."""
+    return
+
+
+@triton.jit
+def clip_counts(low_sum, high_sum, n_tok, w_seq, adv_seq, low_edge, high_edge, eps_high, OBJ_OPTION: tl.constexpr,
+                SEQ_UNITS: tl.constexpr):
+    """``H_CLIP_COUNTS``: ``(low, high, units)`` of the response's partials row: the token counts ``low_sum`` /
+    ``high_sum`` over ``n_tok`` tokens, or, with one weight and one advantage per response (``SEQ_UNITS``), the
+    response counted once, its weight out of the band on the side of its advantage's sign."""
+    if SEQ_UNITS == 0:  # clip counts over unmasked tokens
+        low = low_sum
+        high = high_sum
+        units = n_tok
+    else:  # one weight and one advantage per response: counted once
+        counted = n_tok > 0
+        low = (counted & (w_seq < low_edge) & (adv_seq < 0)).to(tl.float32)
+        high = (counted & (w_seq > high_edge) & (adv_seq > 0)).to(tl.float32)
+        units = counted.to(tl.float32)
+    return low, high, units
+
+
 # Inputs the options do not need arrive as None (``old_ptr``: on-policy; ``entropy_ptr``: no entropy term;
 # ``ref_ptr``: no KL; ``is_ratio_ptr``, ``rollout_ptr``): Triton compiles a launch for each pattern of absent
 # inputs, as for the constexpr options, so each launch is the code of its options only. Pass 2's per-token
@@ -553,13 +400,17 @@ def _store_one_per_response(out, value, counted, SUM: tl.constexpr, MIN: tl.cons
 def gspo_sequence_kernel(
     logp_ptr, entropy_ptr, old_ptr, ref_ptr, adv_ptr, is_ratio_ptr, rollout_ptr, mask_ptr, cu_seqlens_ptr,
     coef_ptr, partials_ptr,
-    eps_low, eps_high, delta, beta, log_ratio_clamp, clip_ratio_c, tau_pos, tau_neg, k_pos, lam_pos, k_neg, lam_neg,
+    eps_low, eps_high, delta, beta, log_ratio_clamp, clip_ratio_c, obj_a, obj_b, obj_c, obj_d,
     rc_lo, rc_hi, opsm_threshold,
     LEVEL: tl.constexpr, OBJECTIVE: tl.constexpr, ROLLOUT: tl.constexpr, BIAS_CORRECTION_KL: tl.constexpr,
-    HAS_DELTA: tl.constexpr, HAS_CLAMP: tl.constexpr, HAS_DUAL: tl.constexpr, CISPO_BAND: tl.constexpr,
-    HAS_OPSM: tl.constexpr, ADV_PER_TOKEN: tl.constexpr, SEQ_MEAN: tl.constexpr, SEQ_UNITS: tl.constexpr,
-    BLOCK_T: tl.constexpr,
+    HAS_DELTA: tl.constexpr, HAS_CLAMP: tl.constexpr, HAS_DUAL: tl.constexpr, OBJ_OPTION: tl.constexpr,
+    FOLD: tl.constexpr, THROUGH_WEIGHT: tl.constexpr, HAS_OPSM: tl.constexpr, ADV_PER_TOKEN: tl.constexpr,
+    SEQ_MEAN: tl.constexpr, SEQ_UNITS: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
+    """One program per response. ``OBJECTIVE``: the objective's helpers (its module's ``TRITON`` tuple, indexed by
+    ``H_*``), ``obj_a`` .. ``obj_d`` its float options and ``OBJ_OPTION`` its constexpr one; ``FOLD``: it folds
+    the correction factor into its weight; ``THROUGH_WEIGHT``: its loss depends on the weight (the
+    ``"sequence"`` level's gradient flows through the mean log-ratio)."""
     seq = tl.program_id(0)
     start = tl.load(cu_seqlens_ptr + seq).to(tl.int64)
     end = tl.load(cu_seqlens_ptr + seq + 1).to(tl.int64)
@@ -571,7 +422,7 @@ def gspo_sequence_kernel(
     else:
         adv_seq = 0.0
 
-    n_tok, sum_r, sum_d, sum_gap, sum_v, sum_m, sum_a = _response_sums(
+    n_tok, sum_r, sum_d, sum_gap, sum_1, sum_2 = _response_sums(
         logp_ptr, old_ptr, mask_ptr, rollout_ptr, is_ratio_ptr, adv_ptr, start, end, adv_seq, rc_lo, rc_hi,
         eps_low, eps_high, LEVEL, OBJECTIVE, ROLLOUT, HAS_OPSM, ADV_PER_TOKEN, BLOCK_T)
     denom = tl.maximum(n_tok, 1.0)
@@ -591,13 +442,9 @@ def gspo_sequence_kernel(
     else:
         rc_seq = sum_d
     seq_gap = sum_gap / denom
-    log_wv = tl.minimum(tl.maximum(sum_v, _VESPO_LOG_MIN), _VESPO_LOG_MAX)  # VESPO's log sequence weight
-    rho_g = tl.exp(sum_m / denom)  # GMPO's geometric-mean weight
-    if ADV_PER_TOKEN:
-        adv_mean = sum_a / denom
-    else:
-        adv_mean = adv_seq
-    loss_g = _times(-adv_mean, rho_g)  # GMPO's per-response loss
+    # the objective's per-response values, the one weight of the response and its extra metric's value
+    u1, u2, u3, w_one, aux_one = OBJECTIVE[H_RESPONSE](sum_1, sum_2, denom, w_seq, adv_seq, obj_a, obj_b, obj_c,
+                                                       obj_d, ADV_PER_TOKEN)
 
     # Pass 2: per-token objective, partial sums and (local) gradient coefficients.
     loss_acc = tl.zeros([BLOCK_T], tl.float32)
@@ -610,7 +457,7 @@ def gspo_sequence_kernel(
     w_acc = tl.zeros([BLOCK_T], tl.float32)
     w_min = tl.full([BLOCK_T], float("inf"), tl.float32)
     w_max = tl.full([BLOCK_T], float("-inf"), tl.float32)
-    phi_acc = tl.zeros([BLOCK_T], tl.float32)
+    aux_acc = tl.zeros([BLOCK_T], tl.float32)
     rz_acc = tl.zeros([BLOCK_T], tl.float32)
     rw_acc = tl.zeros([BLOCK_T], tl.float32)
     rw_min = tl.full([BLOCK_T], float("inf"), tl.float32)
@@ -625,11 +472,11 @@ def gspo_sequence_kernel(
         adv = _advantages(adv_ptr, idx, inside, adv_seq, ADV_PER_TOKEN, BLOCK_T)
         f, rz_acc, rw_acc, rw_min, rw_max = _correction_factor(
             lp, adv, old_ptr, is_ratio_ptr, rollout_ptr, idx, inside, on, rc_seq, rc_lo, rc_hi, seq_gap,
-            opsm_threshold, rz_acc, rw_acc, rw_min, rw_max, OBJECTIVE, ROLLOUT, HAS_OPSM, BLOCK_T)
-        loss, dl_dw, direct, low_acc, high_acc, phi_acc = _token_objective(
+            opsm_threshold, rz_acc, rw_acc, rw_min, rw_max, FOLD, ROLLOUT, HAS_OPSM, BLOCK_T)
+        loss, dl_dw, direct, low_acc, high_acc, aux_acc = OBJECTIVE[H_TOKEN](
             w, adv, lp, old_ptr, idx, inside, on, low_edge, high_edge, eps_low, eps_high, delta, clip_ratio_c,
-            tau_pos, tau_neg, log_wv, k_pos, lam_pos, k_neg, lam_neg, loss_g, low_acc, high_acc, phi_acc, OBJECTIVE,
-            HAS_DELTA, HAS_DUAL, CISPO_BAND, BLOCK_T)
+            obj_a, obj_b, obj_c, obj_d, u1, u2, u3, low_acc, high_acc, aux_acc, OBJ_OPTION, HAS_DELTA, HAS_DUAL,
+            BLOCK_T)
         loss = _times(f, loss)  # a token dropped by its factor adds 0 even when its weight overflowed
         dl_dw = _times(f, dl_dw)
         direct = direct * f
@@ -658,13 +505,11 @@ def gspo_sequence_kernel(
     # Pass 3: the gradient through a per-response quantity.
     if LEVEL == LEVEL_SEQUENCE:
         # the objectives whose loss depends on w, and the bias-corrected KL (w kl) whatever the objective
-        if (OBJECTIVE == OBJ_CLIP) | (OBJECTIVE == OBJ_SAPO) | BIAS_CORRECTION_KL:
+        if THROUGH_WEIGHT | BIAS_CORRECTION_KL:
             cross = _times(lam * tl.sum(q_acc, axis=0) * seq_pass / denom, w_seq)
             _add_sequence_cross_term(coef_ptr, mask_ptr, start, end, cross, BLOCK_T)
-    if OBJECTIVE == OBJ_GMPO:
-        scale = _times(lam * tl.sum(f_acc, axis=0) * -adv_mean / denom, rho_g)
-        _add_gmpo_term(coef_ptr, logp_ptr, old_ptr, mask_ptr, adv_ptr, start, end, adv_seq, scale, eps_low, eps_high,
-                       ADV_PER_TOKEN, BLOCK_T)
+    OBJECTIVE[H_FINISH](coef_ptr, logp_ptr, old_ptr, mask_ptr, adv_ptr, start, end, adv_seq, tl.sum(f_acc, axis=0),
+                        lam, denom, u1, u2, u3, eps_low, eps_high, ADV_PER_TOKEN, BLOCK_T)
 
     # The response's partials row.
     out = partials_ptr + seq.to(tl.int64) * PARTIALS_STRIDE
@@ -673,19 +518,22 @@ def gspo_sequence_kernel(
     tl.store(out + P_TOKENS, n_tok)
     tl.store(out + P_ENTROPY, tl.sum(ent_acc, axis=0))
     tl.store(out + P_KL, tl.sum(kl_acc, axis=0))
-    _store_clip_counts(out, tl.sum(low_acc, axis=0), tl.sum(high_acc, axis=0), n_tok, w_seq, adv_seq, low_edge,
-                       high_edge, eps_high, OBJECTIVE, CISPO_BAND, SEQ_UNITS)
+    low, high, clip_units = OBJECTIVE[H_CLIP_COUNTS](tl.sum(low_acc, axis=0), tl.sum(high_acc, axis=0), n_tok,
+                                                     w_seq, adv_seq, low_edge, high_edge, eps_high, OBJ_OPTION,
+                                                     SEQ_UNITS)
+    tl.store(out + P_LOW, low)
+    tl.store(out + P_HIGH, high)
+    tl.store(out + P_CLIP_UNITS, clip_units)
     if SEQ_UNITS:  # one weight per response
-        _store_one_per_response(out, _response_weight(w_seq, log_wv, rho_g, OBJECTIVE), counted, P_W_SUM, P_W_MIN,
-                                P_W_MAX, P_UNITS)
+        _store_one_per_response(out, w_one, counted, P_W_SUM, P_W_MIN, P_W_MAX, P_UNITS)
     else:
         _store_weight_metrics(out, tl.sum(w_acc, axis=0), tl.min(w_min, axis=0), tl.max(w_max, axis=0), n_tok)
     if ADV_PER_TOKEN:
-        tl.store(out + P_PHI, tl.sum(phi_acc, axis=0))
-        tl.store(out + P_PHI_UNITS, n_tok)
-    else:  # one phi per response
-        tl.store(out + P_PHI, tl.where(counted, _vespo_phi(log_wv, adv_seq, k_pos, lam_pos, k_neg, lam_neg), 0.0))
-        tl.store(out + P_PHI_UNITS, counted.to(tl.float32))
+        tl.store(out + P_AUX, tl.sum(aux_acc, axis=0))
+        tl.store(out + P_AUX_UNITS, n_tok)
+    else:  # one value per response
+        tl.store(out + P_AUX, tl.where(counted, aux_one, 0.0))
+        tl.store(out + P_AUX_UNITS, counted.to(tl.float32))
     if rollout_ptr is None:
         _store_rollout_metrics(out, 0.0, 0.0, 0.0, float("inf"), float("-inf"), 0.0)
     elif (ROLLOUT == RC_SEQUENCE_TRUNCATE) | (ROLLOUT == RC_SEQUENCE_MASK):  # one weight per response
@@ -767,7 +615,7 @@ def gspo_reduce_kernel(
     tl.store(out_ptr + O_W_MAX, tl.where(some, _column(values, cols, P_W_MAX), 0.0))
     tl.store(out_ptr + O_ENTROPY, entropy_mean)
     tl.store(out_ptr + O_KL, _column(values, cols, P_KL) / token_mean)
-    tl.store(out_ptr + O_PHI_MEAN, _ratio(values, cols, P_PHI, P_PHI_UNITS))
+    tl.store(out_ptr + O_AUX_MEAN, _ratio(values, cols, P_AUX, P_AUX_UNITS))
     tl.store(out_ptr + O_ROLLOUT_KL, _column(values, cols, P_R_DIFF) / token_mean)
     tl.store(out_ptr + O_ROLLOUT_MASKED, _column(values, cols, P_R_ZERO) / token_mean)
     tl.store(out_ptr + O_RW_MIN, tl.where(rollout_some, _column(values, cols, P_RW_MIN), 0.0))
