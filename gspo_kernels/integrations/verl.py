@@ -61,6 +61,8 @@ LEVEL_LOSS_NAMES = {
 }
 # verl's sapo / cispo / geo_mean as the library's objectives (the names each loss type declares in the registry)
 OBJECTIVE_LOSS_NAMES = {name: t.name for t in objectives.loss_types() for name in t.verl}
+# how each of them reads verl's actor config and reports verl's metrics (LossType.verl_spec)
+_VERL_SPECS = {t.name: t.verl_spec for t in objectives.loss_types() if t.verl}
 AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 GSPO_LOG_RATIO_CLAMP = 10.0  # verl's compute_policy_loss_gspo: clamp(max=10) before exp
 PPO_LOG_RATIO_CLAMP = 20.0  # verl's vanilla / sapo / cispo: clamp(-20, 20) before exp
@@ -120,10 +122,11 @@ def make_policy_loss(importance_sampling_level: str, *, loss_type: str = "clip",
         mask = response_mask.to(torch.bool)
         info = getattr(config, "global_batch_info", None) or {}
         cfg, clip_c = _gspo_config(config, importance_sampling_level, loss_type, dual_clip)
-        if loss_type == "sapo":  # verl's SAPO always aggregates seq-mean-token-mean, whatever loss_agg_mode says
-            loss_agg_mode = "seq-mean-token-mean"
+        spec = _VERL_SPECS.get(loss_type) or {}
+        if spec.get("agg_mode"):  # verl's SAPO always aggregates seq-mean-token-mean, whatever loss_agg_mode says
+            loss_agg_mode = spec["agg_mode"]
         is_weights = rollout_is_weights
-        if loss_type == "gmpo":
+        if spec.get("per_response"):
             # verl's geo_mean: one loss per response, mean over every row of the micro-batch (neither loss_agg_mode
             # nor global_batch_info), the rollout weights folded per response as their geometric mean
             cfg["aggregation"], scale, num_items = "grpo", 1.0, None
@@ -153,17 +156,17 @@ def _verl_metrics(library: Dict[str, Tensor], log_prob: Tensor, old_log_prob: Te
     where they are verl's (the clipped surrogate, CISPO's band, GMPO's log-space clip), verl's masked mean of
     ``-log ratio`` as ``actor/ppo_kl`` (clamped at +-20 where verl clamps)."""
     log_ratio = (log_prob.detach() - old_log_prob.detach()).float()
-    if loss_type != "gmpo" and cfg["importance_sampling_level"] == "token":
+    spec = _VERL_SPECS.get(loss_type)
+    if (spec is None or spec["log_ratio_clamp"]) and cfg["importance_sampling_level"] == "token":
         log_ratio = torch.clamp(log_ratio, min=-PPO_LOG_RATIO_CLAMP, max=PPO_LOG_RATIO_CLAMP)
     denom = mask.sum() + 1e-8
     ppo_kl = torch.where(mask, -log_ratio, 0.0).sum() / denom
     zero = 0.0
-    if loss_type == "sapo":
-        clipfrac, lower = zero, zero
-    elif loss_type == "cispo":  # verl: the share of tokens whose weight left the band
-        clipfrac, lower = library["cispo_clip_ratio"].item(), zero
-    elif loss_type == "gmpo":  # verl: tokens whose log-ratio was clipped, A > 0 / A < 0
-        clipfrac, lower = library["clip_ratio/high_mean"].item(), library["clip_ratio/low_mean"].item()
+    if spec is not None:  # the objectives: the library's metrics they name (CISPO: tokens whose weight left the
+        # band; GMPO: tokens whose log-ratio was clipped, A > 0 / A < 0; SAPO: none)
+        high_name, low_name = spec["clipfrac"]
+        clipfrac = library[high_name].item() if high_name else zero
+        lower = library[low_name].item() if low_name else zero
     else:
         clipfrac, lower = library["clip_ratio/region_mean"].item(), zero
         if clip_c is not None:  # verl's dual-clip share: -A w' above -A c for A < 0, with w' the clipped weight
@@ -196,15 +199,11 @@ def _gspo_config(config: Any, level: str, loss_type: str, dual_clip: bool) -> Tu
     low = clip if low is None else low
     high = clip if high is None else high
     cfg: Dict[str, Any] = dict(importance_sampling_level=level, epsilon_low=float(low), epsilon_high=float(high))
-    if loss_type == "sapo":
-        cfg.update(loss_type="sapo", sapo_temperature_pos=float(_get(config, "tau_pos", 1.0)),
-                   sapo_temperature_neg=float(_get(config, "tau_neg", 1.05)), log_ratio_clamp=PPO_LOG_RATIO_CLAMP)
-        return cfg, None
-    if loss_type == "cispo":  # verl's CISPO clips the weight to the band [1 - clip_ratio_low, 1 + clip_ratio_high]
-        cfg.update(loss_type="cispo", cispo_clip="band", log_ratio_clamp=PPO_LOG_RATIO_CLAMP)
-        return cfg, None
-    if loss_type == "gmpo":  # no clamp: verl's geo_mean leaves it commented out
-        cfg.update(loss_type="gmpo")
+    spec = _VERL_SPECS.get(loss_type)
+    if spec is not None:  # an objective: its options read from verl's config (LossType.verl_spec)
+        cfg.update(loss_type=loss_type, **spec["options"](lambda key, default: _get(config, key, default)))
+        if spec["log_ratio_clamp"]:
+            cfg["log_ratio_clamp"] = PPO_LOG_RATIO_CLAMP
         return cfg, None
     cfg["loss_type"] = "grpo"  # the clipped surrogate (the aggregation is set per call)
     clip_c = None

@@ -88,6 +88,7 @@ def check(config: Options, active: bool) -> None:
 
 
 NAME = "clip"
+ORDER = 0  # its place in the registry (gspo_kernels.objectives)
 # The four aggregations' names (TRL's): the clipped surrogate with that aggregation.
 OBJECTIVE = Objective(
     name=NAME,

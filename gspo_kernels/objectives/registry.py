@@ -36,13 +36,18 @@ def _no_option(config: Any) -> bool:
 class LossType:
     """A ``loss_type`` name: the objective it runs and the aggregation it implies (``aggregation`` overrides
     it). ``trl``: TRL's ``GRPOConfig.loss_type`` of the same name; ``verl``: the verl ``loss_mode`` names the
-    verl integration registers for it."""
+    verl integration registers for it, ``verl_spec`` how it reads verl's actor config: ``options(get)`` (the
+    GSPOConfig options; ``get(key, default)`` reads verl's config), ``log_ratio_clamp`` (verl clamps the
+    log-ratio at 20), ``agg_mode`` (the ``loss_agg_mode`` verl always uses for it), ``per_response`` (one loss
+    per response, the mean over rows, the rollout weights folded per response), ``clipfrac`` (the library's
+    metrics reported as verl's ``pg_clipfrac`` and ``pg_clipfrac_lower``; None: 0)."""
 
     name: str
     objective: str
     aggregation: str
     trl: bool = False
     verl: Tuple[str, ...] = ()
+    verl_spec: Optional[Mapping[str, Any]] = None
 
 
 @dataclass(frozen=True)

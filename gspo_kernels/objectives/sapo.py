@@ -43,9 +43,14 @@ def check(config: Options, active: bool) -> None:
 
 
 NAME = "sapo"
+ORDER = 20  # its place in the registry (gspo_kernels.objectives)
 OBJECTIVE = Objective(
     name=NAME,
-    loss_types=(LossType(NAME, NAME, "grpo", trl=True, verl=("gspo_kernels_sapo",)),),
+    loss_types=(LossType(NAME, NAME, "grpo", trl=True, verl=("gspo_kernels_sapo",), verl_spec=dict(
+        # verl's sapo: its tau_pos / tau_neg, the log-ratio clamp, always seq-mean-token-mean, no clip share
+        options=lambda get: dict(sapo_temperature_pos=float(get("tau_pos", 1.0)),
+                                 sapo_temperature_neg=float(get("tau_neg", 1.05))),
+        log_ratio_clamp=True, agg_mode="seq-mean-token-mean", clipfrac=(None, None))),),
     surrogate=surrogate,
     check=check,
     trl_options=("sapo_temperature_pos", "sapo_temperature_neg"),

@@ -83,6 +83,7 @@ def check(config: Options, active: bool) -> None:
 
 
 NAME = "vespo"
+ORDER = 40  # its place in the registry (gspo_kernels.objectives)
 OBJECTIVE = Objective(
     name=NAME,
     loss_types=(LossType(NAME, NAME, "dapo", trl=True),),
