@@ -485,3 +485,119 @@ def test_nan_rollout_logprob_is_an_unscored_token(name):
     b = gk.policy_loss(logp, adv, old, rollout_logprobs=agreeing.float().to(dev), config=cfg, backend=name)
     assert torch.isfinite(a.loss) and a.loss.item() == b.loss.item()
     assert float(a.metrics["rollout/kl"]) == float(b.metrics["rollout/kl"])
+
+
+# ---------------------------------------------------------------------------------------------
+# The objectives' registry: an objective is one module, nothing else lists it.
+# ---------------------------------------------------------------------------------------------
+
+def _plain_surrogate(*, log_w, A_live, **_):
+    """The unclipped importance-weighted policy gradient: ``l_t = -w_t A_t``."""
+    return -torch.exp(log_w) * A_live, None
+
+
+def _plain_check(config, active):
+    if active and config.beta != 0:
+        raise ValueError("loss_type='plain_pg' takes no KL term")
+
+
+def test_an_objective_registered_outside_the_package_runs_through_the_public_api():
+    """The steps of docs/architecture.md are complete: an objective defined here (no table of the package edited)
+    is a loss_type of GSPOConfig, validated by its own check, and runs through ``policy_loss`` and ``gspo_loss``
+    on the torch backend, to the value computed by hand."""
+    from gspo_kernels import config as config_module
+    from gspo_kernels import objectives
+
+    objectives.register(objectives.Objective(
+        name="plain_pg", loss_types=(objectives.LossType("plain_pg", "plain_pg", "bnpo"),),
+        surrogate=_plain_surrogate, check=_plain_check))
+    try:
+        assert "plain_pg" in config_module.ALL_LOSS_TYPES and "plain_pg" in config_module.OBJECTIVES
+        assert config_module.IMPLIED_AGGREGATION["plain_pg"] == "bnpo"
+        with pytest.raises(ValueError, match="takes no KL"):
+            gk.GSPOConfig(loss_type="plain_pg", beta=0.1)
+        cfg = gk.GSPOConfig(loss_type="plain_pg", importance_sampling_level="token")
+        assert cfg.objective == "plain_pg" and cfg.effective_aggregation == "bnpo"
+
+        logp = torch.tensor([[-1.0, -2.0, -0.5], [-0.25, -3.0, -1.5]], dtype=torch.float64)
+        old = logp + torch.tensor([[0.0, math.log(2.0), -math.log(2.0)], [math.log(4.0), 0.0, 0.0]],
+                                  dtype=torch.float64)
+        adv = torch.tensor([1.0, -2.0], dtype=torch.float64)
+        mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]], dtype=torch.float64)
+        # w = exp(logp - old): 1, 1/2, 2 (A = 1); 1/4, 1 (A = -2); the last token masked. Token mean over 5:
+        want = (-(1.0 + 0.5 + 2.0) * 1.0 - (0.25 + 1.0) * -2.0) / 5.0  # = -0.2
+        lp = logp.clone().requires_grad_()
+        out = gk.policy_loss(lp, adv, old, mask=mask, config=cfg, backend="torch")
+        assert out.loss.item() == pytest.approx(want, abs=1e-12)
+        out.loss.backward()  # dl/dlogp_t = -w_t A_t / 5
+        grad = torch.tensor([[-1.0, -0.5, -2.0], [0.5, 2.0, 0.0]], dtype=torch.float64) / 5.0
+        torch.testing.assert_close(lp.grad, grad, rtol=0, atol=1e-12)
+        assert out.metrics["importance_weight/max"].item() == pytest.approx(2.0)
+
+        # gspo_loss: logits whose log-softmax at the labels are these log-probs give the same loss
+        V = 4
+        labels = torch.tensor([[0, 1, 2], [3, 0, 1]])
+        logits = torch.zeros(2, 3, V, dtype=torch.float64)
+        logits.scatter_(2, labels[..., None], 1.0)
+        token_logp = torch.log_softmax(logits, -1).gather(-1, labels[..., None]).squeeze(-1)
+        old2 = token_logp.detach() + (old - logp)
+        got = gk.gspo_loss(logits, labels, adv, old2, mask=mask, config=cfg, backend="torch")
+        assert got.loss.item() == pytest.approx(want, abs=1e-12)
+    finally:
+        objectives.unregister("plain_pg")
+    assert "plain_pg" not in config_module.ALL_LOSS_TYPES
+    with pytest.raises(ValueError, match="loss_type must be one of"):
+        gk.GSPOConfig(loss_type="plain_pg")
+
+
+def _code_words(path):
+    """``(line, text)`` of every identifier and string literal of a module's code: not its docstrings, not its
+    comments, not ``GSPOConfig``'s field declarations."""
+    import ast
+
+    tree = ast.parse(path.read_text())
+    skipped = set()
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(node, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and body \
+                and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+            skipped.add(id(body[0].value))  # a docstring
+        if isinstance(node, ast.ClassDef) and node.name == "GSPOConfig":
+            skipped.update(id(st.target) for st in node.body if isinstance(st, ast.AnnAssign))
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.Name):
+            yield node.lineno, node.id
+        elif isinstance(node, ast.Attribute):
+            yield node.lineno, node.attr
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            yield node.lineno, node.name
+        elif isinstance(node, ast.arg):
+            yield node.lineno, node.arg
+        elif isinstance(node, ast.keyword) and node.arg:
+            yield node.value.lineno, node.arg
+        elif isinstance(node, ast.alias):
+            yield 0, node.name + " " + (node.asname or "")
+        elif isinstance(node, ast.ImportFrom):
+            yield node.lineno, node.module or ""
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            yield node.lineno, node.value
+
+
+@pytest.mark.parametrize("name", ["vespo", "sapo", "cispo", "gmpo", "luspo"])
+def test_an_objective_is_named_in_its_own_module_only(name):
+    """No module's code names an objective (identifiers, strings) but its own module (and its Triton helpers'),
+    the float64 reference (independent by design) and GSPOConfig's field declarations; docstrings and comments
+    may."""
+    from pathlib import Path
+
+    package = Path(gk.__file__).parent
+    own = {f"objectives/{name}.py", f"objectives/{name}_triton.py", "reference.py"}
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        relative = path.relative_to(package).as_posix()
+        if relative in own:
+            continue
+        found += [f"{relative}:{line}: {word!r}" for line, word in _code_words(path) if name in word.lower()]
+    assert found == [], found
