@@ -8,16 +8,16 @@ Two launches (:func:`sequence_stage`), both deterministic (fixed reduction order
 
 1. :func:`gspo_sequence_kernel`, one program per response ``i`` (a 1-D grid over ``cu_seqlens``; the padded
    layout arrives as regular ``cu_seqlens``). Pass 1 (:func:`_response_sums`) forms the response's sums:
-   ``|y_i|``, ``sum_t (logp - old)``, the rollout log-ratio sum, the off-policy gap, VESPO's log weight, GMPO's
-   clipped log-ratio and advantage sums. Pass 2 computes, per token, the weight ``w``, the objective's loss
+   ``|y_i|``, ``sum_t (logp - old)``, the rollout log-ratio sum, the off-policy gap and the objective's own two
+   sums (VESPO's log weight; GMPO's clipped log-ratio and advantage sums). Pass 2 computes, per token, the weight ``w``, the objective's loss
    ``l_t`` (times the correction factor, plus ``beta * kl_t``), the response's partial sums (the columns
    ``P_*``) and the gradient coefficient ``c_t = dL/dlogp_t`` up to the global divisor; pass 3 adds the terms
    that flow through a per-response quantity: the mean log-ratio at the ``"sequence"`` level
-   (``w_i / |y_i| * sum_t' dl_t'/dw``), and GMPO's geometric mean.
+   (``w_i / |y_i| * sum_t' dl_t'/dw``), and the objective's own (GMPO's geometric mean).
 2. :func:`gspo_reduce_kernel`, a single program: sums (or takes the min / max of) the ``[S, PARTIALS_STRIDE]``
    partials in a fixed order and writes the loss, the metrics and the two global gradient scales (``O_*``).
 
-:class:`TritonSequenceObjective` turns the coefficients into gradients with
+``sequence.py``'s :class:`TritonSequenceObjective` turns the coefficients into gradients with
 ``dL/dlogp = c * (grad_out * out[O_SCALE_LOGP])`` and ``dL/dH = mask * (grad_out * out[O_SCALE_ENTROPY])``:
 it saves the per-token coefficients ``[N]``, so its backward is two ``[N]`` multiplications.
 
@@ -30,9 +30,11 @@ reference still has a finite ``e^100``. Every product with a weight is taken as 
 ``a == 0`` (a clipped token's ``dl/dw``, a zero advantage, a zero KL term) gives exactly 0, never
 ``0 * inf = NaN``; a clipped or ``delta``-capped response therefore has finite loss and gradients.
 
-The level, objective, aggregation and rollout-mode codes are the positions of the names in the config's
-tuples; the kernels compare them with the named constants below. The per-token steps of the sequence kernel
-are ``@triton.jit`` helpers (inlined by the compiler: the same code as one function).
+The level, aggregation and rollout-mode codes are the positions of the names in the config's tuples; the
+kernels compare them with the named constants below. The objective is no code: its ``@triton.jit`` helpers
+(``gspo_kernels/objectives/<name>_triton.py``, ``TRITON``) arrive as the ``OBJECTIVE`` constexpr, called by
+position (``H_*``). The per-token steps of the sequence kernel are ``@triton.jit`` helpers (inlined by the
+compiler: the same code as one function).
 """
 
 from __future__ import annotations
