@@ -85,7 +85,7 @@ _FSDP1_OWN_UNIT = (
 SUPPORTED_IMPORTANCE_LEVELS = ("token", "sequence", "sequence_token")
 # TRL 1.16's loss types (its GRPOConfig.loss_type); each maps onto the library's loss_type of the same name (the
 # objectives' registry marks them)
-TRL_LOSS_TYPES = tuple(t.name for t in objectives.loss_types() if t.trl)
+TRL_LOSS_TYPES = tuple(t.name for t in sorted((t for t in objectives.loss_types() if t.trl), key=lambda t: t.trl))
 CLIPPED_LOSS_TYPES = tuple(t.name for t in objectives.loss_types()  # the clipped surrogate: TRL logs clip_ratio/*
                            if t.trl and t.objective == "clip")
 # The metrics TRL logs as the library computes them (per process, averaged over processes)

@@ -55,7 +55,7 @@ NAME = "cispo"
 ORDER = 10  # its place in the registry (gspo_kernels.objectives)
 OBJECTIVE = Objective(
     name=NAME,
-    loss_types=(LossType(NAME, NAME, "dapo", trl=True, verl=("gspo_kernels_cispo",), verl_spec=dict(
+    loss_types=(LossType(NAME, NAME, "dapo", trl=5, verl=("gspo_kernels_cispo",), verl_spec=dict(
         # verl's cispo: the band [1 - clip_ratio_low, 1 + clip_ratio_high], the log-ratio clamp; its clip share
         options=lambda get: dict(cispo_clip="band"), log_ratio_clamp=True, clipfrac=("cispo_clip_ratio", None))),),
     surrogate=surrogate,

@@ -92,7 +92,8 @@ ORDER = 0  # its place in the registry (gspo_kernels.objectives)
 # The four aggregations' names (TRL's): the clipped surrogate with that aggregation.
 OBJECTIVE = Objective(
     name=NAME,
-    loss_types=tuple(LossType(name, NAME, name, trl=True) for name in ("grpo", "bnpo", "dr_grpo", "dapo")),
+    loss_types=tuple(LossType(name, NAME, name, trl=trl) for name, trl in (("grpo", 1), ("bnpo", 4), ("dr_grpo", 3),
+                                                                          ("dapo", 2))),
     surrogate=surrogate,
     check=check,
     clip_metrics=clip_metrics,

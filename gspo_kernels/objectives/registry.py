@@ -35,7 +35,7 @@ def _no_option(config: Any) -> bool:
 @dataclass(frozen=True)
 class LossType:
     """A ``loss_type`` name: the objective it runs and the aggregation it implies (``aggregation`` overrides
-    it). ``trl``: TRL's ``GRPOConfig.loss_type`` of the same name; ``verl``: the verl ``loss_mode`` names the
+    it). ``trl``: TRL's ``GRPOConfig.loss_type`` of the same name, its place in TRL's list (1, 2, ...; 0: not TRL's); ``verl``: the verl ``loss_mode`` names the
     verl integration registers for it, ``verl_spec`` how it reads verl's actor config: ``options(get)`` (the
     GSPOConfig options; ``get(key, default)`` reads verl's config), ``log_ratio_clamp`` (verl clamps the
     log-ratio at 20), ``agg_mode`` (the ``loss_agg_mode`` verl always uses for it), ``per_response`` (one loss
@@ -45,7 +45,7 @@ class LossType:
     name: str
     objective: str
     aggregation: str
-    trl: bool = False
+    trl: int = 0
     verl: Tuple[str, ...] = ()
     verl_spec: Optional[Mapping[str, Any]] = None
 

@@ -46,7 +46,7 @@ NAME = "sapo"
 ORDER = 20  # its place in the registry (gspo_kernels.objectives)
 OBJECTIVE = Objective(
     name=NAME,
-    loss_types=(LossType(NAME, NAME, "grpo", trl=True, verl=("gspo_kernels_sapo",), verl_spec=dict(
+    loss_types=(LossType(NAME, NAME, "grpo", trl=6, verl=("gspo_kernels_sapo",), verl_spec=dict(
         # verl's sapo: its tau_pos / tau_neg, the log-ratio clamp, always seq-mean-token-mean, no clip share
         options=lambda get: dict(sapo_temperature_pos=float(get("tau_pos", 1.0)),
                                  sapo_temperature_neg=float(get("tau_neg", 1.05))),

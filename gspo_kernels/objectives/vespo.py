@@ -86,7 +86,7 @@ NAME = "vespo"
 ORDER = 40  # its place in the registry (gspo_kernels.objectives)
 OBJECTIVE = Objective(
     name=NAME,
-    loss_types=(LossType(NAME, NAME, "dapo", trl=True),),
+    loss_types=(LossType(NAME, NAME, "dapo", trl=8),),
     surrogate=_vespo_surrogate,
     check=check,
     folds_correction=True,
