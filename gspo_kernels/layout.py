@@ -74,6 +74,22 @@ class HostLayout:
 
 
 @dataclass(frozen=True)
+class LossTensors:
+    """The loss tensors of one call as the caller gave them (before any check), built once by the public
+    function and passed down to :func:`prepare_loss_inputs` (the token-layout tensor, labels or given log-probs,
+    travels beside it)."""
+
+    advantages: Tensor
+    old_logprobs: Optional[Tensor] = None
+    mask: Optional[Tensor] = None
+    cu_seqlens: Optional[Tensor] = None
+    ref_logprobs: Optional[Tensor] = None
+    is_ratio: Optional[Tensor] = None
+    num_items_in_batch: Union[None, int, float, Tensor] = None
+    rollout_logprobs: Optional[Tensor] = None
+
+
+@dataclass(frozen=True)
 class LossInputs:
     """Validated, flattened loss inputs: per-token tensors ``[N]``, fp16/bf16 upcast to fp32, fp64 kept."""
 
@@ -224,17 +240,10 @@ def _per_token(name: str, value: Optional[Tensor], batch: TokenBatch) -> Optiona
 
 def prepare_loss_inputs(
     labels: Tensor,
-    advantages: Tensor,
     vocab_size: Optional[int],
+    tensors: LossTensors,
     *,
-    old_logprobs: Optional[Tensor] = None,
-    mask: Optional[Tensor] = None,
-    cu_seqlens: Optional[Tensor] = None,
-    ref_logprobs: Optional[Tensor] = None,
-    is_ratio: Optional[Tensor] = None,
-    num_items_in_batch: Union[None, int, float, Tensor] = None,
     beta: float = 0.0,
-    rollout_logprobs: Optional[Tensor] = None,
     rollout_correction: Optional[str] = None,
     check_finite: bool = False,
     checks: Optional[ValueChecks] = None,
@@ -242,6 +251,7 @@ def prepare_loss_inputs(
 ) -> LossInputs:
     """Validate every loss input against the layout and flatten it to ``[N]`` / ``[S]``.
 
+    ``tensors``: the caller's loss tensors as given (:class:`LossTensors`).
     ``labels``: the sampled token ids (``[B, T]`` / ``[N]``, in ``[0, vocab_size)`` where unmasked); with
     ``vocab_size=None`` it is instead the caller's per-token log-probs (:func:`gspo_kernels.policy_loss`),
     which carry the layout only, and ``LossInputs.labels`` is None.
@@ -254,6 +264,8 @@ def prepare_loss_inputs(
     ``host_layout``: also read the :class:`HostLayout` in that sync (``LossInputs.host``; None where no host read
     is allowed: under ``torch.compile`` or CUDA-graph capture).
     """
+    advantages, old_logprobs, mask, cu_seqlens = tensors.advantages, tensors.old_logprobs, tensors.mask, tensors.cu_seqlens
+    ref_logprobs, is_ratio, rollout_logprobs = tensors.ref_logprobs, tensors.is_ratio, tensors.rollout_logprobs
     name = "labels" if vocab_size is not None else "logprobs"
     check_same_device(**{name: labels}, advantages=advantages, old_logprobs=old_logprobs, mask=mask,
                       cu_seqlens=cu_seqlens, ref_logprobs=ref_logprobs, is_ratio=is_ratio,
@@ -303,7 +315,7 @@ def prepare_loss_inputs(
                 f"got {tuple(is_ratio.shape)}"
             )
 
-    items = check_num_items(num_items_in_batch, device, checks)
+    items = check_num_items(tensors.num_items_in_batch, device, checks)
 
     if check_finite:
         if per_token:

@@ -10,6 +10,7 @@ per-token functions share the same heads and checks without the objective.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Optional, Tuple, Union
 
 import torch
@@ -34,12 +35,43 @@ from gspo_kernels.checks import (
     check_temperature,
 )
 from gspo_kernels.config import GSPOConfig, check_config
-from gspo_kernels.layout import prepare_loss_inputs
+from gspo_kernels.layout import LossTensors, prepare_loss_inputs
 from gspo_kernels.objective import LossOutput, gspo_objective
 from gspo_kernels.parallel import VocabParallel, check_vocab_parallel
 from gspo_kernels.precision import apply_precision, backend_context, upcast
 
 Scalar = Union[None, int, float, Tensor]
+
+
+@dataclass(frozen=True)
+class CallOptions:
+    """The options of one public call, each checked once as the public function builds this object, then
+    passed down as one to the pipeline (:func:`_run`, :func:`_run_logprobs`) and the heads.
+
+    ``temperature`` and ``softcap`` are the per-token functions' arguments, or the config's for a loss;
+    ``return_entropy`` is always True for a loss (the objective may use it). ``config`` is None for the
+    per-token functions. ``logprobs_out`` is checked by the caller.
+    """
+
+    config: Optional[GSPOConfig] = None
+    backend: str = "auto"
+    check_finite: bool = False
+    temperature: float = 1.0
+    softcap: Optional[float] = None
+    return_entropy: bool = True
+    inplace_backward: bool = False
+    vocab_parallel: Optional[VocabParallel] = None
+    fp32_head: bool = False
+    memory_budget: Optional[int] = None
+    batch_invariant: bool = False
+    logprobs_out: Optional[Tensor] = None
+
+
+def _loss_options(config: Optional[GSPOConfig], backend: str, check_finite: bool, **head) -> CallOptions:
+    """A loss's :class:`CallOptions`: the config checked (the defaults for None), its temperature and soft cap."""
+    config = check_config(config)
+    return CallOptions(config=config, backend=backend, check_finite=check_bool("check_finite", check_finite),
+                       temperature=config.temperature, softcap=config.final_logit_softcapping, **head)
 
 
 def token_logprobs(
@@ -69,9 +101,10 @@ def token_logprobs(
         row's distribution when ``return_entropy``. First-order differentiable only.
     """
     check_logits(logits, labels, None)
-    head = _LogitsHead(logits, check_vocab_parallel(vocab_parallel), inplace_backward=False)
-    return _run_logprobs(head, labels, temperature=temperature, return_entropy=return_entropy, backend=backend,
-                         check_finite=check_finite, softcap=final_logit_softcapping)
+    vp = check_vocab_parallel(vocab_parallel)
+    options = CallOptions(backend=backend, vocab_parallel=vp, **_logprobs_options(
+        temperature, final_logit_softcapping, return_entropy, check_finite))
+    return _run_logprobs(_LogitsHead(logits, options), labels, options)
 
 
 def linear_logprobs(
@@ -117,10 +150,10 @@ def linear_logprobs(
         weight and bias.
     """
     check_linear(hidden, weight, bias, labels)
-    head = _LinearHead(hidden, weight, bias, check_vocab_parallel(vocab_parallel), fp32_head=fp32_head,
-                       memory_budget=memory_budget, batch_invariant=batch_invariant)
-    return _run_logprobs(head, labels, temperature=temperature, return_entropy=return_entropy, backend=backend,
-                         check_finite=check_finite, softcap=final_logit_softcapping)
+    head = _linear_head_options(vocab_parallel, fp32_head, memory_budget, batch_invariant)
+    options = CallOptions(backend=backend, **head, **_logprobs_options(
+        temperature, final_logit_softcapping, return_entropy, check_finite))
+    return _run_logprobs(_LinearHead(hidden, weight, bias, options), labels, options)
 
 
 def gspo_loss(
@@ -166,11 +199,12 @@ def gspo_loss(
         ``LossOutput(loss, metrics)``: 0-dim loss (first-order differentiable), detached 0-dim metrics.
     """
     check_logits(logits, labels, cu_seqlens)
-    head = _LogitsHead(logits, check_vocab_parallel(vocab_parallel), inplace_backward=inplace_backward)
-    return _run(head, labels, advantages, old_logprobs, mask=mask, cu_seqlens=cu_seqlens, ref_logprobs=ref_logprobs,
-                is_ratio=is_ratio, num_items_in_batch=num_items_in_batch, config=config, backend=backend,
-                rollout_logprobs=rollout_logprobs,
-                check_finite=check_finite)
+    vp = check_vocab_parallel(vocab_parallel)
+    options = _loss_options(config, backend, check_finite, vocab_parallel=vp,
+                            inplace_backward=check_bool("inplace_backward", inplace_backward))
+    tensors = LossTensors(advantages, old_logprobs, mask, cu_seqlens, ref_logprobs, is_ratio, num_items_in_batch,
+                          rollout_logprobs)
+    return _run(_LogitsHead(logits, options), labels, tensors, options)
 
 
 def fused_linear_gspo_loss(
@@ -215,11 +249,11 @@ def fused_linear_gspo_loss(
     """
     check_linear(hidden, weight, bias, labels)
     check_logprobs_out(logprobs_out, labels)
-    head = _LinearHead(hidden, weight, bias, check_vocab_parallel(vocab_parallel), fp32_head=fp32_head,
-                       memory_budget=memory_budget, batch_invariant=batch_invariant)
-    return _run(head, labels, advantages, old_logprobs, mask=mask, cu_seqlens=cu_seqlens, ref_logprobs=ref_logprobs,
-                is_ratio=is_ratio, num_items_in_batch=num_items_in_batch, config=config, backend=backend,
-                rollout_logprobs=rollout_logprobs, check_finite=check_finite, logprobs_out=logprobs_out)
+    head = _linear_head_options(vocab_parallel, fp32_head, memory_budget, batch_invariant)
+    options = _loss_options(config, backend, check_finite, logprobs_out=logprobs_out, **head)
+    tensors = LossTensors(advantages, old_logprobs, mask, cu_seqlens, ref_logprobs, is_ratio, num_items_in_batch,
+                          rollout_logprobs)
+    return _run(_LinearHead(hidden, weight, bias, options), labels, tensors, options)
 
 
 def policy_loss(
@@ -259,10 +293,25 @@ def policy_loss(
         detached 0-dim metrics.
     """
     head = _GivenLogprobs(logprobs, entropy, packed=cu_seqlens is not None)
-    return _run(head, logprobs, advantages, old_logprobs, mask=mask, cu_seqlens=cu_seqlens, ref_logprobs=ref_logprobs,
-                is_ratio=is_ratio, num_items_in_batch=num_items_in_batch, config=config, backend=backend,
-                rollout_logprobs=rollout_logprobs,
-                check_finite=check_finite)
+    options = _loss_options(config, backend, check_finite)
+    tensors = LossTensors(advantages, old_logprobs, mask, cu_seqlens, ref_logprobs, is_ratio, num_items_in_batch,
+                          rollout_logprobs)
+    return _run(head, logprobs, tensors, options)
+
+
+def _logprobs_options(temperature: float, softcap: Optional[float], return_entropy: bool, check_finite: bool) -> dict:
+    """The per-token functions' own options, checked (:class:`CallOptions` fields)."""
+    return {"temperature": check_temperature(temperature), "softcap": check_softcap(softcap),
+            "return_entropy": check_bool("return_entropy", return_entropy),
+            "check_finite": check_bool("check_finite", check_finite)}
+
+
+def _linear_head_options(vocab_parallel, fp32_head: bool, memory_budget: Optional[int], batch_invariant: bool) -> dict:
+    """The lm_head options of the hidden-state functions, checked (:class:`CallOptions` fields)."""
+    vp = check_vocab_parallel(vocab_parallel)
+    check_memory_budget(memory_budget)
+    return {"vocab_parallel": vp, "fp32_head": fp32_head, "memory_budget": memory_budget,
+            "batch_invariant": check_bool("batch_invariant", batch_invariant)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -273,8 +322,7 @@ def policy_loss(
 class _Head:
     """What the pipeline asks of a head; :meth:`fused_loss` returns None unless the head has a one-pass form."""
 
-    def fused_loss(self, impl: Backend, objective, inputs, config: GSPOConfig,
-                   logprobs_out: Optional[Tensor] = None) -> Optional[LossOutput]:
+    def fused_loss(self, impl: Backend, objective, inputs, options: CallOptions) -> Optional[LossOutput]:
         return None
 
     def plans_rows(self, impl: Backend) -> bool:
@@ -285,45 +333,45 @@ class _Head:
 class _LogitsHead(_Head):
     """Per-token log-probs from materialized logits (``[B, T, V]``, ``[N, V]`` or ``[..., V]``)."""
 
-    def __init__(self, logits: Tensor, vp: Optional[VocabParallel], *, inplace_backward: bool) -> None:
-        self.logits, self.vp = logits, vp
-        self.inplace_backward = check_bool("inplace_backward", inplace_backward)
+    def __init__(self, logits: Tensor, options: CallOptions) -> None:
+        self.logits, self.vp = logits, options.vocab_parallel
+        self.inplace_backward = options.inplace_backward
         self.device = logits.device
+        vp = self.vp
         self.vocab_size = logits.shape[-1] if vp is None else vp.vocab_size
 
     def check_finite(self, labels: Tensor, checks: ValueChecks, counted: Optional[Tensor]) -> None:
         check_finite_logits(self.logits, labels if self.vp is None else None, checks, counted)
 
-    def fused_loss(self, impl: Backend, objective, inputs, config: GSPOConfig,
-                   logprobs_out: Optional[Tensor] = None) -> Optional[LossOutput]:
+    def fused_loss(self, impl: Backend, objective, inputs, options: CallOptions) -> Optional[LossOutput]:
         """The backend's logits loss in one call when it has one, the objective is the backend's own and there
         is no vocabulary split (the same loss and gradient as the log-probs and the objective one after the
         other, with less host work: see ``docs/gpu.md``); not when the log-probs are asked for (``logprobs_out``)."""
         if (impl.fused_logits_loss is None or self.vp is not None or objective is not impl.objective
-                or logprobs_out is not None):
+                or options.logprobs_out is not None):
             return None
-        return impl.fused_logits_loss(self.logits, inputs, config, inplace_backward=self.inplace_backward,
-                                      **_softcap_kwargs(config.final_logit_softcapping))
+        return impl.fused_logits_loss(self.logits, inputs, options.config, inplace_backward=self.inplace_backward,
+                                      **_softcap_kwargs(options.softcap))
 
-    def logprobs(self, impl: Backend, labels: Tensor, active: Optional[Tensor], temperature: float,
-                 return_entropy: bool, softcap: Optional[float] = None) -> Tuple[Tensor, Optional[Tensor]]:
+    def logprobs(self, impl: Backend, labels: Tensor, active: Optional[Tensor],
+                 options: CallOptions) -> Tuple[Tensor, Optional[Tensor]]:
         logits = self.logits
         rows = logits if logits.dim() in (2, 3) else logits.reshape(-1, logits.shape[-1])
         stage = impl.logits_logprobs if self.vp is None else functools.partial(parallel.logits_logprobs, impl, self.vp)
-        return stage(rows, labels, active=active, temperature=temperature, return_entropy=return_entropy,
-                     inplace_backward=self.inplace_backward, **_softcap_kwargs(softcap))
+        return stage(rows, labels, active=active, temperature=options.temperature,
+                     return_entropy=options.return_entropy, inplace_backward=self.inplace_backward,
+                     **_softcap_kwargs(options.softcap))
 
 
 class _LinearHead(_Head):
     """Per-token log-probs of ``hidden @ weight.T + bias`` (operands cast once by the precision policy)."""
 
-    def __init__(self, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], vp: Optional[VocabParallel], *,
-                 fp32_head: bool, memory_budget: Optional[int], batch_invariant: bool) -> None:
-        check_memory_budget(memory_budget)
-        self.options = {"memory_budget": memory_budget}
-        if check_bool("batch_invariant", batch_invariant):  # passed only when asked: the default contract call
+    def __init__(self, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], options: CallOptions) -> None:
+        vp = options.vocab_parallel
+        self.options = {"memory_budget": options.memory_budget}
+        if options.batch_invariant:  # passed only when asked: the default contract call
             self.options["batch_invariant"] = True
-        self.hidden, self.weight, self.bias = apply_precision(hidden, weight, bias, fp32_head=fp32_head)
+        self.hidden, self.weight, self.bias = apply_precision(hidden, weight, bias, fp32_head=options.fp32_head)
         self.raw = (hidden, weight, bias)  # the caller's tensors: the finite checks read these
         self.vp = vp
         self.device = hidden.device
@@ -335,29 +383,29 @@ class _LinearHead(_Head):
     def plans_rows(self, impl: Backend) -> bool:
         return impl.fused_linear_loss is not None and self.vp is None and "batch_invariant" not in self.options
 
-    def fused_loss(self, impl: Backend, objective, inputs, config: GSPOConfig,
-                   logprobs_out: Optional[Tensor] = None) -> Optional[LossOutput]:
+    def fused_loss(self, impl: Backend, objective, inputs, options: CallOptions) -> Optional[LossOutput]:
         """The backend's one-pass loss (gradient formed in the forward) when it has one and the call allows it
         (no vocabulary split, no batch invariance asked). It gets the operands as the precision policy cast them
         and the caller's tensors (``inputs=``), to whose dtypes it returns the gradients directly."""
         if not self.plans_rows(impl):
             return None
         hidden = self.hidden.reshape(-1, self.hidden.shape[-1])
-        kept = {} if logprobs_out is None else {"logprobs_out": logprobs_out.view(-1)}
-        return impl.fused_linear_loss(objective, hidden, self.weight, self.bias, inputs, config,
+        kept = {} if options.logprobs_out is None else {"logprobs_out": options.logprobs_out.view(-1)}
+        return impl.fused_linear_loss(objective, hidden, self.weight, self.bias, inputs, options.config,
                                       memory_budget=self.options["memory_budget"], leaves=self.raw,
-                                      **_softcap_kwargs(config.final_logit_softcapping), **kept)
+                                      **_softcap_kwargs(options.softcap), **kept)
 
-    def logprobs(self, impl: Backend, labels: Tensor, active: Optional[Tensor], temperature: float,
-                 return_entropy: bool, softcap: Optional[float] = None) -> Tuple[Tensor, Optional[Tensor]]:
+    def logprobs(self, impl: Backend, labels: Tensor, active: Optional[Tensor],
+                 options: CallOptions) -> Tuple[Tensor, Optional[Tensor]]:
         hidden = self.hidden
         rows = hidden if hidden.dim() in (2, 3) else hidden.reshape(-1, hidden.shape[-1])
         stage = impl.linear_logprobs if self.vp is None else functools.partial(parallel.linear_logprobs, impl, self.vp)
         leaves = {}
         if impl.name == "triton" and self.vp is None and self.raw[0].shape == rows.shape:
             leaves["leaves"] = self.raw  # the gradients go back to the caller's tensors directly (their dtypes)
-        return stage(rows, self.weight, self.bias, labels, active=active, temperature=temperature,
-                     return_entropy=return_entropy, **self.options, **_softcap_kwargs(softcap), **leaves)
+        return stage(rows, self.weight, self.bias, labels, active=active, temperature=options.temperature,
+                     return_entropy=options.return_entropy, **self.options, **_softcap_kwargs(options.softcap),
+                     **leaves)
 
 
 class _GivenLogprobs(_Head):
@@ -386,40 +434,35 @@ class _GivenLogprobs(_Head):
         if self.entropy is not None:
             check_finite_values("entropy", self.entropy, checks, counted)
 
-    def logprobs(self, impl: Backend, labels: Optional[Tensor], active: Optional[Tensor], temperature: float,
-                 return_entropy: bool, softcap: Optional[float] = None) -> Tuple[Tensor, Optional[Tensor]]:
+    def logprobs(self, impl: Backend, labels: Optional[Tensor], active: Optional[Tensor],
+                 options: CallOptions) -> Tuple[Tensor, Optional[Tensor]]:
         return self.logp, self.entropy  # given: the temperature and the soft cap were applied by the caller
 
 
-def _run(head, tokens: Tensor, advantages: Tensor, old_logprobs: Optional[Tensor], *, mask, cu_seqlens, ref_logprobs,
-         is_ratio, num_items_in_batch, config: Optional[GSPOConfig], backend: str, check_finite: bool,
-         rollout_logprobs: Optional[Tensor] = None, logprobs_out: Optional[Tensor] = None) -> LossOutput:
+def _run(head, tokens: Tensor, tensors: LossTensors, options: CallOptions) -> LossOutput:
     """Validate, lay out, dispatch, apply the objective: the one order every loss follows.
 
     ``head`` computes the per-token log-probs and entropies (from logits, from hidden states, or given);
-    ``tokens`` is the tensor that carries the token layout (the labels, or the given log-probs);
-    ``logprobs_out`` (checked by the caller) receives the detached per-token log-probs, 0 where not counted.
+    ``tokens`` is the tensor that carries the token layout (the labels, or the given log-probs); ``tensors`` the
+    caller's other loss tensors; ``options`` the call's checked options (the config among them), whose
+    ``logprobs_out`` receives the detached per-token log-probs, 0 where not counted.
     """
-    config = check_config(config)
-    check_bool("check_finite", check_finite)
-    impl = backends.resolve(backend, head.device)
+    config, logprobs_out = options.config, options.logprobs_out
+    impl = backends.resolve(options.backend, head.device)
     inputs = prepare_loss_inputs(
-        tokens, advantages, head.vocab_size, old_logprobs=old_logprobs, mask=mask, cu_seqlens=cu_seqlens,
-        ref_logprobs=ref_logprobs, is_ratio=is_ratio, num_items_in_batch=num_items_in_batch, beta=config.beta,
-        rollout_logprobs=rollout_logprobs, rollout_correction=config.rollout_correction,
-        check_finite=check_finite, host_layout=head.plans_rows(impl),
+        tokens, head.vocab_size, tensors, beta=config.beta, rollout_correction=config.rollout_correction,
+        check_finite=options.check_finite, host_layout=head.plans_rows(impl),
     )
     counted = inputs.batch.counted if inputs.batch.counted is not None else inputs.batch.mask > 0  # no op: kept
-    if check_finite:
+    if options.check_finite:
         checks = ValueChecks()
         head.check_finite(inputs.labels, checks, counted)
         checks.run()
     objective = impl.objective or gspo_objective
     with backend_context(head.device):
-        output = head.fused_loss(impl, objective, inputs, config, logprobs_out)
+        output = head.fused_loss(impl, objective, inputs, options)
         if output is None:
-            logp, entropy = head.logprobs(impl, inputs.labels, counted, config.temperature, True,
-                                          config.final_logit_softcapping)
+            logp, entropy = head.logprobs(impl, inputs.labels, counted, options)
             if logprobs_out is not None:
                 logprobs_out.view(-1).copy_(torch.where(counted, logp.detach(), 0))
             if entropy is None and config.entropy_coef != 0:  # given log-probs only: the other heads give it
@@ -429,25 +472,20 @@ def _run(head, tokens: Tensor, advantages: Tensor, old_logprobs: Optional[Tensor
     return LossOutput(loss, output.metrics)
 
 
-def _run_logprobs(head, labels: Tensor, *, temperature: float, return_entropy: bool, backend: str,
-                  check_finite: bool, softcap: Optional[float] = None) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+def _run_logprobs(head, labels: Tensor, options: CallOptions) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """The per-token functions: the same checks and dispatch as :func:`_run`, without the objective."""
-    check_temperature(temperature)
-    softcap = check_softcap(softcap)
-    check_bool("return_entropy", return_entropy)
-    check_bool("check_finite", check_finite)
     checks = ValueChecks()
     flat = check_labels(labels, head.vocab_size, checks)
     checks.run()
-    if check_finite:
+    if options.check_finite:
         head.check_finite(flat, checks, None)
         checks.run()
-    impl = backends.resolve(backend, head.device)
+    impl = backends.resolve(options.backend, head.device)
     with backend_context(head.device):
-        logp, entropy = head.logprobs(impl, flat, None, temperature, return_entropy, softcap)
+        logp, entropy = head.logprobs(impl, flat, None, options)
     logp, entropy = first_order_only(logp, entropy)
     logp = logp.reshape(labels.shape)
-    return (logp, entropy.reshape(labels.shape)) if return_entropy else logp
+    return (logp, entropy.reshape(labels.shape)) if options.return_entropy else logp
 
 
 def _softcap_kwargs(softcap: Optional[float]) -> dict:

@@ -426,12 +426,12 @@ def _eager_and_compiled(step, hidden, weight):
 def test_torch_compile_fullgraph_over_cpu_ops_matches_eager():
     """The custom ops, their fake implementations and autograd formulas trace without graph breaks
     in both paths, with the PyTorch sequence stage on validated inputs."""
-    from gspo_kernels.layout import prepare_loss_inputs
+    from gspo_kernels.layout import LossTensors, prepare_loss_inputs
     from gspo_kernels.objective import gspo_objective
 
     hidden, weight, labels, adv, old, kw = _compile_case()
     cfg = gk.GSPOConfig(loss_type="bnpo", beta=0.04, entropy_coef=0.01)
-    inputs = prepare_loss_inputs(labels, adv, weight.shape[0], old_logprobs=old, beta=cfg.beta, **kw)
+    inputs = prepare_loss_inputs(labels, weight.shape[0], LossTensors(adv, old_logprobs=old, **kw), beta=cfg.beta)
     active = inputs.batch.mask > 0
 
     def step(h, w):

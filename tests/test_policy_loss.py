@@ -13,7 +13,7 @@ import torch
 
 import gspo_kernels as gk
 from gspo_kernels import reference
-from gspo_kernels.layout import prepare_loss_inputs
+from gspo_kernels.layout import LossTensors, prepare_loss_inputs
 from tests.support import check_against_reference, configs, on_device
 
 LENGTHS = (5, 1, 0, 7, 4)
@@ -63,9 +63,9 @@ def _oracle(c, config):
     lp = c["logp"].double().reshape(-1).requires_grad_()
     ent = c["entropy"].double().reshape(-1).requires_grad_()
     labels = torch.zeros(c["logp"].shape, dtype=torch.long)
-    inputs = prepare_loss_inputs(labels, c["adv"].double(), 1, old_logprobs=c["old"].double(), mask=c["mask"],
+    inputs = prepare_loss_inputs(labels, 1, LossTensors(c["adv"].double(), old_logprobs=c["old"].double(), mask=c["mask"],
                                  cu_seqlens=c["cu"], ref_logprobs=c["ref"].double(),
-                                 is_ratio=c["is_ratio"].double(), num_items_in_batch=11, beta=config.beta)
+                                 is_ratio=c["is_ratio"].double(), num_items_in_batch=11), beta=config.beta)
     out = reference.sequence_loss(lp, ent, inputs, config)
     grads = torch.autograd.grad(out.loss, (lp, ent), allow_unused=True, materialize_grads=True)
     return out, [g.reshape(c["logp"].shape) for g in grads]

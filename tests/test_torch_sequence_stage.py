@@ -7,7 +7,7 @@ import torch
 
 import gspo_kernels as gk
 from gspo_kernels import reference
-from gspo_kernels.layout import prepare_loss_inputs
+from gspo_kernels.layout import LossTensors, prepare_loss_inputs
 from gspo_kernels.objective import gspo_objective
 from tests.support import configs
 
@@ -26,8 +26,8 @@ def test_gradcheck(config, per_token_adv):
     old = logp.detach().reshape(S, T) - torch.tensor([1e-4, -5e-2, 2e-4], dtype=torch.float64)[:, None]
     adv = torch.randn((S, T) if per_token_adv else (S,), dtype=torch.float64)
     ref = logp.detach().reshape(S, T) + 0.1 * torch.randn(S, T, dtype=torch.float64)
-    inputs = prepare_loss_inputs(labels, adv, 1, old_logprobs=old, mask=mask, ref_logprobs=ref,
-                                 is_ratio=torch.rand(S, dtype=torch.float64) + 0.5, num_items_in_batch=7,
+    inputs = prepare_loss_inputs(labels, 1, LossTensors(adv, old_logprobs=old, mask=mask, ref_logprobs=ref,
+                                 is_ratio=torch.rand(S, dtype=torch.float64) + 0.5, num_items_in_batch=7),
                                  beta=config.beta)
 
     def f(lp, ent):
@@ -65,7 +65,7 @@ def test_gspo_token_gradient_equals_gspo_under_grpo():
     mask = (torch.rand(S, T) > 0.2).float()
     logp = (torch.randn(S * T, dtype=torch.float64) - 1).requires_grad_()
     old = logp.detach().reshape(S, T) - 1e-4 * torch.randn(S, 1, dtype=torch.float64)
-    inputs = prepare_loss_inputs(labels, torch.randn(S, dtype=torch.float64), 1, old_logprobs=old, mask=mask)
+    inputs = prepare_loss_inputs(labels, 1, LossTensors(torch.randn(S, dtype=torch.float64), old_logprobs=old, mask=mask))
     grads = []
     for level in ("sequence", "sequence_token"):
         out = gspo_objective(logp, None, inputs, gk.GSPOConfig(importance_sampling_level=level))
@@ -78,7 +78,7 @@ def test_objective_has_no_nan_with_empty_responses_and_inf_padding():
     labels = torch.zeros(2, 3, dtype=torch.long)
     mask = torch.tensor([[1, 1, 0], [0, 0, 0]])
     old = torch.tensor([[-1.0, -2.0, float("-inf")], [float("nan"), float("-inf"), 0.0]])
-    inputs = prepare_loss_inputs(labels, torch.tensor([1.0, -1.0]), 1, old_logprobs=old, mask=mask)
+    inputs = prepare_loss_inputs(labels, 1, LossTensors(torch.tensor([1.0, -1.0]), old_logprobs=old, mask=mask))
     logp = torch.tensor([-1.0, -2.0, 0.0, 0.0, 0.0, 0.0], requires_grad=True)
     for level in ("sequence", "sequence_token", "token"):
         out = gspo_objective(logp, torch.ones(6), inputs, gk.GSPOConfig(importance_sampling_level=level))
@@ -107,8 +107,8 @@ def test_fp32_objective_matches_fp64_when_weights_overflow_and_masked_inputs_are
     for dtype, poison in ((torch.float32, float("nan")), (torch.float64, 0.0)):
         a, r = adv.clone(), ratio.clone()
         a[mask == 0], r[mask == 0] = poison, poison
-        inputs = prepare_loss_inputs(labels, a.to(dtype), 1, old_logprobs=old.to(dtype), mask=mask,
-                                     is_ratio=r.to(dtype), ref_logprobs=ref_lp.to(dtype), beta=cfg.beta)
+        inputs = prepare_loss_inputs(labels, 1, LossTensors(a.to(dtype), old_logprobs=old.to(dtype), mask=mask,
+                                     is_ratio=r.to(dtype), ref_logprobs=ref_lp.to(dtype)), beta=cfg.beta)
         logp = logp64.to(dtype).requires_grad_()
         out = gspo_objective(logp, None, inputs, cfg)
         grads.append((out.loss, torch.autograd.grad(out.loss, logp)[0]))
@@ -124,8 +124,8 @@ def test_dapo_divides_by_num_items_in_batch_as_given():
     logp = (torch.randn(6) - 1).requires_grad_()
     old = logp.detach().reshape(2, 3) - 0.01
     cfg = gk.GSPOConfig(loss_type="dapo")
-    losses = [gspo_objective(logp, None, prepare_loss_inputs(labels, torch.tensor([1.0, -0.5]), 1, old_logprobs=old,
-                                                             num_items_in_batch=n), cfg).loss for n in (1, 0.25)]
+    losses = [gspo_objective(logp, None, prepare_loss_inputs(labels, 1, LossTensors(torch.tensor([1.0, -0.5]), old_logprobs=old,
+                                                             num_items_in_batch=n)), cfg).loss for n in (1, 0.25)]
     torch.testing.assert_close(losses[1], 4 * losses[0])
 
 

@@ -560,10 +560,10 @@ def test_logits_path_autograd_has_no_host_synchronization():
 def _prepared(labels, adv, old, mask, config, V):
     """The validated inputs of ``gspo_loss`` (built outside the recorded region: the eager value checks
     read values on purpose)."""
-    from gspo_kernels.layout import prepare_loss_inputs
+    from gspo_kernels.layout import LossTensors, prepare_loss_inputs
 
-    return prepare_loss_inputs(labels.to(DEVICE), adv.to(DEVICE), V, old_logprobs=old.to(DEVICE), mask=mask.to(DEVICE),
-                               ref_logprobs=old.to(DEVICE), beta=config.beta)
+    return prepare_loss_inputs(labels.to(DEVICE), V, LossTensors(adv.to(DEVICE), old_logprobs=old.to(DEVICE), mask=mask.to(DEVICE),
+                               ref_logprobs=old.to(DEVICE)), beta=config.beta)
 
 
 @pytest.mark.parametrize("level", IMPORTANCE_SAMPLING_LEVELS)
@@ -880,7 +880,7 @@ def test_a_nan_logit_poisons_its_row_only(V):
 def test_fused_objective_gradient_equals_autograd_bit_for_bit(level, entropy_coef):
     """The hidden-state path's per-chunk gradient without autograd: the same bits as autograd.grad through the
     fused objective (the incoming gradient is 1, and ``1 * scale`` is exact)."""
-    from gspo_kernels.layout import prepare_loss_inputs
+    from gspo_kernels.layout import LossTensors, prepare_loss_inputs
 
     B, T = 3, 5
     g = torch.Generator().manual_seed(7)
@@ -890,7 +890,7 @@ def test_fused_objective_gradient_equals_autograd_bit_for_bit(level, entropy_coe
     old = (logp.reshape(B, T) + 1e-3 * torch.randn(B, T, generator=g).to(DEVICE))
     ent = torch.rand(B * T, generator=g).to(DEVICE)
     adv = torch.randn(B, generator=g).to(DEVICE)
-    inputs = prepare_loss_inputs(labels, adv, 8, old_logprobs=old, mask=mask)
+    inputs = prepare_loss_inputs(labels, 8, LossTensors(adv, old_logprobs=old, mask=mask))
     cfg = GSPOConfig(importance_sampling_level=level, entropy_coef=entropy_coef)
     lp, en = logp.clone().requires_grad_(), ent.clone().requires_grad_(entropy_coef != 0)
     loss = sequence.fused_objective(lp, en, inputs, cfg).loss
@@ -906,10 +906,10 @@ def test_fused_objective_gradient_equals_autograd_bit_for_bit(level, entropy_coe
 
 def _two_node_loss(logits_in, labels, adv, old, mask, config, inplace, packed):
     """``gspo_loss`` as it ran before the one-node logits loss: ``logits_logprobs`` then ``fused_objective``."""
-    from gspo_kernels.layout import prepare_loss_inputs
+    from gspo_kernels.layout import LossTensors, prepare_loss_inputs
 
     kw = {"cu_seqlens": torch.arange(0, labels.numel() + 1, labels.numel() // 3, device=DEVICE)} if packed else {}
-    inputs = prepare_loss_inputs(labels, adv, logits_in.shape[-1], old_logprobs=old, mask=mask, **kw)
+    inputs = prepare_loss_inputs(labels, logits_in.shape[-1], LossTensors(adv, old_logprobs=old, mask=mask, **kw))
     logp, entropy = logits.logits_logprobs(logits_in, inputs.labels, active=inputs.batch.mask > 0,
                                            temperature=config.temperature, return_entropy=True,
                                            inplace_backward=inplace, softcap=config.final_logit_softcapping)

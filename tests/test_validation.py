@@ -145,20 +145,20 @@ def test_label_range_has_one_rule():
 
 
 def test_beta_decides_whether_ref_logprobs_is_required():
-    from gspo_kernels.layout import prepare_loss_inputs
+    from gspo_kernels.layout import LossTensors, prepare_loss_inputs
 
     labels, adv = torch.randint(0, V, (B, T)), torch.randn(B)
     with pytest.raises(ValueError, match="ref_logprobs is required"):
-        prepare_loss_inputs(labels, adv, V, beta=0.1)
+        prepare_loss_inputs(labels, V, LossTensors(adv), beta=0.1)
     with pytest.raises(ValueError, match="ref_logprobs is required"):
         gk.gspo_loss(torch.randn(B, T, V), labels, adv, config=GSPOConfig(beta=0.1))
-    assert prepare_loss_inputs(labels, adv, V).ref_logprobs is None
+    assert prepare_loss_inputs(labels, V, LossTensors(adv)).ref_logprobs is None
 
 
 def test_value_checks_read_the_device_once(monkeypatch):
     """Eager validation of valid inputs: all value rules (labels, mask, cu_seqlens, num_items_in_batch,
     finiteness) are read back with a single ``tolist`` and no other host read."""
-    from gspo_kernels.layout import prepare_loss_inputs
+    from gspo_kernels.layout import LossTensors, prepare_loss_inputs
 
     reads = []
     for name in ("tolist", "item", "__bool__", "__int__", "__float__", "cpu", "numpy"):
@@ -167,8 +167,8 @@ def test_value_checks_read_the_device_once(monkeypatch):
                                                                                              _f(self, *a, **k))[1])
     N = 7
     labels, cu = torch.randint(0, V, (N,)), torch.tensor([0, 3, 3, 7])
-    prepare_loss_inputs(labels, torch.randn(3), V, mask=torch.tensor([1, 1, 0, 1, 1, 1, 0]), cu_seqlens=cu,
-                        old_logprobs=torch.randn(N), is_ratio=torch.rand(3), num_items_in_batch=torch.tensor(9.0),
+    prepare_loss_inputs(labels, V, LossTensors(torch.randn(3), mask=torch.tensor([1, 1, 0, 1, 1, 1, 0]), cu_seqlens=cu,
+                        old_logprobs=torch.randn(N), is_ratio=torch.rand(3), num_items_in_batch=torch.tensor(9.0)),
                         check_finite=True)
     assert reads == ["tolist"]
 
