@@ -119,6 +119,16 @@ class Skip(Exception):
     """This implementation cannot run here (the message says why)."""
 
 
+def _peer(module: str, what: str, package: str):
+    """Import ``what`` from ``module`` or raise Skip naming the missing ``package``."""
+    import importlib
+
+    try:
+        return getattr(importlib.import_module(module), what)
+    except ImportError as exc:
+        raise Skip(f"{package} not installed ({exc})") from exc
+
+
 def build_impl(name: str, case: Dict, inputs: Dict) -> Tuple[Callable, List]:
 
     import gspo_kernels as gk
@@ -153,10 +163,7 @@ def build_impl(name: str, case: Dict, inputs: Dict) -> Tuple[Callable, List]:
                 return gspo_formula(logp, old, adv, mask)
             return step, leaves
         if name == "trl-chunked":
-            try:
-                from trl.kernels import ChunkedLogProbFunction
-            except ImportError as exc:
-                raise Skip(f"trl not installed ({exc})") from exc
+            ChunkedLogProbFunction = _peer("trl.kernels", "ChunkedLogProbFunction", "trl")
             chunk = 32768  # TRL's _CHUNKED_LOGPROB_CHUNK_SIZE
 
             def step():
@@ -165,10 +172,7 @@ def build_impl(name: str, case: Dict, inputs: Dict) -> Tuple[Callable, List]:
                 return gspo_formula(logp.reshape(B, T), old, adv, mask)
             return step, leaves
         if name == "liger":
-            try:
-                from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
-            except ImportError as exc:
-                raise Skip(f"liger-kernel not installed ({exc})") from exc
+            LigerFusedLinearGRPOLoss = _peer("liger_kernel.chunked_loss", "LigerFusedLinearGRPOLoss", "liger-kernel")
             loss_fn = LigerFusedLinearGRPOLoss(beta=0.0, compiled=False, use_ref_model=False, epsilon_low=3e-4,
                                                epsilon_high=4e-4, loss_type="grpo",
                                                importance_sampling_level="sequence")
@@ -178,10 +182,7 @@ def build_impl(name: str, case: Dict, inputs: Dict) -> Tuple[Callable, List]:
                 return out[0] if isinstance(out, tuple) else out
             return step, leaves
         if name == "cce":
-            try:
-                from cut_cross_entropy import linear_cross_entropy
-            except ImportError as exc:
-                raise Skip(f"cut-cross-entropy not installed ({exc})") from exc
+            linear_cross_entropy = _peer("cut_cross_entropy", "linear_cross_entropy", "cut-cross-entropy")
 
             def step():
                 nll = linear_cross_entropy(hidden.reshape(B * T, -1), weight, labels.reshape(-1),
@@ -201,10 +202,7 @@ def build_impl(name: str, case: Dict, inputs: Dict) -> Tuple[Callable, List]:
                 return gspo_formula(logp, old, adv, mask)
             return step, leaves
         if name == "trl-selective":
-            try:
-                from trl.trainer.utils import selective_log_softmax
-            except ImportError as exc:
-                raise Skip(f"trl not installed ({exc})") from exc
+            selective_log_softmax = _peer("trl.trainer.utils", "selective_log_softmax", "trl")
             return (lambda: gspo_formula(selective_log_softmax(logits, labels), old, adv, mask)), leaves
     raise Skip(f"{name} has no {case['path']}-path implementation")
 

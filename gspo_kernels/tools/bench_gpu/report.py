@@ -116,6 +116,22 @@ COLUMNS = (("ms", "ms", ".2f"), ("x_plain", "x plain", ".3f"), ("tflops", "TFLOP
            ("sync_ops_per_call", "sync ops", "d"))
 
 
+# The notes of a row, in order: (field, the note shown when the row has the field (not None or False), formatted
+# from the row).
+NOTES = (
+    ("dh_rel_err_vs_plain", "dH/dW rel err vs plain {dh_rel_err_vs_plain:.1e}/{dw_rel_err_vs_plain:.1e}"),
+    ("of_gemm_ceiling", "{of_gemm_ceiling:.2f} of the GEMM ceiling"),
+    ("wall_minus_kernel_ms", "wall - kernels {wall_minus_kernel_ms:.2f} ms"),
+    ("profiled_wall_ms", "profiled step: wall {profiled_wall_ms:.2f} ms"),
+    ("before_first_op_ms", "{before_first_op_ms:.2f} ms to its first device op, "
+                           "{idle_after_first_op_ms:.2f} ms idle after it"),
+    ("waited_on_device", "host issue from an idle GPU (its host read waits behind a busy GPU)"),
+    ("x_trl_forward", "{x_trl_forward:.3f}x TRL's forward"),
+    ("tb_s", "{tb_s:.2f} TB/s"),
+    ("old_ms", "old-log-prob pass {old_ms:.1f} ms; loss {loss:.6f}"),
+)
+
+
 def table_lines(rows: List[Dict], markdown: bool) -> List[str]:
     lines: List[str] = []
     sections = [s for s in SECTIONS if any(r.get("section") == s for r in rows)]
@@ -131,27 +147,7 @@ def table_lines(rows: List[Dict], markdown: bool) -> List[str]:
                 cells, notes = ["-"] * len(COLUMNS), f"{r.get('status')}: {r.get('reason', '')}"
             else:
                 cells = [_fmt(r.get(k), spec) for k, _, spec in COLUMNS]
-                extra = []
-                if r.get("dh_rel_err_vs_plain") is not None:
-                    extra.append(f"dH/dW rel err vs plain {r['dh_rel_err_vs_plain']:.1e}/{r['dw_rel_err_vs_plain']:.1e}")
-                if r.get("of_gemm_ceiling") is not None:
-                    extra.append(f"{r['of_gemm_ceiling']:.2f} of the GEMM ceiling")
-                if r.get("wall_minus_kernel_ms") is not None:
-                    extra.append(f"wall - kernels {r['wall_minus_kernel_ms']:.2f} ms")
-                if r.get("profiled_wall_ms") is not None:
-                    part = f"profiled step: wall {r['profiled_wall_ms']:.2f} ms"
-                    if r.get("before_first_op_ms") is not None:
-                        part += (f", {r['before_first_op_ms']:.2f} ms to its first device op, "
-                                 f"{r['idle_after_first_op_ms']:.2f} ms idle after it")
-                    extra.append(part)
-                if r.get("waited_on_device"):
-                    extra.append("host issue from an idle GPU (its host read waits behind a busy GPU)")
-                if r.get("x_trl_forward") is not None:
-                    extra.append(f"{r['x_trl_forward']:.3f}x TRL's forward")
-                if r.get("tb_s") is not None:
-                    extra.append(f"{r['tb_s']:.2f} TB/s")
-                if r.get("old_ms") is not None:
-                    extra.append(f"old-log-prob pass {r['old_ms']:.1f} ms; loss {r.get('loss'):.6f}")
+                extra = [note.format_map(r) for key, note in NOTES if r.get(key) is not None and r.get(key) is not False]
                 if r.get("note"):
                     extra.append(r["note"])
                 notes = "; ".join(extra)

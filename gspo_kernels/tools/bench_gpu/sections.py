@@ -185,6 +185,16 @@ def chunk_gemm_sweep(ctx: _Ctx, N: int, H: int, V: int, dtype, peak_tflops: Opti
                 note=f"TFLOP/s by rows (fp32 out, V = {V}): {note}; best {best:.0f}")
 
 
+def _timed(ctx: _Ctx, step: Callable, zero_grads: Callable, complete: Callable[[Dict], Dict],
+           timing: Optional[Dict] = None, **fields) -> Dict:
+    """``step``'s timing (``time_steps`` with ``timing``), completed by ``complete`` (the section's rates) and
+    ``fields``; the gradients zeroed after."""
+    r = complete(time_steps(ctx, step, zero_grads, **(timing or {})))
+    r.update(fields)
+    zero_grads()
+    return r
+
+
 def _hidden_peers(ctx: _Ctx, *, hidden, weight, labels, mask, old, adv_all, zero_grads, with_rate) -> None:
     """The hidden-state section's peers on the same inputs (all rows counted): TRL's chunked log-probs,
     Cut Cross-Entropy and Liger, each with the GSPO formula in PyTorch, and the no-grad forward pass."""
@@ -212,10 +222,7 @@ def _hidden_peers(ctx: _Ctx, *, hidden, weight, labels, mask, old, adv_all, zero
             loss = gspo_formula(logp, old, adv_all, mask)
             loss.backward()
             return loss
-        r = with_rate(time_steps(ctx, step, zero_grads))
-        r["chunk_size"] = chunk
-        zero_grads()
-        return r
+        return _timed(ctx, step, zero_grads, with_rate, chunk_size=chunk)
 
     _run_case(ctx, "hidden", "TRL ChunkedLogProbFunction + GSPO formula, all rows", trl_fwd_bwd, peer="trl")
 
@@ -229,10 +236,8 @@ def _hidden_peers(ctx: _Ctx, *, hidden, weight, labels, mask, old, adv_all, zero
             loss = gspo_formula(-nll.float().reshape(B, T), old, adv_all, mask)
             loss.backward()
             return loss
-        r = with_rate(time_steps(ctx, step, zero_grads))
-        r["note"] = "cross-entropy log-probs (default impl and filter) + the GSPO formula in PyTorch"
-        zero_grads()
-        return r
+        return _timed(ctx, step, zero_grads, with_rate,
+                      note="cross-entropy log-probs (default impl and filter) + the GSPO formula in PyTorch")
 
     _run_case(ctx, "hidden", "Cut Cross-Entropy linear_cross_entropy + GSPO formula", cce, peer="cce")
 
@@ -244,9 +249,7 @@ def _hidden_peers(ctx: _Ctx, *, hidden, weight, labels, mask, old, adv_all, zero
             loss = gspo_formula(logp, old, adv_all, mask)
             loss.backward()
             return loss
-        r = with_rate(time_steps(ctx, step, zero_grads))
-        zero_grads()
-        return r
+        return _timed(ctx, step, zero_grads, with_rate)
 
     _run_case(ctx, "hidden", "ours linear_logprobs + autograd (two pass) + GSPO formula, all rows", two_pass)
 
@@ -273,10 +276,8 @@ def _hidden_peers(ctx: _Ctx, *, hidden, weight, labels, mask, old, adv_all, zero
             loss = out[0] if isinstance(out, tuple) else out
             loss.backward()
             return loss
-        r = with_rate(time_steps(ctx, step, zero_grads, warmup=1, reps=2))
-        r["note"] = "eager (compiled=False), 1 warm-up + 2 timed"
-        zero_grads()
-        return r
+        return _timed(ctx, step, zero_grads, with_rate, dict(warmup=1, reps=2),
+                      note="eager (compiled=False), 1 warm-up + 2 timed")
 
     _run_case(ctx, "hidden", "Liger LigerFusedLinearGRPOLoss (sequence), all rows", liger,
               need_s=0 if ctx.tiny else 20.0, peer="liger")
@@ -368,9 +369,7 @@ def _logits_vocab(ctx: _Ctx, V: int, tb_s: Optional[float]) -> None:
         return r
 
     def plain():
-        r = with_floor(time_steps(ctx, plain_step, zero_grads))
-        zero_grads()
-        return r
+        return _timed(ctx, plain_step, zero_grads, with_floor)
 
     def liger():
         if not ctx.cuda:
@@ -383,10 +382,7 @@ def _logits_vocab(ctx: _Ctx, V: int, tb_s: Optional[float]) -> None:
                       reduce=True)[0]
             loss.backward()
             return loss
-        r = with_floor(time_steps(ctx, step, zero_grads))
-        r["note"] = "reads [B, T+1, V] and shifts itself; not in place"
-        zero_grads()
-        return r
+        return _timed(ctx, step, zero_grads, with_floor, note="reads [B, T+1, V] and shifts itself; not in place")
 
     _run_case(ctx, "logits", f"ours gspo_loss, V={V}", ours)
     _run_case(ctx, "logits", f"plain PyTorch, V={V}", plain)
