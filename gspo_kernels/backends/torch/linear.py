@@ -261,16 +261,20 @@ def _linear_forward_accelerated(ctx, hidden, weight, bias, labels, active, tau, 
     return logp, entropy
 
 
+def _saved_geometry(ctx, weight: Tensor, bias: Tensor, labels: Tensor):
+    """What both backwards read of the forward besides its tensors: the bias (None where the forward had none),
+    temperature, softcap, the row count ``n`` and the weight's ``V, H``."""
+    V, H = weight.shape
+    return (bias if ctx.has_bias else None), ctx.temperature, ctx.softcap, labels.shape[0], V, H
+
+
 def _linear_backward_accelerated(ctx, grad_logp, grad_entropy):
     """Per row chunk: the logits recomputed (one GEMM), ``dZ`` formed in fp32 and cast once to the operand dtype
     (into the logits tile's own storage), ``dH = dZ @ W`` written into its rows, ``dW += dZ.T @ h`` into one fp32
     accumulator (the first chunk writes it). No host read: rows without gradient (of log-prob or entropy, or
     inactive) go through as zero rows, their hidden rows zeroed first so that NaN padding cannot reach ``dW``."""
     hidden, weight, bias, labels, entropy, index, active = ctx.saved_tensors
-    bias = bias if ctx.has_bias else None
-    tau, cap = ctx.temperature, ctx.softcap
-    n = labels.shape[0]
-    V, H = weight.shape
+    bias, tau, cap, n, V, H = _saved_geometry(ctx, weight, bias, labels)
     cdt = entropy.dtype
     device = hidden.device
     op = hidden.dtype if hidden.dtype == weight.dtype else cdt
@@ -409,10 +413,7 @@ class _LinearLogprobs(torch.autograd.Function):
         if ctx.accelerated:
             return _linear_backward_accelerated(ctx, grad_logp, grad_entropy)
         hidden, weight, bias, labels, stats, entropy = ctx.saved_tensors
-        bias = bias if ctx.has_bias else None
-        tau, cap = ctx.temperature, ctx.softcap
-        n = labels.shape[0]
-        V, H = weight.shape
+        bias, tau, cap, n, V, H = _saved_geometry(ctx, weight, bias, labels)
         cdt = stats.dtype
         device = hidden.device
         rows_all = as_rows(hidden)
