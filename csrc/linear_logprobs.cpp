@@ -325,65 +325,93 @@ void grad_tile(at::Tensor& dh, at::Tensor& dw, const at::Tensor& z, const at::Te
   });
 }
 
+// A pass of the default mode over the vocabulary tiles of the rows h [Nr, H] (fp32, contiguous) in row blocks of
+// R: the tile count, the threads and the GEMM route, and per thread a logits tile buffer (when `z_tiles`) and an
+// fp32 weight tile buffer (when the weight is not fp32). for_each_block runs tile(r0, nr, hb, t, th, v0, nv, w)
+// on every tile of each row block (the threads share out the tiles), then done(r0, nr) once they are all done.
+struct TilePass {
+  const at::Tensor& h;
+  const at::Tensor& weight;
+  const int64_t R, VB, ntiles, rmax;
+  const int nthreads;
+  const DnnlMatmul dnnl;
+  std::vector<at::Tensor> zbuf, wbuf;
+
+  TilePass(const at::Tensor& h_, const at::Tensor& weight_, int64_t R_, int64_t VB_, bool z_tiles)
+      : h(h_), weight(weight_), R(R_), VB(VB_), ntiles((weight_.size(0) + VB_ - 1) / VB_),
+        rmax(std::min(R_, h_.size(0))), nthreads(tile_threads(ntiles)), dnnl(dnnl_matmul()), zbuf(nthreads),
+        wbuf(nthreads) {
+    for (int th = 0; th < nthreads; ++th) {
+      if (z_tiles) zbuf[th] = at::empty({rmax * VB}, h.options());
+      if (weight.scalar_type() != at::kFloat) wbuf[th] = at::empty({VB, h.size(1)}, h.options());
+    }
+  }
+
+  template <typename Tile, typename Done>
+  void for_each_block(const Tile& tile, const Done& done) {
+    const int64_t Nr = h.size(0), V = weight.size(0);
+    for (int64_t r0 = 0; r0 < Nr; r0 += R) {
+      const int64_t nr = std::min(R, Nr - r0);
+      const at::Tensor hb = h.narrow(0, r0, nr);
+      for_each_tile(ntiles, nthreads, [&](int64_t t, int th) {
+        const int64_t v0 = t * VB, nv = std::min(VB, V - v0);
+        tile(r0, nr, hb, t, th, v0, nv, weight_tile(weight, v0, nv, wbuf[th]));
+      });
+      done(r0, nr);
+    }
+  }
+};
+
 // Forward of the default mode over the rows h [Na, H] (fp32, contiguous): per-row statistics `st` and
 // scaled label logits `label_x`; tiles v0 < save_cols are written straight into `saved`
 // (tile v0 at offset v0 * N, row i at i * width).
 void fast_forward(const at::Tensor& h, const at::Tensor& weight, const float* bp, const int64_t* yp, int64_t N,
                   int64_t R, int64_t VB, int64_t save_cols, at::Tensor& saved, bool return_entropy, float inv_t,
                   const Cap* cap, std::vector<RowStats>& st, std::vector<float>& label_x) {
-  const int64_t Na = h.size(0), H = h.size(1), V = weight.size(0);
-  const int64_t ntiles = (V + VB - 1) / VB;
-  const int nthreads = tile_threads(ntiles);
-  const DnnlMatmul dnnl = dnnl_matmul();
-  const int64_t rmax = std::min(R, Na);
-  std::vector<at::Tensor> zbuf(nthreads), wbuf(nthreads);
-  for (int th = 0; th < nthreads; ++th) {
-    if (save_cols < V) zbuf[th] = at::empty({rmax * VB}, h.options());
-    if (weight.scalar_type() != at::kFloat) wbuf[th] = at::empty({VB, H}, h.options());
-  }
-  std::vector<RowStats> part(ntiles * rmax);
-  for (int64_t r0 = 0; r0 < Na; r0 += R) {
-    const int64_t nr = std::min(R, Na - r0);
-    const at::Tensor hb = h.narrow(0, r0, nr);
-    for_each_tile(ntiles, nthreads, [&](int64_t t, int th) {
-      const int64_t v0 = t * VB, nv = std::min(VB, V - v0);
-      const at::Tensor w = weight_tile(weight, v0, nv, wbuf[th]);
-      at::Tensor z = v0 < save_cols ? saved.narrow(0, v0 * N + r0 * nv, nr * nv).view({nr, nv})
-                                    : tile_view(zbuf[th], nr, nv);
-      gemm_out(z, hb, w.t(), false, dnnl);
-      const float* zp = z.data_ptr<float>();
-      const float* btile = bp != nullptr ? bp + v0 : nullptr;
-      for (int64_t i = 0; i < nr; ++i) {
-        const float* zrow = zp + i * nv;
-        RowStats rs;
-        if (cap != nullptr) {
-          fold_capped(rs, return_entropy, zrow, btile, nv, *cap);
+  const int64_t V = weight.size(0);
+  TilePass pass(h, weight, R, VB, save_cols < V);
+  const int64_t ntiles = pass.ntiles;
+  std::vector<RowStats> part(ntiles * pass.rmax);
+  pass.for_each_block(
+      [&](int64_t r0, int64_t nr, const at::Tensor& hb, int64_t t, int th, int64_t v0, int64_t nv,
+          const at::Tensor& w) {
+        at::Tensor z = v0 < save_cols ? saved.narrow(0, v0 * N + r0 * nv, nr * nv).view({nr, nv})
+                                      : tile_view(pass.zbuf[th], nr, nv);
+        gemm_out(z, hb, w.t(), false, pass.dnnl);
+        const float* zp = z.data_ptr<float>();
+        const float* btile = bp != nullptr ? bp + v0 : nullptr;
+        for (int64_t i = 0; i < nr; ++i) {
+          const float* zrow = zp + i * nv;
+          RowStats rs;
+          if (cap != nullptr) {
+            fold_capped(rs, return_entropy, zrow, btile, nv, *cap);
+            part[t * nr + i] = rs;
+            const int64_t label = yp[r0 + i];
+            if (label >= v0 && label < v0 + nv) label_x[r0 + i] = label_capped(zrow, btile, label - v0, *cap);
+            continue;
+          }
+          if (return_entropy) {
+            btile ? rs.fold<true, true>(zrow, btile, nv, inv_t) : rs.fold<true, false>(zrow, nullptr, nv, inv_t);
+          } else {
+            btile ? rs.fold<false, true>(zrow, btile, nv, inv_t) : rs.fold<false, false>(zrow, nullptr, nv, inv_t);
+          }
           part[t * nr + i] = rs;
           const int64_t label = yp[r0 + i];
-          if (label >= v0 && label < v0 + nv) label_x[r0 + i] = label_capped(zrow, btile, label - v0, *cap);
-          continue;
+          if (label >= v0 && label < v0 + nv) {
+            label_x[r0 + i] = btile ? scaled<true>(zrow, btile, label - v0, inv_t)
+                                    : scaled<false>(zrow, nullptr, label - v0, inv_t);
+          }
         }
-        if (return_entropy) {
-          btile ? rs.fold<true, true>(zrow, btile, nv, inv_t) : rs.fold<true, false>(zrow, nullptr, nv, inv_t);
-        } else {
-          btile ? rs.fold<false, true>(zrow, btile, nv, inv_t) : rs.fold<false, false>(zrow, nullptr, nv, inv_t);
-        }
-        part[t * nr + i] = rs;
-        const int64_t label = yp[r0 + i];
-        if (label >= v0 && label < v0 + nv) {
-          label_x[r0 + i] = btile ? scaled<true>(zrow, btile, label - v0, inv_t)
-                                  : scaled<false>(zrow, nullptr, label - v0, inv_t);
-        }
-      }
-    });
-    at::parallel_for(0, nr, 64, [&](int64_t a, int64_t e) {
-      for (int64_t i = a; i < e; ++i) {
-        RowStats acc = part[i];
-        for (int64_t t = 1; t < ntiles; ++t) acc.merge(part[t * nr + i]);
-        st[r0 + i] = acc;
-      }
-    });
-  }
+      },
+      [&](int64_t r0, int64_t nr) {
+        at::parallel_for(0, nr, 64, [&](int64_t a, int64_t e) {
+          for (int64_t i = a; i < e; ++i) {
+            RowStats acc = part[i];
+            for (int64_t t = 1; t < ntiles; ++t) acc.merge(part[t * nr + i]);
+            st[r0 + i] = acc;
+          }
+        });
+      });
 }
 
 // Backward of the default mode over the rows with gradient h [Ng, H] (fp32, contiguous). Row k of
@@ -397,73 +425,64 @@ struct GradRows {
 void fast_backward(const at::Tensor& h, const at::Tensor& weight, const float* bp, const GradRows& rows, int64_t N,
                    int64_t R, int64_t VB, int64_t save_cols, const float* saved_p, float inv_t, const Cap* cap,
                    at::Tensor& dh, at::Tensor& dW, float* dB) {
-  const int64_t Ng = h.size(0), H = h.size(1), V = weight.size(0);
-  const int64_t ntiles = (V + VB - 1) / VB;
-  const int nthreads = tile_threads(ntiles);
-  const DnnlMatmul dnnl = dnnl_matmul();
-  const int64_t rmax = std::min(R, Ng);
-  std::vector<at::Tensor> zbuf(nthreads), wbuf(nthreads);
-  for (int th = 0; th < nthreads; ++th) {
-    zbuf[th] = at::empty({rmax * VB}, h.options());
-    if (weight.scalar_type() != at::kFloat) wbuf[th] = at::empty({VB, H}, h.options());
-  }
+  const int64_t H = h.size(1), V = weight.size(0);
+  TilePass pass(h, weight, R, VB, true);
+  const int64_t ntiles = pass.ntiles, rmax = pass.rmax;
   at::Tensor dpart = at::empty({ntiles, rmax, H}, h.options());  // dH of each tile, summed in tile order
   const bool has_ge = rows.ge != nullptr;
-  for (int64_t r0 = 0; r0 < Ng; r0 += R) {
-    const int64_t nr = std::min(R, Ng - r0);
-    const at::Tensor hb = h.narrow(0, r0, nr);
-    for_each_tile(ntiles, nthreads, [&](int64_t t, int th) {
-      const int64_t v0 = t * VB, nv = std::min(VB, V - v0);
-      const at::Tensor w = weight_tile(weight, v0, nv, wbuf[th]);
-      at::Tensor z = tile_view(zbuf[th], nr, nv);
-      const bool from_saved = v0 < save_cols;
-      if (!from_saved) gemm_out(z, hb, w.t(), false, dnnl);
-      float* zp = z.data_ptr<float>();
-      const float* btile = bp != nullptr ? bp + v0 : nullptr;
-      for (int64_t i = 0; i < nr; ++i) {
-        const int64_t k = r0 + i;
-        float* zrow = zp + i * nv;
-        const float* src = from_saved ? saved_p + v0 * N + rows.srow[k] * nv : zrow;
-        const float gk = rows.g[k], gek = has_ge ? rows.ge[k] : 0.0f;
-        const float mk = rows.m[k], lsk = rows.ls[k];
-        const int64_t label = rows.y[k];
-        if (cap != nullptr) {
-          grad_capped(has_ge, src, btile, zrow, nv, label - v0, inv_t, mk, lsk, gk, gek, rows.ent[k], *cap);
-        } else {
-          if (has_ge) {
-            btile ? softmax_grad<true, true>(src, btile, zrow, nv, inv_t, mk, lsk, gk, gek, rows.ent[k])
-                  : softmax_grad<true, false>(src, nullptr, zrow, nv, inv_t, mk, lsk, gk, gek, rows.ent[k]);
+  pass.for_each_block(
+      [&](int64_t r0, int64_t nr, const at::Tensor& hb, int64_t t, int th, int64_t v0, int64_t nv,
+          const at::Tensor& w) {
+        at::Tensor z = tile_view(pass.zbuf[th], nr, nv);
+        const bool from_saved = v0 < save_cols;
+        if (!from_saved) gemm_out(z, hb, w.t(), false, pass.dnnl);
+        float* zp = z.data_ptr<float>();
+        const float* btile = bp != nullptr ? bp + v0 : nullptr;
+        for (int64_t i = 0; i < nr; ++i) {
+          const int64_t k = r0 + i;
+          float* zrow = zp + i * nv;
+          const float* src = from_saved ? saved_p + v0 * N + rows.srow[k] * nv : zrow;
+          const float gk = rows.g[k], gek = has_ge ? rows.ge[k] : 0.0f;
+          const float mk = rows.m[k], lsk = rows.ls[k];
+          const int64_t label = rows.y[k];
+          if (cap != nullptr) {
+            grad_capped(has_ge, src, btile, zrow, nv, label - v0, inv_t, mk, lsk, gk, gek, rows.ent[k], *cap);
           } else {
-            btile ? softmax_grad<false, true>(src, btile, zrow, nv, inv_t, mk, lsk, gk, 0.0f, 0.0f)
-                  : softmax_grad<false, false>(src, nullptr, zrow, nv, inv_t, mk, lsk, gk, 0.0f, 0.0f);
+            if (has_ge) {
+              btile ? softmax_grad<true, true>(src, btile, zrow, nv, inv_t, mk, lsk, gk, gek, rows.ent[k])
+                    : softmax_grad<true, false>(src, nullptr, zrow, nv, inv_t, mk, lsk, gk, gek, rows.ent[k]);
+            } else {
+              btile ? softmax_grad<false, true>(src, btile, zrow, nv, inv_t, mk, lsk, gk, 0.0f, 0.0f)
+                    : softmax_grad<false, false>(src, nullptr, zrow, nv, inv_t, mk, lsk, gk, 0.0f, 0.0f);
+            }
+            if (label >= v0 && label < v0 + nv) zrow[label - v0] += inv_t * gk;
           }
-          if (label >= v0 && label < v0 + nv) zrow[label - v0] += inv_t * gk;
+          if (dB != nullptr) {
+            float* db = dB + v0;
+  #pragma omp simd
+            for (int64_t j = 0; j < nv; ++j) db[j] += zrow[j];
+          }
         }
-        if (dB != nullptr) {
-          float* db = dB + v0;
-#pragma omp simd
-          for (int64_t j = 0; j < nv; ++j) db[j] += zrow[j];
+        if (dW.defined()) {
+          at::Tensor dw = dW.narrow(0, v0, nv);
+          gemm_out(dw, z.t(), hb, r0 > 0, pass.dnnl);
         }
-      }
-      if (dW.defined()) {
-        at::Tensor dw = dW.narrow(0, v0, nv);
-        gemm_out(dw, z.t(), hb, r0 > 0, dnnl);
-      }
-      at::Tensor dp = dpart.select(0, t).narrow(0, 0, nr);
-      gemm_out(dp, z, w, false, dnnl);
-    });
-    const float* pp = dpart.data_ptr<float>();
-    float* out = dh.data_ptr<float>() + r0 * H;
-    const int64_t stride = rmax * H, count = nr * H;
-    at::parallel_for(0, count, 4096, [&](int64_t a, int64_t e) {
-#pragma omp simd
-      for (int64_t j = a; j < e; ++j) {
-        float acc = pp[j];
-        for (int64_t t = 1; t < ntiles; ++t) acc += pp[t * stride + j];
-        out[j] = acc;
-      }
-    });
-  }
+        at::Tensor dp = dpart.select(0, t).narrow(0, 0, nr);
+        gemm_out(dp, z, w, false, pass.dnnl);
+      },
+      [&](int64_t r0, int64_t nr) {
+        const float* pp = dpart.data_ptr<float>();
+        float* out = dh.data_ptr<float>() + r0 * H;
+        const int64_t stride = rmax * H, count = nr * H;
+        at::parallel_for(0, count, 4096, [&](int64_t a, int64_t e) {
+    #pragma omp simd
+          for (int64_t j = a; j < e; ++j) {
+            float acc = pp[j];
+            for (int64_t t = 1; t < ntiles; ++t) acc += pp[t * stride + j];
+            out[j] = acc;
+          }
+        });
+      });
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_fwd(const at::Tensor& hidden, const at::Tensor& weight,
