@@ -11,24 +11,34 @@ from torch import Tensor
 
 
 @dataclass
-class Rollout:
-    """One rollout of ``S = len(queries) * group_size`` responses (tensors on the policy's device).
+class ScoredResponses:
+    """The tensors of ``S`` sampled and scored responses that both trainers' rollouts carry (on the policy's
+    device): ``completion_ids [S, C]`` (pad after the end), ``completion_mask [S, C]`` fp32 (1 up to and including
+    the first end-of-sequence token), ``rewards [S]``, ``advantages [S]`` fp32; ``old_logprobs`` and
+    ``ref_logprobs [S, C]`` fp32 (0 where masked), filled in after sampling."""
 
-    ``prompt_ids``: each response's prompt token ids (no padding); ``completion_ids [S, C]`` (pad after the
-    end), ``completion_mask [S, C]`` fp32 (1 up to and including the first end-of-sequence token);
-    ``rewards [S]``, ``advantages [S]`` fp32; ``old_logprobs`` and ``ref_logprobs [S, C]`` fp32 (0 where
-    masked), filled in after sampling.
-    """
-
-    prompts: List[str]
-    completions: List[str]
-    prompt_ids: List[List[int]]
     completion_ids: Tensor
     completion_mask: Tensor
     rewards: Tensor
     advantages: Tensor
     old_logprobs: Optional[Tensor] = None
     ref_logprobs: Optional[Tensor] = None
+
+
+@dataclass
+class _RolloutTexts:
+    prompts: List[str]
+    completions: List[str]
+    prompt_ids: List[List[int]]
+
+
+@dataclass
+class Rollout(ScoredResponses, _RolloutTexts):
+    """One rollout of ``S = len(queries) * group_size`` responses (tensors on the policy's device).
+
+    Its ``prompts`` and ``completions`` texts, ``prompt_ids``: each response's prompt token ids (no padding), then
+    the responses' tensors (``ScoredResponses``), in that order.
+    """
 
 
 @dataclass

@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from gspo_kernels.config import GSPOConfig
-from gspo_kernels.train.rollout import completion_mask_of
+from gspo_kernels.train.rollout import ScoredResponses, completion_mask_of
 from gspo_kernels.train.tasks import Task, ToyTokenizer, get_task
 
 LOSSES = ("reference", "torch", "cpu", "triton", "auto")
@@ -135,14 +135,13 @@ def is_moe(model) -> bool:
 # ---------------------------------------------------------------------------------------------- rollout
 
 
-@dataclass
-class ToyRollout:
+@dataclass(kw_only=True)
+class ToyRollout(ScoredResponses):
     """One rollout batch of ``S = prompts x group_size`` responses (tensors on the policy's device).
 
-    ``input_ids [S, P + C]`` (prompt then completion), ``attention_mask [S, P + C]``,
-    ``completion_ids [S, C]``, ``completion_mask [S, C]`` (up to and including the first ``<eos>``),
-    ``rewards [S]`` fp32, ``advantages [S]`` fp32; filled in later: ``old_logprobs`` and
-    ``ref_logprobs [S, C]`` fp32, ``old_experts`` (MoE) a list per layer of ``[S, P + C, k]``.
+    The responses' tensors (``ScoredResponses``; the end-of-sequence token is ``<eos>``), and
+    ``input_ids [S, P + C]`` (prompt then completion), ``attention_mask [S, P + C]``; filled in later:
+    ``old_experts`` (MoE) a list per layer of ``[S, P + C, k]``.
 
     Not ``rollout.Rollout``: the toy tasks' prompts all have ``P`` tokens, so the batch is kept as the
     padded ``[S, P + C]`` model input (and the MoE routing), where ``GSPOTrainer`` keeps texts and per-prompt ids
@@ -152,12 +151,6 @@ class ToyRollout:
     prompt_length: int
     input_ids: Tensor
     attention_mask: Tensor
-    completion_ids: Tensor
-    completion_mask: Tensor
-    rewards: Tensor
-    advantages: Tensor
-    old_logprobs: Optional[Tensor] = None
-    ref_logprobs: Optional[Tensor] = None
     old_experts: Optional[List[Tensor]] = None
 
 
