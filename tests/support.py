@@ -21,7 +21,8 @@ __all__ = ["LEVELS", "LOSS_TYPES", "RTOL", "rel_err", "Case", "make_case", "conf
            "objective_id", "check_against_reference",
            "logits_loss_vs_reference", "linear_loss_vs_reference", "assert_zero_rows_get_zero_dh",
            "assert_bf16_within_fp32_math_plus_rounding", "assert_bf16_no_worse_than_plain_bf16", "skip_gpu_items_without_cuda",
-           "device_for", "TRITON_DEVICE", "on_device", "capture_cuda_graph"]
+           "device_for", "TRITON_DEVICE", "triton_test_device", "on_device", "capture_cuda_graph",
+           "save_tiny_policy"]
 
 
 def device_for(backend: str) -> str:
@@ -37,6 +38,17 @@ def device_for(backend: str) -> str:
 
 # The device of every test of the Triton kernels (the compiled kernels on CUDA, the interpreter on CPU).
 TRITON_DEVICE = device_for("triton")
+
+
+def triton_test_device() -> str:
+    """:data:`TRITON_DEVICE` for a module of Triton kernel tests; skips the module where there is no GPU and the
+    Triton interpreter is off."""
+    from gspo_kernels.backends.triton.launch import interpreter_active
+
+    if TRITON_DEVICE == "cpu" and not interpreter_active():
+        pytest.skip("no GPU and the Triton interpreter is off (TRITON_INTERPRET=1 must be set before importing triton)",
+                    allow_module_level=True)
+    return TRITON_DEVICE
 
 
 def on_device(tensors, backend: str):
@@ -403,3 +415,18 @@ def replays_against_eager(graph, static, step, static_adv, patterns, tol: float)
         for a, b in zip(eager, replayed):
             assert rel_err(b, a) < tol
         yield replayed[1].float(), zero
+
+
+def save_tiny_policy(path, kind: str = "dense", tokenizer: bool = True):
+    """A tiny ``kind`` policy of the toy trainer (``"dense"``: Qwen3; ``"moe"``: Qwen3-MoE, 8 experts, 2 routed per
+    token; hidden size 32, 2 layers) saved to ``path``, its config naming the path (with beta > 0, TRL builds its
+    reference model from it), with the Hugging Face tokenizer where ``tokenizer``. Returns ``path``."""
+    from gspo_kernels.train.tasks import ToyTokenizer, hf_tokenizer
+    from gspo_kernels.train.toy_trainer import build_policy
+
+    model = build_policy(kind, ToyTokenizer(), hidden_size=32, num_layers=2, seed=0)
+    model.config._name_or_path = str(path)
+    model.save_pretrained(path)
+    if tokenizer:
+        hf_tokenizer().save_pretrained(path)
+    return path

@@ -15,7 +15,6 @@ import math
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import gspo_kernels as gk
@@ -31,7 +30,7 @@ from tests.support import (
     rel_err,
 )
 from tests.test_conformance import NAMES, _device, use_backend
-from tests.test_vocab_parallel import RANGES, _free_port
+from tests.test_vocab_parallel import RANGES, _free_port, gloo_process
 
 CAP = 2.0
 # Every level and every loss type, with the optional terms (KL, bias correction, delta, temperature, entropy
@@ -279,54 +278,52 @@ def test_policy_loss_ignores_the_softcap():
 
 
 def _vp_worker(rank: int, world: int, port: int) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        torch.set_num_threads(1)
-        s, e = RANGES[world][rank]
-        vp = gk.VocabParallel(None, s, e)
-        V, H = vp.vocab_size, 16
-        for backend_name in ("cpu", "torch", "triton"):
-            device = device_for(backend_name)  # CUDA tensors for triton / torch where CUDA exists
-            torch.set_default_device(device)
-            gen = torch.Generator(device=device).manual_seed(7)  # the same inputs on every rank
-            labels = torch.randint(0, V, (3, 5), generator=gen)
-            w1, w2 = torch.randn(3, 5, generator=gen), torch.randn(3, 5, generator=gen)
-            logits = torch.randn(3, 5, V, generator=gen) * 3
-            # rank 1's first column (15) is the stand-in label of rows whose label lives elsewhere: -inf there
-            logits[..., 15] = torch.where(labels == 15, logits[..., 15], torch.full_like(logits[..., 15], -math.inf))
-            shard = logits[..., s:e].clone().requires_grad_()
-            lp, ent = gk.token_logprobs(shard, labels, temperature=0.7, return_entropy=True, backend=backend_name,
-                                        vocab_parallel=vp, final_logit_softcapping=CAP)
-            (g,) = torch.autograd.grad((lp * w1 + ent * w2).sum(), shard)
-            x64 = logits.double().requires_grad_()
-            rl, re = reference.token_logprobs(x64, labels, temperature=0.7, return_entropy=True,
-                                              final_logit_softcapping=CAP)
-            (rg,) = torch.autograd.grad((rl * w1 + re * w2).sum(), x64)
-            name = f"{backend_name} rank {rank}"
-            assert rel_err(lp, rl) < RTOL and rel_err(ent, re) < RTOL, name
-            assert rel_err(g, rg[..., s:e]) < RTOL, name
+    with gloo_process(rank, world, port):
+        try:
+            s, e = RANGES[world][rank]
+            vp = gk.VocabParallel(None, s, e)
+            V, H = vp.vocab_size, 16
+            for backend_name in ("cpu", "torch", "triton"):
+                device = device_for(backend_name)  # CUDA tensors for triton / torch where CUDA exists
+                torch.set_default_device(device)
+                gen = torch.Generator(device=device).manual_seed(7)  # the same inputs on every rank
+                labels = torch.randint(0, V, (3, 5), generator=gen)
+                w1, w2 = torch.randn(3, 5, generator=gen), torch.randn(3, 5, generator=gen)
+                logits = torch.randn(3, 5, V, generator=gen) * 3
+                # rank 1's first column (15) is the stand-in label of rows whose label lives elsewhere: -inf there
+                logits[..., 15] = torch.where(labels == 15, logits[..., 15], torch.full_like(logits[..., 15], -math.inf))
+                shard = logits[..., s:e].clone().requires_grad_()
+                lp, ent = gk.token_logprobs(shard, labels, temperature=0.7, return_entropy=True, backend=backend_name,
+                                            vocab_parallel=vp, final_logit_softcapping=CAP)
+                (g,) = torch.autograd.grad((lp * w1 + ent * w2).sum(), shard)
+                x64 = logits.double().requires_grad_()
+                rl, re = reference.token_logprobs(x64, labels, temperature=0.7, return_entropy=True,
+                                                  final_logit_softcapping=CAP)
+                (rg,) = torch.autograd.grad((rl * w1 + re * w2).sum(), x64)
+                name = f"{backend_name} rank {rank}"
+                assert rel_err(lp, rl) < RTOL and rel_err(ent, re) < RTOL, name
+                assert rel_err(g, rg[..., s:e]) < RTOL, name
 
-            hidden, weight = torch.randn(3, 5, H, generator=gen), torch.randn(V, H, generator=gen) * 0.5
-            bias = torch.randn(V, generator=gen) + 2.0
-            h, w_s, b_s = hidden.clone().requires_grad_(), weight[s:e].clone().requires_grad_(), \
-                bias[s:e].clone().requires_grad_()
-            config = dataclasses.replace(configs()[5], final_logit_softcapping=CAP)
-            old = (reference.linear_logprobs(hidden, weight, labels, bias=bias, temperature=config.temperature,
-                                             final_logit_softcapping=CAP) - 1e-4).float()
-            adv = torch.tensor([1.0, -1.0, 0.5])
-            out = gk.fused_linear_gspo_loss(h, w_s, labels, adv, old, bias=b_s, config=config, backend=backend_name,
-                                            vocab_parallel=vp)
-            grads = torch.autograd.grad(out.loss, (h, w_s, b_s))
-            leaves64 = [t.double().requires_grad_() for t in (hidden, weight, bias)]
-            expected = reference.fused_linear_gspo_loss(*leaves64[:2], labels, adv, old, bias=leaves64[2],
-                                                        config=config)
-            ref_grads = torch.autograd.grad(expected.loss, leaves64)
-            assert abs(out.loss.item() - expected.loss.item()) <= RTOL * max(1.0, abs(expected.loss.item())), name
-            assert rel_err(grads[0], ref_grads[0]) < RTOL, name
-            assert rel_err(grads[1], ref_grads[1][s:e]) < RTOL and rel_err(grads[2], ref_grads[2][s:e]) < RTOL, name
-    finally:
-        torch.set_default_device(None)
-        dist.destroy_process_group()
+                hidden, weight = torch.randn(3, 5, H, generator=gen), torch.randn(V, H, generator=gen) * 0.5
+                bias = torch.randn(V, generator=gen) + 2.0
+                h, w_s, b_s = hidden.clone().requires_grad_(), weight[s:e].clone().requires_grad_(), \
+                    bias[s:e].clone().requires_grad_()
+                config = dataclasses.replace(configs()[5], final_logit_softcapping=CAP)
+                old = (reference.linear_logprobs(hidden, weight, labels, bias=bias, temperature=config.temperature,
+                                                 final_logit_softcapping=CAP) - 1e-4).float()
+                adv = torch.tensor([1.0, -1.0, 0.5])
+                out = gk.fused_linear_gspo_loss(h, w_s, labels, adv, old, bias=b_s, config=config, backend=backend_name,
+                                                vocab_parallel=vp)
+                grads = torch.autograd.grad(out.loss, (h, w_s, b_s))
+                leaves64 = [t.double().requires_grad_() for t in (hidden, weight, bias)]
+                expected = reference.fused_linear_gspo_loss(*leaves64[:2], labels, adv, old, bias=leaves64[2],
+                                                            config=config)
+                ref_grads = torch.autograd.grad(expected.loss, leaves64)
+                assert abs(out.loss.item() - expected.loss.item()) <= RTOL * max(1.0, abs(expected.loss.item())), name
+                assert rel_err(grads[0], ref_grads[0]) < RTOL, name
+                assert rel_err(grads[1], ref_grads[1][s:e]) < RTOL and rel_err(grads[2], ref_grads[2][s:e]) < RTOL, name
+        finally:
+            torch.set_default_device(None)
 
 
 def test_vocab_parallel_with_softcap():

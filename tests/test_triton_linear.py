@@ -21,19 +21,12 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from gspo_kernels.backends.triton import configs
-from gspo_kernels.backends.triton.launch import interpreter_active
 from gspo_kernels.backends.triton.linear_invariant import linear_logprobs, linear_logprobs_forward
-from tests.support import (
-    TRITON_DEVICE,
-    rel_err,
-)
+from tests.support import rel_err, triton_test_device
 
 # With CUDA (``gspo-kernels gpu-check`` runs this module there) every tensor below is made on the GPU
 # (``torch.set_default_device``) and the kernels run compiled, with their CUDA launch configurations.
-DEVICE = TRITON_DEVICE
-if DEVICE == "cpu" and not interpreter_active():
-    pytest.skip("no GPU and the Triton interpreter is off (TRITON_INTERPRET=1 must be set before importing triton)",
-                allow_module_level=True)
+DEVICE = triton_test_device()
 
 
 @pytest.fixture(autouse=True)

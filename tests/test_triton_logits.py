@@ -21,7 +21,6 @@ import triton.language as tl  # noqa: E402
 import gspo_kernels as gk  # noqa: E402
 from gspo_kernels import backends, reference  # noqa: E402
 from gspo_kernels.backends.triton import logits, sequence  # noqa: E402
-from gspo_kernels.backends.triton.launch import interpreter_active  # noqa: E402
 from gspo_kernels.backends.triton.logits import (  # noqa: E402
     logprobs_backward,
     logprobs_forward,
@@ -30,12 +29,9 @@ from gspo_kernels.backends.triton.logits import (  # noqa: E402
 from gspo_kernels.config import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, GSPOConfig  # noqa: E402
 from gspo_kernels.layout import LossInputs, TokenBatch  # noqa: E402
 from gspo_kernels.testing import gradient_tolerance, rel_err  # noqa: E402
-from tests.support import TRITON_DEVICE, NewTensors, capture_cuda_graph, replays_against_eager  # noqa: E402
+from tests.support import NewTensors, capture_cuda_graph, replays_against_eager, triton_test_device  # noqa: E402
 
-DEVICE = TRITON_DEVICE
-if DEVICE == "cpu" and not interpreter_active():
-    pytest.skip("no GPU and the Triton interpreter is off (TRITON_INTERPRET=1 must be set before importing triton)",
-                allow_module_level=True)
+DEVICE = triton_test_device()
 
 
 def _close(actual, expected, rtol=1e-5, atol=1e-6):

@@ -149,14 +149,9 @@ def _worker(rank, port, policy_dir, out_dir):
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    from gspo_kernels.train.tasks import ToyTokenizer
-    from tests.test_trl_integration import build_policy, hf_tokenizer
+    from tests.support import save_tiny_policy
 
-    path = tmp_path_factory.mktemp("dist_policy")
-    model = build_policy("dense", ToyTokenizer(), hidden_size=32, num_layers=2, seed=0)
-    model.config._name_or_path = str(path)
-    model.save_pretrained(path)
-    hf_tokenizer().save_pretrained(path)
+    path = save_tiny_policy(tmp_path_factory.mktemp("dist_policy"))
     out = tmp_path_factory.mktemp("dist_out")
     mp.spawn(_worker, args=(_free_port(), str(path), str(out)), nprocs=WORLD, join=True)
     merged = {}

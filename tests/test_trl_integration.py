@@ -13,8 +13,8 @@ import trl  # a test peer: `make test` installs it, and a missing peer fails thi
 from datasets import Dataset  # noqa: E402
 
 from gspo_kernels.integrations.trl import GRPOTrainer  # noqa: E402
-from gspo_kernels.train.tasks import ToyTokenizer, get_task, hf_tokenizer, trl_reward_function  # noqa: E402
-from gspo_kernels.train.toy_trainer import build_policy  # noqa: E402
+from gspo_kernels.train.tasks import get_task, hf_tokenizer, trl_reward_function  # noqa: E402
+from tests.support import save_tiny_policy  # noqa: E402
 
 TASK = get_task("reverse")
 
@@ -47,22 +47,13 @@ def _config(tmp_path, **overrides) -> "trl.GRPOConfig":
 @pytest.fixture(scope="module")
 def policy_dir(tmp_path_factory):
     """A tiny Qwen3 saved to disk: with beta > 0, TRL builds its reference model from the path."""
-    path = tmp_path_factory.mktemp("tiny_qwen3")
-    model = build_policy("dense", ToyTokenizer(), hidden_size=32, num_layers=2, seed=0)
-    model.config._name_or_path = str(path)
-    model.save_pretrained(path)
-    hf_tokenizer().save_pretrained(path)
-    return path
+    return save_tiny_policy(tmp_path_factory.mktemp("tiny_qwen3"))
 
 
 @pytest.fixture(scope="module")
 def moe_dir(tmp_path_factory):
     """A tiny Qwen3-MoE saved to disk (8 experts, 2 routed per token)."""
-    path = tmp_path_factory.mktemp("tiny_qwen3_moe")
-    model = build_policy("moe", ToyTokenizer(), hidden_size=32, num_layers=2, seed=0)
-    model.config._name_or_path = str(path)
-    model.save_pretrained(path)
-    return path
+    return save_tiny_policy(tmp_path_factory.mktemp("tiny_qwen3_moe"), "moe", tokenizer=False)
 
 
 def _trainer(cls, policy_dir, tmp_path, **config):

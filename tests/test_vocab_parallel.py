@@ -15,6 +15,7 @@ even shards by rank) runs with 2 ranks.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import socket
@@ -44,6 +45,18 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def gloo_process(rank: int, world: int, port: int):
+    """This process as ``rank`` of a gloo group of ``world`` processes (``127.0.0.1:port``) on one CPU thread; the
+    group destroyed after."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        torch.set_num_threads(1)
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def _close(name, got, want, tol=TOL):
@@ -228,9 +241,7 @@ def _check_verl_megatron_head(rank: int, world: int) -> None:
 
 
 def _worker(rank: int, world: int, port: int) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        torch.set_num_threads(1)
+    with gloo_process(rank, world, port):
         lo, hi = RANGES[world][rank]
         vp = gk.VocabParallel(None, lo, hi)
         assert vp.vocab_size == V
@@ -245,8 +256,6 @@ def _worker(rank: int, world: int, port: int) -> None:
         if world == 2:
             _check_verl_megatron_head(rank, world)
         _check_bad_input(rank, world)
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("world", [2, 3])
