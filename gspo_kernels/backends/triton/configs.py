@@ -1,7 +1,7 @@
 """Every launch configuration of ``backend="triton"``: tile sizes, warps, stages, the tables they come from
 and the functions that pick one, plus ``H100_CONFIGS``, what ``gspo-kernels h100-report`` compiles.
 
-The kernel modules (``logits.py``, ``linear.py``, ``linear_invariant.py``, ``linear_loss.py``, ``sequence.py``)
+The kernel modules (``logits.py``, ``linear.py``, ``linear_invariant.py``, ``linear_loss.py``, ``sequence_kernels.py``)
 import their launch parameters from here; this module imports no kernel module. ``H100_CONFIGS`` therefore names
 each kernel by ``"module.function"`` (``h100_report.resolve_kernel`` looks it up), and its signatures are derived
 from the kernels' argument names: only what a name cannot say (non-fp32 pointers, fp32 scalars, 16-divisible
@@ -188,7 +188,7 @@ def logits_edge_v(block_v: int, vec: int) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Hidden-state path (linear.py). CUDA, half-precision operands: tuned against the static sm_90a report
+# Hidden-state path, batch-invariant kernels (linear_invariant.py). CUDA, half-precision operands: tuned against the static sm_90a report
 # (0 spills, HGMMA in the SASS). fp32 operands: exact products (``input_precision="ieee"``, no tensor cores).
 # SPLIT_COLS: columns per vocabulary split, a constant so that a row's bits do not depend on the batch.
 CUDA_FWD_CONFIG: Dict[str, int] = {
