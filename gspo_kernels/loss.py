@@ -10,7 +10,6 @@ per-token functions share the same heads and checks without the objective.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 from typing import Optional, Tuple, Union
 
 import torch
@@ -37,34 +36,11 @@ from gspo_kernels.checks import (
 from gspo_kernels.config import GSPOConfig, check_config
 from gspo_kernels.layout import LossTensors, prepare_loss_inputs
 from gspo_kernels.objective import LossOutput, gspo_objective
+from gspo_kernels.options import CallOptions
 from gspo_kernels.parallel import VocabParallel, check_vocab_parallel
 from gspo_kernels.precision import apply_precision, backend_context, upcast
 
 Scalar = Union[None, int, float, Tensor]
-
-
-@dataclass(frozen=True)
-class CallOptions:
-    """The options of one public call, each checked once as the public function builds this object, then
-    passed down as one to the pipeline (:func:`_run`, :func:`_run_logprobs`) and the heads.
-
-    ``temperature`` and ``softcap`` are the per-token functions' arguments, or the config's for a loss;
-    ``return_entropy`` is always True for a loss (the objective may use it). ``config`` is None for the
-    per-token functions. ``logprobs_out`` is checked by the caller.
-    """
-
-    config: Optional[GSPOConfig] = None
-    backend: str = "auto"
-    check_finite: bool = False
-    temperature: float = 1.0
-    softcap: Optional[float] = None
-    return_entropy: bool = True
-    inplace_backward: bool = False
-    vocab_parallel: Optional[VocabParallel] = None
-    fp32_head: bool = False
-    memory_budget: Optional[int] = None
-    batch_invariant: bool = False
-    logprobs_out: Optional[Tensor] = None
 
 
 def _loss_options(config: Optional[GSPOConfig], backend: str, check_finite: bool, **head) -> CallOptions:

@@ -1,0 +1,36 @@
+"""The options of one public call, in one frozen object: :class:`CallOptions`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
+
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from gspo_kernels.config import GSPOConfig
+    from gspo_kernels.parallel import VocabParallel
+
+
+@dataclass(frozen=True)
+class CallOptions:
+    """The options of one public call, each checked once as the public function builds this object, then
+    passed down as one to the pipeline (:func:`_run`, :func:`_run_logprobs`) and the heads.
+
+    ``temperature`` and ``softcap`` are the per-token functions' arguments, or the config's for a loss;
+    ``return_entropy`` is always True for a loss (the objective may use it). ``config`` is None for the
+    per-token functions. ``logprobs_out`` is checked by the caller.
+    """
+
+    config: Optional[GSPOConfig] = None
+    backend: str = "auto"
+    check_finite: bool = False
+    temperature: float = 1.0
+    softcap: Optional[float] = None
+    return_entropy: bool = True
+    inplace_backward: bool = False
+    vocab_parallel: Optional[VocabParallel] = None
+    fp32_head: bool = False
+    memory_budget: Optional[int] = None
+    batch_invariant: bool = False
+    logprobs_out: Optional[Tensor] = None
