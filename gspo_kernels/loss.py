@@ -47,7 +47,8 @@ def _loss_options(config: Optional[GSPOConfig], backend: str, check_finite: bool
     """A loss's :class:`CallOptions`: the config checked (the defaults for None), its temperature and soft cap."""
     config = check_config(config)
     return CallOptions(config=config, backend=backend, check_finite=check_bool("check_finite", check_finite),
-                       temperature=config.temperature, softcap=config.final_logit_softcapping, **head)
+                       temperature=config.temperature, softcap=config.final_logit_softcapping, return_entropy=True,
+                       **head)
 
 
 def token_logprobs(
@@ -311,7 +312,6 @@ class _LogitsHead(_Head):
 
     def __init__(self, logits: Tensor, options: CallOptions) -> None:
         self.logits, self.vp = logits, options.vocab_parallel
-        self.inplace_backward = options.inplace_backward
         self.device = logits.device
         vp = self.vp
         self.vocab_size = logits.shape[-1] if vp is None else vp.vocab_size
@@ -326,17 +326,14 @@ class _LogitsHead(_Head):
         if (impl.fused_logits_loss is None or self.vp is not None or objective is not impl.objective
                 or options.logprobs_out is not None):
             return None
-        return impl.fused_logits_loss(self.logits, inputs, options.config, inplace_backward=self.inplace_backward,
-                                      **_softcap_kwargs(options.softcap))
+        return impl.fused_logits_loss(self.logits, inputs, options)
 
     def logprobs(self, impl: Backend, labels: Tensor, active: Optional[Tensor],
                  options: CallOptions) -> Tuple[Tensor, Optional[Tensor]]:
         logits = self.logits
         rows = logits if logits.dim() in (2, 3) else logits.reshape(-1, logits.shape[-1])
         stage = impl.logits_logprobs if self.vp is None else functools.partial(parallel.logits_logprobs, impl, self.vp)
-        return stage(rows, labels, active=active, temperature=options.temperature,
-                     return_entropy=options.return_entropy, inplace_backward=self.inplace_backward,
-                     **_softcap_kwargs(options.softcap))
+        return stage(rows, labels, active, options)
 
 
 class _LinearHead(_Head):
@@ -344,9 +341,7 @@ class _LinearHead(_Head):
 
     def __init__(self, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], options: CallOptions) -> None:
         vp = options.vocab_parallel
-        self.options = {"memory_budget": options.memory_budget}
-        if options.batch_invariant:  # passed only when asked: the default contract call
-            self.options["batch_invariant"] = True
+        self.batch_invariant = options.batch_invariant
         self.hidden, self.weight, self.bias = apply_precision(hidden, weight, bias, fp32_head=options.fp32_head)
         self.raw = (hidden, weight, bias)  # the caller's tensors: the finite checks read these
         self.vp = vp
@@ -357,7 +352,7 @@ class _LinearHead(_Head):
         check_finite_linear(*self.raw, labels if self.vp is None else None, checks, counted)
 
     def plans_rows(self, impl: Backend) -> bool:
-        return impl.fused_linear_loss is not None and self.vp is None and "batch_invariant" not in self.options
+        return impl.fused_linear_loss is not None and self.vp is None and not self.batch_invariant
 
     def fused_loss(self, impl: Backend, objective, inputs, options: CallOptions) -> Optional[LossOutput]:
         """The backend's one-pass loss (gradient formed in the forward) when it has one and the call allows it
@@ -366,10 +361,7 @@ class _LinearHead(_Head):
         if not self.plans_rows(impl):
             return None
         hidden = self.hidden.reshape(-1, self.hidden.shape[-1])
-        kept = {} if options.logprobs_out is None else {"logprobs_out": options.logprobs_out.view(-1)}
-        return impl.fused_linear_loss(objective, hidden, self.weight, self.bias, inputs, options.config,
-                                      memory_budget=self.options["memory_budget"], leaves=self.raw,
-                                      **_softcap_kwargs(options.softcap), **kept)
+        return impl.fused_linear_loss(objective, hidden, self.weight, self.bias, inputs, options, leaves=self.raw)
 
     def logprobs(self, impl: Backend, labels: Tensor, active: Optional[Tensor],
                  options: CallOptions) -> Tuple[Tensor, Optional[Tensor]]:
@@ -379,9 +371,7 @@ class _LinearHead(_Head):
         leaves = {}
         if impl.name == "triton" and self.vp is None and self.raw[0].shape == rows.shape:
             leaves["leaves"] = self.raw  # the gradients go back to the caller's tensors directly (their dtypes)
-        return stage(rows, self.weight, self.bias, labels, active=active, temperature=options.temperature,
-                     return_entropy=options.return_entropy, **self.options, **_softcap_kwargs(options.softcap),
-                     **leaves)
+        return stage(rows, self.weight, self.bias, labels, active, options, **leaves)
 
 
 class _GivenLogprobs(_Head):
@@ -462,12 +452,6 @@ def _run_logprobs(head, labels: Tensor, options: CallOptions) -> Union[Tensor, T
     logp, entropy = first_order_only(logp, entropy)
     logp = logp.reshape(labels.shape)
     return (logp, entropy.reshape(labels.shape)) if options.return_entropy else logp
-
-
-def _softcap_kwargs(softcap: Optional[float]) -> dict:
-    """The backend contract's ``softcap`` keyword, passed only when a cap is set (an uncapped call is the
-    same call as before the keyword existed)."""
-    return {} if softcap is None else {"softcap": float(softcap)}
 
 
 class GSPOLoss(nn.Module):

@@ -1,4 +1,5 @@
-"""The options of one public call, in one frozen object: :class:`CallOptions`."""
+"""The options of one public call, in one frozen object: :class:`CallOptions`, built and checked once by the
+public function and passed down as it is to the pipeline, the heads and the backends' stage functions."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class CallOptions:
     """The options of one public call, each checked once as the public function builds this object, then
-    passed down as one to the pipeline (:func:`_run`, :func:`_run_logprobs`) and the heads.
+    passed down as one to the pipeline (``loss._run``, ``loss._run_logprobs``), the heads and the backends' stage
+    functions (:mod:`gspo_kernels.backends.contract` says which fields a stage reads).
 
     ``temperature`` and ``softcap`` are the per-token functions' arguments, or the config's for a loss;
     ``return_entropy`` is always True for a loss (the objective may use it). ``config`` is None for the
@@ -27,10 +29,14 @@ class CallOptions:
     check_finite: bool = False
     temperature: float = 1.0
     softcap: Optional[float] = None
-    return_entropy: bool = True
+    return_entropy: bool = False
     inplace_backward: bool = False
     vocab_parallel: Optional[VocabParallel] = None
     fp32_head: bool = False
     memory_budget: Optional[int] = None
     batch_invariant: bool = False
     logprobs_out: Optional[Tensor] = None
+
+
+DEFAULT_OPTIONS = CallOptions()
+"""The options of a stage function called without any: temperature 1, no entropy, no cap, the default budget."""

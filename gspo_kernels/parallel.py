@@ -21,7 +21,7 @@ backend's own backward; ``dH`` (the hidden states' gradient) is partial on each 
 the group by an identity-forward / all-reduce-backward on ``hidden`` (copy-to-region) unless
 ``reduce_hidden_grad=False`` (for a caller whose column-parallel layer reduces it itself).
 
-A soft cap ``c`` (``softcap=``) is elementwise: each rank's backend caps its own shard, and the stand-in
+A soft cap ``c`` (the options' ``softcap``) is elementwise: each rank's backend caps its own shard, and the stand-in
 label's logit is capped the same way (``z_k = c tanh(z / c) / tau``, its gradient times ``sech^2(z / c)``), so
 the formulas above hold for the capped logits unchanged. Under the cap a ``-inf`` logit becomes ``-c / tau``
 (a real column), so no stand-in needs repairing.
@@ -29,6 +29,7 @@ the formulas above hold for the capped logits unchanged. Under the cap a ``-inf`
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Optional, Tuple
 
 import torch
@@ -329,41 +330,39 @@ def _repair_stand_ins(logits: Tensor, owned: Tensor, active: Optional[Tensor], t
     return lp_loc, ent_loc, z
 
 
-def logits_logprobs(impl, vp: VocabParallel, logits: Tensor, labels: Tensor, *, active: Optional[Tensor],
-                    temperature: float, return_entropy: bool, inplace_backward: bool = False,
-                    softcap: Optional[float] = None, **kwargs) -> Tuple[Tensor, Optional[Tensor]]:
+def logits_logprobs(impl, vp: VocabParallel, logits: Tensor, labels: Tensor, active: Optional[Tensor],
+                    options) -> Tuple[Tensor, Optional[Tensor]]:
     """The backend contract's ``logits_logprobs`` for a vocabulary shard ``logits [..., end - start]``.
 
     ``labels``: ``[N]`` int64 global ids in ``[0, V)``. Returns the global ``(logp [N], entropy [N] | None)``
-    (fp32; fp64 for fp64 logits), identical on every rank; the logits' gradient is this shard's.
-    ``softcap``: the soft cap of the backend contract, applied by the backend on the shard.
+    (fp32; fp64 for fp64 logits), identical on every rank; the logits' gradient is this shard's. ``options``:
+    the call's :class:`~gspo_kernels.options.CallOptions` (its ``softcap`` applied by the backend on the shard).
     """
     vp.check_local("logits", logits.shape[-1])
     owned, local = _local_labels(labels, vp)
-    if softcap is not None:
-        kwargs["softcap"] = softcap
+    temperature, return_entropy, softcap = options.temperature, options.return_entropy, options.softcap
 
-    def run(x, lab, inplace=inplace_backward, act=active):
-        return impl.logits_logprobs(x, lab, active=act, temperature=temperature, return_entropy=return_entropy,
-                                    inplace_backward=inplace, **kwargs)
+    def run(x, lab, opts=options, act=active):
+        return impl.logits_logprobs(x, lab, act, opts)
 
     lp_loc, ent_loc, z = _LogitsShard.apply(logits, local, float(temperature), run, softcap)
     ent_loc = ent_loc if return_entropy else None
+    out_of_place = dataclasses.replace(options, inplace_backward=False)
     lp_loc, ent_loc, z = _repair_stand_ins(logits=logits, owned=owned, active=active, temperature=temperature,
                                            lp_loc=lp_loc, ent_loc=ent_loc, z=z,
-                                           run=lambda x, lab: run(x, lab, False, None))
+                                           run=lambda x, lab: run(x, lab, out_of_place, None))
     return _combine(vp=vp, lp_loc=lp_loc, ent_loc=ent_loc, z_loc=z, owned=owned, active=active,
                     return_entropy=return_entropy)
 
 
 def linear_logprobs(impl, vp: VocabParallel, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor,
-                    *, active: Optional[Tensor], temperature: float, return_entropy: bool,
-                    softcap: Optional[float] = None, **kwargs) -> Tuple[Tensor, Optional[Tensor]]:
+                    active: Optional[Tensor], options) -> Tuple[Tensor, Optional[Tensor]]:
     """The backend contract's ``linear_logprobs`` for an lm_head shard ``weight [end - start, H]``.
 
     ``hidden``: ``[N, H]`` or ``[B, T, H]``, the full hidden states (replicated over the group);
     ``bias``: this shard's ``[end - start]`` or None; ``labels``: ``[N]`` global ids. Gradients: this
     shard's ``dW`` / ``dbias``; ``dH`` summed over the group unless ``vp.reduce_hidden_grad`` is False.
+    ``options``: the call's :class:`~gspo_kernels.options.CallOptions`.
     """
     vp.check_local("weight", weight.shape[0])
     if vp.reduce_hidden_grad and torch.is_grad_enabled() and hidden.requires_grad:
@@ -371,13 +370,11 @@ def linear_logprobs(impl, vp: VocabParallel, hidden: Tensor, weight: Tensor, bia
     # A stand-in column with a finite logit: the largest bias entry (hidden @ weight.T is finite).
     fill = 0 if bias is None else int(bias.detach().argmax())
     owned, local = _local_labels(labels, vp, fill)
-    if softcap is not None:
-        kwargs["softcap"] = softcap
 
     def run(h, w, b, lab):
-        return impl.linear_logprobs(h, w, b, lab, active=active, temperature=temperature,
-                                    return_entropy=return_entropy, **kwargs)
+        return impl.linear_logprobs(h, w, b, lab, active, options)
 
-    lp_loc, ent_loc, z = _LinearShard.apply(hidden, weight, bias, local, float(temperature), run, softcap)
-    return _combine(vp=vp, lp_loc=lp_loc, ent_loc=ent_loc if return_entropy else None, z_loc=z, owned=owned,
-                    active=active, return_entropy=return_entropy)
+    lp_loc, ent_loc, z = _LinearShard.apply(hidden, weight, bias, local, float(options.temperature), run,
+                                            options.softcap)
+    return _combine(vp=vp, lp_loc=lp_loc, ent_loc=ent_loc if options.return_entropy else None, z_loc=z, owned=owned,
+                    active=active, return_entropy=options.return_entropy)

@@ -71,3 +71,35 @@ def test_every_backend_field_is_a_contract_entry():
     """The Backend's stage fields are the Protocols' entries, none more, none less."""
     fields = [p for p in inspect.signature(backends.Backend).parameters if p not in ("name", "supports")]
     assert sorted(fields) == sorted(ENTRIES)
+
+
+def test_a_backend_receives_the_calls_options_object(monkeypatch):
+    """The public function's checked options reach the backend's stage as one ``CallOptions``: the per-token
+    function's keywords, and for a loss the config itself with its temperature and soft cap."""
+    import torch
+
+    import gspo_kernels as gk
+    from gspo_kernels.options import CallOptions
+
+    impl = backends.load("torch")
+    seen = []
+    for entry in ("logits_logprobs", "linear_logprobs"):
+        real = getattr(impl, entry)
+
+        def spy(*args, real=real):
+            seen.append(args[-1])
+            return real(*args)
+
+        monkeypatch.setattr(impl, entry, spy)
+    hidden, weight, labels = torch.randn(5, 4), torch.randn(7, 4), torch.randint(0, 7, (5,))
+    gk.linear_logprobs(hidden, weight, labels, temperature=0.7, return_entropy=True, memory_budget=4096,
+                       final_logit_softcapping=9.0, backend="torch")
+    config = gk.GSPOConfig(temperature=1.3, final_logit_softcapping=11.0)
+    logits = torch.randn(2, 3, 7)
+    gk.gspo_loss(logits, torch.randint(0, 7, (2, 3)),
+                 torch.tensor([1.0, -1.0]), config=config, backend="torch", inplace_backward=False)
+    assert len(seen) == 2 and all(isinstance(options, CallOptions) for options in seen)
+    first, second = seen
+    assert (first.temperature, first.return_entropy, first.memory_budget, first.softcap) == (0.7, True, 4096, 9.0)
+    assert first.config is None and first.backend == "torch"
+    assert second.config is config and (second.temperature, second.softcap, second.return_entropy) == (1.3, 11.0, True)

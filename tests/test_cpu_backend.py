@@ -16,6 +16,7 @@ import torch
 
 import gspo_kernels as gk
 from gspo_kernels import backends, reference
+from gspo_kernels.options import CallOptions
 from tests.support import NewTensors, rel_err
 from tests.test_torch_backend import check_extreme_logits, check_minus_inf_columns, check_out_of_range_labels
 
@@ -62,8 +63,7 @@ def test_logits_op_matches_float64(dtype, layout):
     (ref_grad,) = torch.autograd.grad(total, x64)
 
     x = logits.detach().clone().requires_grad_() if layout == "rows" else full.clone()[:, :-1].requires_grad_()
-    logp, entropy = cpu_backend.logits_logprobs(x, labels, active=active, temperature=temperature,
-                                                return_entropy=True)
+    logp, entropy = cpu_backend.logits_logprobs(x, labels, active=active, options=CallOptions(temperature=temperature, return_entropy=True))
     assert logp.dtype == entropy.dtype == torch.float32
     assert torch.all(logp[~active] == 0) and torch.all(entropy[~active] == 0)
     assert rel_err(logp[active], ref_logp[active]) < RTOL
@@ -85,7 +85,7 @@ def test_logits_op_inplace_backward_writes_every_row():
     total, _, _ = objective64(x64, labels, g, torch.zeros(N), 1.0)
     (ref_grad,) = torch.autograd.grad(total, x64)
     x = logits.clone().requires_grad_()
-    logp, _ = cpu_backend.logits_logprobs(x, labels, inplace_backward=True)
+    logp, _ = cpu_backend.logits_logprobs(x, labels, options=CallOptions(inplace_backward=True))
     (g * logp).sum().backward()
     assert x.grad.data_ptr() == x.data_ptr()  # no [N, V] gradient buffer
     assert rel_err(x.grad, ref_grad) < RTOL
@@ -180,8 +180,7 @@ def test_saved_logits_reuse_their_memory_only_when_free_and_are_fully_rewritten(
 
     def step(hidden, weight, labels, active, budget):
         h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
-        logp, ent = cpu_backend.linear_logprobs(h, w, None, labels, active=active, return_entropy=True,
-                                                memory_budget=budget)
+        logp, ent = cpu_backend.linear_logprobs(h, w, None, labels, active=active, options=CallOptions(return_entropy=True, memory_budget=budget))
         g = torch.where(active, torch.randn(N, generator=torch.Generator().manual_seed(5)), 0.0)
         dh, dw = torch.autograd.grad((g * logp.nan_to_num() + 0.1 * ent).sum(), (h, w))
         return logp, ent, dh, dw
@@ -220,12 +219,13 @@ def test_shifted_logits_op_level_softcap_entropy_and_leaf_base(inplace, dtype):
     labels = torch.randint(0, V, (B * T,))
     active = torch.rand(B * T) > 0.25
     g, ge = torch.randn(B * T), torch.randn(B * T)
-    kwargs = dict(active=active, temperature=0.8, return_entropy=True, softcap=7.0)
+    kwargs = dict(temperature=0.8, return_entropy=True, softcap=7.0)
     leaf = full.clone().requires_grad_(True)
-    logp, entropy = cpu_backend.logits_logprobs(leaf[:, :-1], labels, inplace_backward=inplace, **kwargs)
+    logp, entropy = cpu_backend.logits_logprobs(leaf[:, :-1], labels, active=active,
+                                                  options=CallOptions(inplace_backward=inplace, **kwargs))
     ((g * logp).sum() + (ge * entropy).sum()).backward()
     rows = full[:, :-1].contiguous().requires_grad_(True)
-    logp_ref, entropy_ref = cpu_backend.logits_logprobs(rows, labels, **kwargs)
+    logp_ref, entropy_ref = cpu_backend.logits_logprobs(rows, labels, active=active, options=CallOptions(**kwargs))
     ((g * logp_ref).sum() + (ge * entropy_ref).sum()).backward()
     assert torch.equal(logp, logp_ref) and torch.equal(entropy, entropy_ref)
     assert leaf.grad.shape == (B, T + 1, V)
@@ -297,9 +297,7 @@ def test_linear_op_matches_float64(dtype, with_bias, save, mode, monkeypatch):
     ref_grads = torch.autograd.grad(total, leaves64)
 
     leaves = [t.clone().requires_grad_() for t in (hidden, weight) + ((bias,) if with_bias else ())]
-    logp, entropy = cpu_backend.linear_logprobs(leaves[0], leaves[1], leaves[2] if with_bias else None, labels,
-                                                active=active, temperature=temperature, return_entropy=True,
-                                                memory_budget=SAVE_BUDGETS[save], batch_invariant=invariant)
+    logp, entropy = cpu_backend.linear_logprobs(leaves[0], leaves[1], leaves[2] if with_bias else None, labels, active=active, options=CallOptions(temperature=temperature, return_entropy=True, memory_budget=SAVE_BUDGETS[save], batch_invariant=invariant))
     assert torch.all(logp[~active] == 0) and torch.all(entropy[~active] == 0)
     assert rel_err(logp[active], ref_logp[active]) < RTOL
     assert rel_err(entropy[active], ref_ent[active]) < RTOL
@@ -316,7 +314,7 @@ def test_linear_op_backward_twice_gives_the_same_gradients(save):
     hidden = torch.randn(9, 16, requires_grad=True)
     weight = (torch.randn(50, 16) * 0.3).requires_grad_()
     labels = torch.randint(0, 50, (9,))
-    logp, _ = cpu_backend.linear_logprobs(hidden, weight, None, labels, memory_budget=SAVE_BUDGETS[save])
+    logp, _ = cpu_backend.linear_logprobs(hidden, weight, None, labels, options=CallOptions(memory_budget=SAVE_BUDGETS[save]))
     first = torch.autograd.grad(logp.sum(), (hidden, weight), retain_graph=True)
     second = torch.autograd.grad(logp.sum(), (hidden, weight))  # the saved logits were not consumed
     assert all(torch.equal(a, b) for a, b in zip(first, second))
@@ -354,8 +352,7 @@ def test_linear_default_blocks_match_float64(shape, save):
     total, ref_logp, ref_ent = objective64(leaves64[0] @ leaves64[1].T + leaves64[2], labels, g, ge, 0.9)
     ref_grads = torch.autograd.grad(total, leaves64)
     leaves = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
-    logp, entropy = cpu_backend.linear_logprobs(*leaves, labels, temperature=0.9, return_entropy=True,
-                                                memory_budget=SAVE_BUDGETS[save])
+    logp, entropy = cpu_backend.linear_logprobs(*leaves, labels, options=CallOptions(temperature=0.9, return_entropy=True, memory_budget=SAVE_BUDGETS[save]))
     assert rel_err(logp, ref_logp) < RTOL and rel_err(entropy, ref_ent) < RTOL
     grads = torch.autograd.grad((g * logp).sum() + (ge * entropy).sum(), leaves)
     for grad, ref in zip(grads, ref_grads):
@@ -366,7 +363,7 @@ def test_linear_batch_invariant_fp64_is_refused():
     hidden, weight = torch.randn(4, 8, dtype=torch.float64), torch.randn(30, 8, dtype=torch.float64)
     labels = torch.randint(0, 30, (4,))
     with pytest.raises(ValueError, match="batch_invariant=True .* fp64"):
-        cpu_backend.linear_logprobs(hidden, weight, None, labels, batch_invariant=True)
+        cpu_backend.linear_logprobs(hidden, weight, None, labels, options=CallOptions(batch_invariant=True))
     with pytest.raises(ValueError, match="batch_invariant"):
         gk.linear_logprobs(hidden, weight, labels, backend="cpu", batch_invariant=True)
     logp, _ = cpu_backend.linear_logprobs(hidden, weight, None, labels)  # the default mode runs fp64
@@ -435,11 +432,9 @@ def test_torch_compile_fullgraph_over_cpu_ops_matches_eager():
     active = inputs.batch.mask > 0
 
     def step(h, w):
-        logp, ent = cpu_backend.logits_logprobs(h @ w.T, inputs.labels, active=active, temperature=1.0,
-                                                return_entropy=True)
+        logp, ent = cpu_backend.logits_logprobs(h @ w.T, inputs.labels, active=active, options=CallOptions(temperature=1.0, return_entropy=True))
         a = gspo_objective(logp, ent, inputs, cfg).loss
-        logp, ent = cpu_backend.linear_logprobs(h, w, None, inputs.labels, active=active, temperature=1.0,
-                                                return_entropy=True)
+        logp, ent = cpu_backend.linear_logprobs(h, w, None, inputs.labels, active=active, options=CallOptions(temperature=1.0, return_entropy=True))
         return a + gspo_objective(logp, ent, inputs, cfg).loss
 
     _eager_and_compiled(step, hidden, weight)
@@ -539,8 +534,7 @@ def _rows_alone_and_in_batch(blocks, monkeypatch):
 
     def run(hidden, labels, active, budget, pos):
         h = hidden.clone().requires_grad_()
-        logp, ent = cpu_backend.linear_logprobs(h, weight, bias, labels, active=active, return_entropy=True,
-                                                memory_budget=budget, batch_invariant=True)
+        logp, ent = cpu_backend.linear_logprobs(h, weight, bias, labels, active=active, options=CallOptions(return_entropy=True, memory_budget=budget, batch_invariant=True))
         gl, gent = torch.zeros_like(logp), torch.zeros_like(ent)
         gl[pos], gent[pos] = g, ge
         gl[:pos] = 1.0  # the other rows carry gradient too (they share the fixed-shape GEMMs)
@@ -586,8 +580,7 @@ def test_linear_batch_invariant_bits_do_not_depend_on_the_thread_count(blocks, m
 
     def run():
         leaves = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
-        logp, ent = cpu_backend.linear_logprobs(*leaves, labels, return_entropy=True, memory_budget=0,
-                                                batch_invariant=True)
+        logp, ent = cpu_backend.linear_logprobs(*leaves, labels, options=CallOptions(return_entropy=True, memory_budget=0, batch_invariant=True))
         return (logp, ent, *torch.autograd.grad((g * logp).sum() + (ge * ent).sum(), leaves))
 
     threads = torch.get_num_threads()
@@ -642,7 +635,7 @@ def test_linear_default_mode_is_deterministic_and_close_to_invariant_mode():
     runs = []
     for invariant in (False, False, True):
         leaves = [t.clone().requires_grad_() for t in (hidden, weight)]
-        logp, _ = cpu_backend.linear_logprobs(*leaves, None, labels, batch_invariant=invariant)
+        logp, _ = cpu_backend.linear_logprobs(*leaves, None, labels, options=CallOptions(batch_invariant=invariant))
         runs.append((logp, *torch.autograd.grad((g * logp).sum(), leaves)))
     assert all(torch.equal(a, b) for a, b in zip(runs[0], runs[1]))
     assert all(rel_err(a, b) < RTOL for a, b in zip(runs[0], runs[2]))
@@ -657,7 +650,7 @@ def test_logits_rows_are_batch_invariant():
 
     def run(x, labels, pos):
         x = x.clone().requires_grad_()
-        logp, ent = cpu_backend.logits_logprobs(x, labels, return_entropy=True)
+        logp, ent = cpu_backend.logits_logprobs(x, labels, options=CallOptions(return_entropy=True))
         (grad,) = torch.autograd.grad(logp[pos] * 0.7 - ent[pos] * 0.3, x)
         return logp[pos], ent[pos], grad[pos]
 
@@ -680,7 +673,7 @@ def test_linear_backward_is_deterministic():
     runs = []
     for _ in range(3):
         leaves = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
-        logp, ent = cpu_backend.linear_logprobs(*leaves, labels, return_entropy=True, memory_budget=0)
+        logp, ent = cpu_backend.linear_logprobs(*leaves, labels, options=CallOptions(return_entropy=True, memory_budget=0))
         runs.append((logp, ent, *torch.autograd.grad((g * logp).sum() + (ge * ent).sum(), leaves)))
     for r in runs[1:]:
         assert all(torch.equal(a, b) for a, b in zip(r, runs[0]))

@@ -11,6 +11,7 @@ import torch
 import gspo_kernels as gk
 from gspo_kernels import reference
 from gspo_kernels.backends.torch import linear as torch_backend
+from gspo_kernels.options import CallOptions
 from tests.support import (
     RTOL,
     rel_err,
@@ -89,10 +90,9 @@ def check_extreme_logits(backend: str, path: str, case: str) -> None:
     total64, ref_logp, ref_ent = _objective64(z64, labels, g, ge, temperature)
     ref_grads = torch.autograd.grad(total64, leaves64)
     if path == "logits":
-        logp, ent = impl.logits_logprobs(leaves[0], labels, temperature=temperature, return_entropy=True)
+        logp, ent = impl.logits_logprobs(leaves[0], labels, options=CallOptions(temperature=temperature, return_entropy=True))
     else:
-        logp, ent = impl.linear_logprobs(leaves[0], leaves[1], leaves[2], labels, temperature=temperature,
-                                         return_entropy=True)
+        logp, ent = impl.linear_logprobs(leaves[0], leaves[1], leaves[2], labels, options=CallOptions(temperature=temperature, return_entropy=True))
     assert rel_err(logp, ref_logp) < RTOL
     assert float((ent.detach().double() - ref_ent).abs().max()) < RTOL * max(1.0, float(ref_ent.detach().abs().max()))
     grads = torch.autograd.grad((g * logp).sum() + (ge * ent).sum(), leaves)
@@ -124,9 +124,9 @@ def check_minus_inf_columns(backend: str, path: str) -> None:
     total64, ref_logp, ref_ent = _objective64(z64, labels, g, ge, 1.0, finite_columns=~dead)
     ref_grads = torch.autograd.grad(total64, leaves64, allow_unused=True)
     if path == "logits":
-        logp, ent = impl.logits_logprobs(leaves[0], labels, return_entropy=True)
+        logp, ent = impl.logits_logprobs(leaves[0], labels, options=CallOptions(return_entropy=True))
     else:
-        logp, ent = impl.linear_logprobs(leaves[0], leaves[1], leaves[2], labels, return_entropy=True)
+        logp, ent = impl.linear_logprobs(leaves[0], leaves[1], leaves[2], labels, options=CallOptions(return_entropy=True))
     assert torch.isfinite(logp).all() and torch.isfinite(ent).all()
     assert rel_err(logp, ref_logp) < RTOL and rel_err(ent, ref_ent) < RTOL
     grads = torch.autograd.grad((g * logp).sum() + (ge * ent).sum(), leaves)
@@ -159,8 +159,8 @@ def check_out_of_range_labels(backend: str) -> None:
     good_labels = torch.where(bad, 0, labels)
     logits = torch.randn(N, V, requires_grad=True)
     hidden, weight = torch.randn(N, H, requires_grad=True), torch.randn(V, H, requires_grad=True)
-    runs = [lambda y: impl.logits_logprobs(logits, y, return_entropy=True),
-            lambda y: impl.linear_logprobs(hidden, weight, None, y, return_entropy=True)]
+    runs = [lambda y: impl.logits_logprobs(logits, y, options=CallOptions(return_entropy=True)),
+            lambda y: impl.linear_logprobs(hidden, weight, None, y, options=CallOptions(return_entropy=True))]
     for run in runs:
         logp, ent = run(labels)
         ref_logp, ref_ent = run(good_labels)

@@ -22,6 +22,7 @@ from gspo_kernels.backends import DEFAULT_MEMORY_BUDGET
 from gspo_kernels.backends.torch import linear as torch_linear
 from gspo_kernels.backends.torch import logits as torch_logits
 from gspo_kernels.backends.torch import rows as torch_rows
+from gspo_kernels.options import CallOptions
 
 # ops that wait for the device on CUDA (or sort there): none may run per chunk
 SYNCING = {"nonzero", "_local_scalar_dense", "item", "is_nonzero", "equal", "masked_select", "sort", "unique",
@@ -195,11 +196,12 @@ def test_hidden_accelerator_route_matches_float64(monkeypatch, dtype, temperatur
     ge[1] = 0.0
     ge = ge if entropy_grad else torch.zeros_like(ge)
     budget = 7 * V * 4 * 2  # 7 rows per chunk in the forward (2 fp32 tiles): several chunks
-    kw = dict(active=active.reshape(-1), temperature=temperature, return_entropy=True, memory_budget=budget)
+    kw = dict(temperature=temperature, return_entropy=True, memory_budget=budget)
     if softcap is not None:
         kw["softcap"] = softcap
     h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    lp, ent = torch_linear.linear_logprobs(h, w, None, labels.reshape(-1), **kw)
+    lp, ent = torch_linear.linear_logprobs(h, w, None, labels.reshape(-1), active=active.reshape(-1),
+                                           options=CallOptions(**kw))
     ((lp * gw.reshape(-1)).sum() + ((ent * ge.reshape(-1)).sum() if entropy_grad else 0)).backward()
     hd = torch.where(active[..., None], hidden.double(), 0.0).requires_grad_()
     wd = weight.double().requires_grad_()
@@ -252,8 +254,7 @@ def test_hidden_accelerator_route_host_reads_and_ops(monkeypatch):
         current.append(fwd)
         h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
         with fwd:
-            lp, _ = torch_linear.linear_logprobs(h, w, None, labels.reshape(-1), active=active, return_entropy=True,
-                                                  memory_budget=rows_per_chunk * V * 4 * 2)
+            lp, _ = torch_linear.linear_logprobs(h, w, None, labels.reshape(-1), active=active, options=CallOptions(return_entropy=True, memory_budget=rows_per_chunk * V * 4 * 2))
         reads_fwd = len(reads)
         with bwd:
             lp.sum().backward()
@@ -402,8 +403,7 @@ def test_hidden_kept_probabilities_match_float64(monkeypatch, fp32_out_gemms, dt
     if ge is not None:
         ge[1] = 0.0
     h, w, b = (t.clone().requires_grad_() for t in (hidden, weight, bias))
-    lp, ent = torch_linear.linear_logprobs(h, w, b, labels.reshape(-1), active=active.reshape(-1), temperature=0.8,
-                                            return_entropy=True, memory_budget=7 * V * 4 * 2)
+    lp, ent = torch_linear.linear_logprobs(h, w, b, labels.reshape(-1), active=active.reshape(-1), options=CallOptions(temperature=0.8, return_entropy=True, memory_budget=7 * V * 4 * 2))
     loss = (lp * gw.reshape(-1)).sum() + ((ent * ge.reshape(-1)).sum() if entropy_grad else 0)
     loss.backward(retain_graph=True)
     assert len(kept_used) == (0 if entropy_grad else 1)
@@ -440,8 +440,7 @@ def test_hidden_kept_probabilities_backward_ops(monkeypatch, fp32_out_gemms):
         hidden, weight, labels = _hidden_case(B=4, T=32, H=H, dtype=torch.bfloat16)
         V = weight.shape[0]
         h, w = hidden.requires_grad_(), weight.requires_grad_()
-        lp, _ = torch_linear.linear_logprobs(h, w, None, labels.reshape(-1), return_entropy=True,
-                                              memory_budget=rows_per_chunk * V * 4 * 2)
+        lp, _ = torch_linear.linear_logprobs(h, w, None, labels.reshape(-1), options=CallOptions(return_entropy=True, memory_budget=rows_per_chunk * V * 4 * 2))
         counter = _Counter()
         n_reads = len(reads)
         with counter:
@@ -468,8 +467,8 @@ def test_hidden_keeps_nothing_without_a_graph(monkeypatch, fp32_out_gemms):
     w = weight.requires_grad_()
     counter = _Counter()
     with torch.no_grad(), counter:
-        torch_linear.linear_logprobs(hidden, w, None, labels.reshape(-1), return_entropy=True)
+        torch_linear.linear_logprobs(hidden, w, None, labels.reshape(-1), options=CallOptions(return_entropy=True))
     with_graph = _Counter()
     with with_graph:
-        torch_linear.linear_logprobs(hidden, w, None, labels.reshape(-1), return_entropy=True)
+        torch_linear.linear_logprobs(hidden, w, None, labels.reshape(-1), options=CallOptions(return_entropy=True))
     assert with_graph.ops.count("copy_") == counter.ops.count("copy_") + 1  # p into the kept buffer, one chunk

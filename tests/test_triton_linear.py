@@ -22,6 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from gspo_kernels.backends.triton import configs
 from gspo_kernels.backends.triton.linear_invariant import linear_logprobs, linear_logprobs_forward
+from gspo_kernels.options import CallOptions
 from tests.support import rel_err, triton_test_device
 
 # With CUDA (``gspo-kernels gpu-check`` runs this module there) every tensor below is made on the GPU
@@ -81,7 +82,7 @@ def run(hidden, weight, bias, labels, g_logp, g_ent, **kwargs):
     h = hidden.detach().clone().requires_grad_()
     w = weight.detach().clone().requires_grad_()
     b = None if bias is None else bias.detach().clone().requires_grad_()
-    logp, entropy = linear_logprobs(h, w, b, labels, return_entropy=True, **kwargs)
+    logp, entropy = linear_logprobs(h, w, b, labels, options=CallOptions(return_entropy=True, **kwargs))
     grads = torch.autograd.grad((logp * g_logp + entropy * g_ent).sum(), [t for t in (h, w, b) if t is not None])
     return (logp, entropy, *grads) + ((None,) if b is None else ())
 
@@ -106,8 +107,7 @@ def test_fp32_forward_backward(layout, with_bias, temperature, H, budget):
     g_ent[1::3] = 0  # and some only through logp
     h = hidden.clone().requires_grad_() if layout == "rows" else hidden.requires_grad_()
     w, b = weight.clone().requires_grad_(), None if bias is None else bias.clone().requires_grad_()
-    logp, entropy = linear_logprobs(h, w, b, labels, temperature=temperature, return_entropy=True,
-                                    memory_budget=budget)
+    logp, entropy = linear_logprobs(h, w, b, labels, options=CallOptions(temperature=temperature, return_entropy=True, memory_budget=budget))
     grads = torch.autograd.grad((logp * g_logp + entropy * g_ent).sum(), [t for t in (h, w, b) if t is not None])
     ref = float64_math(hidden, weight, bias, labels, temperature, g_logp, g_ent)
     assert logp.dtype == torch.float32 and entropy.dtype == torch.float32
@@ -150,8 +150,7 @@ def test_active_rows_and_empty():
     assert rel_err(hidden.grad, ref[2]) < RTOL and rel_err(weight.grad, ref[3]) < RTOL
     # no active row at all: zeros, and zero gradients (no NaN from an empty launch)
     hidden.grad = weight.grad = None
-    logp, entropy = linear_logprobs(hidden, weight, None, labels, active=torch.zeros(N, dtype=torch.bool),
-                                    return_entropy=True)
+    logp, entropy = linear_logprobs(hidden, weight, None, labels, active=torch.zeros(N, dtype=torch.bool), options=CallOptions(return_entropy=True))
     assert torch.all(logp == 0) and torch.all(entropy == 0)
     (logp * poisoned.nan_to_num(1.0)).sum().backward()
     assert torch.all(hidden.grad == 0) and torch.all(weight.grad == 0)
@@ -265,7 +264,7 @@ def test_chunk_buffers_stay_within_the_memory_budget(tiles):
     tile = configs.linear_bwd_config(torch.float32)["dz"]["BLOCK_N"]  # rows of one row tile (16 in the interpreter)
     budget = tiles * (tile * 90 * 4 + 4 * 90)  # fp32 dZ rows of one row tile + its bias partials
     h, w, b = (t.clone().requires_grad_() for t in (hidden, weight, bias))
-    logp, entropy = linear_logprobs(h, w, b, labels, return_entropy=True, memory_budget=budget)
+    logp, entropy = linear_logprobs(h, w, b, labels, options=CallOptions(return_entropy=True, memory_budget=budget))
     with Allocations() as rec:
         grads = torch.autograd.grad((logp * g_logp + entropy * g_ent).sum(), (h, w, b))
     chunk = [size for shape, size in rec.sizes if len(shape) == 2 and shape[-1] == 90]
@@ -331,7 +330,7 @@ def test_no_host_synchronisation_in_autograd():
     g_logp[::4] = 0
     h, w, b = (t.clone().requires_grad_() for t in (hidden, weight, bias))
     with Recorder() as rec:
-        logp, entropy = linear_logprobs(h, w, b, labels, active=torch.rand(20) > 0.2, return_entropy=True)
+        logp, entropy = linear_logprobs(h, w, b, labels, active=torch.rand(20) > 0.2, options=CallOptions(return_entropy=True))
         (logp * g_logp + entropy * g_ent).sum().backward()
     assert "scatter_" in rec.ops  # the recorder sees the compaction's ops
     assert not rec.ops & {"nonzero", "_local_scalar_dense", "is_nonzero", "any", "masked_select", "unique"}
@@ -360,7 +359,7 @@ def test_strided_bias_is_read_with_its_stride():
     for b in (torch.empty_strided((40,), (2,)).copy_(bias), bias.contiguous()):
         b.requires_grad_()
         assert b.is_contiguous() == (len(results) == 1)
-        logp, entropy = linear_logprobs(hidden, weight, b, labels, return_entropy=True)
+        logp, entropy = linear_logprobs(hidden, weight, b, labels, options=CallOptions(return_entropy=True))
         (db,) = torch.autograd.grad((logp * g_logp + entropy * g_ent).sum(), (b,))
         results.append((logp, entropy, db))
     for a, b in zip(*results):
@@ -375,8 +374,8 @@ def test_out_of_range_labels_give_nan_rows_only():
     hidden, weight, bias, labels, _, _ = _problem(N=10, V=40)
     bad = labels.clone()
     bad[2], bad[7] = -100, 40
-    logp, entropy = linear_logprobs(hidden, weight, bias, bad, return_entropy=True)
-    good, _ = linear_logprobs(hidden, weight, bias, labels, return_entropy=True)
+    logp, entropy = linear_logprobs(hidden, weight, bias, bad, options=CallOptions(return_entropy=True))
+    good, _ = linear_logprobs(hidden, weight, bias, labels, options=CallOptions(return_entropy=True))
     assert torch.isnan(logp[2]) and torch.isnan(logp[7])
     keep = torch.ones(10, dtype=torch.bool)
     keep[[2, 7]] = False

@@ -28,6 +28,7 @@ from gspo_kernels.backends.triton.logits import (  # noqa: E402
 )
 from gspo_kernels.config import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, GSPOConfig  # noqa: E402
 from gspo_kernels.layout import LossInputs, TokenBatch  # noqa: E402
+from gspo_kernels.options import CallOptions  # noqa: E402
 from gspo_kernels.testing import gradient_tolerance, rel_err  # noqa: E402
 from tests.support import NewTensors, capture_cuda_graph, replays_against_eager, triton_test_device  # noqa: E402
 
@@ -479,7 +480,7 @@ def test_out_of_range_labels_are_never_read():
     storage = torch.randn(8, V, device=DEVICE)
     x = storage[1:-1].detach().requires_grad_(True)  # shares the storage: rows 0 and 7 are its neighbours
     labels = torch.tensor([3, -100, -1, V, 5, 0], device=DEVICE)
-    logp, _ = logits_logprobs(x, labels, return_entropy=False)
+    logp, _ = logits_logprobs(x, labels, options=CallOptions(return_entropy=False))
     bad = torch.tensor([False, True, True, True, False, False])
     assert torch.isnan(logp.cpu()[bad]).all() and torch.isfinite(logp.cpu()[~bad]).all()
     g = torch.ones(6, device=DEVICE)
@@ -545,8 +546,7 @@ def test_logits_path_autograd_has_no_host_synchronization():
     syncs = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.is_nonzero.default",
              "aten.item.default", "aten.equal.default"}
     with NewTensors(min_numel=1 << 60) as record:
-        logp, entropy = logits_logprobs(x[:, :-1], inputs.labels, active=inputs.batch.mask > 0,
-                                        temperature=config.temperature, return_entropy=True)
+        logp, entropy = logits_logprobs(x[:, :-1], inputs.labels, active=inputs.batch.mask > 0, options=CallOptions(temperature=config.temperature, return_entropy=True))
         loss = fused_objective(logp, entropy, inputs, config).loss
         loss.backward()
     assert not syncs & set(record.ops), syncs & set(record.ops)
@@ -752,7 +752,7 @@ def test_softcap_logits_path_matches_float64(dtype, V):
     base = raw.to(dtype).to(DEVICE).requires_grad_(True)
     labels = torch.randint(0, V, (B * S,), device=DEVICE)
     labels[-1] = 3  # the -inf logit is a label: its log-prob is finite under the cap
-    logp, entropy = logits_logprobs(base[:, :-1], labels, temperature=T, return_entropy=True, softcap=cap)
+    logp, entropy = logits_logprobs(base[:, :-1], labels, options=CallOptions(temperature=T, return_entropy=True, softcap=cap))
     g, h = torch.randn(B * S, dtype=logp.dtype, device=DEVICE), torch.randn(B * S, dtype=logp.dtype, device=DEVICE)
     (grad,) = torch.autograd.grad((logp * g + entropy * h).sum(), base)
     x64 = base.detach().cpu().double().requires_grad_(True)
@@ -782,8 +782,7 @@ def test_softcap_hidden_state_paths_match_float64(batch_invariant):
     labels = torch.randint(0, V, (N,))
     g, gh = torch.randn(N), torch.randn(N)
     leaves = [t.clone().to(DEVICE).requires_grad_(True) for t in (hidden, weight, bias)]
-    logp, entropy = triton_backend.linear_logprobs(*leaves, labels.to(DEVICE), temperature=T, return_entropy=True,
-                                                   softcap=cap, batch_invariant=batch_invariant)
+    logp, entropy = triton_backend.linear_logprobs(*leaves, labels.to(DEVICE), options=CallOptions(temperature=T, return_entropy=True, softcap=cap, batch_invariant=batch_invariant))
     grads = torch.autograd.grad((logp * g.to(DEVICE) + entropy * gh.to(DEVICE)).sum(), leaves)
     ref_leaves = [t.double().requires_grad_(True) for t in (hidden, weight, bias)]
     z64 = ref_leaves[0] @ ref_leaves[1].T + ref_leaves[2]
@@ -800,14 +799,19 @@ def test_softcap_one_pass_fused_linear_loss_matches_float64(layout, monkeypatch)
     """The one-pass ``fused_linear_loss`` (gradient formed during the forward) with ``softcap``, reached through
     ``fused_linear_gspo_loss`` with the backend's two entry points bound to the cap: loss and gradients equal
     float64's GSPO loss over ``c tanh(z / c)`` logits (the reference divides them by the temperature)."""
-    import functools
+    import dataclasses
 
     from gspo_kernels import backends as registry
 
     cap = 3.0
     impl = registry.load("triton")
-    monkeypatch.setattr(impl, "fused_linear_loss", functools.partial(impl.fused_linear_loss, softcap=cap))
-    monkeypatch.setattr(impl, "linear_logprobs", functools.partial(impl.linear_logprobs, softcap=cap))
+    def capped(entry):  # the pipeline passes the call's options last among the positional arguments
+        def call(*args, **kwargs):
+            return entry(*args[:-1], dataclasses.replace(args[-1], softcap=cap), **kwargs)
+        return call
+
+    monkeypatch.setattr(impl, "fused_linear_loss", capped(impl.fused_linear_loss))
+    monkeypatch.setattr(impl, "linear_logprobs", capped(impl.linear_logprobs))
     S, T, H, V = 3, 5, 16, 29
     config = GSPOConfig(temperature=0.9, entropy_coef=0.01, importance_sampling_level="sequence")
     hidden, weight, bias = torch.randn(S, T, H), torch.randn(V, H), torch.randn(V)
@@ -848,10 +852,10 @@ def test_softcap_must_be_finite_and_positive():
     hidden, weight = torch.randn(2, 4, device=DEVICE), torch.randn(8, 4, device=DEVICE)
     for bad in (0.0, -1.0, float("inf"), float("nan")):
         with pytest.raises(ValueError, match="softcap"):
-            logits_logprobs(x, labels, softcap=bad)
+            logits_logprobs(x, labels, options=CallOptions(softcap=bad))
         for invariant in (False, True):
             with pytest.raises(ValueError, match="softcap"):
-                triton_backend.linear_logprobs(hidden, weight, None, labels, softcap=bad, batch_invariant=invariant)
+                triton_backend.linear_logprobs(hidden, weight, None, labels, options=CallOptions(softcap=bad, batch_invariant=invariant))
 
 
 @pytest.mark.parametrize("V", [4103, 37])
@@ -906,9 +910,7 @@ def _two_node_loss(logits_in, labels, adv, old, mask, config, inplace, packed):
 
     kw = {"cu_seqlens": torch.arange(0, labels.numel() + 1, labels.numel() // 3, device=DEVICE)} if packed else {}
     inputs = prepare_loss_inputs(labels, logits_in.shape[-1], LossTensors(adv, old_logprobs=old, mask=mask, **kw))
-    logp, entropy = logits.logits_logprobs(logits_in, inputs.labels, active=inputs.batch.mask > 0,
-                                           temperature=config.temperature, return_entropy=True,
-                                           inplace_backward=inplace, softcap=config.final_logit_softcapping)
+    logp, entropy = logits.logits_logprobs(logits_in, inputs.labels, active=inputs.batch.mask > 0, options=CallOptions(temperature=config.temperature, return_entropy=True, inplace_backward=inplace, softcap=config.final_logit_softcapping))
     return sequence.fused_objective(logp, entropy, inputs, config)
 
 

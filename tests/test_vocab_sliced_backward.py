@@ -11,6 +11,7 @@ import torch
 
 import gspo_kernels as gk
 from gspo_kernels import backends
+from gspo_kernels.options import CallOptions
 from gspo_kernels.testing import gradient_tolerance
 from tests.support import RTOL, TRITON_DEVICE, rel_err
 
@@ -75,9 +76,7 @@ def test_sliced_backward_against_float64(monkeypatch, dtype, columns, budget_row
     grad_entropy = torch.randn(N, generator=g).to(TRITON_DEVICE)
     grad_logp[3] = grad_entropy[3] = 0.0  # a row without gradient: a zero dZ row
     temperature = 0.7
-    logp, entropy = backends.load("triton").linear_logprobs(
-        hidden, weight, bias, labels, active=active, return_entropy=True, temperature=temperature,
-        memory_budget=budget, softcap=softcap)
+    logp, entropy = backends.load("triton").linear_logprobs(hidden, weight, bias, labels, active=active, options=CallOptions(return_entropy=True, temperature=temperature, memory_budget=budget, softcap=softcap))
     leaves = [t for t in (hidden, weight, bias) if t is not None]
     got = torch.autograd.grad((logp * grad_logp).sum() + (entropy * grad_entropy).sum(), leaves)
     want = _float64_gradients(hidden, weight, bias, labels, active, grad_logp, grad_entropy, temperature, softcap)

@@ -3,16 +3,19 @@
 A backend (:class:`gspo_kernels.backends.Backend`) provides :class:`LogitsLogprobs` and :class:`LinearLogprobs`,
 and optionally :class:`Objective`, :class:`FusedLinearLoss` and :class:`FusedLogitsLoss`, as differentiable
 functions (autograd Functions inside the backend) whose parameters are those of the Protocol's ``__call__``:
-the same names, kinds (keyword-only after ``*``) and defaults (``tests/test_backend_contract.py`` checks each
-registered backend against them).
+the same names, kinds and defaults (``tests/test_backend_contract.py`` checks each registered backend against
+them).
 
-``softcap`` (every backend's ``logits_logprobs``, ``linear_logprobs`` and ``fused_linear_loss`` accept it):
-``None``, no cap, or a float ``c > 0`` (checked by the public functions): every logit ``z`` (``hidden @ weight.T +
-bias`` on the hidden-state path, the bias added first) becomes ``c * tanh(z / c)`` *before* the division by the
-temperature, so the backward multiplies each logit's gradient by ``1 - tanh^2(z / c)``. The cap is not
-shift-invariant: a backend must not shift the bias (or the logits) by a constant when it is set. The public
-functions pass the keyword only when a cap is set, so an uncapped call is the call a backend received before the
-keyword existed.
+The call's options reach a backend as one frozen object, the :class:`~gspo_kernels.options.CallOptions` the
+public function built and checked (a backend never validates them again). A stage reads the fields it uses:
+``temperature``, ``return_entropy`` and ``softcap`` (every stage), ``inplace_backward`` (the logits path),
+``memory_budget`` and ``batch_invariant`` (the hidden-state path), ``config`` and ``logprobs_out`` (the fused
+losses); it ignores the others (the backend's name, the vocabulary split, the checks' switches).
+
+``softcap``: ``None``, no cap, or a float ``c > 0``: every logit ``z`` (``hidden @ weight.T + bias`` on the
+hidden-state path, the bias added first) becomes ``c * tanh(z / c)`` *before* the division by the temperature, so
+the backward multiplies each logit's gradient by ``1 - tanh^2(z / c)``. The cap is not shift-invariant: a backend
+must not shift the bias (or the logits) by a constant when it is set.
 
 Labels outside ``[0, V)`` reach a backend only when the public checks are skipped (under ``torch.compile``): a
 backend never reads out of bounds for them, and that row's log-prob is NaN.
@@ -23,6 +26,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Callable, Optional, Protocol, Tuple
 
 from torch import Tensor
+
+from gspo_kernels.options import DEFAULT_OPTIONS, CallOptions
 
 if TYPE_CHECKING:
     from gspo_kernels.config import GSPOConfig
@@ -37,48 +42,28 @@ class LogitsLogprobs(Protocol):
     in ``[0, V)``; ``active``: ``[N]`` bool or None, rows that may be skipped in the forward (their outputs are 0)
     when False. Returns ``(logp [N] fp32, entropy [N] fp32 or None)``. The backward receives ``grad_logp`` /
     ``grad_entropy`` (``[N]`` each, possibly None) and does no work for rows where both are zero; their logits
-    gradient is exactly 0. With ``inplace_backward`` the gradient is written into the logits' own storage.
+    gradient is exactly 0. With ``options.inplace_backward`` the gradient is written into the logits' own storage.
     """
 
-    def __call__(
-        self,
-        logits: Tensor,
-        labels: Tensor,
-        *,
-        active: Optional[Tensor] = None,
-        temperature: float = 1.0,
-        return_entropy: bool = False,
-        inplace_backward: bool = False,
-        softcap: Optional[float] = None,
-    ) -> Tuple[Tensor, Optional[Tensor]]: ...
+    def __call__(self, logits: Tensor, labels: Tensor, active: Optional[Tensor] = None,
+                 options: CallOptions = DEFAULT_OPTIONS) -> Tuple[Tensor, Optional[Tensor]]: ...
 
 
 class LinearLogprobs(Protocol):
     """``linear_logprobs``: per-token ``(logp, entropy)`` of ``hidden @ weight.T + bias`` (the hidden-state path).
 
     ``hidden``: ``[N, H]`` or ``[B, T, H]``, ``weight``: ``[V, H]``, ``bias``: ``[V]`` or None; the outputs and the
-    skipping rule of :class:`LogitsLogprobs`, gradients for hidden, weight and bias. ``memory_budget``: bytes the
-    backend may use for logits saved between forward and backward and for its chunk buffers (None:
+    skipping rule of :class:`LogitsLogprobs`, gradients for hidden, weight and bias. ``options.memory_budget``:
+    bytes the backend may use for logits saved between forward and backward and for its chunk buffers (None:
     :data:`gspo_kernels.backends.DEFAULT_MEMORY_BUDGET`, the one default of every backend that uses it); it is
     validated by the public functions (:func:`gspo_kernels.checks.check_memory_budget`), never again in a
-    backend, and never changes the results' meaning. ``batch_invariant=True`` (passed only when the caller asks):
-    a row's results are the same bits whatever the rest of the batch; a backend that cannot promise it raises.
+    backend, and never changes the results' meaning. ``options.batch_invariant``: a row's results are the same
+    bits whatever the rest of the batch; a backend that cannot promise it raises.
     """
 
-    def __call__(
-        self,
-        hidden: Tensor,
-        weight: Tensor,
-        bias: Optional[Tensor],
-        labels: Tensor,
-        *,
-        active: Optional[Tensor] = None,
-        temperature: float = 1.0,
-        return_entropy: bool = False,
-        memory_budget: Optional[int] = None,
-        batch_invariant: bool = False,
-        softcap: Optional[float] = None,
-    ) -> Tuple[Tensor, Optional[Tensor]]: ...
+    def __call__(self, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor,
+                 active: Optional[Tensor] = None,
+                 options: CallOptions = DEFAULT_OPTIONS) -> Tuple[Tensor, Optional[Tensor]]: ...
 
 
 class Objective(Protocol):
@@ -97,43 +82,26 @@ class FusedLinearLoss(Protocol):
 
     Its gradient is formed during the forward (the one-pass form of :func:`gspo_kernels.fused_linear_gspo_loss`);
     returns a ``LossOutput``, or None when it cannot run this input (the pipeline then runs ``linear_logprobs`` and
-    the objective). ``objective``: the backend's sequence stage. ``leaves``: the caller's tensors that the
-    precision policy cast into the operands (the gradients go to them, in their dtypes); ``logprobs_out [N]``:
-    receives the detached per-token log-probs, 0 where the mask is 0.
+    the objective). ``objective``: the backend's sequence stage; ``options.config``: the loss's config (never
+    None here). ``leaves``: the caller's tensors that the precision policy cast into the operands (the gradients
+    go to them, in their dtypes); ``options.logprobs_out`` (any shape with ``N`` elements) receives the detached
+    per-token log-probs, 0 where the mask is 0.
     """
 
-    def __call__(
-        self,
-        objective: Callable,
-        hidden: Tensor,
-        weight: Tensor,
-        bias: Optional[Tensor],
-        inputs: LossInputs,
-        config: GSPOConfig,
-        *,
-        memory_budget: Optional[int] = None,
-        softcap: Optional[float] = None,
-        leaves: Optional[Tuple[Tensor, Tensor, Optional[Tensor]]] = None,
-        logprobs_out: Optional[Tensor] = None,
-    ) -> Optional[LossOutput]: ...
+    def __call__(self, objective: Callable, hidden: Tensor, weight: Tensor, bias: Optional[Tensor],
+                 inputs: LossInputs, options: CallOptions, *,
+                 leaves: Optional[Tuple[Tensor, Tensor, Optional[Tensor]]] = None) -> Optional[LossOutput]: ...
 
 
 class FusedLogitsLoss(Protocol):
     """``fused_logits_loss`` (optional): the whole loss of the logits path with the backend's own ``objective``.
 
     One differentiable call (the log-probs and the sequence stage in one autograd node, no per-token gradient
-    tensors between them); returns a ``LossOutput`` equal to ``objective(*logits_logprobs(...), inputs, config)``.
+    tensors between them); returns a ``LossOutput`` equal to ``objective(*logits_logprobs(...), inputs, config)``
+    with ``config = options.config`` (never None here).
     """
 
-    def __call__(
-        self,
-        logits: Tensor,
-        inputs: LossInputs,
-        config: GSPOConfig,
-        *,
-        inplace_backward: bool = False,
-        softcap: Optional[float] = None,
-    ) -> LossOutput: ...
+    def __call__(self, logits: Tensor, inputs: LossInputs, options: CallOptions) -> LossOutput: ...
 
 
 ENTRIES = {

@@ -599,6 +599,7 @@ def workload(device: str = "cuda", vocab_size: int = 4099, linear_vocab_size: in
     import gspo_kernels as gk
     from gspo_kernels.backends.triton.logits import logits_logprobs
     from gspo_kernels.config import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES
+    from gspo_kernels.options import CallOptions
 
     torch.manual_seed(0)
     B, T, V = 3, 5, vocab_size
@@ -621,7 +622,7 @@ def workload(device: str = "cuda", vocab_size: int = 4099, linear_vocab_size: in
     x_inf[:, ::3] = float("-inf")
     labels = torch.tensor([0, 1, -100, V, 4, 5, V - 1], device=device)  # two out of range: never read
     for logits in (x, x_inf.requires_grad_(True)):
-        logp, entropy = logits_logprobs(logits, labels, return_entropy=True)
+        logp, entropy = logits_logprobs(logits, labels, options=CallOptions(return_entropy=True))
         torch.autograd.grad((logp.nan_to_num() + entropy).sum(), logits)
     for dtype in (torch.bfloat16, torch.float32):
         hidden = torch.randn(37, 64, device=device, dtype=dtype, requires_grad=True)

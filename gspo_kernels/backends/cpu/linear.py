@@ -12,6 +12,7 @@ from torch import Tensor
 from gspo_kernels.backends import DEFAULT_MEMORY_BUDGET
 from gspo_kernels.backends.cpu.ops import _cap_arg, _flags, _fp64_fallback
 from gspo_kernels.backends.tiling import as_rows
+from gspo_kernels.options import DEFAULT_OPTIONS, CallOptions
 
 # Hidden-state path, batch_invariant=True: fixed shapes (a row's bits must not depend on the batch).
 ROW_BLOCK = 1024  # rows per logits tile (the weight is streamed once per block)
@@ -46,22 +47,14 @@ def blocks(rows: int, hidden_size: int, vocab: int, batch_invariant: bool) -> Tu
     return max(FAST_MIN_ROW_BLOCK, row_block, 1), 0, vocab_block
 
 
-def linear_logprobs(
-    hidden: Tensor,
-    weight: Tensor,
-    bias: Optional[Tensor],
-    labels: Tensor,
-    *,
-    active: Optional[Tensor] = None,
-    temperature: float = 1.0,
-    return_entropy: bool = False,
-    memory_budget: Optional[int] = None,
-    batch_invariant: bool = False,
-    softcap: Optional[float] = None,
-) -> Tuple[Tensor, Optional[Tensor]]:
+def linear_logprobs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor,
+                    active: Optional[Tensor] = None,
+                    options: CallOptions = DEFAULT_OPTIONS) -> Tuple[Tensor, Optional[Tensor]]:
     """Per-token ``(logp [N], entropy [N] | None)`` of ``hidden @ weight.T + bias``.
 
-    ``softcap``: see the backend contract (fp32 math; with a cap the bias is not shifted by its max).
+    The options read (``options``, the call's :class:`~gspo_kernels.options.CallOptions`): ``temperature``,
+    ``return_entropy``; ``softcap``: see the backend contract (fp32 math; with a cap the bias is not shifted by its
+    max).
 
     ``batch_invariant``: ``True`` gives a row the same bits whatever the batch, its position and
     ``memory_budget`` (fixed-shape, zero-padded GEMMs; slower, most of all below 512 active rows);
@@ -79,15 +72,14 @@ def linear_logprobs(
     backward, and in the default mode one fp32 ``[row_block, H]`` ``dH`` partial per vocabulary tile
     (at most ``FAST_PARTIALS_BYTES`` unless the row block is at its floor, ``FAST_MIN_ROW_BLOCK``).
     """
+    temperature, return_entropy, softcap = options.temperature, options.return_entropy, options.softcap
+    batch_invariant, memory_budget = options.batch_invariant, options.memory_budget
     if torch.float64 in (hidden.dtype, weight.dtype):
         if batch_invariant:
             raise ValueError("batch_invariant=True is not available for fp64 hidden states or weight on backend "
                              "'cpu': fp64 runs through the 'torch' backend, whose matmuls round a row depending on "
                              "the batch's shape; pass fp32/bf16/fp16 tensors or batch_invariant=False")
-        return _fp64_fallback("hidden states").linear_logprobs(
-            hidden, weight, bias, labels, active=active, temperature=temperature, return_entropy=return_entropy,
-            memory_budget=memory_budget, softcap=softcap,
-        )
+        return _fp64_fallback("hidden states").linear_logprobs(hidden, weight, bias, labels, active, options)
     rows = as_rows(hidden)
     labels, active = _flags(labels, active)
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (rows, weight, bias))

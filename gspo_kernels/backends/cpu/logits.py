@@ -10,24 +10,17 @@ from torch import Tensor
 
 from gspo_kernels.backends.cpu.ops import _cap_arg, _flags, _fp64_fallback, _load_extension
 from gspo_kernels.backends.tiling import next_token_base
+from gspo_kernels.options import DEFAULT_OPTIONS, CallOptions
 
 
-def logits_logprobs(
-    logits: Tensor,
-    labels: Tensor,
-    *,
-    active: Optional[Tensor] = None,
-    temperature: float = 1.0,
-    return_entropy: bool = False,
-    inplace_backward: bool = False,
-    softcap: Optional[float] = None,
-) -> Tuple[Tensor, Optional[Tensor]]:
+def logits_logprobs(logits: Tensor, labels: Tensor, active: Optional[Tensor] = None,
+                    options: CallOptions = DEFAULT_OPTIONS) -> Tuple[Tensor, Optional[Tensor]]:
     """Per-token ``(logp [N], entropy [N] | None)`` from ``logits [N, V]`` / ``[B, T, V]``.
 
     fp16/bf16/fp32 logits give fp32 outputs (fp32 math); fp64 logits give fp64 outputs (the
     ``torch`` backend's fp64 math). Any strides with a unit last stride are read in place (e.g.
-    ``logits[:, :-1]``); other layouts are copied once. With ``inplace_backward`` the gradient is
-    written into the logits' storage. ``softcap``: see the backend contract (the cap is computed in fp32).
+    ``logits[:, :-1]``); other layouts are copied once. With ``options.inplace_backward`` the gradient is
+    written into the logits' storage. ``options.softcap``: see the backend contract (the cap is computed in fp32).
 
     A model's ``[B, T + 1, V]`` output read as ``logits[:, :-1]`` is recognised
     (:func:`gspo_kernels.backends.tiling.next_token_base`, as the Triton backend does): the operators take the
@@ -36,10 +29,8 @@ def logits_logprobs(
     buffer: one logits-sized allocation out of place, none with ``inplace_backward``. Same bits either way.
     """
     if logits.dtype == torch.float64:
-        return _fp64_fallback("logits").logits_logprobs(
-            logits, labels, active=active, temperature=temperature, return_entropy=return_entropy,
-            inplace_backward=inplace_backward, softcap=softcap,
-        )
+        return _fp64_fallback("logits").logits_logprobs(logits, labels, active, options)
+    temperature, return_entropy, softcap = options.temperature, options.return_entropy, options.softcap
     if logits.dim() not in (2, 3):
         logits = logits.reshape(-1, logits.shape[-1])
     if logits.shape[-1] > 1 and logits.stride(-1) != 1:
@@ -49,7 +40,7 @@ def logits_logprobs(
     extra = dict(extra_position=True) if base is not None else {}
     logp, entropy, _lse = torch.ops.gspo_kernels.logits_fwd(
         logits if base is None else base, labels, active, float(temperature), bool(return_entropy),
-        bool(inplace_backward), *_cap_arg(softcap), **extra,
+        bool(options.inplace_backward), *_cap_arg(softcap), **extra,
     )
     return logp, (entropy if return_entropy else None)
 

@@ -22,6 +22,7 @@ from gspo_kernels.backends.torch.rows import (
     _Workspace,
 )
 from gspo_kernels.checks import host_reads_allowed
+from gspo_kernels.options import DEFAULT_OPTIONS, CallOptions
 from gspo_kernels.precision import compute_dtype
 
 LINEAR_ROW_BLOCK = 1024  # rows per tile of the hidden-state path (the weight is streamed once per block)
@@ -475,19 +476,9 @@ def _linear_tile(h: Tensor, weight: Tensor, bias: Optional[Tensor], v0: int, cdt
     return z.tanh_().mul_(cap / tau), s
 
 
-def linear_logprobs(
-    hidden: Tensor,
-    weight: Tensor,
-    bias: Optional[Tensor],
-    labels: Tensor,
-    *,
-    active: Optional[Tensor] = None,
-    temperature: float = 1.0,
-    return_entropy: bool = False,
-    memory_budget: Optional[int] = None,
-    batch_invariant: bool = False,
-    softcap: Optional[float] = None,
-) -> Tuple[Tensor, Optional[Tensor]]:
+def linear_logprobs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor,
+                    active: Optional[Tensor] = None,
+                    options: CallOptions = DEFAULT_OPTIONS) -> Tuple[Tensor, Optional[Tensor]]:
     """Per-token ``(logp [N], entropy [N] | None)`` of ``hidden @ weight.T + bias``.
 
     ``softcap``: see the backend contract. ``batch_invariant=True`` is refused: the BLAS this backend calls picks its kernels by shape.
@@ -506,11 +497,12 @@ def linear_logprobs(
     not 8NHV) and no fp32 accumulator (``dW`` in the weight's dtype from one GEMM); with an entropy gradient it
     recomputes as above.
     """
-    if batch_invariant:
+    if options.batch_invariant:
         raise ValueError("batch_invariant=True needs backend='triton' or backend='cpu': the 'torch' backend's "
                          "matmuls round a row depending on the batch's shape")
+    return_entropy, softcap = options.return_entropy, options.softcap
     cap = None if softcap is None else float(softcap)
     graph = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
-    logp, entropy = _LinearLogprobs.apply(hidden, weight, bias, labels, active, float(temperature), return_entropy,
-                                          cap, memory_budget, graph)
+    logp, entropy = _LinearLogprobs.apply(hidden, weight, bias, labels, active, float(options.temperature),
+                                          return_entropy, cap, options.memory_budget, graph)
     return logp, (entropy if return_entropy else None)

@@ -23,6 +23,7 @@ from gspo_kernels.backends.torch.rows import (
     _Workspace,
 )
 from gspo_kernels.checks import host_reads_allowed
+from gspo_kernels.options import DEFAULT_OPTIONS, CallOptions
 from gspo_kernels.precision import compute_dtype
 
 LOGITS_BLOCK_ELEMENTS = 1 << 23  # logits path: whole rows per block, about this many elements (32 MiB fp32)
@@ -309,16 +310,8 @@ def _row_view(x: Tensor, r0: int, r1: int) -> Tensor:
         return x[r0 // T, r0 % T : r0 % T + (r1 - r0)]
 
 
-def logits_logprobs(
-    logits: Tensor,
-    labels: Tensor,
-    *,
-    active: Optional[Tensor] = None,
-    temperature: float = 1.0,
-    return_entropy: bool = False,
-    inplace_backward: bool = False,
-    softcap: Optional[float] = None,
-) -> Tuple[Tensor, Optional[Tensor]]:
+def logits_logprobs(logits: Tensor, labels: Tensor, active: Optional[Tensor] = None,
+                    options: CallOptions = DEFAULT_OPTIONS) -> Tuple[Tensor, Optional[Tensor]]:
     """Per-token ``(logp [N], entropy [N] | None)`` from ``logits [N, V]`` / ``[B, T, V]``.
 
     fp16/bf16/fp32 logits: fp32 math and outputs; fp64 logits: fp64 math and outputs. Extra memory:
@@ -330,10 +323,12 @@ def logits_logprobs(
     none under ``torch.compile`` / CUDA-graph capture, where every row of a block is computed and the others'
     results replaced by 0). ``softcap``: see the backend contract.
     """
+    return_entropy, softcap = options.return_entropy, options.softcap
     cap = None if softcap is None else float(softcap)
     base = None
     if _accelerated(logits.device) and torch.is_grad_enabled() and not torch.compiler.is_compiling():
         base = next_token_base(logits)  # [B, T + 1, V] read as [:, :-1]: its gradient written here, no slice_backward
-    logp, entropy = _LogitsLogprobs.apply(logits if base is None else base, labels, active, float(temperature),
-                                          return_entropy, inplace_backward, cap, base is not None)
+    logp, entropy = _LogitsLogprobs.apply(logits if base is None else base, labels, active,
+                                          float(options.temperature), return_entropy, options.inplace_backward, cap,
+                                          base is not None)
     return logp, (entropy if return_entropy else None)

@@ -36,6 +36,8 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
+from gspo_kernels.options import DEFAULT_OPTIONS, CallOptions
+
 
 def supports(device: torch.device) -> bool:
     """CUDA devices, and the CPU while the interpreter is active."""
@@ -49,36 +51,21 @@ def supports(device: torch.device) -> bool:
     return False
 
 
-def linear_logprobs(
-    hidden: Tensor,
-    weight: Tensor,
-    bias: Optional[Tensor],
-    labels: Tensor,
-    *,
-    active: Optional[Tensor] = None,
-    temperature: float = 1.0,
-    return_entropy: bool = False,
-    memory_budget: Optional[int] = None,
-    batch_invariant: bool = False,
-    softcap: Optional[float] = None,
-    leaves: Optional[Tuple[Tensor, Tensor, Optional[Tensor]]] = None,
-) -> Tuple[Tensor, Optional[Tensor]]:
-    """The backend contract's ``linear_logprobs`` (see ``gspo_kernels/backends/__init__.py``): the vendor GEMMs
-    (:func:`.linear.linear_logprobs`) by default; the batch-invariant Triton GEMMs
-    (:func:`.linear_invariant.linear_logprobs`) with ``batch_invariant=True``, which return the gradients to the
+def linear_logprobs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor,
+                    active: Optional[Tensor] = None, options: CallOptions = DEFAULT_OPTIONS, *,
+                    leaves: Optional[Tuple[Tensor, Tensor, Optional[Tensor]]] = None) -> Tuple[Tensor, Optional[Tensor]]:
+    """The backend contract's ``linear_logprobs`` (:class:`gspo_kernels.backends.contract.LinearLogprobs`): the
+    vendor GEMMs (:func:`.linear.linear_logprobs`) by default; the batch-invariant Triton GEMMs
+    (:func:`.linear_invariant.linear_logprobs`) with ``options.batch_invariant``, which return the gradients to the
     operands they are given (``leaves``, the caller's tensors before the precision policy's cast, is the vendor
     path's)."""
-    if batch_invariant:
+    if options.batch_invariant:
         from gspo_kernels.backends.triton import linear_invariant
 
-        return linear_invariant.linear_logprobs(hidden, weight, bias, labels, active=active, temperature=temperature,
-                                                return_entropy=return_entropy, memory_budget=memory_budget,
-                                                softcap=softcap)
+        return linear_invariant.linear_logprobs(hidden, weight, bias, labels, active, options)
     from gspo_kernels.backends.triton import linear
 
-    return linear.linear_logprobs(hidden, weight, bias, labels, active=active, temperature=temperature,
-                                  return_entropy=return_entropy, memory_budget=memory_budget, softcap=softcap,
-                                  leaves=leaves)
+    return linear.linear_logprobs(hidden, weight, bias, labels, active, options, leaves=leaves)
 
 
 def make_backend():

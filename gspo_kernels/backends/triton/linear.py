@@ -46,6 +46,7 @@ from gspo_kernels import checks
 from gspo_kernels.backends.triton import configs
 from gspo_kernels.backends.triton.kernel_math import kernel_bias, softcap_value
 from gspo_kernels.backends.triton.logits import logprobs_backward, logprobs_forward
+from gspo_kernels.options import DEFAULT_OPTIONS, CallOptions
 from gspo_kernels.precision import compute_dtype
 
 logger = logging.getLogger("gspo_kernels")
@@ -409,21 +410,11 @@ class VendorLinearLogprobs(torch.autograd.Function):
         return (*grads, None, None, None, None, None, None)
 
 
-def linear_logprobs(
-    hidden: Tensor,
-    weight: Tensor,
-    bias: Optional[Tensor],
-    labels: Tensor,
-    *,
-    active: Optional[Tensor] = None,
-    temperature: float = 1.0,
-    return_entropy: bool = False,
-    memory_budget: Optional[int] = None,
-    softcap: Optional[float] = None,
-    leaves: Optional[Tuple[Tensor, Tensor, Optional[Tensor]]] = None,
-) -> Tuple[Tensor, Optional[Tensor]]:
+def linear_logprobs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor,
+                    active: Optional[Tensor] = None, options: CallOptions = DEFAULT_OPTIONS, *,
+                    leaves: Optional[Tuple[Tensor, Tensor, Optional[Tensor]]] = None) -> Tuple[Tensor, Optional[Tensor]]:
     """The backend contract's ``linear_logprobs`` on the vendor GEMMs, the backend's default: the package's
-    ``linear_logprobs`` calls it unless ``batch_invariant=True`` (then :mod:`.linear_invariant`'s).
+    ``linear_logprobs`` calls it unless ``options.batch_invariant`` (then :mod:`.linear_invariant`'s).
 
     ``leaves``: the caller's ``(hidden, weight, bias)`` that the precision policy cast into the operands; the
     vendor path then returns the gradients to them directly in their dtypes (an fp32 weight gets the fp32 ``dW``
@@ -431,14 +422,14 @@ def linear_logprobs(
 
     ``hidden [N, H]`` / ``[B, T, H]``, ``weight [V, H]`` in one dtype (the precision policy has cast them);
     fp64 runs in fp64 here (cuBLAS's fp64 GEMM; fp32 in the invariant path). Returns fp32 ``(logp, entropy)``
-    (fp64 for fp64 operands here). ``softcap = c``: the logits are capped, ``z -> c tanh(z / c)``, before the
-    temperature (None: no cap).
+    (fp64 for fp64 operands here). The options read: ``temperature``, ``return_entropy``, ``memory_budget`` and
+    ``softcap = c``: the logits are capped, ``z -> c tanh(z / c)``, before the temperature (None: no cap).
     """
-    softcap = softcap_value(softcap)
-    args = (labels.reshape(-1).to(torch.int64), active, float(temperature), memory_budget, softcap)
+    softcap = softcap_value(options.softcap)
+    args = (labels.reshape(-1).to(torch.int64), active, float(options.temperature), options.memory_budget, softcap)
     if leaves is None or (leaves[2] is None) != (bias is None):
         logp, entropy = VendorLinearLogprobs.apply(hidden, weight, bias, *args)
     else:
         operands = (hidden.detach(), weight.detach(), None if bias is None else bias.detach())
         logp, entropy = VendorLinearLogprobs.apply(*leaves, *args, operands)
-    return logp, (entropy if return_entropy else None)
+    return logp, (entropy if options.return_entropy else None)

@@ -82,6 +82,7 @@ from gspo_kernels.backends.triton.launch import (
     row_offsets,
     row_strides,
 )
+from gspo_kernels.options import DEFAULT_OPTIONS, CallOptions
 from gspo_kernels.precision import kernel_operand_dtype
 
 # A finite "minus infinity" for the running max: exp(_NEG_BIG - m) is 0 and (_NEG_BIG - m) * 0 is 0 (no NaN
@@ -657,18 +658,9 @@ class LinearLogprobsFunction(torch.autograd.Function):
         return dh, dw, db, None, None, None, None, None
 
 
-def linear_logprobs(
-    hidden: Tensor,
-    weight: Tensor,
-    bias: Optional[Tensor],
-    labels: Tensor,
-    *,
-    active: Optional[Tensor] = None,
-    temperature: float = 1.0,
-    return_entropy: bool = False,
-    memory_budget: Optional[int] = None,
-    softcap: Optional[float] = None,
-) -> Tuple[Tensor, Optional[Tensor]]:
+def linear_logprobs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor,
+                    active: Optional[Tensor] = None,
+                    options: CallOptions = DEFAULT_OPTIONS) -> Tuple[Tensor, Optional[Tensor]]:
     """Per-token log-probs (and entropy) of ``labels`` under ``softmax((hidden @ weight.T + bias) / temperature)``
     (with ``softcap = c``: ``softmax(c tanh((hidden @ weight.T + bias) / c) / temperature)``).
 
@@ -682,10 +674,10 @@ def linear_logprobs(
         labels: ``[N]`` (or ``[B, T]``) int64. Values outside ``[0, V)`` are never used as addresses:
             such a row's log-prob (and gradient) is NaN.
         active: ``[N]`` bool or None; rows where False are not computed (their outputs are 0).
-        temperature: logits are divided by it.
-        return_entropy: also return the entropy of each row's distribution.
-        memory_budget: bytes for the backward's chunk buffers, validated by the public functions (None:
-            ``configs.DEFAULT_MEMORY_BUDGET``; at least one row tile is always used). It changes the speed
+        options: the call's :class:`~gspo_kernels.options.CallOptions`; read: ``temperature`` (the logits are
+            divided by it), ``return_entropy`` (also return the entropy of each row's distribution), ``softcap``
+            and ``memory_budget``: bytes for the backward's chunk buffers, validated by the public functions
+            (None: ``configs.DEFAULT_MEMORY_BUDGET``; at least one row tile is always used). It changes the speed
             and the memory, never the bits of any output.
 
     Returns:
@@ -694,6 +686,7 @@ def linear_logprobs(
         batch-invariant (a row's results do not depend on the other rows); see the module docstring.
     """
     logp, entropy = LinearLogprobsFunction.apply(
-        hidden, weight, bias, labels, active, float(temperature), memory_budget, softcap_value(softcap),
+        hidden, weight, bias, labels, active, float(options.temperature), options.memory_budget,
+        softcap_value(options.softcap),
     )
-    return logp, (entropy if return_entropy else None)
+    return logp, (entropy if options.return_entropy else None)

@@ -40,6 +40,7 @@ from gspo_kernels.backends.triton.linear import (
     gemm_operands,
 )
 from gspo_kernels.backends.triton.logits import logprobs_forward
+from gspo_kernels.options import CallOptions
 from gspo_kernels.precision import compute_dtype
 
 
@@ -317,11 +318,8 @@ class _GradientsKnown(torch.autograd.Function):
         return (None, None, None, *[None if g is None else scale_gradient_(g, grad_loss) for g in grads])
 
 
-def fused_linear_loss(
-    objective: Callable, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], inputs, config, *,
-    memory_budget: Optional[int] = None, softcap: Optional[float] = None, leaves=None,
-    logprobs_out: Optional[Tensor] = None,
-):
+def fused_linear_loss(objective: Callable, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], inputs,
+                      options: CallOptions, *, leaves=None):
     """The loss of ``objective`` over ``hidden @ weight.T + bias`` with its gradient formed in the same pass.
 
     ``objective(logp [N], entropy [N], inputs, config) -> LossOutput`` (the backend's sequence stage) must be
@@ -340,11 +338,15 @@ def fused_linear_loss(
     Returns None when no gradient is wanted, or when the chunks cannot be planned without a host read (packed
     layout under capture): the caller then runs the two-pass path. The gradients are computed here and held
     until the backward, in the dtypes of ``leaves`` (the caller's tensors, which the precision policy cast into
-    ``hidden`` / ``weight`` / ``bias``; default: those) to which they are returned directly. ``softcap``: the
-    logits are capped, ``z -> c tanh(z / c)``, before the temperature (None: no cap). ``logprobs_out [N]``
-    receives the per-token log-probs (0 where the mask is 0) when the pass runs (not when it returns None).
+    ``hidden`` / ``weight`` / ``bias``; default: those) to which they are returned directly. The options read
+    (the call's :class:`~gspo_kernels.options.CallOptions`): ``config``, ``memory_budget``, ``softcap`` (the
+    logits are capped, ``z -> c tanh(z / c)``, before the temperature; None: no cap) and ``logprobs_out`` (``N``
+    elements), which receives the per-token log-probs (0 where the mask is 0) when the pass runs (not when it
+    returns None).
     """
-    softcap = softcap_value(softcap)
+    config, memory_budget = options.config, options.memory_budget
+    softcap = softcap_value(options.softcap)
+    logprobs_out = None if options.logprobs_out is None else options.logprobs_out.view(-1)
     leaves = (hidden, weight, bias) if leaves is None else leaves
     need = [t is not None and t.requires_grad for t in leaves]
     if not (torch.is_grad_enabled() and any(need)):

@@ -86,6 +86,7 @@ from gspo_kernels.backends.triton.configs import (
 )
 from gspo_kernels.backends.triton.kernel_math import exp2, soft_cap, softcap_value
 from gspo_kernels.backends.triton.launch import device_guard, interpreter_active, row_offsets, row_strides
+from gspo_kernels.options import DEFAULT_OPTIONS, CallOptions
 from gspo_kernels.precision import compute_dtype
 
 # A finite "minus infinity": the running max starts there (exp2((_NEG_BIG - m) k) is 0, no -inf - -inf), and the
@@ -627,34 +628,27 @@ class TritonLogitsLogprobs(torch.autograd.Function):
         return dlogits, None, None, None, None, None, None, None
 
 
-def logits_logprobs(
-    logits: Tensor,
-    labels: Tensor,
-    *,
-    active: Optional[Tensor] = None,
-    temperature: float = 1.0,
-    return_entropy: bool = False,
-    inplace_backward: bool = False,
-    softcap: Optional[float] = None,
-) -> Tuple[Tensor, Optional[Tensor]]:
+def logits_logprobs(logits: Tensor, labels: Tensor, active: Optional[Tensor] = None,
+                    options: CallOptions = DEFAULT_OPTIONS) -> Tuple[Tensor, Optional[Tensor]]:
     """The backend contract's ``logits_logprobs`` (:class:`gspo_kernels.backends.contract.LogitsLogprobs`).
 
     Args:
         logits: ``[N, V]`` or ``[B, T, V]`` fp16/bf16/fp32/fp64, any strides. A ``model_output[:, :-1]`` view
             is recognised (:func:`next_token_base`): its gradient goes straight to ``model_output``, with zeros
             at the last position, and no second logits-sized buffer is allocated (none at all with
-            ``inplace_backward``).
+            ``options.inplace_backward``).
         labels: ``[N]`` int64 in ``[0, V)`` (out of range: never read, NaN log-prob); active: ``[N]`` bool or
             None (False rows are not read, output 0).
-        softcap: None (no cap) or ``c > 0``: ``z -> c tanh(z / c)`` before the division by the temperature
-            (Gemma's final-logit soft cap); the public functions validate it.
+        options: the call's :class:`~gspo_kernels.options.CallOptions`; read: ``temperature``,
+            ``return_entropy``, ``inplace_backward`` and ``softcap``: None (no cap) or ``c > 0``:
+            ``z -> c tanh(z / c)`` before the division by the temperature (Gemma's final-logit soft cap).
     Returns:
         ``(logp [N], entropy [N] or None)`` in fp32 (fp64 for fp64 logits, like the torch backend),
         differentiable with respect to ``logits``.
     """
     base = next_token_base(logits) if torch.is_grad_enabled() else None
     logp, entropy = TritonLogitsLogprobs.apply(
-        logits if base is None else base, labels, active, float(temperature), bool(return_entropy),
-        bool(inplace_backward), base is not None, softcap_value(softcap),
+        logits if base is None else base, labels, active, float(options.temperature), bool(options.return_entropy),
+        bool(options.inplace_backward), base is not None, softcap_value(options.softcap),
     )
-    return logp, (entropy if return_entropy else None)
+    return logp, (entropy if options.return_entropy else None)

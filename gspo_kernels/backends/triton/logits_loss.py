@@ -14,6 +14,7 @@ from gspo_kernels.backends.triton.kernel_math import softcap_value
 from gspo_kernels.backends.triton.logits import gradient_rows, logprobs_backward, logprobs_forward
 from gspo_kernels.backends.triton.sequence import O_SCALE_ENTROPY, O_SCALE_LOGP, _sequence_stage, metric_slots
 from gspo_kernels.objective import LossOutput
+from gspo_kernels.options import CallOptions
 
 
 class TritonLogitsLoss(torch.autograd.Function):
@@ -77,8 +78,7 @@ def _flat_bool(flags: Optional[Tensor]) -> Optional[Tensor]:
     return None
 
 
-def fused_logits_loss(logits: Tensor, inputs, config, *, inplace_backward: bool = False,
-                      softcap: Optional[float] = None):
+def fused_logits_loss(logits: Tensor, inputs, options: CallOptions):
     """The backend contract's ``fused_logits_loss``: :func:`.logits.logits_logprobs` then the backend's objective
     (:func:`gspo_kernels.backends.triton.sequence.fused_objective`) in one autograd node (:class:`TritonLogitsLoss`).
 
@@ -86,14 +86,16 @@ def fused_logits_loss(logits: Tensor, inputs, config, *, inplace_backward: bool 
         logits: ``[N, V]`` or ``[B, T, V]``, any float dtype and strides (a ``model_output[:, :-1]`` view is
             routed to its base, as in :func:`.logits.logits_logprobs`).
         inputs: the validated :class:`~gspo_kernels.layout.LossInputs` (labels in ``[0, V)``, the token mask).
-        config: the loss options; ``config.temperature`` divides the logits.
-        softcap: None or ``c > 0`` (the config's ``final_logit_softcapping``, checked by the public functions).
+        options: the call's :class:`~gspo_kernels.options.CallOptions`; read: ``config`` (the loss's options;
+            ``config.temperature`` divides the logits), ``inplace_backward`` and ``softcap``: None or ``c > 0``
+            (the config's ``final_logit_softcapping``, checked by the public functions).
     Returns:
         ``LossOutput(loss, metrics)``, what the two stages return one after the other.
     """
+    config = options.config
     base = next_token_base(logits) if torch.is_grad_enabled() else None
-    loss, out = TritonLogitsLoss.apply(logits if base is None else base, inputs, config, bool(inplace_backward),
-                                       base is not None, softcap_value(softcap))
+    loss, out = TritonLogitsLoss.apply(logits if base is None else base, inputs, config,
+                                       bool(options.inplace_backward), base is not None, softcap_value(options.softcap))
     # fused_objective's metrics, read from the same ``out`` slots
     slots = metric_slots(config, inputs.rollout_logprobs is not None, True)
     return LossOutput(loss, {name: out[index] for name, index in slots})
