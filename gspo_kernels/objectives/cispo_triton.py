@@ -6,6 +6,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from gspo_kernels.backends.triton.sequence_kernels import clip_counts as token_clip_counts
 from gspo_kernels.backends.triton.sequence_kernels import no_finish, no_response_values, no_sums
 
 
@@ -34,12 +35,11 @@ def token(w, adv, lp, old_ptr, idx, inside, on, low_edge, high_edge, eps_low, ep
 @triton.jit
 def clip_counts(low_sum, high_sum, n_tok, w_seq, adv_seq, low_edge, high_edge, eps_high, OBJ_OPTION: tl.constexpr,
                 SEQ_UNITS: tl.constexpr):
-    """``H_CLIP_COUNTS``: the token counts, or (``SEQ_UNITS``) the response counted once in the high column
-    when its weight was clipped (the band with ``OBJ_OPTION``, else above the cap with ``A > 0``)."""
+    """``H_CLIP_COUNTS``: the token counts (the general helper's), or (``SEQ_UNITS``) the response counted once in
+    the high column when its weight was clipped (the band with ``OBJ_OPTION``, else above the cap with ``A > 0``)."""
     if SEQ_UNITS == 0:  # clip counts over unmasked tokens
-        low = low_sum
-        high = high_sum
-        units = n_tok
+        low, high, units = token_clip_counts(low_sum, high_sum, n_tok, w_seq, adv_seq, low_edge, high_edge, eps_high,
+                                             OBJ_OPTION, SEQ_UNITS)
     else:  # one weight and one advantage per response: counted once
         counted = n_tok > 0
         if OBJ_OPTION:
@@ -50,6 +50,5 @@ def clip_counts(low_sum, high_sum, n_tok, w_seq, adv_seq, low_edge, high_edge, e
         high = high.to(tl.float32)
         units = counted.to(tl.float32)
     return low, high, units
-
 
 TRITON = (no_sums, no_response_values, token, no_finish, clip_counts)
