@@ -297,6 +297,18 @@ def test_config_accepts_the_snippet_and_every_loss_option():
         GSPOTrainerConfig(nan_policy="ignore")
 
 
+def test_a_model_under_deepspeed_is_refused_naming_the_alternatives():
+    """GSPOTrainer does not run under DeepSpeed: a model with ZeRO-3 partitioned parameters is refused by name."""
+    import transformers as tf
+
+    tok = word_tokenizer()
+    model = tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                                               num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2))
+    model.lm_head.weight.ds_id, model.lm_head.weight.ds_status = 0, "NOT_AVAILABLE"  # as ZeRO-3 marks its parameters
+    with pytest.raises(ValueError, match="GSPOTrainer does not run under DeepSpeed.*TRL drop-in.*docs/deepspeed.md"):
+        GSPOTrainer(model, tok, GSPOTrainerConfig())
+
+
 def test_models_whose_logits_are_not_the_lm_head_are_refused():
     import transformers as tf
 

@@ -12,8 +12,7 @@ both stock ``trl.GRPOTrainer`` and the drop-in compute the old log-probs through
 - the drop-in's gradients are the same in all three settings (the rank average DDP computes): the
   sharded lm_head's gradient is reduced across ranks as FSDP reduces every other gradient.
 
-DeepSpeed ZeRO-3 is not installed here (and needs an accelerator build); its path, the head run inside
-the model's forward, is the one FSDP1 exercises, plus TRL's ``maybe_gather_lm_head_ctx``. An lm_head
+DeepSpeed ZeRO-2 / ZeRO-3: ``tests/distributed/test_trl_deepspeed.py`` (``make test-deepspeed``). An lm_head
 that is its own FSDP1 unit is refused with an error naming FSDP.
 """
 

@@ -17,10 +17,11 @@ Sharded heads: the head runs *inside* the model's forward, where the wrappers ha
 parameters: DDP; FSDP1 (``use_orig_params=True``, lm_head inside the root unit or any unit enclosing the
 forward); FSDP2 (``fully_shard``; an lm_head that is its own unit has ``DTensor`` weight/bias, gathered
 with ``full_tensor`` whose gradient is reduce-scattered back to ``Shard(0)`` and averaged over the
-ranks, as FSDP2 averages every other gradient). Refused with an error naming the wrapper: an lm_head
-that is its own FSDP1 unit (its weight still flat or empty in the enclosing forward), and the loss under
-DeepSpeed ZeRO-3 (the backward recomputes the logits from a weight ZeRO-3 has re-partitioned by then;
-the gradient-free old / reference passes run, gathered with TRL's ``maybe_gather_lm_head_ctx``).
+ranks, as FSDP2 averages every other gradient); DeepSpeed ZeRO-2 and ZeRO-3 (under ZeRO-3 the head reads
+``lm_head.weight`` inside the model's forward, where DeepSpeed gathers it as an external parameter of the model for
+its forward and backward, as for stock TRL's head; a weight still partitioned there is gathered by the library,
+:mod:`gspo_kernels.distributed.zero3`). Refused with an error naming the wrapper: an lm_head that is its own FSDP1
+unit (its weight still flat or empty in the enclosing forward).
 
 Honoured from ``GRPOConfig``: ``loss_type`` (all eight of TRL 1.16: ``grpo``, ``dapo``, ``dr_grpo``, ``bnpo``,
 ``cispo``, ``sapo``, ``luspo``, ``vespo``, each with the objective and the aggregation TRL gives it),
@@ -53,11 +54,12 @@ from typing import Any, Dict, Optional
 
 import torch
 import trl
-from trl.trainer.utils import FusedCausalLMOutput, maybe_gather_lm_head_ctx, nanmax, nanmin
+from trl.trainer.utils import FusedCausalLMOutput, nanmax, nanmin
 
 from gspo_kernels import backends, objectives
 from gspo_kernels.checks import check_bool, check_memory_budget, check_softcap
 from gspo_kernels.config import GSPOConfig
+from gspo_kernels.distributed import zero3
 from gspo_kernels.loss import fused_linear_gspo_loss, linear_logprobs, policy_loss
 from gspo_kernels.objective import clip_flags
 
@@ -140,7 +142,7 @@ class GRPOTrainer(trl.GRPOTrainer):
                     memory_budget=gspo_memory_budget)
         install_head(self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model, **head)
         if self.ref_model is not None:
-            install_head(self.ref_model, **head)
+            install_head(self.accelerator.unwrap_model(self.ref_model), **head)  # DeepSpeed wraps it (beta > 0)
 
     def _check_supported(self) -> None:
         args = self.args
@@ -423,13 +425,12 @@ def install_head(model, *, temperature: float, fp32_head: bool, backend: str,
         config = dataclasses.replace(request.terms["config"], temperature=temperature / scale,
                                      final_logit_softcapping=cap.get("final_logit_softcapping"))
         logp = torch.zeros(labels.shape, dtype=torch.float32, device=labels.device)
-        with maybe_gather_lm_head_ctx(head.weight, head.bias):
-            request.output = fused_linear_gspo_loss(
-                hidden, weight, labels, request.advantages, request.old, bias=bias, backend=backend,
-                fp32_head=fp32_head, memory_budget=head_memory_budget(memory_budget, hidden.device, one_pass=True),
-                logprobs_out=logp,
-                **{**request.terms, "config": config},
-            )
+        request.output = fused_linear_gspo_loss(
+            hidden, weight, labels, request.advantages, request.old, bias=bias, backend=backend,
+            fp32_head=fp32_head, memory_budget=head_memory_budget(memory_budget, hidden.device, one_pass=True),
+            logprobs_out=logp,
+            **{**request.terms, "config": config},
+        )
         return request.output.loss, logp
 
     @functools.wraps(type(model).forward)
@@ -456,12 +457,11 @@ def install_head(model, *, temperature: float, fp32_head: bool, backend: str,
         weight, bias = _gathered(head, hidden.shape[-1])
         hidden, labels = hidden.to(weight.device), labels.to(weight.device)
         mask = labels != -100
-        with maybe_gather_lm_head_ctx(head.weight, head.bias):  # ZeRO-3 gathers in place; else nothing
-            logp, entropy = linear_logprobs(
-                hidden[mask], weight, labels[mask], bias=bias, temperature=temperature / scale, return_entropy=True,
-                backend=backend, fp32_head=fp32_head, memory_budget=head_memory_budget(memory_budget, hidden.device),
-                **cap,
-            )
+        logp, entropy = linear_logprobs(
+            hidden[mask], weight, labels[mask], bias=bias, temperature=temperature / scale, return_entropy=True,
+            backend=backend, fp32_head=fp32_head, memory_budget=head_memory_budget(memory_budget, hidden.device),
+            **cap,
+        )
         # masked_scatter keeps the outputs connected to the graph even when no label is valid
         log_probs = logp.new_zeros(mask.shape).masked_scatter(mask, logp)
         entropy = entropy.new_zeros(mask.shape).masked_scatter(mask, entropy)
@@ -520,13 +520,7 @@ def _gathered(head: torch.nn.Linear, hidden_size: int):
         if bias is not None:
             bias = bias.full_tensor(grad_placements=grad)
         return weight, bias
-    if getattr(weight, "ds_shape", None) is not None:  # DeepSpeed ZeRO-3: gathered by the caller's context
-        if torch.is_grad_enabled() and weight.requires_grad:
-            raise ValueError(
-                "DeepSpeed ZeRO-3: gspo_kernels' GRPOTrainer computes log-probs without gradient (old and reference "
-                "log-probs) under ZeRO-3, but not the loss: the library's backward recomputes the logits from the "
-                "lm_head weight, which ZeRO-3 has re-partitioned by then. Use ZeRO-2, FSDP, DDP, or trl.GRPOTrainer"
-            )
+    if zero3.is_zero3_param(weight):  # DeepSpeed ZeRO-3: the library gathers it for the call, forward and backward
         return weight, bias
     if weight.dim() != 2 or weight.shape[-1] != hidden_size:
         raise ValueError(f"the lm_head weight is sharded where the head runs (shape {tuple(weight.shape)}): "

@@ -35,6 +35,7 @@ from torch import Tensor, nn
 from gspo_kernels.advantages import group_advantages
 from gspo_kernels.checks import is_finite_number
 from gspo_kernels.config import GSPOConfig
+from gspo_kernels.distributed import zero3
 from gspo_kernels.loss import fused_linear_gspo_loss, linear_logprobs
 from gspo_kernels.train.rollout import MiniBatch, Rollout, build_minibatch, completion_mask_of
 
@@ -303,6 +304,16 @@ def _last_hidden(decoder: nn.Module, input_ids: Tensor, attention_mask: Optional
     return hidden
 
 
+def _refuse_deepspeed(model: nn.Module) -> None:
+    """GSPOTrainer owns its optimizer steps and copies the model (reference, old policy): not a DeepSpeed engine's."""
+    if type(model).__name__ == "DeepSpeedEngine" or any(zero3.is_zero3_param(p) for p in model.parameters()):
+        raise ValueError(
+            "GSPOTrainer does not run under DeepSpeed (it takes its own optimizer steps and copies the model); under "
+            "DeepSpeed ZeRO-2 / ZeRO-3 use the TRL drop-in (gspo_kernels.integrations.trl.GRPOTrainer) or the loss in "
+            "a loop of your own (docs/deepspeed.md)"
+        )
+
+
 # ------------------------------------------------------------------------------------------------ trainer
 
 
@@ -326,6 +337,7 @@ class GSPOTrainer:
         if not isinstance(config, GSPOTrainerConfig):
             raise TypeError(f"config must be a GSPOTrainerConfig, got {type(config).__name__} (the loss's "
                             "GSPOConfig options are accepted by GSPOTrainerConfig by name)")
+        _refuse_deepspeed(model)
         self.config = config
         self.loss_config = config.loss_config()
         self.model = model
