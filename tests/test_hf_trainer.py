@@ -411,3 +411,20 @@ def test_example_task_reward_rises_over_several_seeds():
         torch.set_num_threads(threads)
     assert all(g > 0 for g in gains), gains
     assert sum(gains) / len(gains) > 0.05, gains
+
+
+def test_example_writes_its_plot_under_results_and_compares_distinct_steps(tmp_path, monkeypatch, capsys):
+    """Run from a checkout, the example leaves nothing in the current directory but results/ (ignored by git),
+    and its summary never compares a window of steps with itself."""
+    pytest.importorskip("matplotlib")
+    example = _example()
+    monkeypatch.chdir(tmp_path)
+    threads = torch.get_num_threads()
+    try:
+        assert example.main(["--steps", "2", "--queries-per-step", "2"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    assert [p.name for p in tmp_path.iterdir()] == ["results"]
+    assert (tmp_path / "results" / "arithmetic_reward.png").stat().st_size > 0
+    out = capsys.readouterr().out
+    assert "plot: results/arithmetic_reward.png" in out and "first 1 steps" in out and "last 1 steps" in out
