@@ -63,7 +63,7 @@ QUICK_BUDGET_S = 4 * 60
 QUICK_TIME = "about 2.5 minutes on an H200"  # measured (compilation included); the README says the same
 QUICK_STEPS = ("versions", "verify", "gpu-tests", "memcheck", "benchmarks")
 # --quick: each step's own limit (seconds); they add up to the budget.
-# Measured on an H200 (README): verify 34 s, gpu-tests 90 s (before test_vocab_sliced_backward.py joined them),
+# Measured on an H200 (docs/gpu-check.md): verify 34 s, gpu-tests 90 s (before test_vocab_sliced_backward.py joined them),
 # memcheck 11 s; memcheck gave gpu-tests 15 of its seconds.
 QUICK_LIMITS_S = {"versions": 20, "verify": 45, "gpu-tests": 110, "memcheck": 20, "benchmarks": 45}
 # Test files (or single tests, ``file::name``) and the peers (importable modules) they need.
