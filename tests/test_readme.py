@@ -4,7 +4,9 @@ Each block runs on its own (a fresh namespace, as a reader pastes it into a new 
 directory, so nothing it writes lands in the checkout. Its line numbers are the document's, so a traceback points
 at the document. A block that needs a GPU says so on its first line (``# needs a CUDA GPU``): it carries the
 ``gpu`` marker, so it is skipped with the reason on a machine without CUDA and runs where CUDA exists
-(``gspo-kernels gpu-check --steps suite``). What is not code to run as written (a fragment that needs a process
+(``gspo-kernels gpu-check --steps suite``). A block that imports a test peer (TRL, ``datasets``) is skipped with the
+reason where the peer is missing (a GPU machine without it; ``make test`` installs every peer, so never there).
+What is not code to run as written (a fragment that needs a process
 group or a Ray worker) is a plain fenced block, not a ```python one. Some blocks get a few checks of what they
 promise on top (:data:`PROMISES`).
 """
@@ -22,6 +24,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 DOCUMENTS = ("README.md", "docs/trainer.md", "docs/trl.md")
 NEEDS_GPU = "# needs a CUDA GPU"
+# The test peers a block may need: the module, and the imports that need it (the TRL drop-in imports trl).
+PEERS = {"trl": ("trl", "gspo_kernels.integrations.trl"), "datasets": ("datasets",)}
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 
 
@@ -89,6 +93,9 @@ def test_every_document_has_python_blocks_and_the_promised_ones_are_there():
 
 @pytest.mark.parametrize("document, line, code", list(_cases()))
 def test_python_block_runs_as_written(document, line, code, tmp_path, monkeypatch):
+    for peer, modules in PEERS.items():
+        if any(re.search(rf"^\s*(from|import) {re.escape(m)}\b", code, re.M) for m in modules):
+            pytest.importorskip(peer, reason=f"the block imports {peer}, a test peer not installed here")
     monkeypatch.chdir(tmp_path)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny models: one thread is several times faster on a busy machine, same results
