@@ -1,10 +1,19 @@
 # The two commands of the README: `make demo` (verify + quick benchmark) and `make test`.
-# Each builds its own virtual environment in .venv (torch pinned to the CPU build on this machine's disk).
+# Both use the virtual environment in $(VENV) (default .venv; torch pinned to the CPU build). make demo installs
+# only what the demo runs; make test installs the test tools and the peers on top (a superset of the demo's).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
+DEMO_STAMP := $(VENV)/.installed-demo
+# What make demo runs besides torch and the package: triton (verify checks the Triton backend, in the Triton
+# interpreter on a CPU) and matplotlib (bench's chart).
+DEMO_DEPS ?= triton matplotlib
+# Some pip configurations (a find-links folder or a file:// index that lacks a package) print a "Location ... is
+# ignored" warning for every package looked up: the demo's installs leave those lines out. pip's exit status
+# passes through the filter (pipefail), so a failed install still fails make demo.
+PIP_NOISE := is ignored: it is neither a file nor a directory
 PEERS ?= trl==1.16.0 liger-kernel==0.8.5 cut-cross-entropy==25.1.1
 # DeepSpeed for the ZeRO-3 tests (make test-deepspeed): its Python package only (DS_BUILD_OPS=0, nothing compiled at
 # install); on the CPU its accelerator compiles one communication op at first use, cached in TORCH_EXTENSIONS_DIR.
@@ -33,6 +42,20 @@ COMPAT_DESELECT ?= not test_matches_trl and not test_matches_verl
 
 .PHONY: demo test test-deepspeed test-compat bench lint clean install
 
+$(DEMO_STAMP): SHELL := /bin/bash
+$(DEMO_STAMP): .SHELLFLAGS := -o pipefail -c
+$(DEMO_STAMP): pyproject.toml
+	@echo "make demo: installing $(TORCH_SPEC), $(DEMO_DEPS) and gspo-kernels into $(VENV) (not the test peers)"
+	$(PYTHON) -m venv $(VENV)
+	@echo "pip install pip setuptools wheel; $(TORCH_SPEC) numpy; $(DEMO_DEPS); -e ."
+	@$(PY) -m pip install -q --upgrade pip setuptools wheel 2>&1 | { grep -v "$(PIP_NOISE)" || true; }
+	@$(PY) -m pip install -q "$(TORCH_SPEC)" numpy 2>&1 | { grep -v "$(PIP_NOISE)" || true; }
+	@$(PY) -m pip install -q $(DEMO_DEPS) 2>&1 | { grep -v "$(PIP_NOISE)" || true; }
+	@# setuptools' note on every editable install of a flat layout ("Editable installation. Please be careful with
+	@# folders in your working directory ...", a dozen lines) is left out too; its errors are not.
+	@PYTHONWARNINGS="ignore:Editable installation" $(PY) -m pip install -q -e . 2>&1 | { grep -v "$(PIP_NOISE)" || true; }
+	@touch $(DEMO_STAMP)
+
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
@@ -47,7 +70,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q $(VERL_IMPORTS)
 	# The package itself, as any user installs it (build isolation on: the build needs no torch).
 	$(PY) -m pip install -q -e .
-	touch $(STAMP)
+	touch $(STAMP) $(DEMO_STAMP)
 
 install: $(STAMP)
 	$(VENV)/bin/gspo-kernels build-ext
@@ -55,10 +78,13 @@ install: $(STAMP)
 # The C++ CPU kernels are compiled at first use into a per-user cache keyed by their sources (editing
 # csrc/ needs no reinstall); build-ext compiles them up front (a no-op when cached), so no
 # timed step or test pays the compile.
-demo: $(STAMP)
+demo: $(DEMO_STAMP)
 	$(VENV)/bin/gspo-kernels build-ext
 	$(VENV)/bin/gspo-kernels verify
 	$(VENV)/bin/gspo-kernels bench --quick
+	@echo "make demo: done. verify's checks are the table above; the benchmark: results/bench.json (every figure, the"
+	@echo "device and versions) and results/bench.png (the chart). The peers (TRL, Liger, Cut Cross-Entropy) are"
+	@echo "skipped rows unless installed (make test installs them)."
 
 test: $(STAMP)
 	$(VENV)/bin/gspo-kernels build-ext

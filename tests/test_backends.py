@@ -26,3 +26,23 @@ def test_unavailable_backend_says_why():
         if backends.load(name) is None:
             assert backends.unavailable_reason(name)
     assert "torch" in backends.available("cpu")
+
+
+def test_a_backend_refusing_the_tensors_device_names_what_to_pass_instead(monkeypatch):
+    """backend="triton" on CPU tensors (no interpreter): the error names the backends that do run there, a CUDA
+    device and TRITON_INTERPRET=1 for debugging."""
+    import pytest
+
+    triton = backends.load("triton")
+    if triton is None:
+        pytest.skip(f"triton backend unavailable: {backends.unavailable_reason('triton')}")
+    monkeypatch.setattr(triton, "_supports", lambda device: device.type == "cuda")  # as without the interpreter
+    logits, labels = torch.randn(3, 9), torch.randint(0, 9, (3,))
+    with pytest.raises(ValueError) as info:
+        gk.token_logprobs(logits, labels, backend="triton")
+    message = str(info.value)
+    assert "backend 'triton' does not run on cpu tensors" in message
+    for alternative in ["'auto'", *(f"'{name}'" for name in backends.available("cpu") if name != "triton"),
+                        "CUDA device", "TRITON_INTERPRET=1"]:
+        assert alternative in message, (alternative, message)
+    assert "'torch'" in message  # the portable backend runs everywhere

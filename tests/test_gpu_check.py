@@ -37,6 +37,22 @@ def test_arguments():
     assert "gpu-check" in cli.SUBCOMMANDS
 
 
+def test_quick_time_in_the_help_is_the_one_the_docs_state():
+    """``gpu-check --help`` and every README / docs line that times ``--quick`` say the same measured time."""
+    from pathlib import Path
+
+    parser = argparse.ArgumentParser()
+    gpu_check.add_arguments(parser)
+    help_text = " ".join(parser.format_help().split())
+    assert f"--quick {gpu_check.QUICK_TIME}" in help_text
+    root = Path(__file__).resolve().parents[1]
+    timed = [line for path in [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+             for line in path.read_text().splitlines() if "gpu-check --quick" in line and "minute" in line]
+    assert timed, "no README / docs line times gpu-check --quick"
+    for line in timed:
+        assert gpu_check.QUICK_TIME in line, line
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without a CUDA device")
 def test_without_cuda_it_says_so_and_exits_nonzero(tmp_path, capsys):
     status = cli.main(["gpu-check", "--out", str(tmp_path)])

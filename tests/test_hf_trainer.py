@@ -331,23 +331,6 @@ def test_models_whose_logits_are_not_the_lm_head_are_refused():
         GSPOTrainer(doubled, tok, GSPOTrainerConfig())
 
 
-def test_the_readme_snippet_runs_with_only_its_import_changed():
-    import re
-
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    blocks = [b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "GSPOTrainer(model, tokenizer" in b]
-    assert len(blocks) == 1
-    assert "from gspo_kernels.train import GSPOTrainer, GSPOTrainerConfig as GSPOConfig" in blocks[0]
-    tokenizer = word_tokenizer()
-    model = tiny_model("qwen3", tokenizer)
-    start = [p.detach().clone() for p in model.parameters()]
-    scope = {"model": model, "tokenizer": tokenizer, "queries": QUERIES, "reward_function": digit_reward}
-    exec(compile(blocks[0], "README.md", "exec"), scope)
-    assert scope["config"].loss_config().epsilon_low == 0.002 and scope["config"].group_size == 4
-    assert scope["trainer"].step == 1
-    assert any(not torch.equal(a, b.detach()) for a, b in zip(start, model.parameters()))
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("attn", ["sdpa", "flash_attention_2"])
 def test_cuda_bf16_packed_and_padded_steps_agree_and_train(attn):
@@ -423,3 +406,20 @@ def test_example_task_reward_rises_over_several_seeds():
         torch.set_num_threads(threads)
     assert all(g > 0 for g in gains), gains
     assert sum(gains) / len(gains) > 0.05, gains
+
+
+def test_example_writes_its_plot_under_results_and_compares_distinct_steps(tmp_path, monkeypatch, capsys):
+    """Run from a checkout, the example leaves nothing in the current directory but results/ (ignored by git),
+    and its summary never compares a window of steps with itself."""
+    pytest.importorskip("matplotlib")
+    example = _example()
+    monkeypatch.chdir(tmp_path)
+    threads = torch.get_num_threads()
+    try:
+        assert example.main(["--steps", "2", "--queries-per-step", "2"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    assert [p.name for p in tmp_path.iterdir()] == ["results"]
+    assert (tmp_path / "results" / "arithmetic_reward.png").stat().st_size > 0
+    out = capsys.readouterr().out
+    assert "plot: results/arithmetic_reward.png" in out and "first 1 steps" in out and "last 1 steps" in out

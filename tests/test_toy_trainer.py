@@ -18,9 +18,11 @@ from gspo_kernels import available_backends
 from gspo_kernels.train.tasks import TASKS, ToyTokenizer, get_task, hf_tokenizer
 from gspo_kernels.train.toy_trainer import (
     TrainConfig,
+    _reward_summary,
     add_arguments,
     build_policy,
     completion_mask_of,
+    describe_reward_change,
     routing_change,
     run,
     train,
@@ -133,12 +135,34 @@ def test_cli_compare_writes_logs_and_chart(tmp_path, capsys):
         assert len(lines) == 2
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert set(summary) == {"gspo/seed0", "grpo/seed0"}
+    assert summary["gspo/seed0"]["window"] == 1  # 2 steps: step 0 against step 1, never a step with itself
+    assert "gspo/seed0: mean reward first 1 steps" in out and "last 1 steps" in out
     try:
         import matplotlib  # noqa: F401
 
         assert (tmp_path / "compare.png").stat().st_size > 0
     except ImportError:
         assert "chart skipped" in out
+
+
+def test_reward_summary_compares_windows_that_share_no_step():
+    history = [{"reward_mean": float(step)} for step in range(10)]
+    summary = _reward_summary(history)
+    assert (summary["window"], summary["first"], summary["last"]) == (5, 2.0, 7.0)  # steps 0-4 against 5-9
+    assert _reward_summary(history * 3)["window"] == 10
+    assert "first 5 steps 2.000 -> last 5 steps 7.000 (+5.000, 10 steps)" in describe_reward_change(summary)
+    short = _reward_summary(history[:1])
+    assert (short["first"], short["last"], short["window"]) == (None, None, 0)
+    assert "too short to compare" in describe_reward_change(short)
+
+
+def test_every_train_option_has_help_text():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    missing = [a.option_strings for a in parser._actions if not (a.help or "").strip()]
+    assert not missing, f"options without help text: {missing}"
 
 
 def test_bad_options_raise():

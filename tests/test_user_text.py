@@ -54,3 +54,31 @@ def test_no_help_text_names_a_tracker_number(name):
     texts = [parser.format_help()] + [a.help for a in parser._actions if isinstance(a.help, str)]
     hits = [hit for text in texts for hit in tracker_numbers(text)]
     assert not hits, hits
+
+
+def _help_texts() -> list:
+    """The top-level help and every subcommand's, as ``gspo-kernels [SUBCOMMAND] --help`` prints them."""
+    from gspo_kernels.tools import cli
+
+    texts = []
+    for argv in [[]] + [[name] for name in sorted(SUBCOMMANDS)]:
+        parser_help = []
+
+        def capture(self, file=None, _out=parser_help):
+            _out.append(self.format_help())
+            raise SystemExit(0)
+
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(argparse.ArgumentParser, "print_help", capture)
+            with pytest.raises(SystemExit):
+                cli.main(argv + ["--help"])
+        texts += parser_help
+    return texts
+
+
+def test_help_is_plain_text_without_rest_markup():
+    texts = _help_texts()
+    assert len(texts) == 1 + len(SUBCOMMANDS)
+    for text in texts:
+        for markup in ("``", ":func:", ":class:", ":mod:", ":data:"):
+            assert markup not in text, (markup, text)

@@ -157,5 +157,20 @@ def resolve(name: str, device: _torch.device) -> Backend:
     if backend is None:
         raise RuntimeError(f"backend {name!r} is not available here: {unavailable_reason(name)}")
     if not backend.supports(device):
-        raise ValueError(f"backend {name!r} does not run on {device} tensors")
+        raise ValueError(unsupported_device_message(name, device))
     return backend
+
+
+def unsupported_device_message(name: str, device: _torch.device) -> str:
+    """Why ``backend=name`` cannot take tensors on ``device``, and what the caller can pass or do instead."""
+    others = [other for other in BACKENDS if other != name and (b := load(other)) is not None and b.supports(device)]
+    named = ["'auto' (the fastest available)", *(repr(other) for other in others)]
+    choices = named[0] if len(named) == 1 else ", ".join(named[:-1]) + " or " + named[-1]
+    message = f"backend {name!r} does not run on {device.type} tensors; for {device.type} tensors pass backend={choices}"
+    if name == "triton" and device.type == "cpu":
+        message += (", or move the tensors to a CUDA device; to debug the Triton kernels on the CPU, set "
+                    "TRITON_INTERPRET=1 in the environment before triton is imported (the Triton interpreter: "
+                    "slow, for tests)")
+    elif name == "cpu" and device.type != "cpu":
+        message += ", or move the tensors to the CPU"
+    return message

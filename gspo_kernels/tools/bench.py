@@ -5,8 +5,9 @@ warm-up step (fwd + bwd; this includes any compilation), then ``--repeats`` time
 median forward, backward and total milliseconds, the spread of the timed steps' totals (min / median / max,
 so a row whose steps swing shows it), the throughput, and the peak extra memory of the
 timed steps (CPU: peak RSS above the RSS measured just before them, after resetting the kernel's
-high-water mark through ``/proc/self/clear_refs``; CUDA: ``torch.cuda.max_memory_allocated`` above
-the allocation before them).
+high-water mark through ``/proc/self/clear_refs``, plus, for the ``cpu`` backend, the buffers it keeps from one
+step to the next, allocated in the warm-up: ``kept_bytes``, the RSS that ``release_buffers()`` frees; CUDA:
+``torch.cuda.max_memory_allocated`` above the allocation before them).
 
 Throughput formulas (the work a step must do, not what an implementation chooses to redo):
 * hidden-state path: ``6 * N * H * V`` FLOP (the forward GEMM and the two gradient GEMMs), as GFLOP/s;
@@ -34,6 +35,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import textwrap
 import time
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -64,6 +66,8 @@ IMPLS: Dict[str, Tuple[str, ...]] = {
 }
 BASELINE = {"linear": "trl-chunked", "logits": "plain-torch"}  # the "x base" column divides by these
 PLAIN = "plain-torch"  # the "x plain" column divides by it
+KEPT_NOTE = ("the buffers the cpu backend keeps between steps (allocated once, reused every step: its [N, V] "
+             "gradient on the logits path, its saved logits on the hidden path)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -270,17 +274,38 @@ def measure(name: str, case: Dict, repeats: int, device_name: str) -> Dict:
         f, b, loss_value = one()
         fwd.append(f)
         bwd.append(b)
+    kept = 0
     if cuda:
         peak = torch.cuda.max_memory_allocated() - base
         how = "torch.cuda.max_memory_allocated above the allocation before the timed steps"
     else:
         peak = _rss_bytes("VmHWM") - base if reset_ok else None
         how = "peak RSS (VmHWM after clear_refs) above the RSS before the timed steps"
+        if name.startswith("gspo-cpu"):
+            kept = _kept_buffer_bytes(leaves)
+            if peak is not None:
+                peak += kept
+            how += ", plus the buffers the cpu backend keeps between steps (kept_bytes)"
     totals = [a + b for a, b in zip(fwd, bwd)]
     return dict(fwd_s=fwd, bwd_s=bwd, fwd_ms=1e3 * statistics.median(fwd), bwd_ms=1e3 * statistics.median(bwd),
                 total_ms=1e3 * statistics.median(totals), min_ms=1e3 * min(totals), max_ms=1e3 * max(totals),
-                peak_extra_bytes=peak,
+                peak_extra_bytes=peak, kept_bytes=kept,
                 memory_method=how, loss=loss_value, threads=torch.get_num_threads())
+
+
+def _kept_buffer_bytes(leaves: List) -> int:
+    """Resident bytes the ``cpu`` backend keeps from one step to the next (the logits path's out-of-place gradient,
+    the hidden path's saved logits: reused by the next step, so allocated in the warm-up and absent from a peak
+    taken above the timed steps' start), measured as the RSS they free. Drops the leaves' gradients first: the
+    backend reuses a gradient's storage only once nothing holds it, and frees only what nothing holds."""
+    from gspo_kernels.backends.cpu.logits import release_buffers
+
+    for leaf in leaves:
+        leaf.grad = None
+    gc.collect()
+    before = _rss_bytes("VmRSS")
+    release_buffers()
+    return max(before - _rss_bytes("VmRSS"), 0)
 
 
 def _worker_main() -> None:
@@ -394,6 +419,10 @@ def print_table(results: List[Dict], cases: Dict[str, Dict]) -> None:
             to_plain = f"{r['total_ms'] / plain['total_ms']:.2f}" if plain else "-"
             print(f"  {r['impl']:<18} {r['fwd_ms']:9.0f} {r['bwd_ms']:9.0f} {r['total_ms']:9.0f} {_spread(r):>16} "
                   f"{rate:8.1f} {_fmt_mb(r['peak_extra_bytes']):>8} {ratio:>7} {to_plain:>7}")
+        kept = [r for r in rows if r["status"] == "ok" and r.get("kept_bytes")]
+        if kept:
+            print(f"  peak MB includes {KEPT_NOTE}: "
+                  + ", ".join(f"{r['impl']} {_fmt_mb(r['kept_bytes'])} MB" for r in kept))
 
 
 def targets(results: List[Dict], quick: bool = False) -> List[Dict]:
@@ -468,12 +497,18 @@ def plot(results: List[Dict], cases: Dict[str, Dict], path: str) -> Optional[str
         ax.barh(names, fwd, label="forward")
         ax.barh(names, bwd, left=fwd, label="backward")
         for i, r in enumerate(rows):
-            ax.text(fwd[i] + bwd[i], i, f" {_fmt_mb(r['peak_extra_bytes'])} MB", va="center", fontsize=8)
+            kept = f" ({_fmt_mb(r['kept_bytes'])} kept*)" if r.get("kept_bytes") else ""
+            ax.text(fwd[i] + bwd[i], i, f" {_fmt_mb(r['peak_extra_bytes'])} MB{kept}", va="center", fontsize=8)
         ax.set_title(case_name)
         ax.set_xlabel("seconds per step (median)")
         ax.invert_yaxis()
     axes[0][0].legend(loc="lower right", fontsize=8)
-    fig.tight_layout()
+    note = "MB: peak extra memory of a step"
+    if any(r["status"] == "ok" and r.get("kept_bytes") for r in results):
+        note += "; * of which the cpu backend keeps between steps (its [N, V] gradient / saved logits, reused)"
+    lines = textwrap.wrap(note, width=int(16 * fig.get_figwidth()))  # about 16 characters an inch at 8 pt
+    fig.text(0.5, 0.005, "\n".join(lines), ha="center", va="bottom", fontsize=8)
+    fig.tight_layout(rect=(0, 0.035 * len(lines), 1, 1))
     fig.savefig(path, dpi=110)
     return None
 

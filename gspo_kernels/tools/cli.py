@@ -1,7 +1,8 @@
 """The ``gspo-kernels`` command: ``verify``, ``bench``, ``h100-report``, ``gpu-check``, ``train``, ``build-ext``.
 
 Each subcommand lives in its own module exposing ``add_arguments(parser)`` and ``run(args) -> int``;
-they are imported only when their subcommand runs.
+they are imported only when their subcommand runs. The help's text is plain (:data:`DESCRIPTION`), not this
+docstring's reST.
 """
 
 from __future__ import annotations
@@ -11,6 +12,10 @@ import importlib
 import logging
 import sys
 from typing import Optional, Sequence
+
+DESCRIPTION = ("gspo-kernels: the fused GSPO / GRPO loss kernels' command line. Start with "
+               "'gspo-kernels verify --quick' (every backend against the float64 reference, seconds on a CPU); "
+               "'gspo-kernels SUBCOMMAND --help' for each subcommand's options.")
 
 SUBCOMMANDS = {
     "verify": ("gspo_kernels.tools.verify", "compare every available backend with the float64 reference"),
@@ -66,7 +71,7 @@ class _VersionAction(argparse.Action):
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="gspo-kernels", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="gspo-kernels", description=DESCRIPTION)
     parser.add_argument("-v", "--verbose", action="store_true", help="log which backend runs")
     parser.add_argument("--version", action=_VersionAction,
                         help="print the versions of gspo-kernels, torch, triton and the C++ kernels' status")

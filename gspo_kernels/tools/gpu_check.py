@@ -21,7 +21,7 @@ default, sized for an H100):
    parity tests of missing peers and, when ``pypi.org`` is unreachable, the ``network``-marked packaging tests
    left out and named.
 
-``--quick`` (about 4 minutes on one H100 / H200, compilation included; budget 240 s): ``versions``, ``verify``,
+``--quick`` (about 2.5 minutes on an H200, measured, compilation included; budget 240 s): ``versions``, ``verify``,
 ``gpu-tests`` on a selection (every ``gpu``-marked test and the Triton kernel files, the static-report tests
 left out; in parallel processes with pytest-xdist when it is installed), ``memcheck`` over the small workload
 (one loss type), and ``benchmarks``: ``gspo-kernels bench --gpu`` within the step's time when that command
@@ -60,9 +60,10 @@ from typing import Callable, Dict, List, Optional, Sequence
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEFAULT_BUDGET_S = 20 * 60
 QUICK_BUDGET_S = 4 * 60
+QUICK_TIME = "about 2.5 minutes on an H200"  # measured (compilation included); the README says the same
 QUICK_STEPS = ("versions", "verify", "gpu-tests", "memcheck", "benchmarks")
 # --quick: each step's own limit (seconds); they add up to the budget.
-# Measured on an H200 (README): verify 34 s, gpu-tests 90 s (before test_vocab_sliced_backward.py joined them),
+# Measured on an H200 (docs/gpu-check.md): verify 34 s, gpu-tests 90 s (before test_vocab_sliced_backward.py joined them),
 # memcheck 11 s; memcheck gave gpu-tests 15 of its seconds.
 QUICK_LIMITS_S = {"versions": 20, "verify": 45, "gpu-tests": 110, "memcheck": 20, "benchmarks": 45}
 # Test files (or single tests, ``file::name``) and the peers (importable modules) they need.
@@ -125,8 +126,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a source tree holding tests/ and benchmarks/ (default: $GSPO_KERNELS_TESTS, the checkout "
                              "this package runs from, or the current directory)")
     parser.add_argument("--quick", action="store_true",
-                        help=f"about 4 minutes: {', '.join(QUICK_STEPS)} on a selection of tests, one loss type under "
-                             f"memcheck, the headline benchmarks (budget {QUICK_BUDGET_S} s unless --budget-s)")
+                        help=f"{QUICK_TIME}, compilation included: {', '.join(QUICK_STEPS)} on a selection of "
+                             f"tests, one loss type under memcheck, the headline benchmarks (budget {QUICK_BUDGET_S} s "
+                             f"unless --budget-s)")
     parser.add_argument("--workload", action="store_true", help=argparse.SUPPRESS)  # the memcheck target
     parser.add_argument("--workload-quick", action="store_true", help=argparse.SUPPRESS)
 

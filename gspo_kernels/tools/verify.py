@@ -173,7 +173,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--paths", nargs="*", default=list(PATHS), choices=PATHS,
                         help="logits: gspo_loss; linear: fused_linear_gspo_loss (one pass on triton); two-pass: "
                              "linear_logprobs with autograd, then policy_loss (the TRL drop-in's and verl's head)")
-    parser.add_argument("--dtypes", nargs="*", default=["fp32", "bf16"], choices=["fp32", "bf16"])
+    parser.add_argument("--dtypes", nargs="*", default=["fp32", "bf16"], choices=["fp32", "bf16"],
+                        help="input dtypes to check (default: fp32 bf16)")
     parser.add_argument("--seed", type=int, default=None, help="default: a fresh seed, printed")
     parser.add_argument("--quick", action="store_true",
                         help="a smoke subset in seconds: per backend, path and dtype, GSPO (sequence level) with "

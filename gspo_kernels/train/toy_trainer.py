@@ -462,27 +462,47 @@ def plot_runs(runs: Dict[str, List[List[Dict[str, float]]]], path: Path, *, wind
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = TrainConfig()
-    parser.add_argument("--task", default=d.task, choices=["copy", "reverse", "sort", "sum"])
-    parser.add_argument("--policy", default=d.policy, choices=["dense", "moe"])
-    parser.add_argument("--loss", default=d.loss, choices=LOSSES, help="loss implementation (backend or float64 oracle)")
-    parser.add_argument("--algorithm", default=d.algorithm, choices=tuple(ALGORITHMS))
+    parser.add_argument("--task", default=d.task, choices=["copy", "reverse", "sort", "sum"],
+                        help="toy task: copy, reverse or sort digits, or add two numbers (default: %(default)s)")
+    parser.add_argument("--policy", default=d.policy, choices=["dense", "moe"],
+                        help="tiny random-weight policy: a dense Qwen3 or a Qwen3-MoE (default: %(default)s)")
+    parser.add_argument("--loss", default=d.loss, choices=LOSSES,
+                        help="loss implementation: a backend, or 'reference' for the float64 oracle (default: %(default)s)")
+    parser.add_argument("--algorithm", default=d.algorithm, choices=tuple(ALGORITHMS),
+                        help="gspo: sequence-level importance weights, band 3e-4 / 4e-4; grpo: token level, "
+                             "band 0.2 / 0.28 (default: %(default)s)")
     parser.add_argument("--compare", action="store_true", help="run GSPO and GRPO on the same seeds and plot both")
-    parser.add_argument("--steps", type=int, default=d.steps)
-    parser.add_argument("--prompts-per-step", type=int, default=d.prompts_per_step)
-    parser.add_argument("--group-size", type=int, default=d.group_size)
-    parser.add_argument("--num-minibatches", type=int, default=d.num_minibatches)
-    parser.add_argument("--lr", type=float, default=d.lr)
-    parser.add_argument("--beta", type=float, default=d.beta, help="KL weight (a frozen copy of the initial policy)")
-    parser.add_argument("--temperature", type=float, default=d.temperature)
-    parser.add_argument("--epsilon-low", type=float, default=None, help="default: 3e-4 (gspo), 0.2 (grpo)")
-    parser.add_argument("--epsilon-high", type=float, default=None, help="default: 4e-4 (gspo), 0.28 (grpo)")
-    parser.add_argument("--loss-type", default=d.loss_type, choices=["grpo", "bnpo", "dr_grpo", "dapo"])
-    parser.add_argument("--hidden-size", type=int, default=d.hidden_size)
-    parser.add_argument("--num-layers", type=int, default=d.num_layers)
-    parser.add_argument("--seeds", type=int, nargs="+", default=[d.seed])
-    parser.add_argument("--device", default=d.device)
-    parser.add_argument("--out", type=Path, default=Path("results/train"), help="folder for JSONL logs and the PNG")
-    parser.add_argument("--log-every", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=d.steps,
+                        help="training steps, one rollout batch each (default: %(default)s)")
+    parser.add_argument("--prompts-per-step", type=int, default=d.prompts_per_step,
+                        help="prompts sampled per step (default: %(default)s)")
+    parser.add_argument("--group-size", type=int, default=d.group_size,
+                        help="completions per prompt, the group of the advantages (default: %(default)s)")
+    parser.add_argument("--num-minibatches", type=int, default=d.num_minibatches,
+                        help="optimizer steps per rollout batch, each on a shuffled share of it; the ones after "
+                             "the first are off-policy and clip (default: %(default)s)")
+    parser.add_argument("--lr", type=float, default=d.lr, help="AdamW learning rate (default: %(default)s)")
+    parser.add_argument("--beta", type=float, default=d.beta,
+                        help="KL weight against a frozen copy of the initial policy (default: %(default)s)")
+    parser.add_argument("--temperature", type=float, default=d.temperature,
+                        help="sampling temperature, also applied to the log-probs (default: %(default)s)")
+    parser.add_argument("--epsilon-low", type=float, default=None,
+                        help="the clip band's lower side, 1 - epsilon_low (default: 3e-4 for gspo, 0.2 for grpo)")
+    parser.add_argument("--epsilon-high", type=float, default=None,
+                        help="the clip band's upper side, 1 + epsilon_high (default: 4e-4 for gspo, 0.28 for grpo)")
+    parser.add_argument("--loss-type", default=d.loss_type, choices=["grpo", "bnpo", "dr_grpo", "dapo"],
+                        help="aggregation of the per-token losses, TRL's loss_type (default: %(default)s)")
+    parser.add_argument("--hidden-size", type=int, default=d.hidden_size,
+                        help="the policy's hidden size (default: %(default)s)")
+    parser.add_argument("--num-layers", type=int, default=d.num_layers,
+                        help="the policy's decoder layers (default: %(default)s)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[d.seed],
+                        help="one run per seed: the weights, prompts and samples depend only on it (default: %(default)s)")
+    parser.add_argument("--device", default=d.device, help="torch device of the policy and the loss (default: %(default)s)")
+    parser.add_argument("--out", type=Path, default=Path("results/train"),
+                        help="folder for the JSONL logs, summary.json and the PNG (default: %(default)s)")
+    parser.add_argument("--log-every", type=int, default=10,
+                        help="print every N-th step's metrics, and the last step's (default: %(default)s)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -508,8 +528,7 @@ def run(args: argparse.Namespace) -> int:
             runs.setdefault(algorithm.upper(), []).append(history)
             summary[f"{algorithm}/seed{seed}"] = _reward_summary(history)
     for name, s in summary.items():
-        print(f"{name}: mean reward first 10 steps {s['first']:.3f} -> last 10 steps {s['last']:.3f} "
-              f"({s['last'] - s['first']:+.3f})")
+        print(f"{name}: {describe_reward_change(s)}")
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
     chart = plot_runs(runs, args.out / ("compare.png" if args.compare else "curves.png"))
     print(f"chart: {chart}" if chart else "chart skipped: matplotlib is not installed (pip install matplotlib)")
@@ -534,7 +553,20 @@ def _progress(every: int, steps: int) -> Callable[[Dict[str, float]], None]:
     return show
 
 
-def _reward_summary(history: List[Dict[str, float]], window: int = 10) -> Dict[str, float]:
+def _reward_summary(history: List[Dict[str, float]], window: int = 10) -> Dict[str, Optional[float]]:
+    """Mean reward over the first and the last ``k`` steps, ``k = min(window, steps // 2)``: two windows that never
+    share a step. Fewer than 2 steps: nothing to compare (``first`` and ``last`` None, ``window`` 0)."""
     rewards = [row["reward_mean"] for row in history]
-    head, tail = rewards[:window], rewards[-window:]
-    return {"first": sum(head) / len(head), "last": sum(tail) / len(tail), "steps": len(rewards)}
+    k = min(window, len(rewards) // 2)
+    if k == 0:
+        return {"first": None, "last": None, "window": 0, "steps": len(rewards)}
+    return {"first": sum(rewards[:k]) / k, "last": sum(rewards[-k:]) / k, "window": k, "steps": len(rewards)}
+
+
+def describe_reward_change(summary: Dict[str, Optional[float]]) -> str:
+    """One line for a :func:`_reward_summary`: the two windows' mean rewards, or why there is no comparison."""
+    steps, k = summary["steps"], summary["window"]
+    if not k:
+        return f"{steps} step(s): too short to compare the first and the last steps' rewards (run 2 steps or more)"
+    return (f"mean reward first {k} steps {summary['first']:.3f} -> last {k} steps {summary['last']:.3f} "
+            f"({summary['last'] - summary['first']:+.3f}, {steps} steps)")
