@@ -19,6 +19,7 @@ PEERS ?= trl==1.16.0 liger-kernel==0.8.5 cut-cross-entropy==25.1.1
 # install); on the CPU its accelerator compiles one communication op at first use, cached in TORCH_EXTENSIONS_DIR.
 DEEPSPEED_SPEC ?= deepspeed==0.19.8
 DS_EXTENSIONS ?= $(HOME)/.cache/gspo_kernels/torch_extensions
+DEEPSPEED_TESTS ?= tests/distributed
 # make test's worker processes (pytest-xdist; a test file stays in one worker): the interpreted Triton kernels
 # run on one core each, so two workers use both cores of the development machine.
 TEST_WORKERS ?= 2
@@ -95,7 +96,7 @@ test: $(STAMP)
 test-deepspeed: $(STAMP)
 	$(VENV)/bin/gspo-kernels build-ext
 	DS_ACCELERATOR=cpu TORCH_EXTENSIONS_DIR=$(DS_EXTENSIONS) GSPO_KERNELS_REQUIRE_EXT=1 \
-		$(PY) -m pytest tests -m deepspeed -q -ra
+		$(PY) -m pytest $(DEEPSPEED_TESTS) -m deepspeed -q -ra
 
 $(FLOOR_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(FLOOR_VENV)
