@@ -46,3 +46,29 @@ def test_a_backend_refusing_the_tensors_device_names_what_to_pass_instead(monkey
                         "CUDA device", "TRITON_INTERPRET=1"]:
         assert alternative in message, (alternative, message)
     assert "'torch'" in message  # the portable backend runs everywhere
+
+
+def test_backends_are_registered_once():
+    """One registration per backend (``backends.REGISTRY``): the names, "auto"'s order per device and the trainers'
+    and the CLI's choices derive from it, and no other module of the package lists the backends' names."""
+    import ast
+    from pathlib import Path
+
+    from gspo_kernels.train import hf_trainer, toy_trainer
+
+    assert backends.BACKENDS == tuple(r.name for r in backends.REGISTRY)
+    assert backends._AUTO_ORDER == {"cpu": ("cpu", "torch"), "cuda": ("triton", "torch")}
+    assert set(hf_trainer.BACKENDS) == {"auto", "reference", *backends.BACKENDS}
+    assert set(toy_trainer.LOSSES) == {"auto", "reference", *backends.BACKENDS}
+    package = Path(gk.__file__).parent
+    listed = []
+    for path in package.rglob("*.py"):
+        if path == package / "backends" / "__init__.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+                strings = {e.value for e in node.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)}
+                # a list of backends: two or more of their names and nothing but backend choices
+                if len(strings & set(backends.BACKENDS)) >= 2 and strings <= {"auto", "reference", *backends.BACKENDS}:
+                    listed.append(f"{path.relative_to(package)}:{node.lineno}")
+    assert not listed, f"the backends' names listed outside backends/__init__.py: {listed}"

@@ -18,6 +18,7 @@ tensors), and ``backend="triton"`` raises a ``RuntimeError`` that says the same;
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import logging
 import os
@@ -37,14 +38,32 @@ from gspo_kernels.versions import UnsupportedVersion
 
 logger = logging.getLogger("gspo_kernels")
 
-BACKENDS = ("torch", "triton", "cpu")
 DEFAULT_MEMORY_BUDGET = 1 << 30  # bytes; see the contract (LinearLogprobs)
-_MODULES = {
-    "torch": "gspo_kernels.backends.torch",
-    "triton": "gspo_kernels.backends.triton",
-    "cpu": "gspo_kernels.backends.cpu",
-}
-_AUTO_ORDER = {"cuda": ("triton", "torch"), "cpu": ("cpu", "torch")}
+
+
+@dataclasses.dataclass(frozen=True)
+class Registration:
+    """A backend, registered once: its ``name`` (``backend=name``), the ``module`` whose ``make_backend()`` builds
+    its :class:`Backend` (imported at first use), and ``auto``: for each device type where ``"auto"`` may pick it,
+    its rank there (lower first)."""
+
+    name: str
+    module: str
+    auto: Dict[str, int]
+
+
+# The one list of backends: everything else (BACKENDS, "auto"'s order, the trainers' and the CLI's choices) reads it.
+# Adding a backend: its folder (a make_backend() following backends/contract.py) and one line here.
+REGISTRY = (
+    Registration("torch", "gspo_kernels.backends.torch", auto={"cuda": 1, "cpu": 1}),
+    Registration("triton", "gspo_kernels.backends.triton", auto={"cuda": 0}),
+    Registration("cpu", "gspo_kernels.backends.cpu", auto={"cpu": 0}),
+)
+BACKENDS = tuple(r.name for r in REGISTRY)
+_MODULES = {r.name: r.module for r in REGISTRY}
+_AUTO_ORDER = {device: tuple(r.name for r in sorted((r for r in REGISTRY if device in r.auto),
+                                                     key=lambda r: r.auto[device]))
+               for device in sorted({d for r in REGISTRY for d in r.auto})}
 _announced: set = set()
 
 

@@ -32,6 +32,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor, nn
 
+from gspo_kernels import backends
 from gspo_kernels.advantages import group_advantages
 from gspo_kernels.checks import is_finite_number
 from gspo_kernels.config import GSPOConfig
@@ -41,7 +42,7 @@ from gspo_kernels.train.rollout import MiniBatch, Rollout, build_minibatch, comp
 
 RewardFn = Callable[[List[str], List[str]], Sequence[float]]
 NAN_POLICIES = ("skip", "raise")
-BACKENDS = ("auto", "torch", "cpu", "triton", "reference")
+BACKENDS = ("auto",) + backends.BACKENDS + ("reference",)  # the registered backends, and the float64 reference
 LAYOUTS = ("packed", "padded")
 CHECKPOINT_FILE = "gspo_trainer.pt"
 

@@ -32,11 +32,12 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 from torch import Tensor
 
+from gspo_kernels import backends
 from gspo_kernels.config import GSPOConfig
 from gspo_kernels.train.rollout import ScoredResponses, completion_mask_of
 from gspo_kernels.train.tasks import Task, ToyTokenizer, get_task
 
-LOSSES = ("reference", "torch", "cpu", "triton", "auto")
+LOSSES = ("reference",) + backends.BACKENDS + ("auto",)  # the float64 reference and the registered backends
 ALGORITHMS = {
     # name: (importance_sampling_level, epsilon_low, epsilon_high); the papers' clip bands
     "gspo": ("sequence", 3e-4, 4e-4),
