@@ -87,6 +87,7 @@ class LossTensors:
     is_ratio: Optional[Tensor] = None
     num_items_in_batch: Union[None, int, float, Tensor] = None
     rollout_logprobs: Optional[Tensor] = None
+    logprobs_out: Optional[Tensor] = None  # an output: receives the detached per-token log-probs (checked by the caller)
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,8 @@ class LossInputs:
     num_items_in_batch: Optional[Tensor]  # 0-dim float32, finite and > 0
     rollout_logprobs: Optional[Tensor] = None  # [N], the inference engine's log-probs of the sampled tokens
     host: Optional[HostLayout] = None  # read with the checks when asked (``host_layout=True``) and allowed
+    logprobs_out: Optional[Tensor] = None  # [N] view of the caller's output tensor: the detached log-probs, 0 where
+    #                                        not counted (written by the pipeline, or by a backend's fused loss)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -345,4 +348,5 @@ def prepare_loss_inputs(
             cu = checks.fetched["cu_seqlens"]
         host = HostLayout(cu, per[:S], per[S:], per_response)
     return LossInputs(labels=flat_labels, batch=batch, advantages=adv, advantages_per_token=per_token, old_logprobs=old,
-                      ref_logprobs=ref, is_ratio=ratio, num_items_in_batch=items, rollout_logprobs=rollout, host=host)
+                      ref_logprobs=ref, is_ratio=ratio, num_items_in_batch=items, rollout_logprobs=rollout, host=host,
+                      logprobs_out=None if tensors.logprobs_out is None else tensors.logprobs_out.view(-1))

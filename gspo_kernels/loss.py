@@ -230,9 +230,9 @@ def fused_linear_gspo_loss(
         check_linear(hidden, weight, bias, labels)
         check_logprobs_out(logprobs_out, labels)
         head = _linear_head_options(vocab_parallel, fp32_head, memory_budget, batch_invariant)
-        options = _loss_options(config, backend, check_finite, logprobs_out=logprobs_out, **head)
+        options = _loss_options(config, backend, check_finite, **head)
         tensors = LossTensors(advantages, old_logprobs, mask, cu_seqlens, ref_logprobs, is_ratio, num_items_in_batch,
-                              rollout_logprobs)
+                              rollout_logprobs, logprobs_out)
         return _run(_LinearHead(hidden, weight, bias, options, gather), labels, tensors, options)
 
 
@@ -330,7 +330,7 @@ class _LogitsHead(_Head):
         is no vocabulary split (the same loss and gradient as the log-probs and the objective one after the
         other, with less host work: see ``docs/gpu.md``); not when the log-probs are asked for (``logprobs_out``)."""
         if (impl.fused_logits_loss is None or self.vp is not None or objective is not impl.objective
-                or options.logprobs_out is not None):
+                or inputs.logprobs_out is not None):
             return None
         return impl.fused_logits_loss(self.logits, inputs, options)
 
@@ -421,10 +421,10 @@ def _run(head, tokens: Tensor, tensors: LossTensors, options: CallOptions) -> Lo
 
     ``head`` computes the per-token log-probs and entropies (from logits, from hidden states, or given);
     ``tokens`` is the tensor that carries the token layout (the labels, or the given log-probs); ``tensors`` the
-    caller's other loss tensors; ``options`` the call's checked options (the config among them), whose
-    ``logprobs_out`` receives the detached per-token log-probs, 0 where not counted.
+    caller's other loss tensors (their ``logprobs_out`` receives the detached per-token log-probs, 0 where not
+    counted); ``options`` the call's checked options (the config among them).
     """
-    config, logprobs_out = options.config, options.logprobs_out
+    config = options.config
     impl = backends.resolve(options.backend, head.device)
     inputs = prepare_loss_inputs(
         tokens, head.vocab_size, tensors, beta=config.beta, rollout_correction=config.rollout_correction,
@@ -440,8 +440,8 @@ def _run(head, tokens: Tensor, tensors: LossTensors, options: CallOptions) -> Lo
         output = head.fused_loss(impl, objective, inputs, options)
         if output is None:
             logp, entropy = head.logprobs(impl, inputs.labels, counted, options)
-            if logprobs_out is not None:
-                logprobs_out.view(-1).copy_(torch.where(counted, logp.detach(), 0))
+            if inputs.logprobs_out is not None:
+                inputs.logprobs_out.copy_(torch.where(counted, logp.detach(), 0))
             if entropy is None and config.entropy_coef != 0:  # given log-probs only: the other heads give it
                 raise ValueError("entropy is required when config.entropy_coef != 0")
             output = objective(logp, entropy, inputs, config)

@@ -6,8 +6,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
-from torch import Tensor
-
 if TYPE_CHECKING:
     from gspo_kernels.config import GSPOConfig
     from gspo_kernels.parallel import VocabParallel
@@ -21,7 +19,8 @@ class CallOptions:
 
     ``temperature`` and ``softcap`` are the per-token functions' arguments, or the config's for a loss;
     ``return_entropy`` is always True for a loss (the objective may use it). ``config`` is None for the
-    per-token functions. ``logprobs_out`` is checked by the caller.
+    per-token functions. Options only: the call's tensors, inputs and outputs (``logprobs_out``), travel in
+    :class:`~gspo_kernels.layout.LossTensors` / ``LossInputs``.
     """
 
     config: Optional[GSPOConfig] = None
@@ -35,7 +34,6 @@ class CallOptions:
     fp32_head: bool = False
     memory_budget: Optional[int] = None
     batch_invariant: bool = False
-    logprobs_out: Optional[Tensor] = None
 
 
 DEFAULT_OPTIONS = CallOptions()

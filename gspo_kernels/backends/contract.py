@@ -9,8 +9,7 @@ them).
 The call's options reach a backend as one frozen object, the :class:`~gspo_kernels.options.CallOptions` the
 public function built and checked (a backend never validates them again). A stage reads the fields it uses:
 ``temperature``, ``return_entropy`` and ``softcap`` (every stage), ``inplace_backward`` (the logits path),
-``memory_budget`` and ``batch_invariant`` (the hidden-state path), ``config`` and ``logprobs_out`` (the fused
-losses); it ignores the others (the backend's name, the vocabulary split, the checks' switches).
+``memory_budget`` and ``batch_invariant`` (the hidden-state path), ``config`` (the fused losses); it ignores the others (the backend's name, the vocabulary split, the checks' switches).
 
 ``softcap``: ``None``, no cap, or a float ``c > 0``: every logit ``z`` (``hidden @ weight.T + bias`` on the
 hidden-state path, the bias added first) becomes ``c * tanh(z / c)`` *before* the division by the temperature, so
@@ -84,8 +83,8 @@ class FusedLinearLoss(Protocol):
     returns a ``LossOutput``, or None when it cannot run this input (the pipeline then runs ``linear_logprobs`` and
     the objective). ``objective``: the backend's sequence stage; ``options.config``: the loss's config (never
     None here). ``leaves``: the caller's tensors that the precision policy cast into the operands (the gradients
-    go to them, in their dtypes); ``options.logprobs_out`` (any shape with ``N`` elements) receives the detached
-    per-token log-probs, 0 where the mask is 0.
+    go to them, in their dtypes); ``inputs.logprobs_out`` (``[N]``, when the caller gave one) receives the
+    detached per-token log-probs, 0 where the mask is 0.
     """
 
     def __call__(self, objective: Callable, hidden: Tensor, weight: Tensor, bias: Optional[Tensor],

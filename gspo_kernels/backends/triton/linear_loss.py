@@ -339,14 +339,14 @@ def fused_linear_loss(objective: Callable, hidden: Tensor, weight: Tensor, bias:
     layout under capture): the caller then runs the two-pass path. The gradients are computed here and held
     until the backward, in the dtypes of ``leaves`` (the caller's tensors, which the precision policy cast into
     ``hidden`` / ``weight`` / ``bias``; default: those) to which they are returned directly. The options read
-    (the call's :class:`~gspo_kernels.options.CallOptions`): ``config``, ``memory_budget``, ``softcap`` (the
-    logits are capped, ``z -> c tanh(z / c)``, before the temperature; None: no cap) and ``logprobs_out`` (``N``
-    elements), which receives the per-token log-probs (0 where the mask is 0) when the pass runs (not when it
-    returns None).
+    (the call's :class:`~gspo_kernels.options.CallOptions`): ``config``, ``memory_budget`` and ``softcap`` (the
+    logits are capped, ``z -> c tanh(z / c)``, before the temperature; None: no cap). ``inputs.logprobs_out``
+    (``[N]``, when the caller gave one) receives the per-token log-probs (0 where the mask is 0) when the pass runs
+    (not when it returns None).
     """
     config, memory_budget = options.config, options.memory_budget
     softcap = softcap_value(options.softcap)
-    logprobs_out = None if options.logprobs_out is None else options.logprobs_out.view(-1)
+    logprobs_out = inputs.logprobs_out
     leaves = (hidden, weight, bias) if leaves is None else leaves
     need = [t is not None and t.requires_grad for t in leaves]
     if not (torch.is_grad_enabled() and any(need)):
