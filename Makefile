@@ -11,6 +11,9 @@ PEERS ?= trl==1.16.0 liger-kernel==0.8.5 cut-cross-entropy==25.1.1
 TEST_WORKERS ?= 2
 VERL_SPEC ?= verl==0.9.1
 VERL_IMPORTS ?= ray omegaconf tensordict orjson codetiming hydra-core
+OPENRLHF_SPEC ?= openrlhf==0.11.2
+# What OpenRLHF's model, loss and trainer modules import (the tests put tests/stubs in for flash_attn and vllm).
+OPENRLHF_IMPORTS ?= deepspeed peft pylatexenc torchdata aiohttp
 
 # The tested floor (gspo_kernels/versions.py): torch 2.8 and the triton it pins (3.4), in their own virtual
 # environment. numpy < 2.4 there: the Triton interpreter of triton 3.4 - 3.6 predates numpy 2.4 (with it, every
@@ -40,6 +43,10 @@ $(STAMP): pyproject.toml
 	# dependency list, plus the few packages its loss and model-patching modules import.
 	$(PY) -m pip install -q --no-deps $(VERL_SPEC)
 	$(PY) -m pip install -q $(VERL_IMPORTS)
+	# OpenRLHF pins flash-attn (no build without CUDA) and older deepspeed / transformers / ray than the ones here:
+	# installed without its dependency list, plus what its modules import.
+	$(PY) -m pip install -q --no-deps $(OPENRLHF_SPEC)
+	$(PY) -m pip install -q $(OPENRLHF_IMPORTS)
 	# The package itself, as any user installs it (build isolation on: the build needs no torch).
 	$(PY) -m pip install -q -e .
 	touch $(STAMP)
