@@ -420,12 +420,13 @@ import importlib, warnings
 import ray
 from gspo_kernels.integrations import openrlhf as gko
 
-# a Ray worker: Ray imports and runs the hook named in the job's runtime_env before any task
-module, name = gko.HOOK.rsplit(".", 1)
-getattr(importlib.import_module(module), name)()
+# OpenRLHF's trainer modules imported first (they bind Actor and PolicyLoss at import) ...
 import openrlhf.models
 import openrlhf.trainer.ray.launcher as launcher
 import openrlhf.trainer.ray.ppo_actor as ppo_actor
+# ... then what a Ray worker does: import and run the hook named in the job's runtime_env
+module, name = gko.HOOK.rsplit(".", 1)
+getattr(importlib.import_module(module), name)()
 # the names the trainer resolves when it builds the policy, its loss and the reference model
 assert ppo_actor.ActorPPOTrainer.__init__.__globals__["PolicyLoss"] is gko.PolicyLoss
 assert ppo_actor.Actor is gko.Actor and launcher.Actor is gko.Actor
@@ -441,17 +442,25 @@ env = calls[0]["runtime_env"]
 assert env["worker_process_setup_hook"] == gko.HOOK, env
 assert env["env_vars"] == {"NCCL_DEBUG": "WARN", gko.BACKEND_ENV: "torch"}, env
 print("switched on")
+
+# the launcher: train_ppo_ray's own command line (here its --help), run as its __main__ with the library on
+try:
+    gko.main(["--help"])
+except SystemExit as exit:
+    assert exit.code == 0, exit.code
 """
 
 
 def test_enable_makes_the_trainer_build_the_library_classes_in_a_fresh_process():
     """In a fresh interpreter: the worker hook (run as Ray runs it) makes OpenRLHF's trainer modules hold the
     library's Actor and PolicyLoss, with the backend from the job's environment; ``enable`` in the driver makes
-    ``ray.init`` carry the hook and keeps the runtime env OpenRLHF passes. (A real Ray worker: test_openrlhf_ray.)"""
+    ``ray.init`` carry the hook and keeps the runtime env OpenRLHF passes; the launcher runs train_ppo_ray's command
+    line. (A real Ray worker, and ``python -m``: test_openrlhf_distributed.py.)"""
     env = subprocess_env()
     env["GSPO_KERNELS_OPENRLHF_BACKEND"] = "torch"
     done = subprocess.run([sys.executable, "-c", _SWITCH_ON], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and "switched on" in done.stdout, done.stderr[-3000:]
+    assert "--actor.policy_loss_type" in done.stdout, done.stdout[-3000:]  # train_ppo_ray's own options
 
 
 def test_untested_openrlhf_version_warns_once_naming_the_tested_one(orl, monkeypatch):

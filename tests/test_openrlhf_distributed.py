@@ -86,3 +86,17 @@ def test_a_ray_worker_of_an_enabled_driver_holds_the_library_classes():
     OpenRLHF's trainer modules and finds the library's classes there, with the driver's backend."""
     out = _run([sys.executable, "-c", _RAY_WORKER], timeout=300, env=subprocess_env())
     assert "worker (True, True, True, 'torch')" in out, out[-3000:]
+
+
+@pytest.mark.deepspeed
+def test_the_launcher_module_runs_train_ppo_ray_with_the_library_on():
+    """``python -m gspo_kernels.integrations.openrlhf ARGS`` is ``python -m openrlhf.cli.train_ppo_ray ARGS`` (here
+    ``--help``: its parser's options are printed) after :func:`enable` in the real module (not a ``__main__`` copy)."""
+    code = ("import runpy, sys; sys.argv = ['x', '--help']\n"
+            "from gspo_kernels.integrations import openrlhf as gko\n"
+            "try:\n    runpy.run_module('gspo_kernels.integrations.openrlhf', run_name='__main__')\n"
+            "except SystemExit as exit:\n    assert exit.code == 0\n"
+            "import openrlhf.trainer.ray.ppo_actor as p\n"
+            "print('held', p.PolicyLoss is gko.PolicyLoss, p.Actor is gko.Actor)\n")
+    out = _run([sys.executable, "-c", code], timeout=300, env=subprocess_env())
+    assert "--actor.policy_loss_type" in out and "held True True" in out, out[-3000:]
