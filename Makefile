@@ -6,6 +6,10 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 PEERS ?= trl==1.16.0 liger-kernel==0.8.5 cut-cross-entropy==25.1.1
+# DeepSpeed for the ZeRO-3 tests (make test-deepspeed): its Python package only (DS_BUILD_OPS=0, nothing compiled at
+# install); on the CPU its accelerator compiles one communication op at first use, cached in TORCH_EXTENSIONS_DIR.
+DEEPSPEED_SPEC ?= deepspeed==0.19.8
+DS_EXTENSIONS ?= $(HOME)/.cache/gspo_kernels/torch_extensions
 # make test's worker processes (pytest-xdist; a test file stays in one worker): the interpreted Triton kernels
 # run on one core each, so two workers use both cores of the development machine.
 TEST_WORKERS ?= 2
@@ -30,7 +34,7 @@ COMPAT_TESTS ?= tests/test_versions.py tests/test_triton_logits.py tests/test_tr
 # are left out here, by name.
 COMPAT_DESELECT ?= not test_matches_trl and not test_matches_verl
 
-.PHONY: demo test test-compat bench lint clean install
+.PHONY: demo test test-deepspeed test-compat bench lint clean install
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +43,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q triton transformers pytest pytest-benchmark pytest-xdist ruff matplotlib tqdm build
 	# Test peers: a failed install fails the build (their parity tests must run, never skip).
 	$(PY) -m pip install -q $(PEERS)
+	DS_BUILD_OPS=0 $(PY) -m pip install -q $(DEEPSPEED_SPEC)
 	# verl pins transformers/tensordict ranges it does not need on the CPU: installed without its
 	# dependency list, plus the few packages its loss and model-patching modules import.
 	$(PY) -m pip install -q --no-deps $(VERL_SPEC)
@@ -64,7 +69,14 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/gspo-kernels build-ext
-	GSPO_KERNELS_REQUIRE_EXT=1 $(PY) -m pytest tests -q -ra -n $(TEST_WORKERS) --dist loadfile
+	GSPO_KERNELS_REQUIRE_EXT=1 $(PY) -m pytest tests -m "not deepspeed" -q -ra -n $(TEST_WORKERS) --dist loadfile
+
+# The multi-process DeepSpeed tests (marker deepspeed): two processes each (torchrun / accelerate launch), DeepSpeed's
+# CPU accelerator over gloo, every launch under a time limit (a rank that hangs fails its test).
+test-deepspeed: $(STAMP)
+	$(VENV)/bin/gspo-kernels build-ext
+	DS_ACCELERATOR=cpu TORCH_EXTENSIONS_DIR=$(DS_EXTENSIONS) GSPO_KERNELS_REQUIRE_EXT=1 \
+		$(PY) -m pytest tests -m deepspeed -q -ra
 
 $(FLOOR_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(FLOOR_VENV)

@@ -34,6 +34,7 @@ from gspo_kernels.checks import (
     check_temperature,
 )
 from gspo_kernels.config import GSPOConfig, check_config
+from gspo_kernels.distributed import zero3
 from gspo_kernels.layout import LossTensors, prepare_loss_inputs
 from gspo_kernels.objective import LossOutput, gspo_objective
 from gspo_kernels.options import CallOptions
@@ -126,11 +127,12 @@ def linear_logprobs(
         fp32 tensors shaped like ``labels`` (fp64 for fp64 inputs); first-order differentiable for hidden,
         weight and bias.
     """
-    check_linear(hidden, weight, bias, labels)
-    head = _linear_head_options(vocab_parallel, fp32_head, memory_budget, batch_invariant)
-    options = CallOptions(backend=backend, **head, **_logprobs_options(
-        temperature, final_logit_softcapping, return_entropy, check_finite))
-    return _run_logprobs(_LinearHead(hidden, weight, bias, options), labels, options)
+    with zero3.gathered(weight=weight, bias=bias) as gather:  # a DeepSpeed ZeRO-3 head: gathered for the call
+        check_linear(hidden, weight, bias, labels)
+        head = _linear_head_options(vocab_parallel, fp32_head, memory_budget, batch_invariant)
+        options = CallOptions(backend=backend, **head, **_logprobs_options(
+            temperature, final_logit_softcapping, return_entropy, check_finite))
+        return _run_logprobs(_LinearHead(hidden, weight, bias, options, gather), labels, options)
 
 
 def gspo_loss(
@@ -224,13 +226,14 @@ def fused_linear_gspo_loss(
             one-pass loss forms them in its forward, and nothing else gives them without a second pass over
             the lm_head. None (default): not kept.
     """
-    check_linear(hidden, weight, bias, labels)
-    check_logprobs_out(logprobs_out, labels)
-    head = _linear_head_options(vocab_parallel, fp32_head, memory_budget, batch_invariant)
-    options = _loss_options(config, backend, check_finite, logprobs_out=logprobs_out, **head)
-    tensors = LossTensors(advantages, old_logprobs, mask, cu_seqlens, ref_logprobs, is_ratio, num_items_in_batch,
-                          rollout_logprobs)
-    return _run(_LinearHead(hidden, weight, bias, options), labels, tensors, options)
+    with zero3.gathered(weight=weight, bias=bias) as gather:  # a DeepSpeed ZeRO-3 head: gathered for the call
+        check_linear(hidden, weight, bias, labels)
+        check_logprobs_out(logprobs_out, labels)
+        head = _linear_head_options(vocab_parallel, fp32_head, memory_budget, batch_invariant)
+        options = _loss_options(config, backend, check_finite, logprobs_out=logprobs_out, **head)
+        tensors = LossTensors(advantages, old_logprobs, mask, cu_seqlens, ref_logprobs, is_ratio, num_items_in_batch,
+                              rollout_logprobs)
+        return _run(_LinearHead(hidden, weight, bias, options, gather), labels, tensors, options)
 
 
 def policy_loss(
@@ -297,7 +300,10 @@ def _linear_head_options(vocab_parallel, fp32_head: bool, memory_budget: Optiona
 
 
 class _Head:
-    """What the pipeline asks of a head; :meth:`fused_loss` returns None unless the head has a one-pass form."""
+    """What the pipeline asks of a head; :meth:`fused_loss` returns None unless the head has a one-pass form.
+    ``gather``: the call's DeepSpeed ZeRO-3 parameters (:mod:`gspo_kernels.distributed.zero3`), None without."""
+
+    gather: Optional[zero3.HeadGather] = None
 
     def fused_loss(self, impl: Backend, objective, inputs, options: CallOptions) -> Optional[LossOutput]:
         return None
@@ -339,10 +345,15 @@ class _LogitsHead(_Head):
 class _LinearHead(_Head):
     """Per-token log-probs of ``hidden @ weight.T + bias`` (operands cast once by the precision policy)."""
 
-    def __init__(self, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], options: CallOptions) -> None:
+    def __init__(self, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], options: CallOptions,
+                 gather: Optional[zero3.HeadGather] = None) -> None:
         vp = options.vocab_parallel
         self.batch_invariant = options.batch_invariant
         self.hidden, self.weight, self.bias = apply_precision(hidden, weight, bias, fp32_head=options.fp32_head)
+        self.gather = gather
+        if gather is not None:  # a cast of a ZeRO-3 head is made again in the backward, not kept
+            gather.register_cast(weight, self.weight)
+            gather.register_cast(bias, self.bias)
         self.raw = (hidden, weight, bias)  # the caller's tensors: the finite checks read these
         self.vp = vp
         self.device = hidden.device
@@ -435,6 +446,8 @@ def _run(head, tokens: Tensor, tensors: LossTensors, options: CallOptions) -> Lo
                 raise ValueError("entropy is required when config.entropy_coef != 0")
             output = objective(logp, entropy, inputs, config)
     (loss,) = first_order_only(output.loss)
+    if head.gather is not None:  # its backward gathers the ZeRO-3 head again, first
+        (loss,) = head.gather.arm(loss)
     return LossOutput(loss, output.metrics)
 
 
@@ -450,6 +463,8 @@ def _run_logprobs(head, labels: Tensor, options: CallOptions) -> Union[Tensor, T
     with backend_context(head.device):
         logp, entropy = head.logprobs(impl, flat, None, options)
     logp, entropy = first_order_only(logp, entropy)
+    if head.gather is not None:  # their backward gathers the ZeRO-3 head again, first
+        logp, entropy = head.gather.arm(logp, entropy)
     logp = logp.reshape(labels.shape)
     return (logp, entropy.reshape(labels.shape)) if options.return_entropy else logp
 
