@@ -16,8 +16,8 @@ TEST_WORKERS ?= 2
 VERL_SPEC ?= verl==0.9.1
 VERL_IMPORTS ?= ray omegaconf tensordict orjson codetiming hydra-core
 OPENRLHF_SPEC ?= openrlhf==0.11.2
-# What OpenRLHF's model, loss and trainer modules import (the tests put tests/stubs in for flash_attn and vllm).
-OPENRLHF_IMPORTS ?= deepspeed peft pylatexenc torchdata aiohttp
+# What OpenRLHF's modules import besides DEEPSPEED_SPEC (tests/stubs stands in for flash_attn and vllm).
+OPENRLHF_IMPORTS ?= peft pylatexenc torchdata aiohttp
 
 # The tested floor (gspo_kernels/versions.py): torch 2.8 and the triton it pins (3.4), in their own virtual
 # environment. numpy < 2.4 there: the Triton interpreter of triton 3.4 - 3.6 predates numpy 2.4 (with it, every

@@ -8,9 +8,10 @@ parameters after the trainer's steps or their gradients.
 - ``ring``: packed samples under a ring-attention group of both ranks (OpenRLHF's ``unpad_and_slice_tensor`` gives
   each rank a slice of the packed tokens, its ``gather_and_pad_tensor`` all-gathers the per-token results; attention
   stays local to a rank's slice here, see tests/stubs), the same batch on both ranks, parameters' gradients;
-- ``zero2`` / ``zero3``: each actor's model in a DeepSpeed engine of that ZeRO stage (OpenRLHF's ``Actor.model`` is
-  the engine), each rank its own batch, two SGD steps of the trainer's use (log-probs and entropy in the loss, the
-  old log-probs under ``no_grad`` first), then the parameters (gathered) compared.
+- ``zero2`` / ``zero3`` (``-tied``: the lm_head tied to the embeddings, as Qwen2.5-0.5B's): each actor's model in
+  a DeepSpeed engine of that ZeRO stage (OpenRLHF's ``Actor.model`` is the engine), each rank its own batch, two SGD steps of the
+  trainer's use (log-probs and entropy in the loss, the old log-probs under ``no_grad`` first), then the parameters
+  (gathered) compared; ``partitioned``: the lm_head's weight was partitioned between its uses.
 """
 
 from __future__ import annotations
@@ -67,14 +68,14 @@ def ring(gko, models, rank: int) -> dict:
             "grads": max(_rel(grads[n], want_grads[n]) for n in want_grads)}
 
 
-def zero(gko, models, rank: int, stage: int) -> dict:
+def zero(gko, models, rank: int, stage: int, tied: bool) -> dict:
     import deepspeed
 
     from tests.openrlhf_env import tiny_causal_lm
     from tests.test_openrlhf import _rollout_batch
 
     torch.manual_seed(0)
-    base = tiny_causal_lm()
+    base = tiny_causal_lm(tie_word_embeddings=tied)
     config = {"train_micro_batch_size_per_gpu": 3, "gradient_clipping": 1.0,
               "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
               "optimizer": {"type": "SGD", "params": {"lr": LR}}, "zero_allow_untested_optimizer": True}
@@ -85,6 +86,8 @@ def zero(gko, models, rank: int, stage: int) -> dict:
         actor = make(model)
         actor.packing_samples = False
         actor.model, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+        # under ZeRO-3 the head is partitioned between its uses (where the library reads it)
+        partitioned = tuple(actor.model.module.lm_head.weight.shape) == (0,)
         torch.manual_seed(100 + rank)  # each rank its own batches
         first = None
         for _ in range(STEPS):
@@ -101,7 +104,7 @@ def zero(gko, models, rank: int, stage: int) -> dict:
     (first, params), (want_first, want_params) = out["ours"], out["theirs"]
     initial = {n: p.detach() for n, p in base.named_parameters()}
     moved = max(float((want_params[n] - initial[n]).abs().max()) for n in want_params)
-    return {"old": _rel(first[0], want_first[0]), "logp": _rel(first[1], want_first[1]),
+    return {"partitioned": partitioned, "old": _rel(first[0], want_first[0]), "logp": _rel(first[1], want_first[1]),
             "entropy": _rel(first[2], want_first[2]), "moved": moved,
             "params": max(float((params[n] - want_params[n]).abs().max()) for n in want_params)}
 
@@ -124,7 +127,10 @@ def main(mode: str, out_dir: str) -> None:
 
         from gspo_kernels.integrations import openrlhf as gko
 
-        result = ring(gko, models, rank) if mode == "ring" else zero(gko, models, rank, int(mode[-1]))
+        if mode == "ring":
+            result = ring(gko, models, rank)
+        else:  # zero2, zero3: the lm_head its own parameter; zero2-tied, zero3-tied: the embeddings'
+            result = zero(gko, models, rank, int(mode[4]), tied=mode.endswith("-tied"))
     with open(os.path.join(out_dir, f"{mode}{rank}.json"), "w") as f:
         json.dump(result, f)
     torch.distributed.barrier()

@@ -228,22 +228,30 @@ class PolicyLoss(openrlhf_models.PolicyLoss):
 
 class _HeadInput:
     """For one call of the model: the lm_head keeps the hidden states it is given and returns an empty
-    ``[..., 0]`` tensor instead of the logits (the module's hooks, e.g. DeepSpeed ZeRO-3's, still run)."""
+    ``[..., 0]`` tensor instead of the logits (the module's hooks, e.g. DeepSpeed ZeRO-3's, still run).
+
+    The hidden states are taken by a forward pre-hook that runs before the module's other hooks: DeepSpeed ZeRO-3's
+    own pre-hook wraps a module's inputs in a function whose backward releases the module's parameters, a backward
+    that must not run for an lm_head whose forward was skipped (DeepSpeed asserts that its pre-backward ran first)."""
 
     def __init__(self, head: torch.nn.Module) -> None:
         self.head = head
         self.calls = []
 
     def __enter__(self) -> "_HeadInput":
-        def keep(hidden, *args, **kwargs):
-            self.calls.append(hidden)
+        def keep(module, args):
+            self.calls.append(args[0])
+
+        def skip(hidden, *args, **kwargs):
             return hidden.new_empty((*hidden.shape[:-1], 0))
 
         self.saved = self.head.__dict__.get("forward")
-        self.head.forward = keep
+        self.handle = self.head.register_forward_pre_hook(keep, prepend=True)
+        self.head.forward = skip
         return self
 
     def __exit__(self, *exc) -> None:
+        self.handle.remove()
         if self.saved is None:
             del self.head.forward
         else:
