@@ -297,13 +297,13 @@ def _actor_step(actor, model, sequences, attention_mask, action_mask, **kwargs):
     return logp.detach(), None if entropy is None else entropy.detach(), output, grads
 
 
-# padded on every backend; OpenRLHF's packed samples (unpadded, then padded back: the same for every backend) on
-# the cpu backend, with the lm_head tied to the embeddings (Qwen2.5-0.5B's layout: both gradients reach one weight)
-ACTOR_CASES = [("torch", False, False), ("cpu", False, False), ("triton", False, False), ("cpu", True, True)]
+# padded on the CPU backends (the head is linear_logprobs, whose backends the library's own tests hold to the float64
+# oracle: Triton's among them); OpenRLHF's packed samples (unpadded, then padded back: the same for every backend)
+# with the lm_head tied to the embeddings (Qwen2.5-0.5B's layout: both gradients reach one weight)
+ACTOR_CASES = [("torch", False, False), ("cpu", False, False), ("cpu", True, True)]
 
 
-@pytest.mark.parametrize("backend, packing, tied", ACTOR_CASES,
-                         ids=["padded-torch", "padded-cpu", "padded-triton", "packed-tied-cpu"])
+@pytest.mark.parametrize("backend, packing, tied", ACTOR_CASES, ids=["padded-torch", "padded-cpu", "packed-tied-cpu"])
 def test_actor_matches_openrlhf(orl, backend, packing, tied):
     """fp32, temperature 0.7, left-padded prompts and right-padded responses (or OpenRLHF's packed samples): the
     action log-probs, the entropy at every position, every parameter's gradient, the old log-probs (no gradient:
