@@ -303,7 +303,8 @@ def _actor_step(actor, model, sequences, attention_mask, action_mask, **kwargs):
 ACTOR_CASES = [("torch", False, False), ("cpu", False, False), ("cpu", True, True)]
 
 
-@pytest.mark.parametrize("backend, packing, tied", ACTOR_CASES, ids=["padded-torch", "padded-cpu", "packed-tied-cpu"])
+@pytest.mark.parametrize("backend, packing, tied", ACTOR_CASES,
+                         ids=["padded-torch", "padded-cpu", "packed-tied-checkpointed-cpu"])
 def test_actor_matches_openrlhf(orl, backend, packing, tied):
     """fp32, temperature 0.7, left-padded prompts and right-padded responses (or OpenRLHF's packed samples): the
     action log-probs, the entropy at every position, every parameter's gradient, the old log-probs (no gradient:
@@ -311,6 +312,8 @@ def test_actor_matches_openrlhf(orl, backend, packing, tied):
     fp32 rounding; ``output`` holds no logits. OpenRLHF's entropy, ``logsumexp(z) - sum_v p_v z_v``, cancels where
     the distribution is peaked: its absolute error reaches a few fp32 roundings of ``max |z|`` (8 allowed)."""
     model = tiny_causal_lm(tie_word_embeddings=tied)
+    if packing:  # and the backbone's activations recomputed in the backward (--actor.gradient_checkpointing_enable)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     sequences, attention_mask, action_mask = _rollout_batch(model.config.vocab_size)
     ours, theirs = _actor_pair(orl, model, backend, packing)
     got = _actor_step(ours, model, sequences, attention_mask, action_mask, return_entropy=True)
