@@ -25,6 +25,9 @@ DEEPSPEED_TESTS ?= tests/distributed
 TEST_WORKERS ?= 2
 VERL_SPEC ?= verl==0.9.1
 VERL_IMPORTS ?= ray omegaconf tensordict orjson codetiming hydra-core
+OPENRLHF_SPEC ?= openrlhf==0.11.2
+# What OpenRLHF's modules import besides DEEPSPEED_SPEC (tests/stubs stands in for flash_attn and vllm).
+OPENRLHF_IMPORTS ?= peft pylatexenc torchdata aiohttp
 
 # The tested floor (gspo_kernels/versions.py): torch 2.8 and the triton it pins (3.4), in their own virtual
 # environment. numpy < 2.4 there: the Triton interpreter of triton 3.4 - 3.6 predates numpy 2.4 (with it, every
@@ -69,6 +72,10 @@ $(STAMP): pyproject.toml
 	# dependency list, plus the few packages its loss and model-patching modules import.
 	$(PY) -m pip install -q --no-deps $(VERL_SPEC)
 	$(PY) -m pip install -q $(VERL_IMPORTS)
+	# OpenRLHF pins flash-attn (no build without CUDA) and older deepspeed / transformers / ray than the ones here:
+	# installed without its dependency list, plus what its modules import.
+	$(PY) -m pip install -q --no-deps $(OPENRLHF_SPEC)
+	$(PY) -m pip install -q $(OPENRLHF_IMPORTS)
 	# The package itself, as any user installs it (build isolation on: the build needs no torch).
 	$(PY) -m pip install -q -e .
 	touch $(STAMP) $(DEMO_STAMP)

@@ -14,7 +14,16 @@ LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")  # the aggregations (TRL's name
 # seq-mean-token-sum).
 AGGREGATIONS = LOSS_TYPES + ("seq_sum",)
 ROLLOUT_CORRECTIONS = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "icepop",
-                       "sequence_masked_tis")
+                       "sequence_masked_tis", "sequence_geometric_mask", "token_binary_kl_mask",
+                       "sequence_binary_kl_mask", "token_tv_mask", "sequence_tv_mask")
+# The rollout correction modes whose statistic is one per response (the others read one per token); see docs/math.md
+ROLLOUT_SEQUENCE_MODES = ("sequence_truncate", "sequence_mask", "sequence_masked_tis", "sequence_geometric_mask",
+                          "sequence_binary_kl_mask", "sequence_tv_mask")
+# The modes that gate on a divergence of the sampled token's probability (engine vs trainer, each clamped to
+# [ROLLOUT_PROBABILITY_CLAMP, 1 - ROLLOUT_PROBABILITY_CLAMP]): the binary KL or the total variation, and which
+ROLLOUT_DIVERGENCES = {"token_binary_kl_mask": "binary_kl", "sequence_binary_kl_mask": "binary_kl",
+                       "token_tv_mask": "tv", "sequence_tv_mask": "tv"}
+ROLLOUT_PROBABILITY_CLAMP = 1e-6
 # The tables of the objectives, read from their registry (gspo_kernels.objectives) at each access, so an
 # objective registered later is in them:
 #   ALL_LOSS_TYPES       every loss_type: the four above (the clipped surrogate with that aggregation) and the
@@ -73,7 +82,10 @@ class GSPOConfig:
             ``A < 0`` whose mean ``(rollout - logp)`` exceeds it contributes nothing. None: off.
         rollout_correction: the train/rollout mismatch correction computed from ``rollout_logprobs`` (one of
             :data:`ROLLOUT_CORRECTIONS`), with the bounds ``rollout_correction_max`` (C_max) and
-            ``rollout_correction_min`` (C_min; icepop and sequence_masked_tis default it to 1 / C_max).
+            ``rollout_correction_min`` (C_min; icepop and sequence_masked_tis default it to 1 / C_max). The
+            ``*_binary_kl_mask`` / ``*_tv_mask`` modes bound the sampled token's binary KL / total variation between
+            the engine and the trainer (per token, or its mean over the response) by C_max (required: the trust
+            region's delta) and C_min (optional).
         final_logit_softcapping: optional logit soft cap ``c`` (Gemma 2/3, the model config's name): the
             logits become ``c * tanh(z / c)`` before the division by ``temperature``. None: no cap.
     """
@@ -181,8 +193,11 @@ class GSPOConfig:
             raise ValueError(f"rollout_correction_min ({lo!r}) must be <= rollout_correction_max ({hi!r})")
         if mode is None:
             return
-        if mode in ("token_mask", "sequence_mask") and lo is None and hi is None:
+        if mode in ("token_mask", "sequence_mask", "sequence_geometric_mask") and lo is None and hi is None:
             raise ValueError(f"rollout_correction={mode!r} needs rollout_correction_max or rollout_correction_min")
+        if mode in ROLLOUT_DIVERGENCES and hi is None:
+            raise ValueError(f"rollout_correction={mode!r} needs rollout_correction_max (the largest "
+                             f"{ROLLOUT_DIVERGENCES[mode]} divergence kept)")
         if mode in ("icepop", "sequence_masked_tis") and hi is None:
             raise ValueError(f"rollout_correction={mode!r} needs rollout_correction_max (C_max)")
 

@@ -16,13 +16,14 @@ even when its weight overflows (``exp(100)`` in fp32), instead of ``0 * inf = Na
 
 from __future__ import annotations
 
+import math
 from typing import Dict, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from gspo_kernels import objectives
-from gspo_kernels.config import GSPOConfig
+from gspo_kernels.config import ROLLOUT_DIVERGENCES, ROLLOUT_PROBABILITY_CLAMP, ROLLOUT_SEQUENCE_MODES, GSPOConfig
 from gspo_kernels.layout import LossInputs
 from gspo_kernels.objectives.base import segment_sum
 from gspo_kernels.objectives.clipped import _live_log_weight, clip_flags
@@ -177,25 +178,27 @@ def rollout_correction(old: Tensor, rollout: Tensor, valid: Tensor, seq: Tensor,
     """The rollout correction weight ``[N]`` (None without ``config.rollout_correction``) and the mismatch
     metrics, from the trainer's log-probs ``old`` and the engine's ``rollout`` (detached; docs/math.md).
 
-    ``d_t = old_t - rollout_t`` (0 at masked tokens and where ``rollout`` is NaN); token modes use
-    ``rho_t = e^{d_t}``, sequence modes ``rho_i = e^{sum_t d_t}`` (TRL), ``sequence_masked_tis`` keeps a
-    response whose geometric mean ``e^{mean_t d_t}`` lies in ``[C_min, C_max]`` and weights its tokens by
-    ``min(rho_t, C_max)``; truncation clamps to ``[C_min, C_max]``, masking zeroes what leaves it.
+    ``d_t = old_t - rollout_t`` (0 at masked tokens and where ``rollout`` is NaN). Each mode reads a statistic per
+    unit (a token, or a response for :data:`~gspo_kernels.config.ROLLOUT_SEQUENCE_MODES`): the ratio ``e^{d_t}``,
+    the sequence's product ``e^{sum_t d_t}`` (``sequence_truncate`` / ``_mask``, TRL) or geometric mean
+    ``e^{mean_t d_t}`` (``sequence_masked_tis``, ``sequence_geometric_mask``), or the sampled token's binary KL /
+    total variation (per token, or its mean over the response). Truncation clamps the ratio into
+    ``[C_min, C_max]``; the other modes keep a unit whose statistic lies in ``[C_min, C_max]`` with its ratio
+    (``sequence_masked_tis``: ``min(e^{d_t}, C_max)``; the divergence and geometric gates: ``e^{d_t}``) and
+    give the others 0. ``rollout/is_filter_ratio``: the share of units whose statistic left the band.
     """
     mode = config.rollout_correction
     zero = old.new_zeros(())
     rollout = rollout.to(old.dtype)
     d = old - rollout
-    d = torch.where(valid & ~torch.isnan(d), d, zero)
+    scored = valid & ~torch.isnan(d)
+    d = torch.where(scored, d, zero)
     fmask = valid.to(old.dtype)
     n_tok = fmask.sum().clamp(min=1)
     lengths = segment_sum(fmask, seq, S)
     counted = lengths > 0
     lo, hi = config.rollout_bounds
     metrics = {"rollout/kl": (-d.sum() / n_tok).float()}
-
-    def bounded(x: Tensor) -> Tensor:  # truncation to [lo, hi]
-        return torch.clamp(x, min=lo, max=hi)
 
     def inside(x: Tensor) -> Tensor:
         ok = torch.ones_like(x, dtype=torch.bool)
@@ -205,28 +208,64 @@ def rollout_correction(old: Tensor, rollout: Tensor, valid: Tensor, seq: Tensor,
             ok = ok & (x <= hi)
         return ok
 
-    per_sequence = mode in ("sequence_truncate", "sequence_mask")
-    if per_sequence:
-        rho_seq = torch.exp(segment_sum(d, seq, S))
-        rho_seq = bounded(rho_seq) if mode == "sequence_truncate" else torch.where(inside(rho_seq), rho_seq, zero)
-        rho = torch.where(valid, rho_seq[seq], zero)
-        stats = _weight_stats(rho_seq, counted)
+    ratio = torch.exp(d)
+    per_response = mode in ROLLOUT_SEQUENCE_MODES
+    divergence = ROLLOUT_DIVERGENCES.get(mode)
+    if divergence is not None:  # the sampled token's divergence, 0 where the engine gave no log-prob
+        stat = torch.where(scored, _token_divergence(old, rollout, divergence), zero)
+        if per_response:
+            stat = segment_sum(stat, seq, S) / lengths.clamp(min=1)
+    elif mode in ("sequence_truncate", "sequence_mask"):  # TRL's product ratio
+        stat = torch.exp(segment_sum(d, seq, S))
+    elif mode in ("sequence_masked_tis", "sequence_geometric_mask"):  # the geometric mean
+        stat = torch.exp(segment_sum(d, seq, S) / lengths.clamp(min=1))
+    else:  # the token modes of the ratio (and no mode: the raw ratios, for the metrics)
+        stat = ratio
+    keep = inside(stat)
+    keep_t = keep[seq] if per_response else keep
+    if mode in ("token_truncate", "sequence_truncate"):
+        rho = torch.clamp(stat, min=lo, max=hi)
+    elif mode == "sequence_mask":
+        rho = torch.where(keep, stat, zero)
+    elif mode == "sequence_masked_tis":
+        rho = torch.where(keep_t, torch.clamp(ratio, max=hi), zero)
+    elif mode is None:
+        rho = ratio
+    else:  # token_mask, icepop, the geometric and divergence gates: the kept units' tokens keep their ratio
+        rho = torch.where(keep_t, ratio, zero)
+    if per_response:
+        units = counted
+        if mode in ("sequence_truncate", "sequence_mask"):  # one weight per response
+            stats = _weight_stats(rho, counted)
+            rho = rho[seq]
+        rho = torch.where(valid, rho, zero)
+        if mode not in ("sequence_truncate", "sequence_mask"):
+            stats = _weight_stats(rho, valid)
     else:
-        rho = torch.exp(d)
-        if mode == "token_truncate":
-            rho = bounded(rho)
-        elif mode in ("token_mask", "icepop"):
-            rho = torch.where(inside(rho), rho, zero)
-        elif mode == "sequence_masked_tis":
-            keep = inside(torch.exp(segment_sum(d, seq, S) / lengths.clamp(min=1)))
-            rho = torch.where(keep[seq], torch.clamp(rho, max=hi), zero)
+        units = valid
         rho = torch.where(valid, rho, zero)
         stats = _weight_stats(rho, valid)
+    filtered = (units & ~keep).sum() if mode is not None else units.new_zeros((), dtype=torch.long)
     metrics["rollout/masked_fraction"] = ((valid & (rho == 0)).sum() / n_tok).float()
+    metrics["rollout/is_filter_ratio"] = (filtered / units.sum().clamp(min=1)).float()
     metrics["rollout/weight_min"] = stats["importance_weight/min"]
     metrics["rollout/weight_mean"] = stats["importance_weight/mean"]
     metrics["rollout/weight_max"] = stats["importance_weight/max"]
     return (None if mode is None else rho.detach()), metrics
+
+
+def _token_divergence(old: Tensor, rollout: Tensor, kind: str) -> Tensor:
+    """The sampled token's divergence between the engine (``p = e^{rollout}``) and the trainer (``q = e^{old}``),
+    both clamped to ``[eps, 1 - eps]`` (``eps`` = :data:`~gspo_kernels.config.ROLLOUT_PROBABILITY_CLAMP`):
+    ``"binary_kl"``, ``p log(p/q) + (1-p) log((1-p)/(1-q))``, or ``"tv"``, ``|p - q|``. The clamp is taken on
+    the log-probs (``log p = clamp(rollout, log eps, log(1 - eps))``, the same values), so ``log p`` is exact."""
+    low, high = math.log(ROLLOUT_PROBABILITY_CLAMP), math.log1p(-ROLLOUT_PROBABILITY_CLAMP)
+    log_p = torch.clamp(torch.nan_to_num(rollout), low, high)
+    log_q = torch.clamp(torch.nan_to_num(old), low, high)
+    p, q = torch.exp(log_p), torch.exp(log_q)
+    if kind == "tv":
+        return (p - q).abs()
+    return p * (log_p - log_q) + (1 - p) * (torch.log(1 - p) - torch.log(1 - q))
 
 
 def k3_kl(ref_logp: Tensor, logp: Tensor) -> Tensor:

@@ -36,6 +36,8 @@ class _Tally:
     rollout_diff: List[Tensor] = field(default_factory=list)  # trainer - rollout log-probs
     rollout_weights: List[Tensor] = field(default_factory=list)
     rollout_zeros: int = 0
+    rollout_filtered: int = 0  # the correction's units (tokens, or responses) whose statistic left the band
+    rollout_units: int = 0
 
 
 def _importance_weight(r: Tensor, logp: Tensor, config: GSPOConfig) -> Tensor:
@@ -56,11 +58,14 @@ def _importance_weight(r: Tensor, logp: Tensor, config: GSPOConfig) -> Tensor:
 def _rollout_correction(trainer: Tensor, rollout: Tensor, config: GSPOConfig, tally: _Tally) -> Tensor:
     """:func:`_rollout_weight` of one response's tokens, its mismatch statistics recorded in ``tally``."""
     mode = config.rollout_correction
-    rho = _rollout_weight(trainer, rollout, config)
+    rho, outside = _rollout_weight(trainer, rollout, config)
     d = trainer - rollout
     tally.rollout_diff.append(torch.where(torch.isnan(d), 0.0, d))
     tally.rollout_weights.append(rho[:1] if mode in ("sequence_truncate", "sequence_mask") else rho)
     tally.rollout_zeros += int((rho == 0).sum()) if mode is not None else 0
+    if mode is not None:
+        tally.rollout_filtered += int(outside.sum())
+        tally.rollout_units += outside.numel()
     return rho
 
 
@@ -175,43 +180,68 @@ def _objective_metrics(tally: _Tally, config: GSPOConfig, has_rollout: bool, f64
         zero = torch.zeros((), **f64)
         metrics["rollout/kl"] = -diff.sum() / max(num_tokens, 1)  # mean of rollout - trainer log-probs
         metrics["rollout/masked_fraction"] = torch.tensor(tally.rollout_zeros / max(num_tokens, 1), **f64)
+        metrics["rollout/is_filter_ratio"] = torch.tensor(tally.rollout_filtered / max(tally.rollout_units, 1), **f64)
         metrics["rollout/weight_min"] = rw.min() if rw.numel() else zero
         metrics["rollout/weight_mean"] = rw.sum() / max(rw.numel(), 1)
         metrics["rollout/weight_max"] = rw.max() if rw.numel() else zero
     return metrics
 
 
-def _rollout_weight(trainer: Tensor, rollout: Tensor, config: GSPOConfig) -> Tensor:
-    """The rollout correction of one response's tokens, from the trainer's and the engine's log-probs.
+def _rollout_weight(trainer: Tensor, rollout: Tensor, config: GSPOConfig) -> Tuple[Tensor, Tensor]:
+    """The rollout correction of one response's tokens, from the trainer's and the engine's log-probs, and
+    whether each of the correction's units (the tokens, or the response as one) has its statistic outside
+    ``[C_min, C_max]`` (a bool per token, or one).
 
     ``d_t = trainer_t - rollout_t`` (0 where the engine gave NaN). Token modes: ``rho_t = e^{d_t}``; sequence
     modes: ``rho = e^{sum_t d_t}`` for every token (TRL's sequence ratio: a product, not a geometric mean);
     ``sequence_masked_tis``: ``min(e^{d_t}, C_max)`` when the geometric mean ``e^{mean_t d_t}`` lies in
-    ``[C_min, C_max]``, else 0. Truncation clamps into ``[C_min, C_max]``; masking (icepop included) zeroes
-    the weights outside it. No mode: the raw token ratios (for the metrics only).
+    ``[C_min, C_max]``, else 0; ``sequence_geometric_mask``: ``e^{d_t}`` under the same condition. Truncation
+    clamps into ``[C_min, C_max]``; masking (icepop included) zeroes the weights outside it. The divergence gates
+    keep ``e^{d_t}`` where the sampled token's divergence between the engine's probability ``p = e^{rollout}``
+    and the trainer's ``q = e^{trainer}`` (both clamped to ``[1e-6, 1 - 1e-6]``) lies in ``[C_min, C_max]``: the
+    binary KL ``p log(p/q) + (1-p) log((1-p)/(1-q))`` or the total variation ``|p - q|``, per token, or its mean
+    over the response for the ``sequence_*`` gates. No mode: the raw token ratios (for the metrics only).
     """
     mode = config.rollout_correction
-    d = trainer - rollout
-    d = torch.where(torch.isnan(d), 0.0, d)
+    unscored = torch.isnan(trainer - rollout)
+    d = torch.where(unscored, 0.0, trainer - rollout)
     c_max = config.rollout_correction_max
     c_min = config.rollout_correction_min
     if c_min is None and c_max is not None and mode in ("icepop", "sequence_masked_tis"):
         c_min = 1.0 / c_max
     lower = -math.inf if c_min is None else c_min
     upper = math.inf if c_max is None else c_max
+
+    def outside(statistic: Tensor) -> Tensor:
+        return (statistic < lower) | (statistic > upper)
+
+    token_ratio = torch.exp(d)
     if mode in ("sequence_truncate", "sequence_mask"):
         rho = torch.exp(d.sum()).expand(d.numel())
-    else:
-        rho = torch.exp(d)
-    if mode in ("token_truncate", "sequence_truncate"):
-        return torch.clamp(rho, lower, upper)
-    if mode in ("token_mask", "sequence_mask", "icepop"):
-        return torch.where((rho >= lower) & (rho <= upper), rho, 0.0)
-    if mode == "sequence_masked_tis":
-        geometric_mean = torch.exp(d.mean())
-        kept = lower <= geometric_mean <= upper
-        return torch.clamp(rho, max=upper) if kept else torch.zeros_like(rho)
-    return rho
+        out = outside(rho[:1])
+        if mode == "sequence_truncate":
+            return torch.clamp(rho, lower, upper), out
+        return (torch.zeros_like(rho) if bool(out) else rho), out
+    if mode in ("token_truncate", "token_mask", "icepop"):
+        out = outside(token_ratio)
+        if mode == "token_truncate":
+            return torch.clamp(token_ratio, lower, upper), out
+        return torch.where(out, 0.0, token_ratio), out
+    if mode in ("sequence_masked_tis", "sequence_geometric_mask"):
+        out = outside(torch.exp(d.mean()).reshape(1))
+        kept = torch.clamp(token_ratio, max=upper) if mode == "sequence_masked_tis" else token_ratio
+        return (torch.zeros_like(kept) if bool(out) else kept), out
+    if mode is not None and ("binary_kl" in mode or "tv" in mode):
+        p = torch.clamp(torch.exp(rollout), 1e-6, 1 - 1e-6)
+        q = torch.clamp(torch.exp(trainer), 1e-6, 1 - 1e-6)
+        if "binary_kl" in mode:
+            divergence = p * torch.log(p / q) + (1 - p) * torch.log((1 - p) / (1 - q))
+        else:
+            divergence = (p - q).abs()
+        divergence = torch.where(unscored, 0.0, divergence)
+        out = outside(divergence.mean().reshape(1) if mode.startswith("sequence_") else divergence)
+        return torch.where(out, 0.0, token_ratio), out
+    return token_ratio, torch.zeros(0, dtype=torch.bool)
 
 
 def _exp(log_w: Tensor) -> Tensor:

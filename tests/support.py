@@ -168,6 +168,12 @@ def objective_configs():
           rollout_correction="sequence_masked_tis", **rc),
         C(loss_type="bnpo", importance_sampling_level="sequence", aggregation="seq_sum", delta=1.0002,
           rollout_correction="token_mask", rollout_correction_min=0.8, rollout_correction_max=None),
+        # the divergence gates (OpenRLHF's binary_kl / tv gating): bounds that keep some units and drop others
+        # on each helper's log-probs (the sampled tokens' probabilities run from ~1e-3 to ~0.3 across them)
+        C(loss_type="grpo", importance_sampling_level="sequence_token", rollout_correction="sequence_binary_kl_mask",
+          rollout_correction_max=1e-3),
+        C(loss_type="sapo", importance_sampling_level="token", aggregation="bnpo", rollout_correction="token_tv_mask",
+          rollout_correction_min=1e-4, rollout_correction_max=0.01),
     ]
 
 

@@ -68,6 +68,14 @@ MORE = [
                   max_completion_length=9),
     gk.GSPOConfig(loss_type="dapo", importance_sampling_level="sequence_token", clip_ratio_c=1.0001, delta=1.0003,
                   rollout_correction="icepop", rollout_correction_max=1.4, entropy_coef=0.01),
+    # the other gates (the divergence gates' bounds: the helper's tokens' divergences run ~2e-3 .. 1.5e-2 (binary
+    # KL) and ~2e-2 .. 6e-2 (TV) per token, so each bound keeps some units and drops others)
+    gk.GSPOConfig(loss_type="grpo", importance_sampling_level="sequence", rollout_correction="sequence_geometric_mask",
+                  rollout_correction_min=0.9, rollout_correction_max=1.1),
+    gk.GSPOConfig(loss_type="gmpo", importance_sampling_level="token", epsilon_low=1e-4, epsilon_high=2e-4,
+                  rollout_correction="token_binary_kl_mask", rollout_correction_min=2e-3, rollout_correction_max=1e-2),
+    gk.GSPOConfig(loss_type="luspo", importance_sampling_level="sequence", rollout_correction="sequence_tv_mask",
+                  rollout_correction_max=0.05),
 ]
 
 

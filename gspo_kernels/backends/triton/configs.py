@@ -473,6 +473,9 @@ def _h100_configs() -> List[dict]:
         _sequence_h100("sequence_token", ADV_PER_TOKEN=True, HAS_IS_RATIO=True, HAS_CLAMP=True),
         # the other objectives, the dual clip, off-policy masking and rollout correction (one launch each)
         _sequence_h100("token", HAS_DUAL=True, HAS_OPSM=True, HAS_ROLLOUT=True, ROLLOUT="token_truncate"),
+        # the divergence gates (per token, and their mean per response in pass 1)
+        _sequence_h100("token", ADV_PER_TOKEN=True, HAS_ROLLOUT=True, ROLLOUT="token_binary_kl_mask"),
+        _sequence_h100("sequence", ADV_PER_TOKEN=True, HAS_ROLLOUT=True, ROLLOUT="sequence_tv_mask"),
         # each objective's launches (Objective.h100)
         *[_sequence_h100(objective=spec.name, **launch) for spec in objectives.objectives() for launch in spec.h100],
         *[{

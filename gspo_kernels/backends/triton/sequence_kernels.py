@@ -39,10 +39,13 @@ compiler: the same code as one function).
 
 from __future__ import annotations
 
+import math
+
 import triton
 import triton.language as tl
 
 from gspo_kernels.backends.triton.configs import AGGREGATION_CODES, LEVEL_CODES, ROLLOUT_CODES
+from gspo_kernels.config import ROLLOUT_PROBABILITY_CLAMP
 
 # Columns of the per-response partial sums (row i of a [S, PARTIALS_STRIDE] fp32 buffer), written by the
 # sequence kernel and reduced by the reduction kernel. Kernel constants: the host reads their ``.value``.
@@ -66,7 +69,9 @@ P_RW_SUM = tl.constexpr(15)  # rollout weight sum, min, max, items
 P_RW_MIN = tl.constexpr(16)
 P_RW_MAX = tl.constexpr(17)
 P_RW_UNITS = tl.constexpr(18)
-P_COUNT = tl.constexpr(P_RW_UNITS.value + 1)  # the columns written; the rest of the row is never read
+P_RF = tl.constexpr(19)  # the correction's units (tokens, or responses) whose statistic left [C_min, C_max]
+P_RF_UNITS = tl.constexpr(20)
+P_COUNT = tl.constexpr(P_RF_UNITS.value + 1)  # the columns written; the rest of the row is never read
 # Columns the reduction takes the minimum / maximum of (the others are summed); kernel constants.
 MIN_COLUMNS = tl.constexpr((P_W_MIN.value, P_RW_MIN.value))
 MAX_COLUMNS = tl.constexpr((P_W_MAX.value, P_RW_MAX.value))
@@ -90,7 +95,8 @@ O_ROLLOUT_MASKED = tl.constexpr(13)
 O_RW_MIN = tl.constexpr(14)
 O_RW_MEAN = tl.constexpr(15)
 O_RW_MAX = tl.constexpr(16)
-NUM_OUTPUTS = O_RW_MAX.value + 1
+O_ROLLOUT_FILTERED = tl.constexpr(17)
+NUM_OUTPUTS = O_ROLLOUT_FILTERED.value + 1
 
 # The metrics the output reports (TRL's names: those of ``objective.gspo_objective``), one row each: the name,
 # its ``O_*`` slot, and when it is reported: for every objective ("objective"), or when the batch has rollout
@@ -106,6 +112,7 @@ METRICS = (
     ("rollout/weight_min", O_RW_MIN, "rollout"),
     ("rollout/weight_mean", O_RW_MEAN, "rollout"),
     ("rollout/weight_max", O_RW_MAX, "rollout"),
+    ("rollout/is_filter_ratio", O_ROLLOUT_FILTERED, "rollout"),
     ("entropy", O_ENTROPY, "entropy"),
     ("kl", O_KL, "kl"),
 )
@@ -126,6 +133,14 @@ RC_SEQUENCE_TRUNCATE = tl.constexpr(ROLLOUT_CODES["sequence_truncate"])
 RC_SEQUENCE_MASK = tl.constexpr(ROLLOUT_CODES["sequence_mask"])
 RC_ICEPOP = tl.constexpr(ROLLOUT_CODES["icepop"])
 RC_SEQUENCE_MASKED_TIS = tl.constexpr(ROLLOUT_CODES["sequence_masked_tis"])
+RC_SEQUENCE_GEOMETRIC_MASK = tl.constexpr(ROLLOUT_CODES["sequence_geometric_mask"])
+RC_TOKEN_BINARY_KL_MASK = tl.constexpr(ROLLOUT_CODES["token_binary_kl_mask"])
+RC_SEQUENCE_BINARY_KL_MASK = tl.constexpr(ROLLOUT_CODES["sequence_binary_kl_mask"])
+RC_TOKEN_TV_MASK = tl.constexpr(ROLLOUT_CODES["token_tv_mask"])
+RC_SEQUENCE_TV_MASK = tl.constexpr(ROLLOUT_CODES["sequence_tv_mask"])
+# The divergence gates' clamp of the sampled token's probabilities, as log-probs: [log eps, log(1 - eps)]
+_LOG_P_LOW = tl.constexpr(math.log(ROLLOUT_PROBABILITY_CLAMP))
+_LOG_P_HIGH = tl.constexpr(math.log1p(-ROLLOUT_PROBABILITY_CLAMP))
 # The objective's Triton helpers (``OBJECTIVE``, a kernel constant: a tuple of ``@triton.jit`` functions, its
 # module's ``TRITON``), by position; their signatures are those of the defaults below.
 H_SUMS = tl.constexpr(0)  # pass 1, per tile: two per-response sums of its own
@@ -172,6 +187,51 @@ def _rollout_log_ratio(lp, old, roll_ptr, idx, inside, on):
 
 
 @triton.jit
+def _divergence(old, roll_ptr, idx, inside, on, ROLLOUT: tl.constexpr):
+    """The sampled token's divergence between the engine (``p = e^{rollout}``) and the trainer (``q = e^{old}``),
+    both clamped to ``[eps, 1 - eps]`` through their logs: the binary KL ``p log(p/q) + (1-p) log((1-p)/(1-q))``
+    or the total variation ``|p - q|`` by ``ROLLOUT``; 0 at masked tokens and where the engine's log-prob is NaN."""
+    rollout = tl.load(roll_ptr + idx, mask=inside, other=0.0)
+    scored = on & (rollout == rollout)
+    log_p = tl.minimum(tl.maximum(tl.where(scored, rollout, 0.0), _LOG_P_LOW), _LOG_P_HIGH)
+    log_q = tl.minimum(tl.maximum(tl.where(scored, old, 0.0), _LOG_P_LOW), _LOG_P_HIGH)
+    p = tl.exp(log_p)
+    q = tl.exp(log_q)
+    if (ROLLOUT == RC_TOKEN_TV_MASK) | (ROLLOUT == RC_SEQUENCE_TV_MASK):
+        value = tl.abs(p - q)
+    else:
+        value = p * (log_p - log_q) + (1.0 - p) * (tl.log(1.0 - p) - tl.log(1.0 - q))
+    return tl.where(scored, value, 0.0)
+
+
+@triton.jit
+def _token_statistic(d, old, roll_ptr, idx, inside, on, ROLLOUT: tl.constexpr):
+    """The per-token statistic of a token mode: the sampled token's divergence for the divergence gates, else the
+    ratio ``e^d``."""
+    if (ROLLOUT == RC_TOKEN_BINARY_KL_MASK) | (ROLLOUT == RC_TOKEN_TV_MASK):
+        stat = _divergence(old, roll_ptr, idx, inside, on, ROLLOUT)
+    else:
+        stat = tl.exp(d)
+    return stat
+
+
+@triton.jit
+def _sequence_statistic(rc_seq, ROLLOUT: tl.constexpr):
+    """The per-response statistic of a sequence mode from ``rc_seq`` (the log of the product or geometric mean of
+    the ratios; the mean divergence for the divergence gates)."""
+    if (ROLLOUT == RC_SEQUENCE_BINARY_KL_MASK) | (ROLLOUT == RC_SEQUENCE_TV_MASK):
+        stat = rc_seq
+    else:
+        stat = tl.exp(rc_seq)
+    return stat
+
+
+@triton.jit
+def _in_band(stat, lo, hi):
+    return (stat >= lo) & (stat <= hi)
+
+
+@triton.jit
 def _masked_load(ptr, idx, inside, on):
     """The tile of ``ptr`` at ``idx``: 0 at masked tokens and past the response's end."""
     return tl.where(on, tl.load(ptr + idx, mask=inside, other=0.0), 0.0)
@@ -203,8 +263,9 @@ def _response_sums(logp_ptr, old_ptr, mask_ptr, roll_ptr, isr_ptr, adv_ptr, star
                    eps_low, eps_high, LEVEL: tl.constexpr, OBJECTIVE: tl.constexpr, ROLLOUT: tl.constexpr,
                    HAS_OPSM: tl.constexpr, ADV_PER_TOKEN: tl.constexpr, BLOCK_T: tl.constexpr):
     """Pass 1 over the response ``[start, end)``: ``|y_i|``, ``sum (logp - old)``, ``sum (old - rollout)``,
-    the off-policy gap ``sum (sampling - logp)`` and the objective's two sums (``OBJECTIVE[H_SUMS]``) (each only
-    when the options and the inputs present need it; the others stay 0)."""
+    the off-policy gap ``sum (sampling - logp)``, the objective's two sums (``OBJECTIVE[H_SUMS]``) and the sum of
+    the sampled tokens' divergences (the sequence divergence gates) (each only when the options and the inputs
+    present need it; the others stay 0)."""
     offs = tl.arange(0, BLOCK_T)
     tok_acc = tl.zeros([BLOCK_T], tl.float32)
     r_acc = tl.zeros([BLOCK_T], tl.float32)
@@ -212,6 +273,7 @@ def _response_sums(logp_ptr, old_ptr, mask_ptr, roll_ptr, isr_ptr, adv_ptr, star
     gap_acc = tl.zeros([BLOCK_T], tl.float32)
     s1_acc = tl.zeros([BLOCK_T], tl.float32)
     s2_acc = tl.zeros([BLOCK_T], tl.float32)
+    div_acc = tl.zeros([BLOCK_T], tl.float32)
     for t0 in range(start, end, BLOCK_T):
         idx = t0 + offs
         inside = idx < end
@@ -227,6 +289,8 @@ def _response_sums(logp_ptr, old_ptr, mask_ptr, roll_ptr, isr_ptr, adv_ptr, star
         if roll_ptr is not None:
             d = _rollout_log_ratio(lp, old, roll_ptr, idx, inside, on)
             d_acc += d
+            if (ROLLOUT == RC_SEQUENCE_BINARY_KL_MASK) | (ROLLOUT == RC_SEQUENCE_TV_MASK):
+                div_acc += _divergence(old, roll_ptr, idx, inside, on, ROLLOUT)
             if HAS_OPSM:
                 g = tl.load(roll_ptr + idx, mask=inside, other=0.0) - lp
                 gap_acc += tl.where(on & (g == g), g, 0.0)
@@ -238,7 +302,7 @@ def _response_sums(logp_ptr, old_ptr, mask_ptr, roll_ptr, isr_ptr, adv_ptr, star
         s1_acc += x1
         s2_acc += x2
     return (tl.sum(tok_acc, axis=0), tl.sum(r_acc, axis=0), tl.sum(d_acc, axis=0), tl.sum(gap_acc, axis=0),
-            tl.sum(s1_acc, axis=0), tl.sum(s2_acc, axis=0))
+            tl.sum(s1_acc, axis=0), tl.sum(s2_acc, axis=0), tl.sum(div_acc, axis=0))
 
 
 @triton.jit
@@ -269,19 +333,33 @@ def _token_weight(lp, old_ptr, idx, inside, on, w_seq, seq_pass, log_ratio_clamp
 
 @triton.jit
 def _correction_factor(lp, adv, old_ptr, is_ratio_ptr, rollout_ptr, idx, inside, on, rc_seq, rc_lo, rc_hi, seq_gap,
-                       opsm_threshold, rz_acc, rw_acc, rw_min, rw_max, FOLD: tl.constexpr,
+                       opsm_threshold, rz_acc, rw_acc, rw_min, rw_max, rf_acc, FOLD: tl.constexpr,
                        ROLLOUT: tl.constexpr, HAS_OPSM: tl.constexpr, BLOCK_T: tl.constexpr):
-    """``(f, rz_acc, rw_acc, rw_min, rw_max)``: the tile's correction factor ``f_t`` (the IS ratio, or the rollout
-    weight; an objective that folds them into its weight (``FOLD``) takes them in pass 1 instead) times the
-    off-policy mask, and the rollout statistics (zero weights, sum, min, max) with the tile added."""
+    """``(f, rz_acc, rw_acc, rw_min, rw_max, rf_acc)``: the tile's correction factor ``f_t`` (the IS ratio, or the
+    rollout weight; an objective that folds them into its weight (``FOLD``) takes them in pass 1 instead) times
+    the off-policy mask, and the rollout statistics (zero weights, sum, min, max; tokens whose statistic left the
+    band, for the token modes) with the tile added."""
     f = tl.full([BLOCK_T], 1.0, tl.float32)
     if is_ratio_ptr is not None:
         if not FOLD:
             f = tl.load(is_ratio_ptr + idx, mask=inside, other=0.0)
     if rollout_ptr is not None:
         old = _old_logprobs(old_ptr, idx, inside, on, lp)
-        rho = tl.where(on, _rollout_weight(_rollout_log_ratio(lp, old, rollout_ptr, idx, inside, on), rc_seq,
-                                           rc_lo, rc_hi, ROLLOUT), 0.0)
+        d = _rollout_log_ratio(lp, old, rollout_ptr, idx, inside, on)
+        if ((ROLLOUT == RC_SEQUENCE_TRUNCATE) | (ROLLOUT == RC_SEQUENCE_MASK) | (ROLLOUT == RC_SEQUENCE_MASKED_TIS)
+                | (ROLLOUT == RC_SEQUENCE_GEOMETRIC_MASK) | (ROLLOUT == RC_SEQUENCE_BINARY_KL_MASK)
+                | (ROLLOUT == RC_SEQUENCE_TV_MASK)):  # one statistic per response (its filter counted once)
+            stat = tl.full([BLOCK_T], 1.0, tl.float32) * _sequence_statistic(rc_seq, ROLLOUT)
+        else:
+            stat = _token_statistic(d, old, rollout_ptr, idx, inside, on, ROLLOUT)
+            if ROLLOUT != RC_NONE:
+                rf_acc += (on & ~_in_band(stat, rc_lo, rc_hi)).to(tl.float32)
+        if ((ROLLOUT == RC_SEQUENCE_GEOMETRIC_MASK) | (ROLLOUT == RC_TOKEN_BINARY_KL_MASK)
+                | (ROLLOUT == RC_SEQUENCE_BINARY_KL_MASK) | (ROLLOUT == RC_TOKEN_TV_MASK)
+                | (ROLLOUT == RC_SEQUENCE_TV_MASK)):  # the gates: a kept unit's tokens keep their ratio e^d
+            rho = tl.where(on & _in_band(stat, rc_lo, rc_hi), tl.exp(d), 0.0)
+        else:
+            rho = tl.where(on, _rollout_weight(d, rc_seq, rc_lo, rc_hi, ROLLOUT), 0.0)
         if ROLLOUT != RC_NONE:
             rz_acc += (on & (rho == 0)).to(tl.float32)
             if not FOLD:
@@ -291,7 +369,7 @@ def _correction_factor(lp, adv, old_ptr, is_ratio_ptr, rollout_ptr, idx, inside,
         rw_max = tl.maximum(rw_max, tl.where(on, rho, float("-inf")))
     if HAS_OPSM:
         f = f * tl.where(adv >= 0, 1.0, tl.where(seq_gap <= opsm_threshold, 1.0, 0.0))
-    return f, rz_acc, rw_acc, rw_min, rw_max
+    return f, rz_acc, rw_acc, rw_min, rw_max, rf_acc
 
 
 @triton.jit
@@ -331,7 +409,7 @@ def _store_weight_metrics(out, w_sum, w_min, w_max, units):
 
 @triton.jit
 def _store_rollout_metrics(out, diff, zeros, w_sum, w_min, w_max, units):
-    """The rollout mismatch sums of one response into its partials row ``out``."""
+    """The rollout mismatch sums of one response into its partials row ``out`` (its filtered units apart)."""
     tl.store(out + P_R_DIFF, diff)
     tl.store(out + P_R_ZERO, zeros)
     tl.store(out + P_RW_SUM, w_sum)
@@ -424,7 +502,7 @@ def gspo_sequence_kernel(
     else:
         adv_seq = 0.0
 
-    n_tok, sum_r, sum_d, sum_gap, sum_1, sum_2 = _response_sums(
+    n_tok, sum_r, sum_d, sum_gap, sum_1, sum_2, sum_div = _response_sums(
         logp_ptr, old_ptr, mask_ptr, rollout_ptr, is_ratio_ptr, adv_ptr, start, end, adv_seq, rc_lo, rc_hi,
         eps_low, eps_high, LEVEL, OBJECTIVE, ROLLOUT, HAS_OPSM, ADV_PER_TOKEN, BLOCK_T)
     denom = tl.maximum(n_tok, 1.0)
@@ -439,8 +517,10 @@ def gspo_sequence_kernel(
         lam = 1.0 / denom
     else:
         lam = 1.0
-    if ROLLOUT == RC_SEQUENCE_MASKED_TIS:
+    if (ROLLOUT == RC_SEQUENCE_MASKED_TIS) | (ROLLOUT == RC_SEQUENCE_GEOMETRIC_MASK):
         rc_seq = sum_d / denom  # the geometric mean's log
+    elif (ROLLOUT == RC_SEQUENCE_BINARY_KL_MASK) | (ROLLOUT == RC_SEQUENCE_TV_MASK):
+        rc_seq = sum_div / denom  # the mean divergence
     else:
         rc_seq = sum_d
     seq_gap = sum_gap / denom
@@ -464,6 +544,7 @@ def gspo_sequence_kernel(
     rw_acc = tl.zeros([BLOCK_T], tl.float32)
     rw_min = tl.full([BLOCK_T], float("inf"), tl.float32)
     rw_max = tl.full([BLOCK_T], float("-inf"), tl.float32)
+    rf_acc = tl.zeros([BLOCK_T], tl.float32)
     for t0 in range(start, end, BLOCK_T):
         idx = t0 + offs
         inside = idx < end
@@ -472,9 +553,9 @@ def gspo_sequence_kernel(
         w, dw = _token_weight(lp, old_ptr, idx, inside, on, w_seq, seq_pass, log_ratio_clamp, LEVEL, HAS_CLAMP,
                               BLOCK_T)
         adv = _advantages(adv_ptr, idx, inside, adv_seq, ADV_PER_TOKEN, BLOCK_T)
-        f, rz_acc, rw_acc, rw_min, rw_max = _correction_factor(
+        f, rz_acc, rw_acc, rw_min, rw_max, rf_acc = _correction_factor(
             lp, adv, old_ptr, is_ratio_ptr, rollout_ptr, idx, inside, on, rc_seq, rc_lo, rc_hi, seq_gap,
-            opsm_threshold, rz_acc, rw_acc, rw_min, rw_max, FOLD, ROLLOUT, HAS_OPSM, BLOCK_T)
+            opsm_threshold, rz_acc, rw_acc, rw_min, rw_max, rf_acc, FOLD, ROLLOUT, HAS_OPSM, BLOCK_T)
         loss, dl_dw, direct, low_acc, high_acc, aux_acc = OBJECTIVE[H_TOKEN](
             w, adv, lp, old_ptr, idx, inside, on, low_edge, high_edge, eps_low, eps_high, delta, clip_ratio_c,
             obj_a, obj_b, obj_c, obj_d, u1, u2, u3, low_acc, high_acc, aux_acc, OBJ_OPTION, HAS_DELTA, HAS_DUAL,
@@ -536,6 +617,18 @@ def gspo_sequence_kernel(
     else:  # one value per response
         tl.store(out + P_AUX, tl.where(counted, aux_one, 0.0))
         tl.store(out + P_AUX_UNITS, counted.to(tl.float32))
+    if ((ROLLOUT == RC_SEQUENCE_TRUNCATE) | (ROLLOUT == RC_SEQUENCE_MASK) | (ROLLOUT == RC_SEQUENCE_MASKED_TIS)
+            | (ROLLOUT == RC_SEQUENCE_GEOMETRIC_MASK) | (ROLLOUT == RC_SEQUENCE_BINARY_KL_MASK)
+            | (ROLLOUT == RC_SEQUENCE_TV_MASK)):  # the response is the unit of the filtered share
+        filtered = counted & ~_in_band(_sequence_statistic(rc_seq, ROLLOUT), rc_lo, rc_hi)
+        tl.store(out + P_RF, filtered.to(tl.float32))
+        tl.store(out + P_RF_UNITS, counted.to(tl.float32))
+    else:  # tokens (none counted without a mode, or without rollout log-probs)
+        tl.store(out + P_RF, tl.sum(rf_acc, axis=0))
+        if ROLLOUT != RC_NONE:
+            tl.store(out + P_RF_UNITS, n_tok)
+        else:
+            tl.store(out + P_RF_UNITS, 0.0)
     if rollout_ptr is None:
         _store_rollout_metrics(out, 0.0, 0.0, 0.0, float("inf"), float("-inf"), 0.0)
     elif (ROLLOUT == RC_SEQUENCE_TRUNCATE) | (ROLLOUT == RC_SEQUENCE_MASK):  # one weight per response
@@ -623,3 +716,4 @@ def gspo_reduce_kernel(
     tl.store(out_ptr + O_RW_MIN, tl.where(rollout_some, _column(values, cols, P_RW_MIN), 0.0))
     tl.store(out_ptr + O_RW_MEAN, _ratio(values, cols, P_RW_SUM, P_RW_UNITS))
     tl.store(out_ptr + O_RW_MAX, tl.where(rollout_some, _column(values, cols, P_RW_MAX), 0.0))
+    tl.store(out_ptr + O_ROLLOUT_FILTERED, _ratio(values, cols, P_RF, P_RF_UNITS))

@@ -1,0 +1,3 @@
+"""``vllm.inputs`` stand-in (tests only)."""
+
+from vllm import _unavailable as TokensPrompt  # noqa: F401
