@@ -19,7 +19,7 @@ PEERS ?= trl==1.16.0 liger-kernel==0.8.5 cut-cross-entropy==25.1.1
 # install); on the CPU its accelerator compiles one communication op at first use, cached in TORCH_EXTENSIONS_DIR.
 DEEPSPEED_SPEC ?= deepspeed==0.19.8
 DS_EXTENSIONS ?= $(HOME)/.cache/gspo_kernels/torch_extensions
-DEEPSPEED_TESTS ?= tests/distributed
+DEEPSPEED_TESTS ?= tests/distributed tests/test_openrlhf_distributed.py
 # make test's worker processes (pytest-xdist; a test file stays in one worker): the interpreted Triton kernels
 # run on one core each, so two workers use both cores of the development machine.
 TEST_WORKERS ?= 2

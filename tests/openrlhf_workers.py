@@ -109,7 +109,8 @@ def zero(gko, models, rank: int, stage: int, tied: bool) -> dict:
             "params": max(float((params[n] - want_params[n]).abs().max()) for n in want_params)}
 
 
-def main(mode: str, out_dir: str) -> None:
+def main(modes: str, out_dir: str) -> None:
+    """Each of the comma-separated ``modes`` in turn, in the same two processes (one launch)."""
     sys.path.insert(0, str(ROOT))
     from gspo_kernels.testing import setup_triton_interpreter
 
@@ -127,13 +128,14 @@ def main(mode: str, out_dir: str) -> None:
 
         from gspo_kernels.integrations import openrlhf as gko
 
-        if mode == "ring":
-            result = ring(gko, models, rank)
-        else:  # zero2, zero3: the lm_head its own parameter; zero2-tied, zero3-tied: the embeddings'
-            result = zero(gko, models, rank, int(mode[4]), tied=mode.endswith("-tied"))
-    with open(os.path.join(out_dir, f"{mode}{rank}.json"), "w") as f:
-        json.dump(result, f)
-    torch.distributed.barrier()
+        for mode in modes.split(","):
+            if mode == "ring":
+                result = ring(gko, models, rank)
+            else:  # zero2, zero3: the lm_head its own parameter; zero2-tied, zero3-tied: the embeddings'
+                result = zero(gko, models, rank, int(mode[4]), tied=mode.endswith("-tied"))
+            with open(os.path.join(out_dir, f"{mode}{rank}.json"), "w") as f:
+                json.dump(result, f)
+            torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
 

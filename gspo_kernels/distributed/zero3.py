@@ -176,8 +176,11 @@ class HeadGather:
         return missing
 
     def _release(self, indices: List[int]) -> None:
-        """Re-partition those of ``indices`` still gathered (a local operation: no collective)."""
-        params = [self.params[i] for i in indices if self.params[i].ds_status == self._status.AVAILABLE]
+        """Re-partition those of ``indices`` still gathered (a local operation: no collective), but not one a module
+        holds now (``ds_active_sub_modules``, e.g. an embedding tied to the lm_head, gathered again for its own
+        backward): DeepSpeed releases that one with its module."""
+        params = [self.params[i] for i in indices
+                  if self.params[i].ds_status == self._status.AVAILABLE and not self.params[i].ds_active_sub_modules]
         if params:
             params[0].partition(param_list=params, has_been_updated=False)
 
