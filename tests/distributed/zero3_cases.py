@@ -36,6 +36,8 @@ CASES = [(b, r, c) for b in ("torch", "cpu") for r in ROUTES for c in CONDITIONS
 # uneven chunks (rank 0's rows are plain in every case); autocast is left out there (bf16 dots in the interpreter)
 CASES += [("triton", "loss", "masked"), ("triton", "loss", "uneven"), ("triton", "logprobs", "clipped"),
           ("triton", "logprobs", "zero_adv")]
+# the lm_head tied to the embedding (one parameter, which the embedding's own forward and backward gather too)
+CASES += [("torch", "logprobs", "tied"), ("cpu", "loss", "tied")]
 EXAMPLE_ROLLOUTS, EXAMPLE_UPDATES = 3, 2
 MEMORY_BUDGET = 4096  # bytes: several chunks / tiles per call where a backend reads it
 
@@ -57,18 +59,21 @@ class TinyPolicy(nn.Module):
         return torch.tanh(self.body(self.embed(ids)))
 
 
-def build_policy() -> TinyPolicy:
+def build_policy(tied: bool = False) -> TinyPolicy:
     torch.manual_seed(0)
     model = TinyPolicy()
     with torch.no_grad():
         model.lm_head.weight.mul_(8.0)  # logits that spread (a near-uniform softmax hides mistakes)
         model.lm_head.bias.normal_()
+    if tied:
+        model.lm_head.weight = model.embed.weight
     return model
 
 
 def batch(condition: str, rank: int, step: int) -> Dict[str, torch.Tensor]:
     """Rank ``rank``'s batch at ``step``: token ids, labels, mask, advantages (a different one per rank)."""
-    g = torch.Generator().manual_seed(100 * step + 10 * rank + CONDITIONS.index(condition.replace("autocast", "plain")))
+    seed = CONDITIONS.index(condition) if condition in CONDITIONS else len(CONDITIONS)  # autocast, tied: as plain
+    g = torch.Generator().manual_seed(100 * step + 10 * rank + seed)
     responses, length = (2, 4) if condition == "uneven" and rank == 0 else (7, 9) if condition == "uneven" else (4, 6)
     ids = torch.randint(0, VOCAB, (responses, length), generator=g)
     labels = torch.randint(0, VOCAB, (responses, length), generator=g)
@@ -109,7 +114,7 @@ def loss_of(model, lm_head, data, backend: str, route: str, autocast: bool, on_h
 def train_in_one_process(case) -> Dict[str, torch.Tensor]:
     """The same steps without DeepSpeed: the mean of the ranks' losses, SGD, the global norm clipped at 1."""
     backend, route, condition = case
-    model = build_policy()
+    model = build_policy(tied=condition == "tied")
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     for step in range(STEPS):
         opt.zero_grad()
@@ -180,9 +185,11 @@ class Watch:
                 if all(s.expired() for s in self.storages):
                     break
                 time.sleep(0.02)
+        # a storage that is still a parameter's own data (gathered, held by a module: a tied embedding) is DeepSpeed's
+        held = {p.data.untyped_storage()._cdata for p in head if p.ds_status == ZeroParamStatus.AVAILABLE}
         self.calls.append(dict(what=what, gathers=self.gathers, head_partitioned_in_body_backward=self.head_when_body_backward,
                                partitioned=all(p.ds_status == ZeroParamStatus.NOT_AVAILABLE for p in head),
-                               outlived=sum(not s.expired() for s in self.storages)))
+                               outlived=sum(not s.expired() and s.cdata not in held for s in self.storages)))
 
 
 def worker(out_dir: str) -> None:
@@ -198,12 +205,17 @@ def worker(out_dir: str) -> None:
     config = {"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 1.0,
               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
               "optimizer": {"type": "SGD", "params": {"lr": LR}}, "zero_allow_untested_optimizer": True}
-    model = build_policy()
-    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-    head = [engine.module.lm_head.weight, engine.module.lm_head.bias]
+    engines = {}
     for case in CASES:
         backend, route, condition = case
+        tied = condition == "tied"
+        if tied not in engines:
+            model = build_policy(tied)
+            initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+            engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+            engines[tied] = engine, initial
+        engine, initial = engines[tied]
+        head = [engine.module.lm_head.weight, engine.module.lm_head.bias]
         # every case from the same weights, in one engine: the parameters loaded, the optimizer's fp32 partitions
         # refreshed from them (SGD keeps no other state)
         with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=0):
