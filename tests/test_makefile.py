@@ -17,8 +17,9 @@ pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="make is no
 
 def _commands(target: str, venv: Path) -> str:
     """What ``make target`` would run for a virtual environment not built yet."""
-    return subprocess.run(["make", "-n", target, f"VENV={venv}"], cwd=ROOT, capture_output=True, text=True,
-                          check=True).stdout
+    # --no-print-directory: under `make test` (MAKELEVEL set) a sub-make would add "Entering / Leaving directory"
+    return subprocess.run(["make", "--no-print-directory", "-n", target, f"VENV={venv}"], cwd=ROOT,
+                          capture_output=True, text=True, check=True).stdout
 
 
 def test_make_demo_installs_no_test_peer_and_says_where_its_results_are(tmp_path):
