@@ -380,8 +380,8 @@ class _LinearHead(_Head):
         rows = hidden if hidden.dim() in (2, 3) else hidden.reshape(-1, hidden.shape[-1])
         stage = impl.linear_logprobs if self.vp is None else functools.partial(parallel.linear_logprobs, impl, self.vp)
         leaves = {}
-        if impl.name == "triton" and self.vp is None and self.raw[0].shape == rows.shape:
-            leaves["leaves"] = self.raw  # the gradients go back to the caller's tensors directly (their dtypes)
+        if self.vp is None and self.raw[0].shape == rows.shape:
+            leaves["leaves"] = self.raw  # a backend may hand the gradients to the caller's tensors directly
         return stage(rows, self.weight, self.bias, labels, active, options, **leaves)
 
 

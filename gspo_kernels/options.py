@@ -1,10 +1,13 @@
 """The options of one public call, in one frozen object: :class:`CallOptions`, built and checked once by the
-public function and passed down as it is to the pipeline, the heads and the backends' stage functions."""
+public function and passed down as it is to the pipeline, the heads, the backends' stage functions and their
+autograd Functions."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
+
+from gspo_kernels.checks import check_bool, check_memory_budget, check_softcap, check_temperature
 
 if TYPE_CHECKING:
     from gspo_kernels.config import GSPOConfig
@@ -34,6 +37,15 @@ class CallOptions:
     fp32_head: bool = False
     memory_budget: Optional[int] = None
     batch_invariant: bool = False
+
+    def __post_init__(self) -> None:
+        """Each option checked as the object is built, naming the field (the public functions check their own
+        arguments first, by their public names): a backend receives checked options and never checks them again."""
+        object.__setattr__(self, "temperature", check_temperature(self.temperature))
+        object.__setattr__(self, "softcap", check_softcap(self.softcap, "softcap"))
+        check_memory_budget(self.memory_budget)
+        for name in ("check_finite", "return_entropy", "inplace_backward", "fp32_head", "batch_invariant"):
+            check_bool(name, getattr(self, name))
 
 
 DEFAULT_OPTIONS = CallOptions()

@@ -207,13 +207,14 @@ def _capped(z: Tensor, softcap: Optional[float]) -> Tuple[Tensor, Optional[Tenso
 
 class _LogitsShard(torch.autograd.Function):
     """The backend on a logits shard plus the stand-in label's logit ``z`` (``[N]``, already / temperature,
-    soft-capped first when ``softcap`` is set).
+    soft-capped first when the options' ``softcap`` is set; ``options``: the call's ``CallOptions``).
 
     The gradient reaching ``z`` is added in place into the backend's ``dlogits`` (no second ``[N, V]`` buffer).
     """
 
     @staticmethod
-    def forward(ctx, logits: Tensor, local: Tensor, temperature: float, run: Callable, softcap: Optional[float] = None):
+    def forward(ctx, logits: Tensor, local: Tensor, options, run: Callable):
+        temperature, softcap = float(options.temperature), options.softcap
         ctx.set_materialize_grads(False)
         with torch.enable_grad():
             leaf = logits.detach().requires_grad_(logits.requires_grad)
@@ -236,15 +237,16 @@ class _LogitsShard(torch.autograd.Function):
                 grad = torch.zeros_like(leaf)
             g = g_z / ctx.temperature if ctx.slope is None else g_z * ctx.slope / ctx.temperature
             grad.index_put_(ctx.index, g.to(grad.dtype), accumulate=True)
-        return grad, None, None, None, None
+        return grad, None, None, None
 
 
 class _LinearShard(torch.autograd.Function):
-    """The backend on an lm_head shard plus the stand-in label's logit ``(h . W[label] + b[label]) / tau``."""
+    """The backend on an lm_head shard plus the stand-in label's logit ``(h . W[label] + b[label]) / tau``
+    (``options``: the call's ``CallOptions``; its ``temperature`` and ``softcap`` read here)."""
 
     @staticmethod
-    def forward(ctx, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], local: Tensor, temperature: float,
-                run: Callable, softcap: Optional[float] = None):
+    def forward(ctx, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], local: Tensor, options, run: Callable):
+        temperature, softcap = float(options.temperature), options.softcap
         ctx.set_materialize_grads(False)
         with torch.enable_grad():
             leaves = [None if t is None else t.detach().requires_grad_(t.requires_grad) for t in (hidden, weight, bias)]
@@ -281,7 +283,7 @@ class _LinearShard(torch.autograd.Function):
                 grads[1].index_add_(0, local, (g[:, None] * h.to(g.dtype)).to(grads[1].dtype))
             if b_leaf is not None and b_leaf.requires_grad:
                 grads[2].index_add_(0, local, g.to(grads[2].dtype))
-        return grads[0], grads[1], grads[2], None, None, None, None
+        return grads[0], grads[1], grads[2], None, None, None
 
 
 def _row_index(logits: Tensor, local: Tensor) -> tuple:
@@ -340,12 +342,12 @@ def logits_logprobs(impl, vp: VocabParallel, logits: Tensor, labels: Tensor, act
     """
     vp.check_local("logits", logits.shape[-1])
     owned, local = _local_labels(labels, vp)
-    temperature, return_entropy, softcap = options.temperature, options.return_entropy, options.softcap
+    temperature, return_entropy = options.temperature, options.return_entropy
 
     def run(x, lab, opts=options, act=active):
         return impl.logits_logprobs(x, lab, act, opts)
 
-    lp_loc, ent_loc, z = _LogitsShard.apply(logits, local, float(temperature), run, softcap)
+    lp_loc, ent_loc, z = _LogitsShard.apply(logits, local, options, run)
     ent_loc = ent_loc if return_entropy else None
     out_of_place = dataclasses.replace(options, inplace_backward=False)
     lp_loc, ent_loc, z = _repair_stand_ins(logits=logits, owned=owned, active=active, temperature=temperature,
@@ -374,7 +376,6 @@ def linear_logprobs(impl, vp: VocabParallel, hidden: Tensor, weight: Tensor, bia
     def run(h, w, b, lab):
         return impl.linear_logprobs(h, w, b, lab, active, options)
 
-    lp_loc, ent_loc, z = _LinearShard.apply(hidden, weight, bias, local, float(options.temperature), run,
-                                            options.softcap)
+    lp_loc, ent_loc, z = _LinearShard.apply(hidden, weight, bias, local, options, run)
     return _combine(vp=vp, lp_loc=lp_loc, ent_loc=ent_loc if options.return_entropy else None, z_loc=z, owned=owned,
                     active=active, return_entropy=options.return_entropy)

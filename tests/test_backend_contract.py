@@ -17,10 +17,9 @@ from gspo_kernels.backends.contract import ENTRIES, Objective
 from gspo_kernels.objective import gspo_objective
 
 # Keywords a backend's function takes beyond the contract, named one by one (anything else that differs fails).
-# Each is keyword-only with the default None, so a call written to the contract never passes it.
-# triton's linear_logprobs: ``leaves``, the caller's tensors the gradients go to in their dtypes, passed by the
-# pipeline to that backend only (gspo_kernels/loss.py); the contract's fused_linear_loss has the same keyword.
-EXTRAS = {("triton", "linear_logprobs"): ("leaves",)}
+# Each is keyword-only with the default None, so a call written to the contract never passes it. None today: every
+# backend takes exactly the contract's parameters (``leaves`` is the contract's, for every backend).
+EXTRAS: dict = {}
 
 
 def parameters(fn, method: bool = False) -> list:
@@ -86,9 +85,9 @@ def test_a_backend_receives_the_calls_options_object(monkeypatch):
     for entry in ("logits_logprobs", "linear_logprobs"):
         real = getattr(impl, entry)
 
-        def spy(*args, real=real):
+        def spy(*args, real=real, **keywords):  # keywords: the contract's keyword-only leaves
             seen.append(args[-1])
-            return real(*args)
+            return real(*args, **keywords)
 
         monkeypatch.setattr(impl, entry, spy)
     hidden, weight, labels = torch.randn(5, 4), torch.randn(7, 4), torch.randint(0, 7, (5,))

@@ -148,3 +148,24 @@ def test_metric_slots_are_one_table():
     allowed = {key.value for key in slot_names.keys}
     for objective in objectives.objectives():
         assert {slot for _, slot in objective.metrics} <= allowed, objective.name
+
+
+def test_autograd_functions_take_the_options_as_one_object():
+    """Every ``torch.autograd.Function`` of the package: at most 7 inputs to its ``forward`` (after ``ctx``), and no
+    call option restated as a loose argument (the call's ``CallOptions`` travels as one object down to it)."""
+    options = {"temperature", "softcap", "return_entropy", "inplace_backward", "memory_budget", "batch_invariant",
+               "fp32_head", "check_finite", "logprobs_out"}
+    found, bad = [], []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ClassDef):
+                continue
+            if not any(ast.unparse(base).endswith("autograd.Function") for base in node.bases):
+                continue
+            forward = next(f for f in node.body if isinstance(f, ast.FunctionDef) and f.name == "forward")
+            names = [a.arg for a in forward.args.args[1:]]  # after ctx
+            found.append(f"{path.name}:{node.name}")
+            if len(names) > 7 or options & set(names):
+                bad.append(f"{path.relative_to(PACKAGE)}:{node.name}{tuple(names)}")
+    assert len(found) >= 8, found
+    assert not bad, f"autograd Functions with loose options or more than 7 inputs: {bad}"

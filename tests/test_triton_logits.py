@@ -843,8 +843,9 @@ def test_softcap_one_pass_fused_linear_loss_matches_float64(layout, monkeypatch)
 
 
 def test_softcap_must_be_finite_and_positive():
-    """The backend's entry points name the argument when the cap is not a finite number > 0 (the public
-    functions check ``final_logit_softcapping`` before; this is the backend's own guard)."""
+    """The options a backend's entry points take refuse a cap that is not a finite number > 0, naming ``softcap``,
+    as they are built (the public functions check ``final_logit_softcapping`` before; a backend checks nothing
+    again)."""
     from gspo_kernels.backends import triton as triton_backend
     from gspo_kernels.backends.triton.logits import logits_logprobs
 

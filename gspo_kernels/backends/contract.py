@@ -57,12 +57,17 @@ class LinearLogprobs(Protocol):
     :data:`gspo_kernels.backends.DEFAULT_MEMORY_BUDGET`, the one default of every backend that uses it); it is
     validated by the public functions (:func:`gspo_kernels.checks.check_memory_budget`), never again in a
     backend, and never changes the results' meaning. ``options.batch_invariant``: a row's results are the same
-    bits whatever the rest of the batch; a backend that cannot promise it raises.
+    bits whatever the rest of the batch; a backend that cannot promise it raises. ``leaves``: the caller's
+    ``(hidden, weight, bias)`` that the precision policy cast into the operands (None: the operands are the
+    caller's tensors); a backend may return the gradients to them directly, in their dtypes (the Triton backend's
+    vendor path does: no cast of an fp32 ``dW`` to the operand dtype and back), or leave them to reach them through
+    the casts (the torch and cpu backends, and Triton's batch-invariant path); the results are the same.
     """
 
     def __call__(self, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor,
-                 active: Optional[Tensor] = None,
-                 options: CallOptions = DEFAULT_OPTIONS) -> Tuple[Tensor, Optional[Tensor]]: ...
+                 active: Optional[Tensor] = None, options: CallOptions = DEFAULT_OPTIONS, *,
+                 leaves: Optional[Tuple[Tensor, Tensor, Optional[Tensor]]] = None
+                 ) -> Tuple[Tensor, Optional[Tensor]]: ...
 
 
 class Objective(Protocol):

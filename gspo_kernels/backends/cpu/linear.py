@@ -48,9 +48,10 @@ def blocks(rows: int, hidden_size: int, vocab: int, batch_invariant: bool) -> Tu
 
 
 def linear_logprobs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor,
-                    active: Optional[Tensor] = None,
-                    options: CallOptions = DEFAULT_OPTIONS) -> Tuple[Tensor, Optional[Tensor]]:
-    """Per-token ``(logp [N], entropy [N] | None)`` of ``hidden @ weight.T + bias``.
+                    active: Optional[Tensor] = None, options: CallOptions = DEFAULT_OPTIONS, *,
+                    leaves: Optional[Tuple[Tensor, Tensor, Optional[Tensor]]] = None) -> Tuple[Tensor, Optional[Tensor]]:
+    """Per-token ``(logp [N], entropy [N] | None)`` of ``hidden @ weight.T + bias``. ``leaves`` (the contract's):
+    not used, the gradients reach the caller's tensors through the precision policy's casts.
 
     The options read (``options``, the call's :class:`~gspo_kernels.options.CallOptions`): ``temperature``,
     ``return_entropy``; ``softcap``: see the backend contract (fp32 math; with a cap the bias is not shifted by its

@@ -338,7 +338,7 @@ def _linear_backward_accelerated(ctx, grad_logp, grad_entropy):
         grad_hidden = dh.reshape(hidden.shape)
     grad_weight = dw.to(weight.dtype) if want_w else None
     grad_bias = db.to(bias.dtype) if want_b else None
-    return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None
+    return grad_hidden, grad_weight, grad_bias, None, None, None, None
 
 
 def _linear_backward_kept(ctx, kept, h_all, carries, g_all, col, inside, gemms, index, n, hidden, weight, bias):
@@ -368,13 +368,18 @@ def _linear_backward_kept(ctx, kept, h_all, carries, g_all, col, inside, gemms, 
         grad_weight = gemms.d_weight_once(dz, h, weight.dtype)
     if want_b:
         grad_bias = dz.sum(dim=0, dtype=cdt).to(bias.dtype)
-    return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None
+    return grad_hidden, grad_weight, grad_bias, None, None, None, None
 
 
 class _LinearLogprobs(torch.autograd.Function):
+    """``(hidden, weight, bias, labels, active, options, graph) -> (logp, entropy)``; ``options``: the call's
+    :class:`~gspo_kernels.options.CallOptions` (``temperature``, ``return_entropy``, ``softcap``, ``memory_budget``
+    read); ``graph``: whether a backward will follow (the accelerated path may keep ``p`` for it)."""
+
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, active, temperature, return_entropy, softcap, memory_budget=None,
-                graph=False):
+    def forward(ctx, hidden, weight, bias, labels, active, options: CallOptions, graph=False):
+        temperature, return_entropy = float(options.temperature), options.return_entropy
+        softcap, memory_budget = options.softcap, options.memory_budget
         ctx.has_bias = bias is not None
         ctx.temperature = temperature
         ctx.softcap = softcap
@@ -446,7 +451,7 @@ class _LinearLogprobs(torch.autograd.Function):
         grad_hidden = d_hidden.to(hidden.dtype).reshape(hidden.shape) if ctx.needs_input_grad[0] else None
         grad_weight = d_weight.to(weight.dtype) if ctx.needs_input_grad[1] else None
         grad_bias = d_bias.to(bias.dtype) if d_bias is not None and ctx.needs_input_grad[2] else None
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None
 
 
 def _shifted_bias(bias: Optional[Tensor], cdt: torch.dtype, cap: Optional[float] = None) -> Optional[Tensor]:
@@ -477,9 +482,10 @@ def _linear_tile(h: Tensor, weight: Tensor, bias: Optional[Tensor], v0: int, cdt
 
 
 def linear_logprobs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor,
-                    active: Optional[Tensor] = None,
-                    options: CallOptions = DEFAULT_OPTIONS) -> Tuple[Tensor, Optional[Tensor]]:
-    """Per-token ``(logp [N], entropy [N] | None)`` of ``hidden @ weight.T + bias``.
+                    active: Optional[Tensor] = None, options: CallOptions = DEFAULT_OPTIONS, *,
+                    leaves: Optional[Tuple[Tensor, Tensor, Optional[Tensor]]] = None) -> Tuple[Tensor, Optional[Tensor]]:
+    """Per-token ``(logp [N], entropy [N] | None)`` of ``hidden @ weight.T + bias``. ``leaves`` (the contract's):
+    not used, the gradients reach the caller's tensors through the precision policy's casts.
 
     ``softcap``: see the backend contract. ``batch_invariant=True`` is refused: the BLAS this backend calls picks its kernels by shape.
     fp16/bf16/fp32 inputs: converted to fp32 exactly (exact products), fp32 accumulation and outputs;
@@ -500,9 +506,6 @@ def linear_logprobs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labe
     if options.batch_invariant:
         raise ValueError("batch_invariant=True needs backend='triton' or backend='cpu': the 'torch' backend's "
                          "matmuls round a row depending on the batch's shape")
-    return_entropy, softcap = options.return_entropy, options.softcap
-    cap = None if softcap is None else float(softcap)
     graph = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
-    logp, entropy = _LinearLogprobs.apply(hidden, weight, bias, labels, active, float(options.temperature),
-                                          return_entropy, cap, options.memory_budget, graph)
-    return logp, (entropy if return_entropy else None)
+    logp, entropy = _LinearLogprobs.apply(hidden, weight, bias, labels, active, options, graph)
+    return logp, (entropy if options.return_entropy else None)

@@ -201,8 +201,10 @@ class _LogitsLogprobs(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits, labels, active, temperature, return_entropy, inplace_backward, softcap,
-                extra_position=False):
+    def forward(ctx, logits, labels, active, options: CallOptions, extra_position=False):
+        # the call's options (temperature, return_entropy, softcap, inplace_backward read)
+        temperature, return_entropy, softcap = float(options.temperature), options.return_entropy, options.softcap
+        inplace_backward = options.inplace_backward
         ctx.extra = extra_position  # ``logits`` is the [B, T + 1, V] base of the rows read (its [:, :-1])
         source = logits
         if extra_position:
@@ -296,7 +298,7 @@ class _LogitsLogprobs(torch.autograd.Function):
                 target.index_copy_(0, sel, out)
             elif sel is not None:  # a device mask (no host read allowed): the other rows are exactly 0
                 target.masked_fill_(~sel[:, None], 0)
-        return full, None, None, None, None, None, None, None
+        return full, None, None, None, None
 
 
 def _row_view(x: Tensor, r0: int, r1: int) -> Tensor:
@@ -323,12 +325,8 @@ def logits_logprobs(logits: Tensor, labels: Tensor, active: Optional[Tensor] = N
     none under ``torch.compile`` / CUDA-graph capture, where every row of a block is computed and the others'
     results replaced by 0). ``softcap``: see the backend contract.
     """
-    return_entropy, softcap = options.return_entropy, options.softcap
-    cap = None if softcap is None else float(softcap)
     base = None
     if _accelerated(logits.device) and torch.is_grad_enabled() and not torch.compiler.is_compiling():
         base = next_token_base(logits)  # [B, T + 1, V] read as [:, :-1]: its gradient written here, no slice_backward
-    logp, entropy = _LogitsLogprobs.apply(logits if base is None else base, labels, active,
-                                          float(options.temperature), return_entropy, options.inplace_backward, cap,
-                                          base is not None)
-    return logp, (entropy if return_entropy else None)
+    logp, entropy = _LogitsLogprobs.apply(logits if base is None else base, labels, active, options, base is not None)
+    return logp, (entropy if options.return_entropy else None)

@@ -14,14 +14,14 @@ the composite losses, each one call over an operation and the sequence stage:
 * ``logits_loss.py``: ``logits -> loss`` in one autograd node (``fused_logits_loss``);
 * ``linear_loss.py``: ``hidden -> loss`` in one pass, the gradient formed in the forward (``fused_linear_loss``);
 
-and what they share: ``kernel_math.py`` (the ``@triton.jit`` exp2 and soft cap, the cap's check, the bias the
-kernels add), ``launch.py`` (device guard, interpreter detection, row offsets) and ``configs.py`` (every tile
+and what they share: ``kernel_math.py`` (the ``@triton.jit`` exp2 and soft cap, the bias the kernels add), ``launch.py`` (device guard, interpreter detection, row offsets) and ``configs.py`` (every tile
 size and tuning table, and ``H100_CONFIGS`` for ``gspo-kernels h100-report``). ``linear.py`` imports nothing
 from ``linear_invariant.py``: :func:`linear_logprobs` here picks one of the two.
 
 Every entry point (``logits_logprobs``, ``linear_logprobs`` in both modes, ``fused_linear_loss``,
-``fused_logits_loss``) takes ``softcap: Optional[float] = None``: the final-logit soft cap ``z -> c tanh(z / c)``,
-applied before the temperature inside the kernels (None: the uncapped kernels, unchanged).
+``fused_logits_loss``) takes the call's :class:`~gspo_kernels.options.CallOptions` and hands it, as one object, to
+its autograd Function; among its fields ``softcap``: the final-logit soft cap ``z -> c tanh(z / c)``, applied
+before the temperature inside the kernels (None: the uncapped kernels, unchanged).
 
 Runs on CUDA tensors, and on CPU tensors when the Triton interpreter is active (``TRITON_INTERPRET=1`` set
 before ``triton`` was imported), which is how the kernels are tested on machines without a GPU.

@@ -1,5 +1,5 @@
 """The math the Triton kernel modules share: the fast base-2 exponential and the final-logit soft cap
-(``@triton.jit`` helpers), and their host side: the cap's validation and the bias the kernels add."""
+(``@triton.jit`` helpers), and their host side: the bias the kernels add."""
 
 from __future__ import annotations
 
@@ -10,8 +10,6 @@ import triton
 import triton.language as tl
 from torch import Tensor
 from triton.language.extra import libdevice
-
-from gspo_kernels.checks import check_softcap
 
 # tanh, |u| < _TANH_SMALL: its odd Taylor series to u^13 (next term < 3e-10 relative there); otherwise
 # (1 - t) / (1 + t), t = exp(-2 |u|) = exp2(-2 log2(e) |u|), whose rounding stays ~2e-7 relative for |u| >= 0.35.
@@ -59,12 +57,6 @@ def soft_cap(z, inv_cap, cap, FAST_MATH: tl.constexpr, WITH_SLOPE: tl.constexpr)
     if WITH_SLOPE:
         slope = tl.where(small, 1.0 - th_small * th_small, 4.0 * t * (r * r))
     return capped, slope
-
-
-def softcap_value(softcap) -> Optional[float]:
-    """``softcap`` as a float (None stays None), by :func:`gspo_kernels.checks.check_softcap` (the public functions
-    check ``final_logit_softcapping`` first; this guards direct calls of the backend, naming ``softcap``)."""
-    return check_softcap(softcap, "softcap")
 
 
 def kernel_bias(bias: Optional[Tensor], softcap: Optional[float], dtype: torch.dtype = torch.float32

@@ -44,7 +44,7 @@ from torch import Tensor
 
 from gspo_kernels import checks
 from gspo_kernels.backends.triton import configs
-from gspo_kernels.backends.triton.kernel_math import kernel_bias, softcap_value
+from gspo_kernels.backends.triton.kernel_math import kernel_bias
 from gspo_kernels.backends.triton.logits import logprobs_backward, logprobs_forward
 from gspo_kernels.options import DEFAULT_OPTIONS, CallOptions
 from gspo_kernels.precision import compute_dtype
@@ -340,12 +340,14 @@ def _vocab_sliced_backward(rows: Tensor, weight: Tensor, operand: torch.dtype, b
 
 
 class VendorLinearLogprobs(torch.autograd.Function):
-    """``(hidden, weight, bias, labels, active, temperature, memory_budget, softcap) -> (logp, entropy)``, two
-    passes (the backward recomputes each chunk's logits). Saves ``hidden``, ``weight``, ``bias`` and ``[N]``
+    """``(hidden, weight, bias, labels, active, options, operands) -> (logp, entropy)``, two passes (the backward
+    recomputes each chunk's logits); ``options``: the call's :class:`~gspo_kernels.options.CallOptions`
+    (``temperature``, ``memory_budget`` and ``softcap`` read). Saves ``hidden``, ``weight``, ``bias`` and ``[N]``
     tensors."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, active, temperature, memory_budget, softcap=None, operands=None):
+    def forward(ctx, hidden, weight, bias, labels, active, options: CallOptions, operands=None):
+        temperature, memory_budget, softcap = float(options.temperature), options.memory_budget, options.softcap
         # operands: the tensors the GEMMs multiply (detached), when the inputs are the caller's tensors before the
         # precision policy's cast; the gradients then go to the inputs directly, in their dtypes
         ctx.leaves = [None if t is None else (t.shape, t.dtype) for t in (hidden, weight, bias)]
@@ -389,7 +391,7 @@ class VendorLinearLogprobs(torch.autograd.Function):
         hidden, weight, bias, labels, computed, row_stats, entropy = ctx.saved_tensors
         need_dh, need_dw, need_db = ctx.needs_input_grad[:3]
         if grad_logp is None and grad_entropy is None:
-            return (None,) * 9
+            return (None,) * 7
         acc = compute_dtype(ctx.operand)
         carries = torch.zeros_like(computed)
         for g in (grad_logp, grad_entropy):
@@ -407,7 +409,7 @@ class VendorLinearLogprobs(torch.autograd.Function):
                      entropy=entropy, temperature=ctx.temperature, softcap=ctx.softcap,
                      memory_budget=ctx.memory_budget, need=(need_dh, need_dw, need_db and bias is not None))
         grads = [None if g is None else g.reshape(leaf[0]).to(leaf[1]) for g, leaf in zip(grads, ctx.leaves)]
-        return (*grads, None, None, None, None, None, None)
+        return (*grads, None, None, None, None)
 
 
 def linear_logprobs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor,
@@ -425,8 +427,7 @@ def linear_logprobs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labe
     (fp64 for fp64 operands here). The options read: ``temperature``, ``return_entropy``, ``memory_budget`` and
     ``softcap = c``: the logits are capped, ``z -> c tanh(z / c)``, before the temperature (None: no cap).
     """
-    softcap = softcap_value(options.softcap)
-    args = (labels.reshape(-1).to(torch.int64), active, float(options.temperature), options.memory_budget, softcap)
+    args = (labels.reshape(-1).to(torch.int64), active, options)
     if leaves is None or (leaves[2] is None) != (bias is None):
         logp, entropy = VendorLinearLogprobs.apply(hidden, weight, bias, *args)
     else:

@@ -74,7 +74,7 @@ import triton.language as tl
 from torch import Tensor
 
 from gspo_kernels.backends.triton import configs
-from gspo_kernels.backends.triton.kernel_math import kernel_bias, soft_cap, softcap_value
+from gspo_kernels.backends.triton.kernel_math import kernel_bias, soft_cap
 from gspo_kernels.backends.triton.launch import (
     device_guard,
     grouped_tile,
@@ -592,7 +592,8 @@ def _as_operands(hidden: Tensor, weight: Tensor) -> Tuple[Tensor, Tensor]:
 
 
 class LinearLogprobsFunction(torch.autograd.Function):
-    """``(hidden, weight, bias, labels, active, temperature, memory_budget) -> (logp, entropy)``.
+    """``(hidden, weight, bias, labels, active, options) -> (logp, entropy)``; ``options``: the call's
+    :class:`~gspo_kernels.options.CallOptions` (``temperature``, ``memory_budget`` and ``softcap`` read).
 
     Saves the caller's ``hidden``, ``weight``, ``bias`` (no copies: fp64 operands are cast to fp32 again in
     the backward) and five ``[N]`` tensors. No host synchronisation in either direction (the active rows
@@ -607,10 +608,9 @@ class LinearLogprobsFunction(torch.autograd.Function):
         bias: Optional[Tensor],
         labels: Tensor,
         active: Optional[Tensor],
-        temperature: float,
-        memory_budget: Optional[int],
-        softcap: Optional[float] = None,
+        options: CallOptions,
     ) -> Tuple[Tensor, Tensor]:
+        temperature, memory_budget, softcap = float(options.temperature), options.memory_budget, options.softcap
         h, w = _as_operands(hidden.detach(), weight.detach())
         b = kernel_bias(None if bias is None else bias.detach(), softcap)
         labels = labels.reshape(-1).to(torch.int64)
@@ -636,7 +636,7 @@ class LinearLogprobsFunction(torch.autograd.Function):
         hidden, weight, bias, labels, computed, row_max, log_sum, entropy = ctx.saved_tensors
         need_dh, need_dw, need_db = ctx.needs_input_grad[:3]
         if grad_logp is None and grad_entropy is None:
-            return None, None, None, None, None, None, None, None
+            return None, None, None, None, None, None
         carries = torch.zeros_like(computed)
         if grad_logp is not None:
             grad_logp = grad_logp.reshape(-1).to(torch.float32).contiguous()
@@ -655,7 +655,7 @@ class LinearLogprobsFunction(torch.autograd.Function):
         dh = dh.reshape(hidden.shape).to(hidden.dtype) if dh is not None else None
         dw = dw.to(weight.dtype) if dw is not None else None
         db = db.to(bias.dtype) if db is not None else None
-        return dh, dw, db, None, None, None, None, None
+        return dh, dw, db, None, None, None
 
 
 def linear_logprobs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor,
@@ -685,8 +685,5 @@ def linear_logprobs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labe
         differentiable w.r.t. hidden, weight and bias. The backward is deterministic (no atomics) and
         batch-invariant (a row's results do not depend on the other rows); see the module docstring.
     """
-    logp, entropy = LinearLogprobsFunction.apply(
-        hidden, weight, bias, labels, active, float(options.temperature), options.memory_budget,
-        softcap_value(options.softcap),
-    )
+    logp, entropy = LinearLogprobsFunction.apply(hidden, weight, bias, labels, active, options)
     return logp, (entropy if options.return_entropy else None)

@@ -30,7 +30,6 @@ from torch import Tensor
 
 from gspo_kernels import checks
 from gspo_kernels.backends.triton import configs, sequence
-from gspo_kernels.backends.triton.kernel_math import softcap_value
 from gspo_kernels.backends.triton.launch import device_guard
 from gspo_kernels.backends.triton.linear import (
     ChunkBuffers,
@@ -345,7 +344,7 @@ def fused_linear_loss(objective: Callable, hidden: Tensor, weight: Tensor, bias:
     (not when it returns None).
     """
     config, memory_budget = options.config, options.memory_budget
-    softcap = softcap_value(options.softcap)
+    softcap = options.softcap
     logprobs_out = inputs.logprobs_out
     leaves = (hidden, weight, bias) if leaves is None else leaves
     need = [t is not None and t.requires_grad for t in leaves]

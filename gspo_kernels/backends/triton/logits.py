@@ -84,7 +84,7 @@ from gspo_kernels.backends.triton.configs import (
     logits_block_v,
     logits_edge_v,
 )
-from gspo_kernels.backends.triton.kernel_math import exp2, soft_cap, softcap_value
+from gspo_kernels.backends.triton.kernel_math import exp2, soft_cap
 from gspo_kernels.backends.triton.launch import device_guard, interpreter_active, row_offsets, row_strides
 from gspo_kernels.options import DEFAULT_OPTIONS, CallOptions
 from gspo_kernels.precision import compute_dtype
@@ -578,8 +578,10 @@ class TritonLogitsLogprobs(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits, labels, active, temperature, return_entropy, inplace_backward, extra_position=False,
-                softcap=None):
+    def forward(ctx, logits, labels, active, options: CallOptions, extra_position=False):
+        # the call's options: temperature, return_entropy, inplace_backward and softcap read (checked by the caller)
+        temperature, return_entropy = float(options.temperature), bool(options.return_entropy)
+        inplace_backward, softcap = bool(options.inplace_backward), options.softcap
         # Grad mode is off inside forward: the views below record nothing (no detach needed). The usual inputs
         # (flat int64 labels, flat bool mask) pass through without an op.
         if labels.dim() != 1:
@@ -611,7 +613,7 @@ class TritonLogitsLogprobs(torch.autograd.Function):
         if not ctx.has_entropy:
             grad_entropy = None
         if grad_logp is None and grad_entropy is None:
-            return None, None, None, None, None, None, None, None
+            return None, None, None, None, None
         rows, out = gradient_rows(logits, ctx.inplace, ctx.extra_position)
         dlogits = logprobs_backward(
             rows,
@@ -625,7 +627,7 @@ class TritonLogitsLogprobs(torch.autograd.Function):
             out=out,
             softcap=ctx.softcap,
         )
-        return dlogits, None, None, None, None, None, None, None
+        return dlogits, None, None, None, None
 
 
 def logits_logprobs(logits: Tensor, labels: Tensor, active: Optional[Tensor] = None,
@@ -647,8 +649,6 @@ def logits_logprobs(logits: Tensor, labels: Tensor, active: Optional[Tensor] = N
         differentiable with respect to ``logits``.
     """
     base = next_token_base(logits) if torch.is_grad_enabled() else None
-    logp, entropy = TritonLogitsLogprobs.apply(
-        logits if base is None else base, labels, active, float(options.temperature), bool(options.return_entropy),
-        bool(options.inplace_backward), base is not None, softcap_value(options.softcap),
-    )
+    logp, entropy = TritonLogitsLogprobs.apply(logits if base is None else base, labels, active, options,
+                                               base is not None)
     return logp, (entropy if options.return_entropy else None)

@@ -10,7 +10,6 @@ import torch
 from torch import Tensor
 
 from gspo_kernels.backends.tiling import next_token_base
-from gspo_kernels.backends.triton.kernel_math import softcap_value
 from gspo_kernels.backends.triton.logits import gradient_rows, logprobs_backward, logprobs_forward
 from gspo_kernels.backends.triton.sequence import O_SCALE_ENTROPY, O_SCALE_LOGP, _sequence_stage, metric_slots
 from gspo_kernels.objective import LossOutput
@@ -29,7 +28,9 @@ class TritonLogitsLoss(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits, inputs, config, inplace_backward, extra_position, softcap):
+    def forward(ctx, logits, inputs, options: CallOptions, extra_position):
+        # the call's options: config, inplace_backward and softcap read (checked by the caller)
+        config, inplace_backward, softcap = options.config, bool(options.inplace_backward), options.softcap
         # The rows that count: the layout's bool flags (the forward kernel the two-node path launches), else the
         # 0/1 fp32 mask (the kernels test ``!= 0`` either way).
         active = _flat_bool(inputs.batch.counted)
@@ -51,7 +52,7 @@ class TritonLogitsLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, _grad_out):
         if grad_loss is None:
-            return None, None, None, None, None, None
+            return None, None, None, None
         logits, labels, row_stats, entropy, active, mask, coef, out = ctx.saved_tensors
         rows, dst = gradient_rows(logits, ctx.inplace, ctx.extra_position)
         with_entropy = ctx.entropy_coef != 0
@@ -68,7 +69,7 @@ class TritonLogitsLoss(torch.autograd.Function):
             softcap=ctx.softcap,
             grad_scale=(grad_loss.to(torch.float32), out[O_SCALE_LOGP.value], out[O_SCALE_ENTROPY.value]),
         )
-        return dlogits, None, None, None, None, None
+        return dlogits, None, None, None
 
 
 def _flat_bool(flags: Optional[Tensor]) -> Optional[Tensor]:
@@ -94,8 +95,7 @@ def fused_logits_loss(logits: Tensor, inputs, options: CallOptions):
     """
     config = options.config
     base = next_token_base(logits) if torch.is_grad_enabled() else None
-    loss, out = TritonLogitsLoss.apply(logits if base is None else base, inputs, config,
-                                       bool(options.inplace_backward), base is not None, softcap_value(options.softcap))
+    loss, out = TritonLogitsLoss.apply(logits if base is None else base, inputs, options, base is not None)
     # fused_objective's metrics, read from the same ``out`` slots
     slots = metric_slots(config, inputs.rollout_logprobs is not None, True)
     return LossOutput(loss, {name: out[index] for name, index in slots})
