@@ -601,7 +601,7 @@ def test_an_objective_is_named_in_its_own_module_only(name):
     from pathlib import Path
 
     package = Path(gk.__file__).parent
-    own = {f"objectives/{name}.py", f"objectives/{name}_triton.py", "reference.py", "reference_objectives.py"}
+    own = {f"objectives/{name}.py", f"backends/triton/objectives/{name}.py", "reference.py", "reference_objectives.py"}
     found = []
     for path in sorted(package.rglob("*.py")):
         relative = path.relative_to(package).as_posix()

@@ -32,7 +32,7 @@ reference still has a finite ``e^100``. Every product with a weight is taken as 
 
 The level, aggregation and rollout-mode codes are the positions of the names in the config's tuples; the
 kernels compare them with the named constants below. The objective is no code: its ``@triton.jit`` helpers
-(``gspo_kernels/objectives/<name>_triton.py``, ``TRITON``) arrive as the ``OBJECTIVE`` constexpr, called by
+(``gspo_kernels/backends/triton/objectives/<name>.py``, ``TRITON``) arrive as the ``OBJECTIVE`` constexpr, called by
 position (``H_*``). The per-token steps of the sequence kernel are ``@triton.jit`` helpers (inlined by the
 compiler: the same code as one function).
 """
