@@ -33,6 +33,10 @@ def _imports(path: Path, name: str, is_package: bool) -> set:
                 module = node.module or ""
             # ``from a import b``: the submodule a.b when it exists, else a name defined in a
             found.update(f"{module}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("gspo_kernels."):
+            # a module named by a string (``importlib.import_module``, a registry's module path): an edge too
+            if node.value.replace(".", "").replace("_", "").isalnum():
+                found.add(node.value)
     return {m for m in found if m == "gspo_kernels" or m.startswith("gspo_kernels.")}
 
 
@@ -82,6 +86,28 @@ def test_import_graph_is_acyclic():
     assert "gspo_kernels.loss" in graph and "gspo_kernels.checks" in graph["gspo_kernels.loss"]
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def unit(module: str) -> str:
+    """The unit of the package-level graph a module belongs to: its subpackage of ``gspo_kernels``
+    (``gspo_kernels.backends`` for every module under ``backends/``), or the top-level module itself."""
+    parts = module.split(".")
+    if len(parts) >= 2 and (PACKAGE / parts[1]).is_dir():
+        return ".".join(parts[:2])
+    return module
+
+
+def test_packages_depend_one_way():
+    """At package granularity (each subpackage one unit, each top-level module one): no two units import each
+    other, directly or through a third, counting imports inside functions, type-only imports and modules named
+    by a string (``importlib``). E.g. backends -> objectives -> config, never back."""
+    graph = {}
+    for module, targets in import_graph().items():
+        graph.setdefault(unit(module), set()).update(unit(t) for t in targets if unit(t) != unit(module))
+    assert "gspo_kernels.objectives" in graph["gspo_kernels.backends"]
+    assert "gspo_kernels.backends.torch" in import_graph()["gspo_kernels.backends"], "registry strings are edges"
+    cycle = find_cycle(graph)
+    assert cycle is None, "packages that import each other: " + " -> ".join(cycle)
 
 
 def test_the_cycle_finder_finds_a_cycle():

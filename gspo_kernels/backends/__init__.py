@@ -23,22 +23,15 @@ import importlib
 import logging
 import os
 import warnings
-from typing import Callable, Dict, Optional
+from typing import Dict, Optional
 
 import torch as _torch  # not ``torch``: importing the subpackage backends/torch binds that name here
 
-from gspo_kernels.backends.contract import (
-    FusedLinearLoss,
-    FusedLogitsLoss,
-    LinearLogprobs,
-    LogitsLogprobs,
-    Objective,
-)
+from gspo_kernels.backends.contract import DEFAULT_MEMORY_BUDGET, Backend  # noqa: F401 (the package's names)
 from gspo_kernels.versions import UnsupportedVersion
 
 logger = logging.getLogger("gspo_kernels")
 
-DEFAULT_MEMORY_BUDGET = 1 << 30  # bytes; see the contract (LinearLogprobs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,34 +58,6 @@ _AUTO_ORDER = {device: tuple(r.name for r in sorted((r for r in REGISTRY if devi
                                                      key=lambda r: r.auto[device]))
                for device in sorted({d for r in REGISTRY for d in r.auto})}
 _announced: set = set()
-
-
-class Backend:
-    """A named set of stage implementations, each of the contract's Protocol (:mod:`.contract`)."""
-
-    def __init__(
-        self,
-        name: str,
-        logits_logprobs: LogitsLogprobs,
-        linear_logprobs: LinearLogprobs,
-        objective: Optional[Objective] = None,
-        supports: Optional[Callable[[_torch.device], bool]] = None,
-        fused_linear_loss: Optional[FusedLinearLoss] = None,
-        fused_logits_loss: Optional[FusedLogitsLoss] = None,
-    ) -> None:
-        self.name = name
-        self.logits_logprobs: LogitsLogprobs = logits_logprobs
-        self.linear_logprobs: LinearLogprobs = linear_logprobs
-        self.objective: Optional[Objective] = objective
-        self.fused_linear_loss: Optional[FusedLinearLoss] = fused_linear_loss
-        self.fused_logits_loss: Optional[FusedLogitsLoss] = fused_logits_loss
-        self._supports = supports
-
-    def supports(self, device: _torch.device) -> bool:
-        return True if self._supports is None else bool(self._supports(device))
-
-    def __repr__(self) -> str:
-        return f"Backend({self.name!r})"
 
 
 _cache: Dict[str, Optional[Backend]] = {}

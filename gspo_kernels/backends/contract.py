@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable, Optional, Protocol, Tuple
 
+import torch
 from torch import Tensor
 
 from gspo_kernels.options import DEFAULT_OPTIONS, CallOptions
@@ -106,6 +107,39 @@ class FusedLogitsLoss(Protocol):
     """
 
     def __call__(self, logits: Tensor, inputs: LossInputs, options: CallOptions) -> LossOutput: ...
+
+
+DEFAULT_MEMORY_BUDGET = 1 << 30
+"""Bytes a hidden-state stage may use for saved logits and chunk buffers when ``options.memory_budget`` is None."""
+
+
+class Backend:
+    """A named set of stage implementations, each of the contract's Protocol (:mod:`.contract`)."""
+
+    def __init__(
+        self,
+        name: str,
+        logits_logprobs: LogitsLogprobs,
+        linear_logprobs: LinearLogprobs,
+        objective: Optional[Objective] = None,
+        supports: Optional[Callable[[torch.device], bool]] = None,
+        fused_linear_loss: Optional[FusedLinearLoss] = None,
+        fused_logits_loss: Optional[FusedLogitsLoss] = None,
+    ) -> None:
+        self.name = name
+        self.logits_logprobs: LogitsLogprobs = logits_logprobs
+        self.linear_logprobs: LinearLogprobs = linear_logprobs
+        self.objective: Optional[Objective] = objective
+        self.fused_linear_loss: Optional[FusedLinearLoss] = fused_linear_loss
+        self.fused_logits_loss: Optional[FusedLogitsLoss] = fused_logits_loss
+        self._supports = supports
+
+    def supports(self, device: torch.device) -> bool:
+        return True if self._supports is None else bool(self._supports(device))
+
+    def __repr__(self) -> str:
+        return f"Backend({self.name!r})"
+
 
 
 ENTRIES = {

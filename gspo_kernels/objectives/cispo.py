@@ -63,7 +63,6 @@ OBJECTIVE = Objective(
     clip_metrics=clip_metrics,
     metrics=(("cispo_clip_ratio", "O_HIGH"),),  # its clipped items in the high column
     trl_metrics=("cispo_clip_ratio",),
-    triton="gspo_kernels.backends.triton.objectives.cispo",
     triton_option=lambda config: config.cispo_clip == "band",
     h100=(dict(level="token", OBJ_OPTION=True, HAS_ROLLOUT=True, ROLLOUT="sequence_masked_tis"),),
 )

@@ -101,5 +101,4 @@ OBJECTIVE = Objective(
              ("clip_ratio/region_mean", "O_REGION")),
     trl_options=("delta",),  # TRL applies delta to the clipped surrogate only
     loss_through_weight=True,
-    triton="gspo_kernels.backends.triton.objectives.clipped",  # configs.py's general rows are its h100 launches
 )

@@ -50,6 +50,5 @@ OBJECTIVE = Objective(
     one_weight_per_response=True,
     metrics=(("clip_ratio/low_mean", "O_LOW"), ("clip_ratio/high_mean", "O_HIGH"),
              ("clip_ratio/region_mean", "O_REGION")),  # the tokens whose log-ratio its clip moved
-    triton="gspo_kernels.backends.triton.objectives.gmpo",
     h100=(dict(level="sequence", SEQ_UNITS=True, ADV_PER_TOKEN=True, HAS_IS_RATIO=True),),
 )

@@ -11,7 +11,6 @@ This module imports nothing of the package: ``config.py`` validates through it.
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
@@ -75,9 +74,6 @@ class Objective:
             slot named as the Triton sequence kernel's output (``"O_HIGH"``): its rows of the metric table.
         trl_options: ``GRPOConfig`` fields the TRL drop-in passes to ``GSPOConfig`` under the same name.
         trl_metrics: the metrics the TRL drop-in logs as the library computed them (averaged over processes).
-        triton: the module holding its Triton helpers, ``TRITON`` (the sequence kernel's ``OBJECTIVE``; see
-            ``backends/triton/sequence_kernels.py``, ``H_*``), imported by the Triton backend only, never by
-            ``import gspo_kernels``; None: no Triton form (the Triton backend runs the PyTorch stage for it).
         triton_floats: ``triton_floats(config)``: its float options as the kernel's ``obj_a`` .. ``obj_d``.
         triton_option: ``triton_option(config)``: its constexpr option, the kernel's ``OBJ_OPTION``.
         h100: the sequence kernel launches ``gspo-kernels h100-report`` compiles for it: keyword arguments of
@@ -95,7 +91,6 @@ class Objective:
     metrics: Tuple[Tuple[str, str], ...] = ()
     trl_options: Tuple[str, ...] = ()
     trl_metrics: Tuple[str, ...] = ()
-    triton: Optional[str] = None
     triton_floats: Callable[[Any], Tuple[float, ...]] = _no_floats
     triton_option: Callable[[Any], bool] = _no_option
     h100: Tuple[Mapping[str, Any], ...] = ()
@@ -151,12 +146,6 @@ def loss_type(name: str) -> LossType:
 def loss_types() -> Tuple[LossType, ...]:
     """Every registered ``loss_type``, in registration order."""
     return tuple(_LOSS_TYPES.values())
-
-
-def triton_helpers(name: str) -> tuple:
-    """The Triton helpers of the objective ``name`` (its ``triton`` module's ``TRITON``), importing that module now
-    (the Triton backend's call: it imports triton)."""
-    return importlib.import_module(objective(name).triton).TRITON
 
 
 def check_options(config: Any) -> None:

@@ -55,7 +55,6 @@ OBJECTIVE = Objective(
     check=check,
     trl_options=("sapo_temperature_pos", "sapo_temperature_neg"),
     loss_through_weight=True,
-    triton="gspo_kernels.backends.triton.objectives.sapo",
     triton_floats=lambda config: (config.sapo_temperature_pos, config.sapo_temperature_neg),
     h100=(dict(level="sequence", HAS_ROLLOUT=True, ROLLOUT="sequence_mask"),),
 )

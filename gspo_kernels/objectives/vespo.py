@@ -94,7 +94,6 @@ OBJECTIVE = Objective(
     metrics=(("vespo/phi_seq_mean", "O_AUX_MEAN"),),
     trl_options=("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"),
     trl_metrics=("vespo/phi_seq_mean",),
-    triton="gspo_kernels.backends.triton.objectives.vespo",
     triton_floats=lambda config: (config.vespo_k_pos, config.vespo_lambda_pos, config.vespo_k_neg,
                                   config.vespo_lambda_neg),
     h100=(dict(level="token", SEQ_UNITS=True, HAS_KL=True, HAS_ROLLOUT=True, ROLLOUT="token_mask"),),

@@ -122,6 +122,11 @@ def normalize_config(config: dict) -> dict:
     """A config with its ``"fn"`` (:func:`resolve_kernel`), ``"signature"`` (:func:`derive_signature`) and
     ``"aligned"`` (every pointer, then the ``aligned_ints``) filled in."""
     config = dict(config)
+    constexprs = config.get("constexprs", {})
+    if isinstance(constexprs.get("HELPERS"), str):  # the sequence kernel's objective, named in configs.py: its helpers
+        from gspo_kernels.backends.triton.objectives import HELPERS
+
+        config["constexprs"] = {**constexprs, "HELPERS": HELPERS[constexprs["HELPERS"]]}
     if "fn" not in config:
         config["fn"] = resolve_kernel(config["kernel"])
     config["signature"] = derive_signature(config["fn"], config.get("constexprs", {}),

@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import torch
 
-from gspo_kernels.backends import Backend
+from gspo_kernels.backends.contract import Backend
 from gspo_kernels.backends.cpu import build
 from gspo_kernels.backends.cpu.linear import blocks, linear_logprobs, saved_columns
 from gspo_kernels.backends.cpu.logits import logits_logprobs, release_buffers

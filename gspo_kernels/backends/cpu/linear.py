@@ -9,7 +9,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from gspo_kernels.backends import DEFAULT_MEMORY_BUDGET
+from gspo_kernels.backends.contract import DEFAULT_MEMORY_BUDGET
 from gspo_kernels.backends.cpu.ops import _cap_arg, _flags, _fp64_fallback
 from gspo_kernels.backends.tiling import as_rows
 from gspo_kernels.options import DEFAULT_OPTIONS, CallOptions

@@ -34,7 +34,7 @@ not shifted, and each tile's gradient is multiplied by ``sech^2(z / c)`` (from `
 
 from __future__ import annotations
 
-from gspo_kernels.backends import Backend
+from gspo_kernels.backends.contract import Backend
 from gspo_kernels.backends.torch.linear import linear_logprobs
 from gspo_kernels.backends.torch.logits import logits_logprobs
 

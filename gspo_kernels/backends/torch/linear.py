@@ -8,7 +8,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from gspo_kernels.backends import DEFAULT_MEMORY_BUDGET
+from gspo_kernels.backends.contract import DEFAULT_MEMORY_BUDGET
 from gspo_kernels.backends.tiling import as_rows
 from gspo_kernels.backends.torch.rows import (
     _accelerated,

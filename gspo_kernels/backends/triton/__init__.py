@@ -75,7 +75,7 @@ def make_backend():
     from gspo_kernels.versions import check_triton
 
     check_triton()
-    from gspo_kernels.backends import Backend
+    from gspo_kernels.backends.contract import Backend
     from gspo_kernels.backends.triton.linear_loss import fused_linear_loss
     from gspo_kernels.backends.triton.logits import logits_logprobs
     from gspo_kernels.backends.triton.logits_loss import fused_logits_loss

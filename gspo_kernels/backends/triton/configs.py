@@ -16,7 +16,7 @@ import torch
 import triton
 
 from gspo_kernels import objectives
-from gspo_kernels.backends import DEFAULT_MEMORY_BUDGET
+from gspo_kernels.backends.contract import DEFAULT_MEMORY_BUDGET
 from gspo_kernels.backends.triton.launch import ELEMENT_SIZES, interpreter_active
 from gspo_kernels.config import AGGREGATIONS, IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, ROLLOUT_CORRECTIONS, GSPOConfig
 from gspo_kernels.precision import compute_dtype
@@ -412,14 +412,15 @@ _SEQUENCE_INPUTS = {"HAS_KL": "ref_ptr", "HAS_IS_RATIO": "is_ratio_ptr", "HAS_RO
 def _sequence_h100(level: str, objective: Optional[str] = None, **flags) -> dict:
     """A launch of the sequence kernel for ``h100-report``: the objective ``objective`` (the default config's when
     None: its Triton helpers, imported now), at ``level``, with ``flags`` (constexprs; ``HAS_*`` inputs present;
-    ``ROLLOUT`` by its mode's name)."""
+    ``ROLLOUT`` by its mode's name). ``HELPERS`` is the objective's name here (this module imports no kernel module):
+    ``h100-report`` puts its Triton helpers (``backends/triton/objectives``) in its place."""
     spec = objectives.objective(objective or GSPOConfig().objective)
     if "ROLLOUT" in flags:
         flags["ROLLOUT"] = ROLLOUT_CODES[flags["ROLLOUT"]]
     constexprs = {
         "LEVEL": LEVEL_CODES[level], "BIAS_CORRECTION_KL": False, "HAS_DELTA": False, "ADV_PER_TOKEN": False,
         "SEQ_MEAN": True, "BLOCK_T": SEQUENCE_BLOCK_T, "HAS_CLAMP": False,
-        "OBJECTIVE": objectives.triton_helpers(spec.name), "OBJ_OPTION": False, "FOLD": spec.folds_correction,
+        "HELPERS": spec.name, "OBJ_OPTION": False, "FOLD": spec.folds_correction,
         "THROUGH_WEIGHT": spec.loss_through_weight, "HAS_DUAL": False, "ROLLOUT": ROLLOUT_CODES[None],
         "HAS_OPSM": False,
         "SEQ_UNITS": spec.one_weight_per_response or (level == "sequence" and not flags.get("ADV_PER_TOKEN", False)),

@@ -28,6 +28,7 @@ from gspo_kernels.backends.triton.configs import (  # noqa: F401 (LOSS_TYPE_CODE
     SEQUENCE_NUM_WARPS,
 )
 from gspo_kernels.backends.triton.launch import device_guard
+from gspo_kernels.backends.triton.objectives import HELPERS
 from gspo_kernels.backends.triton.sequence_kernels import (  # noqa: F401 (the slots and kernels, read by tests)
     METRICS,
     NUM_OUTPUTS,
@@ -76,7 +77,7 @@ class SequenceParams:
     rc_hi: float
     opsm_threshold: float
     LEVEL: int
-    OBJECTIVE: tuple  # the objective's Triton helpers (its module's TRITON)
+    HELPERS: tuple  # the objective's Triton helpers (its module's TRITON, backends/triton/objectives)
     ROLLOUT: int
     BIAS_CORRECTION_KL: bool
     HAS_DELTA: bool
@@ -97,9 +98,9 @@ class SequenceParams:
     def of(cls, config: GSPOConfig, per_token_adv: bool) -> "SequenceParams":
         lo, hi = config.rollout_bounds
         spec = objectives.objective(config.objective)
-        if spec.triton is None:
-            raise NotImplementedError(f"the objective {spec.name!r} has no Triton helpers (Objective.triton): "
-                                      f"use backend='torch' (or 'cpu')")
+        if spec.name not in HELPERS:
+            raise NotImplementedError(f"the objective {spec.name!r} has no Triton helpers "
+                                      f"(backends/triton/objectives): use backend='torch' (or 'cpu')")
         floats = tuple(float(x) for x in spec.triton_floats(config)) + (0.0,) * 4
         return cls(
             eps_low=float(config.epsilon_low),
@@ -116,7 +117,7 @@ class SequenceParams:
             rc_hi=float("inf") if hi is None else float(hi),
             opsm_threshold=float(config.off_policy_mask_threshold or 0.0),
             LEVEL=LEVEL_CODES[config.importance_sampling_level],
-            OBJECTIVE=objectives.triton_helpers(spec.name),
+            HELPERS=HELPERS[spec.name],
             ROLLOUT=ROLLOUT_CODES[config.rollout_correction],
             BIAS_CORRECTION_KL=bool(config.use_bias_correction_kl),
             HAS_DELTA=config.delta is not None,
@@ -285,7 +286,7 @@ def fused_objective(logp: Tensor, entropy: Optional[Tensor], inputs: LossInputs,
     ``logp``, ``entropy``: ``[N]`` (fp32). ``entropy`` may be None only when ``config.entropy_coef == 0``
     (the ``entropy`` metric is then omitted; the loss pipeline checked it). Metrics are detached 0-dim fp32 tensors.
     """
-    if objectives.objective(config.objective).triton is None:  # an objective without Triton helpers: PyTorch's
+    if config.objective not in HELPERS:  # an objective without Triton helpers: PyTorch's
         return gspo_objective(logp, entropy, inputs, config)
     loss, out = TritonSequenceObjective.apply(logp, entropy, inputs, config)
     slots = metric_slots(config, inputs.rollout_logprobs is not None, entropy is not None)

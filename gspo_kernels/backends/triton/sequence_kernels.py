@@ -32,7 +32,7 @@ reference still has a finite ``e^100``. Every product with a weight is taken as 
 
 The level, aggregation and rollout-mode codes are the positions of the names in the config's tuples; the
 kernels compare them with the named constants below. The objective is no code: its ``@triton.jit`` helpers
-(``gspo_kernels/backends/triton/objectives/<name>.py``, ``TRITON``) arrive as the ``OBJECTIVE`` constexpr, called by
+(``gspo_kernels/backends/triton/objectives/<name>.py``, ``TRITON``) arrive as the ``HELPERS`` constexpr, called by
 position (``H_*``). The per-token steps of the sequence kernel are ``@triton.jit`` helpers (inlined by the
 compiler: the same code as one function).
 """
@@ -141,7 +141,7 @@ RC_SEQUENCE_TV_MASK = tl.constexpr(ROLLOUT_CODES["sequence_tv_mask"])
 # The divergence gates' clamp of the sampled token's probabilities, as log-probs: [log eps, log(1 - eps)]
 _LOG_P_LOW = tl.constexpr(math.log(ROLLOUT_PROBABILITY_CLAMP))
 _LOG_P_HIGH = tl.constexpr(math.log1p(-ROLLOUT_PROBABILITY_CLAMP))
-# The objective's Triton helpers (``OBJECTIVE``, a kernel constant: a tuple of ``@triton.jit`` functions, its
+# The objective's Triton helpers (``HELPERS``, a kernel constant: a tuple of ``@triton.jit`` functions, its
 # module's ``TRITON``), by position; their signatures are those of the defaults below.
 H_SUMS = tl.constexpr(0)  # pass 1, per tile: two per-response sums of its own
 H_RESPONSE = tl.constexpr(1)  # after pass 1: its per-response values, the response's weight and extra metric
@@ -260,10 +260,10 @@ def _advantages(adv_ptr, idx, inside, adv_seq, ADV_PER_TOKEN: tl.constexpr, BLOC
 
 @triton.jit
 def _response_sums(logp_ptr, old_ptr, mask_ptr, roll_ptr, isr_ptr, adv_ptr, start, end, adv_seq, lo, hi,
-                   eps_low, eps_high, LEVEL: tl.constexpr, OBJECTIVE: tl.constexpr, ROLLOUT: tl.constexpr,
+                   eps_low, eps_high, LEVEL: tl.constexpr, HELPERS: tl.constexpr, ROLLOUT: tl.constexpr,
                    HAS_OPSM: tl.constexpr, ADV_PER_TOKEN: tl.constexpr, BLOCK_T: tl.constexpr):
     """Pass 1 over the response ``[start, end)``: ``|y_i|``, ``sum (logp - old)``, ``sum (old - rollout)``,
-    the off-policy gap ``sum (sampling - logp)``, the objective's two sums (``OBJECTIVE[H_SUMS]``) and the sum of
+    the off-policy gap ``sum (sampling - logp)``, the objective's two sums (``HELPERS[H_SUMS]``) and the sum of
     the sampled tokens' divergences (the sequence divergence gates) (each only when the options and the inputs
     present need it; the others stay 0)."""
     offs = tl.arange(0, BLOCK_T)
@@ -297,7 +297,7 @@ def _response_sums(logp_ptr, old_ptr, mask_ptr, roll_ptr, isr_ptr, adv_ptr, star
         elif HAS_OPSM:
             gap_acc += old - lp
         adv = _advantages(adv_ptr, idx, inside, adv_seq, ADV_PER_TOKEN, BLOCK_T)
-        x1, x2 = OBJECTIVE[H_SUMS](r, adv, on, isr_ptr, roll_ptr, idx, inside, d, lo, hi, eps_low, eps_high,
+        x1, x2 = HELPERS[H_SUMS](r, adv, on, isr_ptr, roll_ptr, idx, inside, d, lo, hi, eps_low, eps_high,
                                    ROLLOUT, BLOCK_T)
         s1_acc += x1
         s2_acc += x2
@@ -429,7 +429,7 @@ def _store_one_per_response(out, value, counted, SUM: tl.constexpr, MIN: tl.cons
     tl.store(out + UNITS, counted.to(tl.float32))
 
 
-# The objective's helpers when it has nothing to add at a step (``OBJECTIVE[H_*]``; an objective's module uses
+# The objective's helpers when it has nothing to add at a step (``HELPERS[H_*]``; an objective's module uses
 # them in its ``TRITON`` tuple). Their signatures are the hooks' signatures.
 @triton.jit
 def no_sums(r, adv, on, is_ratio_ptr, rollout_ptr, idx, inside, d, lo, hi, eps_low, eps_high, ROLLOUT: tl.constexpr,
@@ -482,12 +482,12 @@ def gspo_sequence_kernel(
     coef_ptr, partials_ptr,
     eps_low, eps_high, delta, beta, log_ratio_clamp, clip_ratio_c, obj_a, obj_b, obj_c, obj_d,
     rc_lo, rc_hi, opsm_threshold,
-    LEVEL: tl.constexpr, OBJECTIVE: tl.constexpr, ROLLOUT: tl.constexpr, BIAS_CORRECTION_KL: tl.constexpr,
+    LEVEL: tl.constexpr, HELPERS: tl.constexpr, ROLLOUT: tl.constexpr, BIAS_CORRECTION_KL: tl.constexpr,
     HAS_DELTA: tl.constexpr, HAS_CLAMP: tl.constexpr, HAS_DUAL: tl.constexpr, OBJ_OPTION: tl.constexpr,
     FOLD: tl.constexpr, THROUGH_WEIGHT: tl.constexpr, HAS_OPSM: tl.constexpr, ADV_PER_TOKEN: tl.constexpr,
     SEQ_MEAN: tl.constexpr, SEQ_UNITS: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
-    """One program per response. ``OBJECTIVE``: the objective's helpers (its module's ``TRITON`` tuple, indexed by
+    """One program per response. ``HELPERS``: the objective's helpers (its module's ``TRITON`` tuple, indexed by
     ``H_*``), ``obj_a`` .. ``obj_d`` its float options and ``OBJ_OPTION`` its constexpr one; ``FOLD``: it folds
     the correction factor into its weight; ``THROUGH_WEIGHT``: its loss depends on the weight (the
     ``"sequence"`` level's gradient flows through the mean log-ratio)."""
@@ -504,7 +504,7 @@ def gspo_sequence_kernel(
 
     n_tok, sum_r, sum_d, sum_gap, sum_1, sum_2, sum_div = _response_sums(
         logp_ptr, old_ptr, mask_ptr, rollout_ptr, is_ratio_ptr, adv_ptr, start, end, adv_seq, rc_lo, rc_hi,
-        eps_low, eps_high, LEVEL, OBJECTIVE, ROLLOUT, HAS_OPSM, ADV_PER_TOKEN, BLOCK_T)
+        eps_low, eps_high, LEVEL, HELPERS, ROLLOUT, HAS_OPSM, ADV_PER_TOKEN, BLOCK_T)
     denom = tl.maximum(n_tok, 1.0)
     mean_r = sum_r / denom
     if HAS_CLAMP:  # w = exp(min(log w, c)) (verl's guard); no gradient through a clamped weight
@@ -525,7 +525,7 @@ def gspo_sequence_kernel(
         rc_seq = sum_d
     seq_gap = sum_gap / denom
     # the objective's per-response values, the one weight of the response and its extra metric's value
-    u1, u2, u3, w_one, aux_one = OBJECTIVE[H_RESPONSE](sum_1, sum_2, denom, w_seq, adv_seq, obj_a, obj_b, obj_c,
+    u1, u2, u3, w_one, aux_one = HELPERS[H_RESPONSE](sum_1, sum_2, denom, w_seq, adv_seq, obj_a, obj_b, obj_c,
                                                        obj_d, ADV_PER_TOKEN)
 
     # Pass 2: per-token objective, partial sums and (local) gradient coefficients.
@@ -556,7 +556,7 @@ def gspo_sequence_kernel(
         f, rz_acc, rw_acc, rw_min, rw_max, rf_acc = _correction_factor(
             lp, adv, old_ptr, is_ratio_ptr, rollout_ptr, idx, inside, on, rc_seq, rc_lo, rc_hi, seq_gap,
             opsm_threshold, rz_acc, rw_acc, rw_min, rw_max, rf_acc, FOLD, ROLLOUT, HAS_OPSM, BLOCK_T)
-        loss, dl_dw, direct, low_acc, high_acc, aux_acc = OBJECTIVE[H_TOKEN](
+        loss, dl_dw, direct, low_acc, high_acc, aux_acc = HELPERS[H_TOKEN](
             w, adv, lp, old_ptr, idx, inside, on, low_edge, high_edge, eps_low, eps_high, delta, clip_ratio_c,
             obj_a, obj_b, obj_c, obj_d, u1, u2, u3, low_acc, high_acc, aux_acc, OBJ_OPTION, HAS_DELTA, HAS_DUAL,
             BLOCK_T)
@@ -591,7 +591,7 @@ def gspo_sequence_kernel(
         if THROUGH_WEIGHT | BIAS_CORRECTION_KL:
             cross = _times(lam * tl.sum(q_acc, axis=0) * seq_pass / denom, w_seq)
             _add_sequence_cross_term(coef_ptr, mask_ptr, start, end, cross, BLOCK_T)
-    OBJECTIVE[H_FINISH](coef_ptr, logp_ptr, old_ptr, mask_ptr, adv_ptr, start, end, adv_seq, tl.sum(f_acc, axis=0),
+    HELPERS[H_FINISH](coef_ptr, logp_ptr, old_ptr, mask_ptr, adv_ptr, start, end, adv_seq, tl.sum(f_acc, axis=0),
                         lam, denom, u1, u2, u3, eps_low, eps_high, ADV_PER_TOKEN, BLOCK_T)
 
     # The response's partials row.
@@ -601,7 +601,7 @@ def gspo_sequence_kernel(
     tl.store(out + P_TOKENS, n_tok)
     tl.store(out + P_ENTROPY, tl.sum(ent_acc, axis=0))
     tl.store(out + P_KL, tl.sum(kl_acc, axis=0))
-    low, high, clip_units = OBJECTIVE[H_CLIP_COUNTS](tl.sum(low_acc, axis=0), tl.sum(high_acc, axis=0), n_tok,
+    low, high, clip_units = HELPERS[H_CLIP_COUNTS](tl.sum(low_acc, axis=0), tl.sum(high_acc, axis=0), n_tok,
                                                      w_seq, adv_seq, low_edge, high_edge, eps_high, OBJ_OPTION,
                                                      SEQ_UNITS)
     tl.store(out + P_LOW, low)

@@ -1,4 +1,4 @@
-"""CISPO's Triton helpers (the sequence kernel's ``OBJECTIVE``: :data:`TRITON`; ``OBJ_OPTION``: the band clip).
+"""CISPO's Triton helpers (the sequence kernel's ``HELPERS``: :data:`TRITON`; ``OBJ_OPTION``: the band clip).
 Imported by the Triton backend only."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ import triton.language as tl
 
 from gspo_kernels.backends.triton.sequence_kernels import clip_counts as token_clip_counts
 from gspo_kernels.backends.triton.sequence_kernels import no_finish, no_response_values, no_sums
+from gspo_kernels.objectives import cispo as cispo_objective
 
 
 @triton.jit
@@ -51,4 +52,5 @@ def clip_counts(low_sum, high_sum, n_tok, w_seq, adv_seq, low_edge, high_edge, e
         units = counted.to(tl.float32)
     return low, high, units
 
+OBJECTIVE_NAME = cispo_objective.NAME  # the objective these helpers compute (objectives/cispo.py)
 TRITON = (no_sums, no_response_values, token, no_finish, clip_counts)

@@ -1,5 +1,5 @@
-"""The clipped surrogate's Triton helpers (the sequence kernel's ``OBJECTIVE``: :data:`TRITON`). Imported by the
-Triton backend only (``Objective.triton``), never by ``import gspo_kernels``."""
+"""The clipped surrogate's Triton helpers (the sequence kernel's ``HELPERS``: :data:`TRITON`). Imported by the
+Triton backend only, never by ``import gspo_kernels``."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 
 from gspo_kernels.backends.triton.sequence_kernels import _times, clip_counts, no_finish, no_response_values, no_sums
+from gspo_kernels.objectives import clipped as clipped_objective
 
 
 @triton.jit
@@ -46,4 +47,5 @@ def token(w, adv, lp, old_ptr, idx, inside, on, low_edge, high_edge, eps_low, ep
     return loss, dl_dw, tl.zeros([BLOCK_T], tl.float32), low_acc, high_acc, aux_acc
 
 
+OBJECTIVE_NAME = clipped_objective.NAME  # the objective these helpers compute (objectives/clipped.py)
 TRITON = (no_sums, no_response_values, token, no_finish, clip_counts)

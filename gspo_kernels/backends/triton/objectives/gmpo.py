@@ -1,4 +1,4 @@
-"""GMPO's Triton helpers (the sequence kernel's ``OBJECTIVE``: :data:`TRITON`). Imported by the Triton backend
+"""GMPO's Triton helpers (the sequence kernel's ``HELPERS``: :data:`TRITON`). Imported by the Triton backend
 only."""
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 
 from gspo_kernels.backends.triton.sequence_kernels import _advantages, _masked_load, _old_logprobs, _times
+from gspo_kernels.objectives import gmpo as gmpo_objective
 
 
 @triton.jit
@@ -97,4 +98,5 @@ def clip_counts(low_sum, high_sum, n_tok, w_seq, adv_seq, low_edge, high_edge, e
     return low_sum, high_sum, n_tok
 
 
+OBJECTIVE_NAME = gmpo_objective.NAME  # the objective these helpers compute (objectives/gmpo.py)
 TRITON = (sums, response_values, token, finish, clip_counts)

@@ -1,4 +1,4 @@
-"""SAPO's Triton helpers (the sequence kernel's ``OBJECTIVE``: :data:`TRITON`; ``obj_a``, ``obj_b``: the gate
+"""SAPO's Triton helpers (the sequence kernel's ``HELPERS``: :data:`TRITON`; ``obj_a``, ``obj_b``: the gate
 temperatures). Imported by the Triton backend only."""
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 
 from gspo_kernels.backends.triton.sequence_kernels import clip_counts, no_finish, no_response_values, no_sums
+from gspo_kernels.objectives import sapo as sapo_objective
 
 
 @triton.jit
@@ -28,4 +29,5 @@ def token(w, adv, lp, old_ptr, idx, inside, on, low_edge, high_edge, eps_low, ep
     return loss, dl_dw, tl.zeros([BLOCK_T], tl.float32), low_acc, high_acc, aux_acc
 
 
+OBJECTIVE_NAME = sapo_objective.NAME  # the objective these helpers compute (objectives/sapo.py)
 TRITON = (no_sums, no_response_values, token, no_finish, clip_counts)

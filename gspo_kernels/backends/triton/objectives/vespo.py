@@ -1,4 +1,4 @@
-"""VESPO's Triton helpers (the sequence kernel's ``OBJECTIVE``: :data:`TRITON`; ``obj_a`` .. ``obj_d``: ``k_pos``,
+"""VESPO's Triton helpers (the sequence kernel's ``HELPERS``: :data:`TRITON`; ``obj_a`` .. ``obj_d``: ``k_pos``,
 ``lambda_pos``, ``k_neg``, ``lambda_neg``). Imported by the Triton backend only."""
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 
 from gspo_kernels.backends.triton.sequence_kernels import RC_NONE, _rollout_weight, clip_counts, no_finish
+from gspo_kernels.objectives import vespo as vespo_objective
 from gspo_kernels.objectives.vespo import VESPO_LOG_MAX, VESPO_LOG_MIN
 
 _VESPO_LOG_MIN = tl.constexpr(VESPO_LOG_MIN)
@@ -68,4 +69,5 @@ def token(w, adv, lp, old_ptr, idx, inside, on, low_edge, high_edge, eps_low, ep
     return -phi * adv * lp, tl.zeros([BLOCK_T], tl.float32), -phi * adv, low_acc, high_acc, aux_acc
 
 
+OBJECTIVE_NAME = vespo_objective.NAME  # the objective these helpers compute (objectives/vespo.py)
 TRITON = (sums, response_values, token, no_finish, clip_counts)
