@@ -6,6 +6,7 @@ Public API: :class:`GSPOConfig`, :func:`gspo_loss`, :func:`fused_linear_gspo_los
 :class:`VocabParallel` (a vocabulary-parallel lm_head); the float64 oracle is :mod:`gspo_kernels.reference`.
 """
 
+from gspo_kernels import objectives as _objectives  # noqa: F401 (registers the objectives with the config)
 from gspo_kernels.advantages import group_advantages
 from gspo_kernels.backends import available as available_backends
 from gspo_kernels.config import GSPOConfig

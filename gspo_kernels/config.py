@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional, Protocol, Tuple
 
-from gspo_kernels import objectives
 from gspo_kernels.checks import check_softcap, check_temperature, is_finite_number
 
 IMPORTANCE_SAMPLING_LEVELS = ("sequence", "sequence_token", "token")
@@ -24,6 +23,34 @@ ROLLOUT_SEQUENCE_MODES = ("sequence_truncate", "sequence_mask", "sequence_masked
 ROLLOUT_DIVERGENCES = {"token_binary_kl_mask": "binary_kl", "sequence_binary_kl_mask": "binary_kl",
                        "token_tv_mask": "tv", "sequence_tv_mask": "tv"}
 ROLLOUT_PROBABILITY_CLAMP = 1e-6
+
+
+class LossTypeRegistry(Protocol):
+    """What the config reads of the objectives' registry. :mod:`gspo_kernels.objectives` hands itself over with
+    :func:`use_registry` when it is imported (``import gspo_kernels`` imports it): the config imports no objective,
+    the objectives import the config."""
+
+    def loss_type(self, name: str) -> Any: ...  # a LossType: its ``objective`` and its implied ``aggregation``
+    def loss_types(self) -> Tuple[Any, ...]: ...
+    def objectives(self) -> Tuple[Any, ...]: ...
+    def check_options(self, config: "GSPOConfig") -> None: ...
+
+
+_registry: Optional[LossTypeRegistry] = None
+
+
+def use_registry(registry: LossTypeRegistry) -> None:
+    """The objectives' registry the config reads (called once, by :mod:`gspo_kernels.objectives`)."""
+    global _registry
+    _registry = registry
+
+
+def _objectives() -> LossTypeRegistry:
+    if _registry is None:  # not reachable through ``import gspo_kernels``, which imports the objectives
+        raise RuntimeError("gspo_kernels.objectives has not registered the objectives: import gspo_kernels first")
+    return _registry
+
+
 # The tables of the objectives, read from their registry (gspo_kernels.objectives) at each access, so an
 # objective registered later is in them:
 #   ALL_LOSS_TYPES       every loss_type: the four above (the clipped surrogate with that aggregation) and the
@@ -32,10 +59,10 @@ ROLLOUT_PROBABILITY_CLAMP = 1e-6
 #   OBJECTIVES           the per-token objectives ("clip": the PPO/GRPO/GSPO clipped surrogate)
 #   OBJECTIVE_OF         the per-token objective of each loss_type
 _REGISTRY_TABLES = {
-    "ALL_LOSS_TYPES": lambda: tuple(t.name for t in objectives.loss_types()),
-    "IMPLIED_AGGREGATION": lambda: {t.name: t.aggregation for t in objectives.loss_types()},
-    "OBJECTIVES": lambda: tuple(o.name for o in objectives.objectives()),
-    "OBJECTIVE_OF": lambda: {t.name: t.objective for t in objectives.loss_types()},
+    "ALL_LOSS_TYPES": lambda: tuple(t.name for t in _objectives().loss_types()),
+    "IMPLIED_AGGREGATION": lambda: {t.name: t.aggregation for t in _objectives().loss_types()},
+    "OBJECTIVES": lambda: tuple(o.name for o in _objectives().objectives()),
+    "OBJECTIVE_OF": lambda: {t.name: t.objective for t in _objectives().loss_types()},
 }
 
 
@@ -119,12 +146,12 @@ class GSPOConfig:
     @property
     def objective(self) -> str:
         """The per-token objective of ``loss_type`` (one of :data:`OBJECTIVES`)."""
-        return objectives.loss_type(self.loss_type).objective
+        return _objectives().loss_type(self.loss_type).objective
 
     @property
     def effective_aggregation(self) -> str:
         """``aggregation`` when set, else the one ``loss_type`` implies (one of :data:`AGGREGATIONS`)."""
-        return self.aggregation if self.aggregation is not None else objectives.loss_type(self.loss_type).aggregation
+        return self.aggregation if self.aggregation is not None else _objectives().loss_type(self.loss_type).aggregation
 
     @property
     def rollout_bounds(self):
@@ -141,7 +168,7 @@ class GSPOConfig:
                 f"importance_sampling_level must be one of {IMPORTANCE_SAMPLING_LEVELS}, "
                 f"got {self.importance_sampling_level!r}"
             )
-        loss_types = tuple(t.name for t in objectives.loss_types())
+        loss_types = tuple(t.name for t in _objectives().loss_types())
         if self.loss_type not in loss_types:
             raise ValueError(f"loss_type must be one of {loss_types}, got {self.loss_type!r}")
         if self.aggregation is not None and self.aggregation not in AGGREGATIONS:
@@ -176,7 +203,7 @@ class GSPOConfig:
         check_softcap(self.final_logit_softcapping)
 
     def _check_objective_options(self) -> None:
-        objectives.check_options(self)  # each objective's options (its module's ``check``)
+        _objectives().check_options(self)  # each objective's options (its module's ``check``)
         threshold = self.off_policy_mask_threshold
         if threshold is not None and (not is_finite_number(threshold) or threshold < 0):
             raise ValueError(f"off_policy_mask_threshold must be None or a finite number >= 0, got {threshold!r}")

@@ -105,6 +105,8 @@ def test_packages_depend_one_way():
     for module, targets in import_graph().items():
         graph.setdefault(unit(module), set()).update(unit(t) for t in targets if unit(t) != unit(module))
     assert "gspo_kernels.objectives" in graph["gspo_kernels.backends"]
+    assert "gspo_kernels.config" in graph["gspo_kernels.objectives"]
+    assert "gspo_kernels.objectives" not in graph["gspo_kernels.config"], "the config imports no objective"
     assert "gspo_kernels.backends.torch" in import_graph()["gspo_kernels.backends"], "registry strings are edges"
     cycle = find_cycle(graph)
     assert cycle is None, "packages that import each other: " + " -> ".join(cycle)

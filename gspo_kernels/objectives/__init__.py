@@ -10,6 +10,9 @@ helpers: ``backends/triton/objectives/``). docs/architecture.md: how to add one.
 
 from __future__ import annotations
 
+import sys
+
+from gspo_kernels import config
 from gspo_kernels.objectives import cispo, clipped, gmpo, luspo, sapo, vespo
 from gspo_kernels.objectives.registry import (
     LossType,
@@ -42,3 +45,4 @@ def _register_builtins() -> None:
 
 
 _register_builtins()
+config.use_registry(sys.modules[__name__])  # the config reads the objectives through this package

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from torch import Tensor
 
-# The loss options (a gspo_kernels.config.GSPOConfig): not imported here, config.py imports the objectives.
-Options = Any
+from gspo_kernels.config import GSPOConfig
+
+# The loss options an objective reads (the objectives sit above the config: they import it, it imports none of them)
+Options = GSPOConfig
 
 
 def segment_sum(values: Tensor, seq_index: Tensor, num_seqs: int) -> Tensor:
