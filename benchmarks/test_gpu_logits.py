@@ -160,7 +160,7 @@ def test_trl_selective_log_softmax(benchmark, problem):
     trl_utils = pytest.importorskip("trl.trainer.utils")
     from gspo_kernels import GSPOConfig
     from gspo_kernels.layout import LossTensors, prepare_loss_inputs
-    from gspo_kernels.objective import gspo_objective
+    from gspo_kernels.objectives.stage import gspo_objective
 
     config = GSPOConfig(importance_sampling_level="sequence", epsilon_low=EPS_LOW, epsilon_high=EPS_HIGH)
     inputs = prepare_loss_inputs(problem["labels"], V, LossTensors(problem["adv"], old_logprobs=problem["old"],

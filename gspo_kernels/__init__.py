@@ -19,7 +19,7 @@ from gspo_kernels.loss import (
     policy_loss,
     token_logprobs,
 )
-from gspo_kernels.objective import LossOutput
+from gspo_kernels.objectives.stage import LossOutput
 from gspo_kernels.parallel import VocabParallel
 
 __version__ = "0.3.0.dev0"

@@ -36,7 +36,7 @@ from gspo_kernels.checks import (
 from gspo_kernels.config import GSPOConfig, check_config
 from gspo_kernels.distributed import zero3
 from gspo_kernels.layout import LossTensors, prepare_loss_inputs
-from gspo_kernels.objective import LossOutput, gspo_objective
+from gspo_kernels.objectives.stage import LossOutput, gspo_objective
 from gspo_kernels.options import CallOptions
 from gspo_kernels.parallel import VocabParallel, check_vocab_parallel
 from gspo_kernels.precision import apply_precision, backend_context, upcast

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from gspo_kernels.config import GSPOConfig
-from gspo_kernels.objective import LossOutput
+from gspo_kernels.objectives.stage import LossOutput
 from gspo_kernels.reference_objectives import (
     _CLIPPED_SURROGATE,
     _aggregate,

@@ -14,7 +14,7 @@ import pytest
 
 from gspo_kernels import backends
 from gspo_kernels.backends.contract import ENTRIES, Objective
-from gspo_kernels.objective import gspo_objective
+from gspo_kernels.objectives.stage import gspo_objective
 
 # Keywords a backend's function takes beyond the contract, named one by one (anything else that differs fails).
 # Each is keyword-only with the default None, so a call written to the contract never passes it. None today: every
@@ -62,7 +62,7 @@ def test_backend_entries_have_the_contract_signatures(name):
 
 
 def test_the_objective_protocol_is_gspo_objective():
-    """A backend's ``objective`` replaces :func:`gspo_kernels.objective.gspo_objective`: the same parameters."""
+    """A backend's ``objective`` replaces :func:`gspo_kernels.objectives.stage.gspo_objective`: the same parameters."""
     assert parameters(gspo_objective) == parameters(Objective.__call__, method=True)
 
 

@@ -424,7 +424,7 @@ def test_torch_compile_fullgraph_over_cpu_ops_matches_eager():
     """The custom ops, their fake implementations and autograd formulas trace without graph breaks
     in both paths, with the PyTorch sequence stage on validated inputs."""
     from gspo_kernels.layout import LossTensors, prepare_loss_inputs
-    from gspo_kernels.objective import gspo_objective
+    from gspo_kernels.objectives.stage import gspo_objective
 
     hidden, weight, labels, adv, old, kw = _compile_case()
     cfg = gk.GSPOConfig(loss_type="bnpo", beta=0.04, entropy_coef=0.01)

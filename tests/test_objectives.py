@@ -257,7 +257,7 @@ def test_matches_trl_gamma_weights_and_off_policy_mask():
     ``get_off_policy_mask`` against the library's pieces, from the same float64 inputs."""
     from trl.trainer.grpo_trainer import GRPOTrainer
 
-    from gspo_kernels.objective import off_policy_keep
+    from gspo_kernels.objectives.stage import off_policy_keep
     from gspo_kernels.objectives.vespo import vespo_log_weight, vespo_phi
 
     logp, old, adv = _token_problem(S=4, T=6, spread=0.2)

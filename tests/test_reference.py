@@ -223,10 +223,10 @@ def test_the_oracle_does_not_import_the_fast_paths():
     tree = ast.parse(inspect.getsource(reference))
     imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
     imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
-    assert {m for m in imported if m.startswith("gspo_kernels")} == {"gspo_kernels.config", "gspo_kernels.objective",
+    assert {m for m in imported if m.startswith("gspo_kernels")} == {"gspo_kernels.config", "gspo_kernels.objectives.stage",
                                                                      "gspo_kernels.reference_objectives"}
     names = {alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
-             and node.module == "gspo_kernels.objective" for alias in node.names}
+             and node.module == "gspo_kernels.objectives.stage" for alias in node.names}
     assert names == {"LossOutput"}
     # the oracle's second module (its per-response formulas) shares the config only
     tree = ast.parse(inspect.getsource(reference_objectives))

@@ -8,7 +8,7 @@ import torch
 import gspo_kernels as gk
 from gspo_kernels import reference
 from gspo_kernels.layout import LossTensors, prepare_loss_inputs
-from gspo_kernels.objective import gspo_objective
+from gspo_kernels.objectives.stage import gspo_objective
 from tests.support import configs
 
 

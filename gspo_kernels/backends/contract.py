@@ -32,7 +32,7 @@ from gspo_kernels.options import DEFAULT_OPTIONS, CallOptions
 if TYPE_CHECKING:
     from gspo_kernels.config import GSPOConfig
     from gspo_kernels.layout import LossInputs
-    from gspo_kernels.objective import LossOutput
+    from gspo_kernels.objectives.stage import LossOutput
 
 
 class LogitsLogprobs(Protocol):
@@ -72,7 +72,7 @@ class LinearLogprobs(Protocol):
 
 
 class Objective(Protocol):
-    """``objective`` (optional): a replacement for :func:`gspo_kernels.objective.gspo_objective`, with its signature.
+    """``objective`` (optional): a replacement for :func:`gspo_kernels.objectives.stage.gspo_objective`, with its signature.
 
     ``logp``, ``entropy``: ``[N]``; ``entropy`` may be None only when ``config.entropy_coef == 0``. Returns the
     ``LossOutput`` (the loss and its metrics).

@@ -56,7 +56,7 @@ class Objective:
     Attributes:
         name: ``config.objective`` (e.g. ``"clip"``).
         loss_types: the ``loss_type`` names that run it.
-        surrogate: the PyTorch stage's per-token loss, called by :func:`gspo_kernels.objective.gspo_objective`
+        surrogate: the PyTorch stage's per-token loss, called by :func:`gspo_kernels.objectives.stage.gspo_objective`
             with keyword arguments only (``log_w``, ``log_ratio``, ``A``, ``A_live``, ``adv``, ``logp_m``,
             ``lengths``, ``denom``, ``fold``, ``factor``, ``inputs``, ``config``, ``metrics``; it takes the ones it
             needs and ``**_``). Returns ``(per-token loss [N], w_i [S] or None)``: ``w_i``, the one weight of

@@ -234,7 +234,7 @@ def token_logprobs_of(loss: str, hidden: Tensor, weight: Tensor, labels: Tensor,
 
 
 def minibatch_loss(loss: str, hidden: Tensor, weight: Tensor, batch: Dict[str, Tensor], config: GSPOConfig):
-    """The GSPO / GRPO :class:`~gspo_kernels.objective.LossOutput` of one mini-batch."""
+    """The GSPO / GRPO :class:`~gspo_kernels.objectives.stage.LossOutput` of one mini-batch."""
     args = (hidden, weight, batch["completion_ids"], batch["advantages"], batch["old_logprobs"])
     kwargs = dict(mask=batch["completion_mask"], ref_logprobs=batch.get("ref_logprobs"), config=config)
     if loss == "reference":

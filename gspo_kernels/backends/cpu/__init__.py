@@ -43,7 +43,7 @@ of rows (within the float64 tolerances). ``dW`` and ``dbias`` sum over rows in a
 
 Labels outside ``[0, V)`` (possible only when the public functions skip their value checks, under
 ``torch.compile``) are never read out of bounds: that row's log-prob is NaN.
-The light sequence stage is the PyTorch one (:func:`gspo_kernels.objective.gspo_objective`).
+The light sequence stage is the PyTorch one (:func:`gspo_kernels.objectives.stage.gspo_objective`).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from torch import Tensor
 from gspo_kernels.backends.tiling import next_token_base
 from gspo_kernels.backends.triton.logits import gradient_rows, logprobs_backward, logprobs_forward
 from gspo_kernels.backends.triton.sequence import O_SCALE_ENTROPY, O_SCALE_LOGP, _sequence_stage, metric_slots
-from gspo_kernels.objective import LossOutput
+from gspo_kernels.objectives.stage import LossOutput
 from gspo_kernels.options import CallOptions
 
 

@@ -43,7 +43,7 @@ from gspo_kernels.backends.triton.sequence_kernels import (  # noqa: F401 (the s
 )
 from gspo_kernels.config import GSPOConfig
 from gspo_kernels.layout import LossInputs
-from gspo_kernels.objective import LossOutput, gspo_objective
+from gspo_kernels.objectives.stage import LossOutput, gspo_objective
 
 
 def _f32(x: Optional[Tensor]) -> Optional[Tensor]:
@@ -242,7 +242,7 @@ def _sequence_stage(logp: Tensor, entropy: Optional[Tensor], inputs: LossInputs,
 
 def metric_slots(config: GSPOConfig, has_rollout: bool, has_entropy: bool = False):
     """``(name, O_* slot as an int)`` of the metrics the objective of ``config`` reports (those of
-    :func:`gspo_kernels.objective.gspo_objective`), read from ``METRICS``: with ``has_rollout`` the
+    :func:`gspo_kernels.objectives.stage.gspo_objective`), read from ``METRICS``: with ``has_rollout`` the
     ``rollout/*`` ones, with ``has_entropy`` the ``entropy``, with ``config.beta > 0`` the ``kl``; first the
     objective's own (``Objective.metrics``, its slots named in ``OBJECTIVE_SLOTS``)."""
     present = {"objective": True, "rollout": has_rollout, "entropy": has_entropy, "kl": config.beta > 0}
@@ -281,7 +281,7 @@ class TritonSequenceObjective(torch.autograd.Function):
 
 
 def fused_objective(logp: Tensor, entropy: Optional[Tensor], inputs: LossInputs, config: GSPOConfig) -> LossOutput:
-    """The backend's ``objective``: :func:`gspo_kernels.objective.gspo_objective` computed by the fused kernels.
+    """The backend's ``objective``: :func:`gspo_kernels.objectives.stage.gspo_objective` computed by the fused kernels.
 
     ``logp``, ``entropy``: ``[N]`` (fp32). ``entropy`` may be None only when ``config.entropy_coef == 0``
     (the ``entropy`` metric is then omitted; the loss pipeline checked it). Metrics are detached 0-dim fp32 tensors.

@@ -98,7 +98,7 @@ O_RW_MAX = tl.constexpr(16)
 O_ROLLOUT_FILTERED = tl.constexpr(17)
 NUM_OUTPUTS = O_ROLLOUT_FILTERED.value + 1
 
-# The metrics the output reports (TRL's names: those of ``objective.gspo_objective``), one row each: the name,
+# The metrics the output reports (TRL's names: those of ``objectives.stage.gspo_objective``), one row each: the name,
 # its ``O_*`` slot, and when it is reported: for every objective ("objective"), or when the batch has rollout
 # log-probs ("rollout"), an entropy ("entropy"), a KL term ("kl"). An objective's own metrics are its rows,
 # declared by its module (``Objective.metrics``: name and slot name) and read from the objectives' registry by
