@@ -596,12 +596,12 @@ def _code_words(path):
 @pytest.mark.parametrize("name", ["vespo", "sapo", "cispo", "gmpo", "luspo"])
 def test_an_objective_is_named_in_its_own_module_only(name):
     """No module's code names an objective (identifiers, strings) but its own module (and its Triton helpers'),
-    the float64 reference (``reference.py`` and ``reference_objectives.py``, independent by design) and GSPOConfig's field declarations; docstrings and comments
+    the float64 reference (``reference/``, independent by design) and GSPOConfig's field declarations; docstrings and comments
     may."""
     from pathlib import Path
 
     package = Path(gk.__file__).parent
-    own = {f"objectives/{name}.py", f"backends/triton/objectives/{name}.py", "reference.py", "reference_objectives.py",
+    own = {f"objectives/{name}.py", f"backends/triton/objectives/{name}.py", "reference/__init__.py", "reference/objectives.py",
            "objectives/__init__.py", "backends/triton/objectives/__init__.py"}  # the two packages' module lists
     found = []
     for path in sorted(package.rglob("*.py")):

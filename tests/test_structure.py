@@ -197,3 +197,14 @@ def test_autograd_functions_take_the_options_as_one_object():
                 bad.append(f"{path.relative_to(PACKAGE)}:{node.name}{tuple(names)}")
     assert len(found) >= 8, found
     assert not bad, f"autograd Functions with loose options or more than 7 inputs: {bad}"
+
+
+def test_one_meaning_per_name_at_the_top_level():
+    """At most 13 top-level modules; the float64 oracle one package (``import gspo_kernels.reference``), the PyTorch
+    sequence stage inside ``objectives/`` (no ``objective.py`` beside ``objectives/``)."""
+    import gspo_kernels.reference
+
+    modules = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(modules) <= 13, modules
+    assert not (PACKAGE / "objective.py").exists() and not (PACKAGE / "reference_objectives.py").exists()
+    assert (PACKAGE / "reference" / "__init__.py").exists() and callable(gspo_kernels.reference.gspo_loss)

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from gspo_kernels.config import GSPOConfig
 from gspo_kernels.objectives.stage import LossOutput
-from gspo_kernels.reference_objectives import (
+from gspo_kernels.reference.objectives import (
     _CLIPPED_SURROGATE,
     _aggregate,
     _cispo_surrogate,
