@@ -3,7 +3,7 @@
 Every loss runs the same steps in the same order: check the arguments, lay the tokens out flat
 (:mod:`gspo_kernels.layout`), cast the lm_head operands once (:mod:`gspo_kernels.precision`), resolve the
 backend, compute the per-token log-probs and entropies (a *head*: from logits, from hidden states, or given
-by the caller), apply the backend's sequence stage (the objective), and refuse double backward. The
+by the caller), apply the backend's sequence stage (the objective's loss), and refuse double backward. The
 per-token functions share the same heads and checks without the objective.
 """
 
@@ -305,7 +305,7 @@ class _Head:
 
     gather: Optional[zero3.HeadGather] = None
 
-    def fused_loss(self, impl: Backend, objective, inputs, options: CallOptions) -> Optional[LossOutput]:
+    def fused_loss(self, impl: Backend, sequence_stage, inputs, options: CallOptions) -> Optional[LossOutput]:
         return None
 
     def plans_rows(self, impl: Backend) -> bool:
@@ -325,11 +325,11 @@ class _LogitsHead(_Head):
     def check_finite(self, labels: Tensor, checks: ValueChecks, counted: Optional[Tensor]) -> None:
         check_finite_logits(self.logits, labels if self.vp is None else None, checks, counted)
 
-    def fused_loss(self, impl: Backend, objective, inputs, options: CallOptions) -> Optional[LossOutput]:
-        """The backend's logits loss in one call when it has one, the objective is the backend's own and there
-        is no vocabulary split (the same loss and gradient as the log-probs and the objective one after the
+    def fused_loss(self, impl: Backend, sequence_stage, inputs, options: CallOptions) -> Optional[LossOutput]:
+        """The backend's logits loss in one call when it has one, the sequence stage is the backend's own and there
+        is no vocabulary split (the same loss and gradient as the log-probs and the sequence stage one after the
         other, with less host work: see ``docs/gpu.md``); not when the log-probs are asked for (``logprobs_out``)."""
-        if (impl.fused_logits_loss is None or self.vp is not None or objective is not impl.objective
+        if (impl.fused_logits_loss is None or self.vp is not None or sequence_stage is not impl.sequence_stage
                 or inputs.logprobs_out is not None):
             return None
         return impl.fused_logits_loss(self.logits, inputs, options)
@@ -365,14 +365,14 @@ class _LinearHead(_Head):
     def plans_rows(self, impl: Backend) -> bool:
         return impl.fused_linear_loss is not None and self.vp is None and not self.batch_invariant
 
-    def fused_loss(self, impl: Backend, objective, inputs, options: CallOptions) -> Optional[LossOutput]:
+    def fused_loss(self, impl: Backend, sequence_stage, inputs, options: CallOptions) -> Optional[LossOutput]:
         """The backend's one-pass loss (gradient formed in the forward) when it has one and the call allows it
         (no vocabulary split, no batch invariance asked). It gets the operands as the precision policy cast them
         and the caller's tensors (``inputs=``), to whose dtypes it returns the gradients directly."""
         if not self.plans_rows(impl):
             return None
         hidden = self.hidden.reshape(-1, self.hidden.shape[-1])
-        return impl.fused_linear_loss(objective, hidden, self.weight, self.bias, inputs, options, leaves=self.raw)
+        return impl.fused_linear_loss(sequence_stage, hidden, self.weight, self.bias, inputs, options, leaves=self.raw)
 
     def logprobs(self, impl: Backend, labels: Tensor, active: Optional[Tensor],
                  options: CallOptions) -> Tuple[Tensor, Optional[Tensor]]:
@@ -435,16 +435,16 @@ def _run(head, tokens: Tensor, tensors: LossTensors, options: CallOptions) -> Lo
         checks = ValueChecks()
         head.check_finite(inputs.labels, checks, counted)
         checks.run()
-    objective = impl.objective or gspo_objective
+    sequence_stage = impl.sequence_stage or gspo_objective
     with backend_context(head.device):
-        output = head.fused_loss(impl, objective, inputs, options)
+        output = head.fused_loss(impl, sequence_stage, inputs, options)
         if output is None:
             logp, entropy = head.logprobs(impl, inputs.labels, counted, options)
             if inputs.logprobs_out is not None:
                 inputs.logprobs_out.copy_(torch.where(counted, logp.detach(), 0))
             if entropy is None and config.entropy_coef != 0:  # given log-probs only: the other heads give it
                 raise ValueError("entropy is required when config.entropy_coef != 0")
-            output = objective(logp, entropy, inputs, config)
+            output = sequence_stage(logp, entropy, inputs, config)
     (loss,) = first_order_only(output.loss)
     if head.gather is not None:  # its backward gathers the ZeRO-3 head again, first
         (loss,) = head.gather.arm(loss)

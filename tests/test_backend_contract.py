@@ -13,7 +13,7 @@ import inspect
 import pytest
 
 from gspo_kernels import backends
-from gspo_kernels.backends.contract import ENTRIES, Objective
+from gspo_kernels.backends.contract import ENTRIES, SequenceStage
 from gspo_kernels.objectives.stage import gspo_objective
 
 # Keywords a backend's function takes beyond the contract, named one by one (anything else that differs fails).
@@ -63,7 +63,7 @@ def test_backend_entries_have_the_contract_signatures(name):
 
 def test_the_objective_protocol_is_gspo_objective():
     """A backend's ``objective`` replaces :func:`gspo_kernels.objectives.stage.gspo_objective`: the same parameters."""
-    assert parameters(gspo_objective) == parameters(Objective.__call__, method=True)
+    assert parameters(gspo_objective) == parameters(SequenceStage.__call__, method=True)
 
 
 def test_every_backend_field_is_a_contract_entry():

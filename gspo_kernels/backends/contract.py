@@ -1,7 +1,7 @@
 """The backend contract: what a backend's stage functions take and return, written once as Protocols.
 
 A backend (:class:`gspo_kernels.backends.Backend`) provides :class:`LogitsLogprobs` and :class:`LinearLogprobs`,
-and optionally :class:`Objective`, :class:`FusedLinearLoss` and :class:`FusedLogitsLoss`, as differentiable
+and optionally :class:`SequenceStage`, :class:`FusedLinearLoss` and :class:`FusedLogitsLoss`, as differentiable
 functions (autograd Functions inside the backend) whose parameters are those of the Protocol's ``__call__``:
 the same names, kinds and defaults (``tests/test_backend_contract.py`` checks each registered backend against
 them).
@@ -71,8 +71,9 @@ class LinearLogprobs(Protocol):
                  ) -> Tuple[Tensor, Optional[Tensor]]: ...
 
 
-class Objective(Protocol):
-    """``objective`` (optional): a replacement for :func:`gspo_kernels.objectives.stage.gspo_objective`, with its signature.
+class SequenceStage(Protocol):
+    """``sequence_stage`` (optional): a replacement for :func:`gspo_kernels.objectives.stage.gspo_objective` (the
+    PyTorch sequence stage), with its signature.
 
     ``logp``, ``entropy``: ``[N]``; ``entropy`` may be None only when ``config.entropy_coef == 0``. Returns the
     ``LossOutput`` (the loss and its metrics).
@@ -87,22 +88,22 @@ class FusedLinearLoss(Protocol):
 
     Its gradient is formed during the forward (the one-pass form of :func:`gspo_kernels.fused_linear_gspo_loss`);
     returns a ``LossOutput``, or None when it cannot run this input (the pipeline then runs ``linear_logprobs`` and
-    the objective). ``objective``: the backend's sequence stage; ``options.config``: the loss's config (never
+    the sequence stage). ``sequence_stage``: the backend's sequence stage; ``options.config``: the loss's config (never
     None here). ``leaves``: the caller's tensors that the precision policy cast into the operands (the gradients
     go to them, in their dtypes); ``inputs.logprobs_out`` (``[N]``, when the caller gave one) receives the
     detached per-token log-probs, 0 where the mask is 0.
     """
 
-    def __call__(self, objective: Callable, hidden: Tensor, weight: Tensor, bias: Optional[Tensor],
+    def __call__(self, sequence_stage: Callable, hidden: Tensor, weight: Tensor, bias: Optional[Tensor],
                  inputs: LossInputs, options: CallOptions, *,
                  leaves: Optional[Tuple[Tensor, Tensor, Optional[Tensor]]] = None) -> Optional[LossOutput]: ...
 
 
 class FusedLogitsLoss(Protocol):
-    """``fused_logits_loss`` (optional): the whole loss of the logits path with the backend's own ``objective``.
+    """``fused_logits_loss`` (optional): the whole loss of the logits path with the backend's own ``sequence_stage``.
 
     One differentiable call (the log-probs and the sequence stage in one autograd node, no per-token gradient
-    tensors between them); returns a ``LossOutput`` equal to ``objective(*logits_logprobs(...), inputs, config)``
+    tensors between them); returns a ``LossOutput`` equal to ``sequence_stage(*logits_logprobs(...), inputs, config)``
     with ``config = options.config`` (never None here).
     """
 
@@ -121,7 +122,7 @@ class Backend:
         name: str,
         logits_logprobs: LogitsLogprobs,
         linear_logprobs: LinearLogprobs,
-        objective: Optional[Objective] = None,
+        sequence_stage: Optional[SequenceStage] = None,
         supports: Optional[Callable[[torch.device], bool]] = None,
         fused_linear_loss: Optional[FusedLinearLoss] = None,
         fused_logits_loss: Optional[FusedLogitsLoss] = None,
@@ -129,7 +130,7 @@ class Backend:
         self.name = name
         self.logits_logprobs: LogitsLogprobs = logits_logprobs
         self.linear_logprobs: LinearLogprobs = linear_logprobs
-        self.objective: Optional[Objective] = objective
+        self.sequence_stage: Optional[SequenceStage] = sequence_stage
         self.fused_linear_loss: Optional[FusedLinearLoss] = fused_linear_loss
         self.fused_logits_loss: Optional[FusedLogitsLoss] = fused_logits_loss
         self._supports = supports
@@ -145,7 +146,7 @@ class Backend:
 ENTRIES = {
     "logits_logprobs": LogitsLogprobs,
     "linear_logprobs": LinearLogprobs,
-    "objective": Objective,
+    "sequence_stage": SequenceStage,
     "fused_linear_loss": FusedLinearLoss,
     "fused_logits_loss": FusedLogitsLoss,
 }

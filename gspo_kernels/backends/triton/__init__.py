@@ -81,5 +81,5 @@ def make_backend():
     from gspo_kernels.backends.triton.logits_loss import fused_logits_loss
     from gspo_kernels.backends.triton.sequence import fused_objective
 
-    return Backend("triton", logits_logprobs, linear_logprobs, objective=fused_objective, supports=supports,
+    return Backend("triton", logits_logprobs, linear_logprobs, sequence_stage=fused_objective, supports=supports,
                    fused_linear_loss=fused_linear_loss, fused_logits_loss=fused_logits_loss)

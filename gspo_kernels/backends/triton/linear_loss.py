@@ -1,7 +1,7 @@
 """The hidden-state path's one-pass loss (the backend's ``fused_linear_loss``): the loss and its gradient over
 chunks of whole responses, ``6 N H V`` FLOPs.
 
-The two-pass form (:mod:`.linear`'s ``linear_logprobs``, then the objective) does ``8 N H V``: its backward
+The two-pass form (:mod:`.linear`'s ``linear_logprobs``, then the sequence stage) does ``8 N H V``: its backward
 computes the logits again. The one-call loss (:func:`fused_linear_loss`) needs the gradient while the chunk's
 logits are still there: it runs over chunks of *whole responses*, so that the sequence stage can produce
 ``dL/dlogp`` for the chunk's tokens before ``dZ`` is formed, and does ``6 N H V`` (``2 N H V`` per counted row
@@ -158,11 +158,11 @@ def _longest_response(inputs) -> int:
     return inputs.batch.token_shape[-1]  # padded (the caller returns early for packed without a host layout)
 
 
-def _chunk_gradient(objective, logp, entropy, stand_in, sl, inputs, config) -> Tuple[Tensor, Optional[Tensor]]:
+def _chunk_gradient(sequence_stage, logp, entropy, stand_in, sl, inputs, config) -> Tuple[Tensor, Optional[Tensor]]:
     """``dL/dlogp`` (and ``dL/dentropy`` when the loss has an entropy term) for the tokens ``sl``: the stage on
     the whole batch, the chunk's values in place, the other tokens at their stand-ins (the Triton stage's gradient
     without the autograd engine: no graph, no host-side work between its launches)."""
-    if objective is sequence.fused_objective:
+    if sequence_stage is sequence.fused_objective:
         lp = stand_in.clone()
         lp[sl] = logp[sl]
         g, ge = sequence.fused_objective_gradient(lp, entropy, inputs, config)
@@ -172,7 +172,7 @@ def _chunk_gradient(objective, logp, entropy, stand_in, sl, inputs, config) -> T
         lp[sl] = logp[sl]
         lp.requires_grad_(True)
         ent = entropy.clone().requires_grad_(config.entropy_coef != 0)
-        out = objective(lp, ent, inputs, config)
+        out = sequence_stage(lp, ent, inputs, config)
         wrt = (lp, ent) if config.entropy_coef != 0 else (lp,)
         grads = torch.autograd.grad(out.loss, wrt, allow_unused=True)
     g = grads[0][sl] if grads[0] is not None else torch.zeros_like(logp[sl])
@@ -182,7 +182,7 @@ def _chunk_gradient(objective, logp, entropy, stand_in, sl, inputs, config) -> T
     return g, ge
 
 
-def _long_response(objective, rows, w, b, labels, valid, t0, t1, chunk, n_carrying, logp, entropy, row_stats,
+def _long_response(sequence_stage, rows, w, b, labels, valid, t0, t1, chunk, n_carrying, logp, entropy, row_stats,
                    stand_in, inputs, config, buffers, store, dh, dw, db, softcap) -> None:
     """One response longer than a chunk: its forward in parts, the stage's gradient, then each part again
     (logits recomputed) through the backward; its masked rows are zero rows (no host read)."""
@@ -194,7 +194,7 @@ def _long_response(objective, rows, w, b, labels, valid, t0, t1, chunk, n_carryi
                          entropy=entropy[s0:s1], row_stats=row_stats[:, s0:s1], softcap=softcap)
     if n_carrying == 0:
         return
-    g, ge = _chunk_gradient(objective=objective, logp=logp, entropy=entropy, stand_in=stand_in, sl=slice(t0, t1),
+    g, ge = _chunk_gradient(sequence_stage=sequence_stage, logp=logp, entropy=entropy, stand_in=stand_in, sl=slice(t0, t1),
                             inputs=inputs, config=config)
     for s0, s1 in parts:
         local = slice(s0 - t0, s1 - t0)
@@ -205,7 +205,7 @@ def _long_response(objective, rows, w, b, labels, valid, t0, t1, chunk, n_carryi
                        gemms=(rows, w, dh, dw))
 
 
-def _one_pass(objective, hidden, weight, bias, inputs, config, sizes, need, softcap, logprobs_out=None):
+def _one_pass(sequence_stage, hidden, weight, bias, inputs, config, sizes, need, softcap, logprobs_out=None):
     """The pass of :func:`fused_linear_loss`: ``(LossOutput with its metrics, [dH, dW, dB])`` (fp32 / operand
     dtypes; None where ``need`` says no), over chunks of ``sizes = (C, K)`` rows; the log-probs into
     ``logprobs_out`` when given."""
@@ -232,7 +232,7 @@ def _one_pass(objective, hidden, weight, bias, inputs, config, sizes, need, soft
         sl = slice(t0, t1)
         if not whole:  # one response longer than a chunk: in parts, the logits recomputed in the backward
             two_pass_tokens += t1 - t0
-            _long_response(objective=objective, rows=rows, w=w, b=b, labels=labels, valid=valid, t0=t0, t1=t1,
+            _long_response(sequence_stage=sequence_stage, rows=rows, w=w, b=b, labels=labels, valid=valid, t0=t0, t1=t1,
                            chunk=chunk, n_carrying=n_carrying, logp=logp, entropy=entropy, row_stats=row_stats,
                            stand_in=stand_in, inputs=inputs, config=config, buffers=buffers, store=store, dh=dh, dw=dw,
                            db=db, softcap=softcap)
@@ -263,7 +263,7 @@ def _one_pass(objective, hidden, weight, bias, inputs, config, sizes, need, soft
             logp.index_copy_(0, idx, c_logp)
             entropy.index_copy_(0, idx, c_ent)
             row_stats.index_copy_(1, idx, stats)
-        g, ge = _chunk_gradient(objective=objective, logp=logp, entropy=entropy, stand_in=stand_in, sl=sl,
+        g, ge = _chunk_gradient(sequence_stage=sequence_stage, logp=logp, entropy=entropy, stand_in=stand_in, sl=sl,
                                 inputs=inputs, config=config)
         stand_in[sl] = logp[sl]
         k = m if n_carrying is None else n_carrying
@@ -285,7 +285,7 @@ def _one_pass(objective, hidden, weight, bias, inputs, config, sizes, need, soft
     if dw is not None and (store is None or store.flushes == 0):
         dw.zero_()
     with torch.no_grad():
-        out = objective(logp, entropy, inputs, config)
+        out = sequence_stage(logp, entropy, inputs, config)
         if logprobs_out is not None:
             logprobs_out.copy_(torch.where(valid, logp, 0))
     metrics = dict(out.metrics)
@@ -317,13 +317,13 @@ class _GradientsKnown(torch.autograd.Function):
         return (None, None, None, *[None if g is None else scale_gradient_(g, grad_loss) for g in grads])
 
 
-def fused_linear_loss(objective: Callable, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], inputs,
+def fused_linear_loss(sequence_stage: Callable, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], inputs,
                       options: CallOptions, *, leaves=None):
-    """The loss of ``objective`` over ``hidden @ weight.T + bias`` with its gradient formed in the same pass.
+    """The loss of ``sequence_stage`` over ``hidden @ weight.T + bias`` with its gradient formed in the same pass.
 
-    ``objective(logp [N], entropy [N], inputs, config) -> LossOutput`` (the backend's sequence stage) must be
+    ``sequence_stage(logp [N], entropy [N], inputs, config) -> LossOutput`` (the backend's sequence stage) must be
     separable by response: the gradient for a response's tokens depends only on that response's log-probs
-    (true of every objective of :class:`GSPOConfig`: the aggregation constants come from the mask). For each
+    (true of every sequence_stage of :class:`GSPOConfig`: the aggregation constants come from the mask). For each
     chunk of whole responses the stage runs on the whole batch with the chunk's log-probs in place and the
     other tokens at a finite stand-in, and its gradient for the chunk is exact. At the end it runs once more
     on all the log-probs for the loss and the metrics (the numbers the two-pass path reports).
@@ -357,7 +357,7 @@ def fused_linear_loss(objective: Callable, hidden: Tensor, weight: Tensor, bias:
         free = torch.cuda.mem_get_info(weight.device)[0]
     sizes = configs.one_pass_chunk_rows(hidden.reshape(-1, hidden.shape[-1]).shape[0], weight.shape[0], weight.dtype,
                                         memory_budget, free, longest=_longest_response(inputs))
-    out, grads = _one_pass(objective=objective, hidden=hidden, weight=weight, bias=bias, inputs=inputs, config=config,
+    out, grads = _one_pass(sequence_stage=sequence_stage, hidden=hidden, weight=weight, bias=bias, inputs=inputs, config=config,
                            sizes=sizes, need=need, softcap=softcap, logprobs_out=logprobs_out)
     present = tuple(leaf for leaf in leaves if leaf is not None)
     # what a second pass needs (not the operands themselves: an fp32 head's bf16 copy is not kept for it)
@@ -371,7 +371,7 @@ def fused_linear_loss(objective: Callable, hidden: Tensor, weight: Tensor, bias:
     def again():  # a second backward through the loss: the same pass on the same operands and sizes
         ops = [leaf.detach().to(dtype).reshape(shape) for leaf, (shape, dtype) in zip(present, casts)]
         ops += [None] * (3 - len(ops))
-        return leaf_grads(_one_pass(objective, *ops, inputs, config, sizes, need, softcap)[1])
+        return leaf_grads(_one_pass(sequence_stage, *ops, inputs, config, sizes, need, softcap)[1])
 
     loss = _GradientsKnown.apply(out.loss, leaf_grads(grads), again, *present)
     return type(out)(loss, out.metrics)
