@@ -1,9 +1,15 @@
 """Test setup: the Triton interpreter on CPU-only machines, seeds, and the GPU marker."""
 
-from gspo_kernels.testing import setup_triton_interpreter
+import os
 
-# Must happen before anything imports triton: without a GPU, Triton kernels run in the interpreter.
-setup_triton_interpreter()
+from gspo_kernels.testing import guard_interpreter_launches, setup_triton_interpreter
+
+# Must happen before anything imports triton: without a GPU, Triton kernels run in the interpreter, every access
+# checked against the launch's tensors and the programs of each grid axis run odds first, then evens (a write into
+# a neighbour's range then changes a value): docs/testing.md. GSPO_TEST_PROGRAM_ORDER=forward|reverse changes it.
+if setup_triton_interpreter().startswith("cpu (Triton"):
+    guard_interpreter_launches(os.environ.get("GSPO_TEST_PROGRAM_ORDER", "parity"))
+
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
