@@ -18,11 +18,13 @@ import gspo_kernels as gk
 from gspo_kernels import reference
 from tests.support import (
     RTOL,
+    assert_case_covers,
     check_against_reference,
     device_for,
     linear_loss_vs_reference,
     logits_loss_vs_reference,
     make_case,
+    matrix_budget,
     objective_configs,
     objective_id,
     rel_err,
@@ -44,21 +46,23 @@ def _loss_scale(config, vocab: int) -> float:
 
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 @pytest.mark.parametrize("config", CONFIGS, ids=objective_id)
-def test_logits_loss_matches_reference(backend, config, packed):  # noqa: F811
+def test_logits_loss_matches_reference(backend, config, packed, case_seed):  # noqa: F811
     check_against_reference(*logits_loss_vs_reference(backend, config, packed, device=_device(backend)),
                             loss_scale=_loss_scale(config, 97))
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 @pytest.mark.parametrize("config", CONFIGS, ids=objective_id)
-def test_linear_loss_matches_reference(backend, config, packed):  # noqa: F811
-    check_against_reference(*linear_loss_vs_reference(backend, config, packed, device=_device(backend)),
-                            loss_scale=_loss_scale(config, 75))
+def test_linear_loss_matches_reference(backend, config, packed, case_seed):  # noqa: F811
+    """Several chunks and vocabulary tiles on every backend (small tiles; every other config a budget of 4 rows)."""
+    budget = matrix_budget(CONFIGS.index(config), 75)
+    check_against_reference(*linear_loss_vs_reference(backend, config, packed, device=_device(backend),
+                                                      memory_budget=budget), loss_scale=_loss_scale(config, 75))
 
 
 # More combinations for the sequence stage alone (cheap: no logits): the remaining branches of the fused kernel.
 MORE = [
-    gk.GSPOConfig(loss_type="cispo", importance_sampling_level="sequence", epsilon_high=1.0001, log_ratio_clamp=1e-4),
+    gk.GSPOConfig(loss_type="cispo", importance_sampling_level="sequence", epsilon_high=1.0001, log_ratio_clamp=5e-4),
     gk.GSPOConfig(loss_type="sapo", importance_sampling_level="sequence_token", beta=0.04,
                   use_bias_correction_kl=True, off_policy_mask_threshold=0.0),
     gk.GSPOConfig(loss_type="vespo", importance_sampling_level="token", off_policy_mask_threshold=0.05,
@@ -71,13 +75,15 @@ MORE = [
 ]
 
 
+@pytest.mark.parametrize("draw", range(3))
 @pytest.mark.parametrize("config", CONFIGS + MORE, ids=objective_id)
-def test_policy_loss_matches_reference(backend, config):  # noqa: F811
-    """The sequence stage alone (packed, per-token advantages, with entropies)."""
+def test_policy_loss_matches_reference(backend, config, draw, case_seed):  # noqa: F811
+    """The sequence stage alone (packed, per-token advantages, with entropies), three draws each (its seed per
+    test: ``case_seed``)."""
     dev = _device(backend)
     case = make_case(lambda y: torch.randn(y.shape, dtype=torch.float64) * 0.5 - 2.0, 11, packed=True,
                      per_token_adv=True)
-    logp = (case.old_logprobs.double() + 2e-4 * torch.randn(case.old_logprobs.shape)).float()
+    logp = case.current.float()
     entropy = torch.rand(logp.shape) + 0.5
     kw = case.kwargs(config.beta > 0, config)
     x, h = logp.clone().to(dev).requires_grad_(), entropy.clone().to(dev).requires_grad_()
@@ -86,6 +92,7 @@ def test_policy_loss_matches_reference(backend, config):  # noqa: F811
     grads = [g.cpu() for g in torch.autograd.grad(out.loss, (x, h), allow_unused=True, materialize_grads=True)]
     x64, h64 = logp.double().requires_grad_(), entropy.double().requires_grad_()
     expected = reference.policy_loss(x64, case.advantages, case.old_logprobs, entropy=h64, config=config, **kw)
+    assert_case_covers(config, case, expected.metrics)
     ref_grads = torch.autograd.grad(expected.loss, (x64, h64), allow_unused=True, materialize_grads=True)
     check_against_reference(out, expected, grads, ref_grads, loss_scale=_loss_scale(config, 11))
 
