@@ -280,10 +280,13 @@ def test_matches_trl_gamma_weights_and_off_policy_mask():
 
 
 @pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])
-def test_rollout_correction_matches_trl_vllm_importance_sampling(mode):
-    """TRL's vLLM importance sampling (``exp`` of the masked log-prob difference, summed over the response for
-    the sequence modes; truncated or masked at C_min / C_max) written out here from its definition, against the
-    library's correction: the loss equals the clipped loss times those weights, in float64."""
+def test_rollout_correction_matches_trl_compute_loss_given_its_vllm_weights(mode):
+    """TRL 1.16 computes its vLLM importance weights inside ``_generate_and_score_completions`` (during generation,
+    no function of their own), so they are written out here from that code: ``exp`` of the masked log-prob
+    difference, summed over the response for the sequence modes, truncated or masked at C_min / C_max. TRL's own
+    ``_compute_loss`` takes them as ``importance_sampling_ratio``; the library computes them itself from the engine's
+    log-probs (``rollout_correction=mode``): the same loss and gradient in float64. The library's weight metrics are
+    checked against the written-out weights."""
     logp, old, adv = _token_problem(S=4, T=6, spread=0.05)
     mask = torch.ones_like(logp)
     mask[1, 4:] = 0
@@ -295,19 +298,20 @@ def test_rollout_correction_matches_trl_vllm_importance_sampling(mode):
         weights = ratio.clamp(c_min, c_max)
     else:
         weights = ratio.masked_fill((ratio < c_min) | (ratio > c_max), 0.0)
-    weights = weights.expand_as(logp)
-    assert (weights != ratio.expand_as(logp)).any() and (weights == ratio.expand_as(logp)).any()
-    base = gk.GSPOConfig(importance_sampling_level="token", epsilon_low=0.2, epsilon_high=0.2, loss_type="bnpo")
+    assert (weights != ratio).any() and (weights == ratio).any()
+    x = logp.clone().requires_grad_()
+    theirs, _ = _trl_loss("bnpo", "token", x, old, adv[:, None], mask, mask.sum(), is_ratio=weights, epsilon_low=0.2,
+                          epsilon_high=0.2)
     corrected = gk.GSPOConfig(importance_sampling_level="token", epsilon_low=0.2, epsilon_high=0.2,
                               loss_type="bnpo", rollout_correction=mode, rollout_correction_min=c_min,
                               rollout_correction_max=c_max)
-    x, y = logp.clone().requires_grad_(), logp.clone().requires_grad_()
-    want = gk.policy_loss(x, adv, old, mask=mask, is_ratio=weights, config=base, backend="torch")
+    y = logp.clone().requires_grad_()
     got = gk.policy_loss(y, adv, old, mask=mask, rollout_logprobs=rollout, config=corrected, backend="torch")
-    assert abs(got.loss.item() - want.loss.item()) < 1e-12
-    torch.testing.assert_close(torch.autograd.grad(got.loss, y)[0], torch.autograd.grad(want.loss, x)[0])
+    assert abs(got.loss.item() - theirs.item()) < 1e-12
+    assert rel_err(torch.autograd.grad(got.loss, y)[0] * mask, torch.autograd.grad(theirs, x)[0] * mask) < 1e-10
     # the mismatch metrics: verl's direct KL estimator, TRL's weight statistics (over responses for sequence modes)
     assert abs(float(got.metrics["rollout/kl"]) - ((rollout - old) * mask).sum().item() / mask.sum().item()) < 1e-6
+    weights = weights.expand_as(logp)
     flat = weights[:, 0] if mode.startswith("sequence") else weights[mask > 0]
     assert abs(float(got.metrics["rollout/weight_max"]) - flat.max().item()) < 1e-6
     assert abs(float(got.metrics["rollout/weight_mean"]) - flat.mean().item()) < 1e-6
