@@ -585,15 +585,17 @@ def format_markdown(results: Sequence[StepResult], header: Optional[Dict[str, ob
 
 
 def workload(device: str = "cuda", vocab_size: int = 4099, linear_vocab_size: int = 1000,
-             loss_types: Optional[Sequence[str]] = None) -> None:
+             loss_types: Optional[Sequence[str]] = None, objectives: bool = True) -> None:
     """Small shapes through every Triton launch of the library (run under ``compute-sanitizer``).
 
     Logits path: padded ``[:, :-1]`` view (routed to its base), transposed rows, in place, ``-inf`` logits,
     out-of-range labels with the value checks skipped (decision 5: never read), a vocabulary that is not a
     multiple of the block. Hidden-state path: bf16 and fp32 operands, with bias, through the public
     functions; the two-pass backward over one and several vocabulary slices and over rows. Sequence stage: every level and loss type, KL and entropy, and
-    every objective's Triton helpers (each loss type of the registry, the levels and the rollout correction modes
-    in turn) on packed responses with a masked token and an empty one. Raises on a non-finite loss.
+    with ``objectives``, every objective's Triton helpers (each loss type of the registry, the levels and the
+    rollout correction modes in turn) on packed responses with a masked token and an empty one (``--workload``;
+    ``--workload-quick`` leaves them out: their compilations would pass the quick step's time). Raises on a
+    non-finite loss.
     ``device="cpu"`` runs it in the Triton interpreter (tests).
     """
     import torch
@@ -624,7 +626,7 @@ def workload(device: str = "cuda", vocab_size: int = 4099, linear_vocab_size: in
     cu = torch.tensor([0, 4, 5, 5, 11], device=device, dtype=torch.int32)
     mask = torch.ones(11, device=device)
     mask[2] = 0
-    for i, loss_type in enumerate(ALL_LOSS_TYPES):
+    for i, loss_type in enumerate(ALL_LOSS_TYPES if objectives else ()):
         level = IMPORTANCE_SAMPLING_LEVELS[i % len(IMPORTANCE_SAMPLING_LEVELS)]
         options = dict(loss_type=loss_type, importance_sampling_level=level, max_completion_length=T,
                        rollout_correction=ROLLOUT_CORRECTIONS[i % len(ROLLOUT_CORRECTIONS)])
@@ -676,7 +678,7 @@ def workload(device: str = "cuda", vocab_size: int = 4099, linear_vocab_size: in
 
 def run(args: argparse.Namespace) -> int:
     if args.workload or getattr(args, "workload_quick", False):
-        workload(loss_types=("grpo",) if not args.workload else None)
+        workload(loss_types=("grpo",) if not args.workload else None, objectives=bool(args.workload))
         print("gpu-check workload: done")
         return 0
     import torch
