@@ -18,7 +18,8 @@ from gspo_kernels.config import LOSS_TYPES
 from gspo_kernels.testing import FP32_RTOL as RTOL
 from gspo_kernels.testing import rel_err
 
-__all__ = ["LEVELS", "LOSS_TYPES", "RTOL", "rel_err", "Case", "Designed", "RESPONSES", "make_case",
+__all__ = ["LEVELS", "LOSS_TYPES", "RTOL", "rel_err", "Case", "Designed", "RESPONSES", "CASE_LENGTHS", "CASE_T",
+           "make_case",
            "assert_case_covers", "matrix_budget", "configs", "objective_configs",
            "objective_id", "check_against_reference",
            "logits_loss_vs_reference", "linear_loss_vs_reference", "assert_zero_rows_get_zero_dh",
@@ -106,7 +107,6 @@ RESPONSES = (
 )
 CASE_LENGTHS = tuple(r.length for r in RESPONSES)
 CASE_T = max(CASE_LENGTHS)  # the padded layout's T (the longest response has no padding, every other one has)
-LENGTHS = CASE_LENGTHS  # the former name
 
 
 @dataclass
@@ -137,27 +137,27 @@ class Case:
 
 
 def _designed_tokens(packed: bool):
-    """``(counted, values, rollout, response, position)`` of :data:`RESPONSES` in the token layout (flattened
-    ``[S, CASE_T]`` when padded): which tokens count, their designed log-ratio and ``old - rollout`` (0 where not
-    counted), the response of each token and its position in it (-1 at padding)."""
+    """``(counted, values, rollout, response)`` of :data:`RESPONSES` in the token layout (flattened ``[S, CASE_T]``
+    when padded): which tokens count, their designed log-ratio and ``old - rollout`` (0 where not counted), and the
+    response of each token (its row at padding)."""
     S = len(RESPONSES)
     n = sum(CASE_LENGTHS) if packed else S * CASE_T
     counted = torch.zeros(n, dtype=torch.bool)
     values, rollout = torch.zeros(n, dtype=torch.float64), torch.zeros(n, dtype=torch.float64)
-    response, position = torch.full((n,), -1), torch.full((n,), -1)
+    response = torch.full((n,), -1)
     start = 0
     for i, r in enumerate(RESPONSES):
         base = start if packed else i * CASE_T
         ratios, shifts = iter(r.log_ratios), iter(r.rollout or (0.0,) * len(r.log_ratios))
         for t in range(r.length):
-            response[base + t], position[base + t] = i, t
+            response[base + t] = i
             if t not in r.masked:
                 counted[base + t] = True
                 values[base + t], rollout[base + t] = next(ratios), next(shifts)
         if not packed:
             response[base + r.length:base + CASE_T] = i  # padding: the response's row, never counted
         start += r.length
-    return counted, values, rollout, response, position
+    return counted, values, rollout, response
 
 
 def make_case(logp_of, vocab: int, *, packed: bool, per_token_adv: bool = False) -> Case:
@@ -171,7 +171,7 @@ def make_case(logp_of, vocab: int, *, packed: bool, per_token_adv: bool = False)
     off), which must never reach a result.
     """
     S = len(RESPONSES)
-    counted, ratios, d, response, _ = _designed_tokens(packed)
+    counted, ratios, d, response = _designed_tokens(packed)
     token_shape = (counted.numel(),) if packed else (S, CASE_T)
     labels = torch.randint(0, vocab, (counted.numel(),))
     labels[~counted] = -100  # masked and padding labels outside the vocabulary must be ignored
@@ -206,7 +206,7 @@ def assert_case_covers(config, case: Case, metrics: dict) -> None:
         assert value("clip_ratio/region_mean") < 1, metrics
     if "cispo_clip_ratio" in metrics:
         assert 0 < value("cispo_clip_ratio") < 1, metrics
-    counted, _, _, response, _ = _designed_tokens(case.cu_seqlens is not None)
+    counted, _, _, response = _designed_tokens(case.cu_seqlens is not None)
     seq = response[counted]  # the response of each counted token
     per_token = case.advantages.shape == case.mask.shape
     adv = (case.advantages.reshape(-1)[counted] if per_token else case.advantages[seq]).double()
