@@ -98,15 +98,16 @@ def round_interpreter_bf16_casts() -> None:
 PROGRAM_ORDERS = ("parity", "reverse", "forward")
 
 
-def guard_interpreter_launches(order: str = "parity") -> None:
+def guard_interpreter_launches(order: str = "parity", fail_out_of_bounds: bool = True) -> None:
     """Make the Triton interpreter show two faults that a GPU hides differently and the plain interpreter hides
     completely: an access outside the kernel's tensors, and a write into a neighbouring program's range.
 
     - **Bounds**: every masked-in address of every load and store of a launch must lie inside one of its tensor
       arguments (a tensor's extent: from its first to its last element, strides included). An access outside is
       not performed (a store writes nothing there, a load reads ``other``); when the launch has run, it fails
-      with an ``AssertionError`` naming the kernel, the program, the access and the nearest argument. Without
-      this a store one element past the end writes into the CPU heap: at best a later crash, at worst nothing.
+      with an ``AssertionError`` naming the kernel, the program, the access and the nearest argument (with
+      ``fail_out_of_bounds=False`` it is only left out: to see what the values alone show). Without this a store
+      one element past the end writes into the CPU heap: at best a later crash, at worst nothing.
     - **Order**: the interpreter runs the programs one after another, ``0, 1, 2, ...``, so a program that writes
       into the range of the next one (``idx <= end``) is overwritten by it and every result is exact. With
       ``order="parity"`` the programs of each grid axis run odds first, then evens (``1, 3, ..., 0, 2, ...``):
@@ -132,7 +133,7 @@ def guard_interpreter_launches(order: str = "parity") -> None:
     if order not in PROGRAM_ORDERS:
         raise ValueError(f"order must be one of {PROGRAM_ORDERS}, got {order!r}")
     builder, executor = interpreter.InterpreterBuilder, interpreter.GridExecutor
-    if getattr(executor.__call__, "guarded", None) == order:
+    if getattr(executor.__call__, "guarded", None) == (order, fail_out_of_bounds):
         return
     plain_call = getattr(executor.__call__, "plain", executor.__call__)
     plain_set_idx = getattr(builder.set_grid_idx, "plain", builder.set_grid_idx)
@@ -216,7 +217,7 @@ def guard_interpreter_launches(order: str = "parity") -> None:
             violations = state["launch"][4]
         finally:
             state["launch"], state["seen"] = outer, None
-        if violations:
+        if violations and fail_out_of_bounds:
             more = f" (and {len(violations) - 1} more)" if len(violations) > 1 else ""
             raise AssertionError(f"Triton kernel {name}: {violations[0]}{more}")
         return result
@@ -240,7 +241,7 @@ def guard_interpreter_launches(order: str = "parity") -> None:
     for wrapper, plain in ((call, plain_call), (set_grid_idx, plain_set_idx), (create_masked_load, plain_load),
                            (create_masked_store, plain_store), (patch_lang, plain_patch_lang)):
         wrapper.plain = plain
-    call.guarded = order
+    call.guarded = (order, fail_out_of_bounds)
     executor.__call__ = call
     builder.set_grid_idx = set_grid_idx
     builder.create_masked_load = create_masked_load

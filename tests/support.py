@@ -90,18 +90,19 @@ class Designed:
 
 
 RESPONSES = (
-    # Even responses run after their odd neighbours under the guarded interpreter (tests/conftest.py): those that
-    # carry a gradient are even, so a write past a response's end lands on a neighbour that already finished.
+    # Under the guarded interpreter (tests/conftest.py) even programs run after their odd neighbours: the responses
+    # that carry a gradient are even, and each odd response starts with a token inside every band, so that a write
+    # past an even response's end changes a result whatever the sign of that response's advantage.
     Designed("inside every band at the sequence level; its tokens leave both token-level edges (A > 0)",
              (7 * E, -6 * E, 1.5 * E, -0.5 * E), 1.0, masked=(2,), rollout=(0.6, -0.3, 0.1, 0.2)),
-    Designed("clipped high at the sequence level (A > 0, w above every band)", (7 * E, 7 * E), 0.8,
+    Designed("clipped high at the sequence level (A > 0, w above every band)", (0.5 * E, 13.5 * E), 0.8,
              rollout=(0.3, 0.35)),
     Designed("above every band with A < 0: not clipped (the dual clip and delta bite)",
              (15 * E, 3 * E, 7 * E, -6 * E, 16 * E), -1.2, masked=(1,), rollout=(-0.5, 0.2, -0.1, 0.3, 0.1)),
-    Designed("length 1, clipped low at the sequence level (A < 0, w below every band)", (-6 * E,), -0.7,
-             rollout=(-0.45,)),
+    Designed("clipped low at the sequence level (A < 0, w below every band)", (0.5 * E, -12.5 * E), -0.7,
+             rollout=(-0.45, -0.3)),
     Designed("below every band with A > 0: not clipped", (-6 * E, -6 * E), 0.6, rollout=(0.05, -0.6)),
-    Designed("zero advantage (no gradient without KL or entropy terms)", (3 * E, -2 * E), 0.0, rollout=(0.2, -0.1)),
+    Designed("length 1, zero advantage (no gradient without KL or entropy terms)", (0.5 * E,), 0.0, rollout=(-0.5,)),
     Designed("every token masked", (), 1.1, masked=(0, 1)),
     Designed("empty", (), 0.5),
 )
