@@ -6,7 +6,8 @@
     python benchmarks/planted_bugs.py --list
 
 A test *catches* a bug when it fails on an assertion (``AssertionError``: a compared value, a checked property, or
-the guarded interpreter's bounds check, ``gspo_kernels.testing.guard_interpreter_launches``). A test that fails
+the guarded interpreter's bounds check, ``gspo_kernels.testing.guard_interpreter_launches``; also a failed
+``torch.autograd.gradcheck``, which raises its own ``GradcheckError``). A test that fails
 with any other exception *crashed*: that is not a catch (the exception may be the bug's symptom or an accident of
 it). Before the bugs, the same selection runs on the unmodified copy: a test failing there makes the row
 meaningless, and the report says so.
@@ -85,7 +86,8 @@ BUGS = (
         (("tau = tl.where(adv > 0, tau_pos, tau_neg)", "tau = tl.where(adv < 0, tau_pos, tau_neg)"),),
         k="triton and sapo"),
     Bug("triton-masked-tokens-counted",
-        "Triton sequence stage: |y_i| counts masked tokens too (the mean log-ratio and the token means)",
+        "Triton sequence stage: a response's token count includes its masked tokens (the mean log-ratio, the token "
+        "means)",
         SEQ,
         (("        tok_acc += token_mask\n", "        tok_acc += tl.where(inside, 1.0, 0.0)\n"),),
         k="triton"),
@@ -100,19 +102,18 @@ BUGS = (
         "vocabulary tile raises the max",
         "gspo_kernels/backends/torch/linear.py",
         (("self.a = scale * (self.a + shift * self.s) + a_tile", "self.a = scale * self.a + a_tile"),),
-        k="(torch or liger) and not triton"),
+        k="(torch or liger) and not triton", files=CORE + ("tests/test_torch_backend.py",)),
     Bug("cpu-online-entropy-rescale",
         "C++ CPU kernels: the running entropy sum rescaled without its shift term when a later vocabulary tile "
         "raises the max",
         "csrc/gspo_cpu.h",
         (("a = c * (a + shift * s);", "a = c * a;"),),
-        k="cpu and not triton"),
-    Bug("dual-clip-any-sign",
-        "PyTorch stage (torch and cpu backends): the dual clip caps positive advantages too",
+        k="cpu and not triton", files=CORE + ("tests/test_cpu_backend.py",)),
+    Bug("dual-clip-wrong-sign",
+        "PyTorch stage (torch and cpu backends): the dual clip tested on A > 0 (where it never binds) instead of A < 0",
         "gspo_kernels/objectives/clipped.py",
         (("per_token = torch.where(A_live < 0, torch.minimum(per_token, -config.clip_ratio_c * A_live), per_token)",
-          "per_token = torch.where(A_live != 0, torch.minimum(per_token, config.clip_ratio_c * A_live.abs()), "
-          "per_token)"),),
+          "per_token = torch.where(A_live > 0, torch.minimum(per_token, -config.clip_ratio_c * A_live), per_token)"),),
         k="not triton and not cpu"),
     Bug("rollout-sequence-ratio-geometric-mean",
         "PyTorch stage: the sequence rollout modes take the geometric mean of the token ratios (verl's convention) "
@@ -160,7 +161,8 @@ def classify(junit: Path) -> Dict[str, List[str]]:
         error = case.find("error")
         if failure is not None:
             message = (failure.get("message") or "").lstrip()
-            assertion = message.startswith(("AssertionError", "assert "))
+            # an assertion, or a failed torch.autograd.gradcheck (a check that raises its own error type)
+            assertion = message.startswith(("AssertionError", "assert ")) or "GradcheckError" in message[:60]
             out["caught" if assertion else "crashed"].append(name + ("" if assertion else f"  [{message[:80]}]"))
             if assertion and "outside every tensor argument" in message:
                 out["bounds"].append(name)
@@ -187,20 +189,27 @@ def run_tests(dest: Path, files: Sequence[str], k: str, workers: int, env_extra:
     return classify(junit), time.monotonic() - start
 
 
-def table(rows: List[Tuple[Bug, Dict[str, List[str]], float]], baseline: Dict[str, Dict[str, List[str]]],
+def table(rows: List[Tuple[Bug, Dict[str, List[str]], float]], baseline: Dict[Tuple, Dict[str, List[str]]],
           tests_ref: Optional[str], env: Dict[str, str]) -> str:
     env_note = "".join(f"; `{k}={v}`" for k, v in env.items())
     lines = [f"Tests: {'tests/ of ' + tests_ref if tests_ref else 'this tree'}; each bug runs its `-k` selection of "
-             f"{', '.join(f'`{f}`' for f in CORE)}{env_note}.", "",
+             f"{', '.join(f'`{f}`' for f in CORE)} (and of its backend's own test file where the row names one)"
+             f"{env_note}.", "",
              "| bug | what | `-k` | tests run | caught (assertion) | of which the bounds check | crashed | first catches |",
              "|---|---|---|---|---|---|---|---|"]
     for bug, result, seconds in rows:
+        what = bug.what.replace("|", "\\|")
         ran = sum(len(result[key]) for key in ("passed", "caught", "crashed"))
         first = "<br>".join(f"`{t}`" for t in result["caught"][:3]) or "**none**"
-        broken = [t for t in baseline.get(bug.k, {}).get("caught", []) + baseline.get(bug.k, {}).get("crashed", [])]
+        clean = baseline.get((bug.files, bug.k), {})
+        broken = clean.get("caught", []) + clean.get("crashed", [])
         note = f" (baseline failures: {len(broken)})" if broken else ""
-        lines.append(f"| `{bug.name}` | {bug.what} | `{bug.k}` | {ran} ({seconds:.0f} s) | {len(result['caught'])}"
+        own = "".join(f" + `{f.split('/')[-1]}`" for f in bug.files if f not in CORE)
+        lines.append(f"| `{bug.name}` | {what} | `{bug.k}`{own} | {ran} ({seconds:.0f} s) | {len(result['caught'])}"
                      f"{note} | {len(result['bounds'])} | {len(result['crashed'])} | {first} |")
+    crashes = [(bug.name, t) for bug, result, _ in rows for t in result["crashed"]]
+    if crashes:
+        lines += ["", "Crashed (not counted as catches):", ""] + [f"- `{name}`: `{test}`" for name, test in crashes]
     return "\n".join(lines) + "\n"
 
 
@@ -216,6 +225,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="set in the tests' environment, e.g. GSPO_TEST_OUT_OF_BOUNDS=ignore (what the values "
                              "alone catch) or GSPO_TEST_PROGRAM_ORDER=forward (the plain interpreter's order)")
     parser.add_argument("--out", default=None, help="write the Markdown table here (default: stdout)")
+    parser.add_argument("--verbose", action="store_true", help="print every catching test (stderr)")
     args = parser.parse_args(argv)
     if args.list:
         for bug in BUGS:
@@ -226,16 +236,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if unknown:
         raise SystemExit(f"unknown bugs: {sorted(unknown)} (--list)")
     extra = dict(item.split("=", 1) for item in args.env)
-    baseline: Dict[str, Dict[str, List[str]]] = {}
+    baseline: Dict[Tuple, Dict[str, List[str]]] = {}
     rows = []
     with tempfile.TemporaryDirectory(prefix="planted_bugs_") as tmp:
         if not args.no_baseline:
             clean = Path(tmp) / "clean"
             copy_tree(clean, args.tests_ref)
-            for k in dict.fromkeys(b.k for b in chosen):
-                baseline[k], seconds = run_tests(clean, CORE, k, args.workers, extra, args.timeout_s)
-                print(f"baseline -k {k!r}: {len(baseline[k]['passed'])} passed, {len(baseline[k]['caught'])} failed on "
-                      f"an assertion, {len(baseline[k]['crashed'])} crashed ({seconds:.0f} s)", file=sys.stderr)
+            for files, k in dict.fromkeys((b.files, b.k) for b in chosen):
+                result, seconds = run_tests(clean, files, k, args.workers, extra, args.timeout_s)
+                baseline[(files, k)] = result
+                print(f"baseline -k {k!r} ({len(files)} files): {len(result['passed'])} passed, "
+                      f"{len(result['caught'])} failed on an assertion, {len(result['crashed'])} crashed "
+                      f"({seconds:.0f} s)", file=sys.stderr)
         for bug in chosen:
             dest = Path(tmp) / bug.name
             copy_tree(dest, args.tests_ref)
@@ -246,6 +258,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             result, seconds = run_tests(dest, bug.files, bug.k, args.workers, env, args.timeout_s)
             print(f"{bug.name}: {len(result['caught'])} caught, {len(result['crashed'])} crashed ({seconds:.0f} s)",
                   file=sys.stderr)
+            if args.verbose:
+                print("\n".join(f"  {t}" for t in result["caught"]), file=sys.stderr)
             rows.append((bug, result, seconds))
             shutil.rmtree(dest, ignore_errors=True)
     text = table(rows, baseline, args.tests_ref, extra)
