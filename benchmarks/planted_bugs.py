@@ -183,7 +183,9 @@ def run_tests(dest: Path, files: Sequence[str], k: str, workers: int, env_extra:
            "-o", "junit_family=xunit1"]
     if workers > 1:
         cmd += ["-n", str(workers)]
-    env = dict(os.environ, PYTHONPATH=str(dest), **env_extra)
+    env = {**os.environ, **env_extra}
+    # the copy on the path (after any PYTHONPATH given with --env, e.g. another triton's install directory)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, (env_extra.get("PYTHONPATH"), str(dest))))
     start = time.monotonic()
     subprocess.run(cmd, cwd=dest, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=timeout_s)
     return classify(junit), time.monotonic() - start
