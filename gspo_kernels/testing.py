@@ -92,3 +92,158 @@ def round_interpreter_bf16_casts() -> None:
 
     cast_impl.rounds_bf16_to_nearest = True
     builder.cast_impl = cast_impl
+
+
+# Program orders of :func:`guard_interpreter_launches` (each a map from the loop's index to the program id).
+PROGRAM_ORDERS = ("parity", "reverse", "forward")
+
+
+def guard_interpreter_launches(order: str = "parity", fail_out_of_bounds: bool = True) -> None:
+    """Make the Triton interpreter show two faults that a GPU hides differently and the plain interpreter hides
+    completely: an access outside the kernel's tensors, and a write into a neighbouring program's range.
+
+    - **Bounds**: every masked-in address of every load and store of a launch must lie inside one of its tensor
+      arguments (a tensor's extent: from its first to its last element, strides included). An access outside is
+      not performed (a store writes nothing there, a load reads ``other``); when the launch has run, it fails
+      with an ``AssertionError`` naming the kernel, the program, the access and the nearest argument (with
+      ``fail_out_of_bounds=False`` it is only left out: to see what the values alone show). Without this a store
+      one element past the end writes into the CPU heap: at best a later crash, at worst nothing.
+    - **Order**: the interpreter runs the programs one after another, ``0, 1, 2, ...``, so a program that writes
+      into the range of the next one (``idx <= end``) is overwritten by it and every result is exact. With
+      ``order="parity"`` the programs of each grid axis run odds first, then evens (``1, 3, ..., 0, 2, ...``):
+      every even program runs after both of its neighbours (program 0 after program 1 on any grid of two or
+      more), so what it writes into their ranges stays and changes a value a test compares (``"reverse"``: the
+      last program first; ``"forward"``: the interpreter's own order).
+
+    Also, for speed: the interpreter patches ``triton.language`` at every call of a ``@triton.jit`` helper, the
+    same attributes each time; during a launch each module's helpers patch it once (interpreted kernels with many
+    helpers, as the sequence stage's, run about 2.5x faster). It keeps the older interpreters' signatures
+    (triton 3.4 - 3.9).
+
+    Neither check sees what only concurrent programs do (races, a read of a neighbour's result before it is
+    written) nor what a compiled kernel does differently (registers, shared memory, vectorized accesses): on a
+    GPU, ``gspo-kernels gpu-check`` runs every Triton launch under ``compute-sanitizer --tool memcheck``
+    (docs/testing.md). Idempotent; call it after :func:`setup_triton_interpreter`.
+    """
+    import inspect
+
+    import numpy as np
+    from triton.runtime import interpreter
+
+    if order not in PROGRAM_ORDERS:
+        raise ValueError(f"order must be one of {PROGRAM_ORDERS}, got {order!r}")
+    builder, executor = interpreter.InterpreterBuilder, interpreter.GridExecutor
+    if getattr(executor.__call__, "guarded", None) == (order, fail_out_of_bounds):
+        return
+    plain_call = getattr(executor.__call__, "plain", executor.__call__)
+    plain_set_idx = getattr(builder.set_grid_idx, "plain", builder.set_grid_idx)
+    plain_load = getattr(builder.create_masked_load, "plain", builder.create_masked_load)
+    plain_store = getattr(builder.create_masked_store, "plain", builder.create_masked_store)
+    state = {"launch": None}  # the running launch: (kernel name, [(name, lo, hi)], lows, highs, violations)
+
+    def program(index: int, count: int) -> int:
+        if order == "reverse":
+            return count - 1 - index
+        if order == "parity":  # 1, 3, 5, ..., then 0, 2, 4, ...
+            odd = count // 2
+            return 2 * index + 1 if index < odd else 2 * (index - odd)
+        return index
+
+    def set_grid_idx(self, x, y, z):
+        dims = self.grid_dim
+        return plain_set_idx(self, program(x, dims[0]), program(y, dims[1]), program(z, dims[2]))
+
+    def extents(name, value, out):
+        if isinstance(value, (tuple, list)):
+            for i, item in enumerate(value):
+                extents(f"{name}[{i}]", item, out)
+            return
+        tensor = getattr(value, "base", value) if not hasattr(value, "untyped_storage") else value
+        if not hasattr(tensor, "untyped_storage") or tensor.numel() == 0:
+            return
+        span = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride())) + 1
+        lo = tensor.data_ptr()
+        out.append((name, lo, lo + span * tensor.element_size()))
+
+    def checked(ptrs, mask, itemsize, what):
+        """``mask`` with the accesses outside every argument removed (and recorded)."""
+        launch = state["launch"]
+        if launch is None:
+            return mask
+        addrs = np.asarray(ptrs.data).astype(np.int64, copy=False)
+        live = np.broadcast_to(np.asarray(mask.data, dtype=bool), addrs.shape)
+        used = addrs[live] if not live.all() else addrs
+        if used.size == 0:
+            return mask
+        lows, highs = launch[2], launch[3]
+        if ((lows <= used.min()) & (used.max() + itemsize <= highs)).any():  # all inside one argument
+            return mask
+        inside = ((addrs[..., None] >= lows) & (addrs[..., None] + itemsize <= highs)).any(-1)
+        bad = live & ~inside
+        if not bad.any():
+            return mask
+        first = int(addrs[bad].reshape(-1)[0])
+        name, lo, hi = min(launch[1], key=lambda r: min(abs(first - r[1]), abs(first - r[2])))
+        launch[4].append(f"program {tuple(state['builder'].grid_idx)} {what} {int(bad.sum())} element(s) outside "
+                         f"every tensor argument, the first at byte {first - lo} of '{name}' ({hi - lo} bytes)")
+        return interpreter.TensorHandle(live & inside, mask.dtype)
+
+    def create_masked_load(self, ptrs, mask, other, *rest):
+        state["builder"] = self
+        itemsize = np.dtype(interpreter._get_np_dtype(ptrs.get_element_ty())).itemsize
+        return plain_load(self, ptrs, checked(ptrs, mask, itemsize, "loaded"), other, *rest)
+
+    def create_masked_store(self, ptrs, value, mask, *rest):
+        state["builder"] = self
+        return plain_store(self, ptrs, value, checked(ptrs, mask, np.asarray(value.data).dtype.itemsize, "stored"),
+                           *rest)
+
+    def call(self, *args, **kwargs):
+        ranges = []
+        params = inspect.signature(self.fn).parameters
+        try:
+            bound = inspect.signature(self.fn).bind_partial(
+                *args, **{k: v for k, v in kwargs.items() if k in params}).arguments
+        except TypeError:
+            bound = {f"arg{i}": a for i, a in enumerate(args)}
+        for name, value in bound.items():
+            extents(name, value, ranges)
+        name = getattr(self.fn, "__name__", "kernel")
+        lows = np.array([r[1] for r in ranges], dtype=np.int64)
+        highs = np.array([r[2] for r in ranges], dtype=np.int64)
+        outer, state["launch"], state["seen"] = state["launch"], (name, ranges, lows, highs, []), set()
+        try:
+            result = plain_call(self, *args, **kwargs)
+            violations = state["launch"][4]
+        finally:
+            state["launch"], state["seen"] = outer, None
+        if violations and fail_out_of_bounds:
+            more = f" (and {len(violations) - 1} more)" if len(violations) > 1 else ""
+            raise AssertionError(f"Triton kernel {name}: {violations[0]}{more}")
+        return result
+
+    plain_patch_lang = getattr(interpreter._patch_lang, "plain", interpreter._patch_lang)
+
+    def patch_lang(fn):
+        # The interpreter patches the triton.language modules a function can see at the launch and again at every
+        # call of a @triton.jit helper (never restoring the helpers' patches): the same attributes each time, so
+        # during a launch each module's functions patch them once (a third of an interpreted kernel's time).
+        seen = state.get("seen")
+        if seen is not None and id(fn.__globals__) in seen:
+            scope_type = state.get("scope_type")  # triton >= 3.5 returns a scope to restore (not these calls')
+            return None if scope_type is None else scope_type()
+        scope = plain_patch_lang(fn)
+        state["scope_type"] = None if scope is None else type(scope)
+        if seen is not None:
+            seen.add(id(fn.__globals__))
+        return scope
+
+    for wrapper, plain in ((call, plain_call), (set_grid_idx, plain_set_idx), (create_masked_load, plain_load),
+                           (create_masked_store, plain_store), (patch_lang, plain_patch_lang)):
+        wrapper.plain = plain
+    call.guarded = (order, fail_out_of_bounds)
+    executor.__call__ = call
+    builder.set_grid_idx = set_grid_idx
+    builder.create_masked_load = create_masked_load
+    builder.create_masked_store = create_masked_store
+    interpreter._patch_lang = patch_lang

@@ -1,9 +1,17 @@
 """Test setup: the Triton interpreter on CPU-only machines, seeds, and the GPU marker."""
 
-from gspo_kernels.testing import setup_triton_interpreter
+import os
+import zlib
 
-# Must happen before anything imports triton: without a GPU, Triton kernels run in the interpreter.
-setup_triton_interpreter()
+from gspo_kernels.testing import guard_interpreter_launches, setup_triton_interpreter
+
+# Must happen before anything imports triton: without a GPU, Triton kernels run in the interpreter, every access
+# checked against the launch's tensors and the programs of each grid axis run odds first, then evens (a write into
+# a neighbour's range then changes a value): docs/testing.md. GSPO_TEST_PROGRAM_ORDER=forward|reverse changes the
+# order; GSPO_TEST_OUT_OF_BOUNDS=ignore leaves out-of-bounds accesses out without failing (what values alone show).
+if setup_triton_interpreter().startswith("cpu (Triton"):
+    guard_interpreter_launches(os.environ.get("GSPO_TEST_PROGRAM_ORDER", "parity"),
+                               fail_out_of_bounds=os.environ.get("GSPO_TEST_OUT_OF_BOUNDS", "fail") != "ignore")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -19,6 +27,34 @@ def pytest_collection_modifyitems(config, items):
 def _seed():
     torch.manual_seed(1234)
     yield
+
+
+SEED_OFFSET = int(os.environ.get("GSPO_TEST_SEED", "0"))
+
+
+def pytest_report_header(config):
+    return [f"parity matrices: each test's seed is crc32(its id) + GSPO_TEST_SEED ({SEED_OFFSET})"]
+
+
+@pytest.fixture
+def case_seed(request) -> int:
+    """Seeds torch for this test alone, so that every cell of a parity matrix draws its own inputs around the
+    designed responses of ``tests/support.RESPONSES``; ``GSPO_TEST_SEED=n`` draws another sample for all of them.
+    A failing test's report shows its seed."""
+    seed = (zlib.crc32(request.node.nodeid.encode()) + SEED_OFFSET) % 2**31
+    torch.manual_seed(seed)
+    request.node.gspo_seed = seed
+    return seed
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    seed = getattr(item, "gspo_seed", None)
+    if seed is not None and report.failed:
+        report.sections.append(("seed", f"torch.manual_seed({seed}) before the test's draws "
+                                        f"(GSPO_TEST_SEED={SEED_OFFSET})"))
 
 
 @pytest.fixture

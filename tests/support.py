@@ -4,6 +4,7 @@ float64 reference at the library's stated tolerances, and the ``gpu`` marker's r
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -17,7 +18,9 @@ from gspo_kernels.config import LOSS_TYPES
 from gspo_kernels.testing import FP32_RTOL as RTOL
 from gspo_kernels.testing import rel_err
 
-__all__ = ["LEVELS", "LOSS_TYPES", "RTOL", "rel_err", "Case", "make_case", "configs", "objective_configs",
+__all__ = ["LEVELS", "LOSS_TYPES", "RTOL", "rel_err", "Case", "Designed", "RESPONSES", "CASE_LENGTHS", "CASE_T",
+           "make_case",
+           "assert_case_covers", "matrix_budget", "configs", "objective_configs",
            "objective_id", "check_against_reference",
            "logits_loss_vs_reference", "linear_loss_vs_reference", "assert_zero_rows_get_zero_dh",
            "assert_bf16_within_fp32_math_plus_rounding", "assert_bf16_no_worse_than_plain_bf16", "skip_gpu_items_without_cuda",
@@ -60,6 +63,53 @@ def on_device(tensors, backend: str):
     return type(tensors)(move(v) for v in tensors)
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# The responses of every loss case, each there on purpose (the same responses padded and packed). A log-ratio is
+# ``logp - old`` of one counted token; a response's mean log-ratio is its GSPO log-weight. Every value lies at least
+# 5e-5 from every clip edge of the configs below (log-space edges -3e-4, -1e-4, 1e-4, 2e-4, 4e-4: epsilon_low /
+# high, GMPO's and CISPO's bands, delta, the dual clip's c), so fp32 and float64 clip the same tokens.
+# ---------------------------------------------------------------------------------------------------------------
+E = 1e-4
+
+
+@dataclass(frozen=True)
+class Designed:
+    """One response of :func:`make_case`: the log-ratios of its counted tokens (in order), its advantage, the
+    positions of its masked tokens (their inputs are garbage that must not reach a result), and the engine-vs-trainer
+    log-ratios ``old - rollout`` of its counted tokens (the rollout correction's input)."""
+
+    role: str
+    log_ratios: tuple
+    adv: float
+    masked: tuple = ()
+    rollout: tuple = ()
+
+    @property
+    def length(self) -> int:
+        return len(self.log_ratios) + len(self.masked)
+
+
+RESPONSES = (
+    # Under the guarded interpreter (tests/conftest.py) even programs run after their odd neighbours: the responses
+    # that carry a gradient are even, and each odd response starts with a token inside every band, so that a write
+    # past an even response's end changes a result whatever the sign of that response's advantage.
+    Designed("inside every band at the sequence level; its tokens leave both token-level edges (A > 0)",
+             (7 * E, -6 * E, 1.5 * E, -0.5 * E), 1.0, masked=(2,), rollout=(0.6, -0.3, 0.1, 0.2)),
+    Designed("clipped high at the sequence level (A > 0, w above every band)", (0.5 * E, 13.5 * E), 0.8,
+             rollout=(0.3, 0.35)),
+    Designed("above every band with A < 0: not clipped (the dual clip and delta bite)",
+             (15 * E, 3 * E, 7 * E, -6 * E, 16 * E), -1.2, masked=(1,), rollout=(-0.5, 0.2, -0.1, 0.3, 0.1)),
+    Designed("clipped low at the sequence level (A < 0, w below every band)", (0.5 * E, -12.5 * E), -0.7,
+             rollout=(-0.45, -0.3)),
+    Designed("below every band with A > 0: not clipped", (-6 * E, -6 * E), 0.6, rollout=(0.05, -0.6)),
+    Designed("length 1, zero advantage (no gradient without KL or entropy terms)", (0.5 * E,), 0.0, rollout=(-0.5,)),
+    Designed("every token masked", (), 1.1, masked=(0, 1)),
+    Designed("empty", (), 0.5),
+)
+CASE_LENGTHS = tuple(r.length for r in RESPONSES)
+CASE_T = max(CASE_LENGTHS)  # the padded layout's T (the longest response has no padding, every other one has)
+
+
 @dataclass
 class Case:
     labels: torch.Tensor
@@ -71,6 +121,8 @@ class Case:
     cu_seqlens: Optional[torch.Tensor]
     vocab: int
     rollout_logprobs: Optional[torch.Tensor] = None
+    current: Optional[torch.Tensor] = None  # the float64 log-probs the case was built against (token shape)
+    log_ratio: Optional[torch.Tensor] = None  # the designed logp - old (float64, NaN at masked tokens)
 
     def kwargs(self, with_ref: bool = True, config=None) -> dict:
         """The keyword arguments of the loss; with a ``config`` that asks for the rollout correction, the
@@ -85,43 +137,100 @@ class Case:
         return kw
 
 
-def make_case(logp_of, vocab: int, *, packed: bool, lengths=(5, 1, 0, 7), pad_to: int = 8,
-              per_token_adv: bool = False, spread: float = 3e-4) -> Case:
-    """Inputs whose old log-probs sit within ``spread`` of the policy's, so some responses clip.
+def _designed_tokens(packed: bool):
+    """``(counted, values, rollout, response)`` of :data:`RESPONSES` in the token layout (flattened ``[S, CASE_T]``
+    when padded): which tokens count, their designed log-ratio and ``old - rollout`` (0 where not counted), and the
+    response of each token (its row at padding)."""
+    S = len(RESPONSES)
+    n = sum(CASE_LENGTHS) if packed else S * CASE_T
+    counted = torch.zeros(n, dtype=torch.bool)
+    values, rollout = torch.zeros(n, dtype=torch.float64), torch.zeros(n, dtype=torch.float64)
+    response = torch.full((n,), -1)
+    start = 0
+    for i, r in enumerate(RESPONSES):
+        base = start if packed else i * CASE_T
+        ratios, shifts = iter(r.log_ratios), iter(r.rollout or (0.0,) * len(r.log_ratios))
+        for t in range(r.length):
+            response[base + t] = i
+            if t not in r.masked:
+                counted[base + t] = True
+                values[base + t], rollout[base + t] = next(ratios), next(shifts)
+        if not packed:
+            response[base + r.length:base + CASE_T] = i  # padding: the response's row, never counted
+        start += r.length
+    return counted, values, rollout, response
 
-    ``logp_of(labels)`` gives the current policy's per-token log-probs (float64) for the labels.
-    Includes a length-1 and an empty response; in the padded layout the mask also covers padding.
-    ``is_ratio`` is per response in the padded layout, per token in the packed one.
+
+def make_case(logp_of, vocab: int, *, packed: bool, per_token_adv: bool = False) -> Case:
+    """Loss inputs for :data:`RESPONSES` around the current policy's log-probs ``logp_of(labels)`` (float64).
+
+    The old log-probs are ``current - log_ratio`` with the designed log-ratios, so which responses and tokens clip
+    does not depend on the seed (:func:`assert_case_covers` checks it against the reference's metrics); the seed
+    draws the labels (hence the log-probs), the advantages' sizes (per token when ``per_token_adv``: the response's
+    sign times a size in [0.5, 1.5)), ``is_ratio`` (per response when padded, per token when packed) and the
+    reference log-probs. Masked tokens hold garbage everywhere (labels -100, old / reference / rollout log-probs far
+    off), which must never reach a result.
     """
-    S = len(lengths)
-    if packed:
-        N = sum(lengths)
-        labels = torch.randint(0, vocab, (N,))
-        cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
-        mask = (torch.rand(N) > 0.15).to(torch.float32)
-        token_shape = (N,)
+    S = len(RESPONSES)
+    counted, ratios, d, response = _designed_tokens(packed)
+    token_shape = (counted.numel(),) if packed else (S, CASE_T)
+    labels = torch.randint(0, vocab, (counted.numel(),))
+    labels[~counted] = -100  # masked and padding labels outside the vocabulary must be ignored
+    current = logp_of(labels.clamp(min=0).reshape(token_shape)).reshape(-1)
+    old = torch.where(counted, current - ratios, current + 3.0)
+    rollout = torch.where(counted, old - d, old - 5.0)
+    ref = torch.where(counted, current + torch.randn(counted.numel(), dtype=torch.float64) * 0.3, current - 9.0)
+    signs = torch.tensor([r.adv for r in RESPONSES])
+    if per_token_adv:
+        adv = signs[response.clamp(min=0)] * (0.5 + torch.rand(counted.numel()))
+        adv[~counted] = 7.0  # garbage at masked tokens
+        adv = adv.reshape(token_shape)
     else:
-        labels = torch.randint(0, vocab, (S, pad_to))
-        cu = None
-        mask = (torch.arange(pad_to)[None, :] < torch.tensor(lengths)[:, None]).to(torch.float32)
-        labels[mask == 0] = -100  # padding labels outside the vocabulary must be ignored
-        token_shape = (S, pad_to)
-    current = logp_of(labels.clamp(min=0))
-    seq_shift = torch.randn(S) * spread
-    if packed:
-        shift = seq_shift.repeat_interleave(torch.tensor(lengths))
-    else:
-        shift = seq_shift[:, None].expand(token_shape)
-    old = (current - shift - torch.randn(token_shape) * spread * 0.5).float()
-    adv = torch.randn(token_shape if per_token_adv else (S,))
-    adv[..., 0] = 0.0  # a zero advantage
-    # 0.3 apart: the KL gradient (1 - e^d) stays well above the fp32 rounding of logp
-    ref = (current + torch.randn(token_shape) * 0.3).float()
+        adv = signs * (0.5 + torch.rand(S))
+    cu = torch.tensor([0, *itertools.accumulate(CASE_LENGTHS)], dtype=torch.int32) if packed else None
     # per response in the padded layout (each backend broadcasts it to the tokens), per token when packed
     is_ratio = (1 + 0.1 * torch.rand((S,) if not packed else token_shape)).float()
-    # the engine's log-probs: 0.4 from the trainer's, so a 1.5 cap truncates or masks about a third of the tokens
-    rollout = (old - torch.randn(token_shape) * 0.4).float()
-    return Case(labels, adv, old, ref, is_ratio, mask, cu, vocab, rollout)
+    as_tokens = lambda x: x.reshape(token_shape)  # noqa: E731
+    return Case(as_tokens(labels), adv.float(), as_tokens(old).float(), as_tokens(ref).float(), is_ratio,
+                as_tokens(counted.float()), cu, vocab, as_tokens(rollout).float(), current=as_tokens(current),
+                log_ratio=as_tokens(torch.where(counted, ratios, float("nan"))))
+
+
+def assert_case_covers(config, case: Case, metrics: dict) -> None:
+    """The case exercises what ``config`` can do, from the float64 reference's ``metrics`` on it and the designed
+    log-ratios: clipping at both edges with non-zero advantages and unclipped tokens beside them (the level's units:
+    responses or tokens), CISPO's cap, the dual clip, ``delta``, off-policy masking and the rollout correction each
+    binding somewhere and not everywhere. Fails on a case that would let a bug in one of them pass."""
+    value = lambda name: float(metrics[name])  # noqa: E731
+    if "clip_ratio/low_mean" in metrics:
+        assert value("clip_ratio/low_mean") > 0 and value("clip_ratio/high_mean") > 0, metrics
+        assert value("clip_ratio/region_mean") < 1, metrics
+    if "cispo_clip_ratio" in metrics:
+        assert 0 < value("cispo_clip_ratio") < 1, metrics
+    counted, _, _, response = _designed_tokens(case.cu_seqlens is not None)
+    seq = response[counted]  # the response of each counted token
+    per_token = case.advantages.shape == case.mask.shape
+    adv = (case.advantages.reshape(-1)[counted] if per_token else case.advantages[seq]).double()
+    if config.importance_sampling_level == "token":
+        r = case.log_ratio.reshape(-1)[counted]
+    else:  # the response's mean log-ratio on each of its tokens
+        means = [sum(x.log_ratios) / max(len(x.log_ratios), 1) for x in RESPONSES]
+        r = torch.tensor(means, dtype=torch.float64)[seq]
+    for bound in (config.clip_ratio_c, config.delta):  # each caps A < 0 tokens whose weight passes it
+        if bound is not None:
+            binds = (adv < 0) & (r > math.log(bound))
+            assert bool(binds.any()) and not bool(binds.all()), bound
+    if config.rollout_correction is not None:
+        bites = value("rollout/masked_fraction") > 0 or value("rollout/weight_max") == config.rollout_correction_max \
+            or value("rollout/weight_min") == config.rollout_correction_min
+        assert bites and value("rollout/weight_max") > 0, metrics
+    if config.off_policy_mask_threshold is not None:
+        sampling = case.rollout_logprobs if case.rollout_logprobs is not None else case.old_logprobs
+        gap = sampling.double().reshape(-1)[counted] - case.current.reshape(-1)[counted]
+        S = len(RESPONSES)
+        mean_gap = torch.zeros(S, dtype=torch.float64).index_add_(0, seq, gap) / torch.bincount(seq, minlength=S)
+        dropped = (adv < 0) & (mean_gap[seq] > config.off_policy_mask_threshold)
+        assert bool(dropped.any()) and bool(((adv < 0) & ~dropped).any()), "off-policy mask"
 
 
 def configs(levels=LEVELS, loss_types=LOSS_TYPES):
@@ -192,9 +301,6 @@ def objective_id(config) -> str:
     return "-".join(parts)
 
 
-LENGTHS = (5, 1, 0, 7)  # includes a length-1 and an empty response
-
-
 def check_against_reference(out, expected, grads, ref_grads, rtol: float = RTOL, loss_scale: float = 1.0) -> None:
     """Loss (relative to max(|loss|, loss_scale): it sums terms of either sign), metrics and gradients.
 
@@ -214,23 +320,23 @@ def check_against_reference(out, expected, grads, ref_grads, rtol: float = RTOL,
 def logits_loss_vs_reference(backend: str, config, packed: bool, V: int = 97, device: str = "cpu"):
     """``gspo_loss(backend=...)`` and the float64 oracle on one fresh case: ``(out, expected, [grad], [ref])``.
 
-    The logits are strided views (padded: ``base[:, :-1]`` of ``[S, 9, V]``; packed: the transpose of
+    The logits are strided views (padded: ``base[:, :-1]`` of ``[S, T + 1, V]``; packed: the transpose of
     ``[V, N]``); the gradients are taken with respect to ``base``, so nothing outside the view may move.
-    Packed cases carry per-token advantages, padded ones per-response advantages.
+    Packed cases carry per-token advantages, padded ones per-response advantages. The case covers what ``config``
+    can do (:func:`assert_case_covers`).
     """
     import gspo_kernels as gk
     from gspo_kernels import reference
 
     if packed:
-        base = torch.randn(V, sum(LENGTHS)) * 2
+        base = torch.randn(V, sum(CASE_LENGTHS)) * 2
         take = lambda x: x.t()  # noqa: E731
     else:
-        base = torch.randn(len(LENGTHS), 9, V) * 2
+        base = torch.randn(len(CASE_LENGTHS), CASE_T + 1, V) * 2
         take = lambda x: x[:, :-1]  # noqa: E731
     case = make_case(lambda y: reference.token_logprobs(take(base).double(), y, temperature=config.temperature,
                                                         final_logit_softcapping=config.final_logit_softcapping), V,
-                     packed=packed, lengths=LENGTHS,
-                     per_token_adv=packed)
+                     packed=packed, per_token_adv=packed)
     x = base.clone().to(device).requires_grad_()
     kw = {k: (v.to(device) if isinstance(v, torch.Tensor) else v)
           for k, v in case.kwargs(config.beta > 0, config).items()}
@@ -240,41 +346,52 @@ def logits_loss_vs_reference(backend: str, config, packed: bool, V: int = 97, de
     x64 = base.double().requires_grad_()
     expected = reference.gspo_loss(take(x64), case.labels, case.advantages, case.old_logprobs, config=config,
                                    **case.kwargs(config.beta > 0, config))
+    assert_case_covers(config, case, expected.metrics)
     return out, expected, [g.cpu() for g in grads], torch.autograd.grad(expected.loss, (x64,))
 
 
-def linear_loss_vs_reference(backend: str, config, packed: bool, V: int = 75, H: int = 24, device: str = "cpu"):
+def matrix_budget(index: int, V: int) -> Optional[int]:
+    """The ``memory_budget`` of the ``index``-th config of a hidden-state parity matrix: every other one runs with
+    4 fp32 rows of logits (the Triton one-pass loss then takes responses longer than that in two passes, the torch
+    and cpu backends recompute their tiles instead of keeping them), the others with the default."""
+    return 4 * V * 4 if index % 2 else None
+
+
+def linear_loss_vs_reference(backend: str, config, packed: bool, V: int = 75, H: int = 24, device: str = "cpu",
+                             memory_budget: Optional[int] = None):
     """``fused_linear_gspo_loss(backend=...)`` (with a bias) and the float64 oracle: grads of (hidden, W, b).
 
-    ``hidden`` is a strided view, columns ``1..H`` of a ``[S, 9, H + 3]`` (padded, also dropping the first
-    position) or ``[N, H + 3]`` (packed) buffer; its gradient is taken with respect to that buffer.
+    ``hidden`` is a strided view, columns ``1..H`` of a ``[S, T + 1, H + 3]`` (padded, also dropping the first
+    position) or ``[N, H + 3]`` (packed) buffer; its gradient is taken with respect to that buffer. The case
+    covers what ``config`` can do (:func:`assert_case_covers`).
     """
     import gspo_kernels as gk
     from gspo_kernels import reference
 
     if packed:
-        base = torch.randn(sum(LENGTHS), H + 3)
+        base = torch.randn(sum(CASE_LENGTHS), H + 3)
         take = lambda x: x[:, 1 : H + 1]  # noqa: E731
     else:
-        base = torch.randn(len(LENGTHS), 9, H + 3)
+        base = torch.randn(len(CASE_LENGTHS), CASE_T + 1, H + 3)
         take = lambda x: x[:, 1:, 1 : H + 1]  # noqa: E731
     weight, bias = torch.randn(V, H) * 0.3, torch.randn(V) * 0.1
     case = make_case(
         lambda y: reference.linear_logprobs(take(base), weight, y, bias=bias, temperature=config.temperature,
                                             final_logit_softcapping=config.final_logit_softcapping), V,
-        packed=packed, lengths=LENGTHS, per_token_adv=packed,
+        packed=packed, per_token_adv=packed,
     )
     leaves = [t.clone().to(device).requires_grad_() for t in (base, weight, bias)]
     kw = {k: (v.to(device) if isinstance(v, torch.Tensor) else v)
           for k, v in case.kwargs(config.beta > 0, config).items()}
     out = gk.fused_linear_gspo_loss(take(leaves[0]), leaves[1], case.labels.to(device), case.advantages.to(device),
                                     case.old_logprobs.to(device), bias=leaves[2], config=config, backend=backend,
-                                    **kw)
+                                    memory_budget=memory_budget, **kw)
     grads = torch.autograd.grad(out.loss, leaves)
     leaves64 = [t.double().requires_grad_() for t in (base, weight, bias)]
     expected = reference.fused_linear_gspo_loss(take(leaves64[0]), leaves64[1], case.labels, case.advantages,
                                                 case.old_logprobs, bias=leaves64[2], config=config,
                                                 **case.kwargs(config.beta > 0, config))
+    assert_case_covers(config, case, expected.metrics)
     return out, expected, [g.cpu() for g in grads], torch.autograd.grad(expected.loss, leaves64)
 
 

@@ -125,7 +125,8 @@ def test_ratios_and_targets_from_rows():
 @pytest.mark.slow
 def test_tiny_liger_fused_linear_grpo_runs_on_cpu(tmp_path):
     """The Liger hidden-state peer's code path (its import alone takes seconds: a test of its own)."""
-    pytest.importorskip("liger_kernel")
+    import liger_kernel  # noqa: F401  (make test installs it: missing, this is an error, not a skip)
+
     assert main(["bench", "--gpu", "--device", "cpu", "--tiny", "--sections", "hidden", "--peers", "liger",
                  "--out", str(tmp_path / "b")]) == 0
     rows = {r["case"]: r for r in json.loads((tmp_path / "b.json").read_text())["results"]}
@@ -137,7 +138,8 @@ def test_tiny_liger_fused_linear_grpo_runs_on_cpu(tmp_path):
 def test_tiny_trl_step_runs_both_trainers_in_fresh_processes():
     """Stock TRL, the drop-in as it comes and with gspo_one_pass=True: the same loss and lm_head gradient, each timed
     against stock's."""
-    pytest.importorskip("trl")
+    import trl  # noqa: F401  (make test installs it: missing, this is an error, not a skip)
+
     result = bench_gpu.run_trl_step("cpu", tiny=True, limit_s=240)
     assert result["status"] == "ok", result
     stock, ours, other = result["rows"]

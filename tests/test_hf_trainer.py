@@ -21,6 +21,7 @@ from gspo_kernels import available_backends, reference
 from gspo_kernels.train import GSPOTrainer, GSPOTrainerConfig, UnsupportedModelError
 from gspo_kernels.train.hf_trainer import Rollout
 from tests.hf_models import FAMILIES, MORE_FAMILIES, tiny_model, word_tokenizer
+from tests.support import rel_err
 
 BACKENDS = list(available_backends("cpu"))
 OBJECTIVES = {  # loss options per family in the float64 parity test (default: GSPO, "grpo" aggregation)
@@ -257,18 +258,57 @@ def test_resumed_trainer_takes_the_same_next_step(tmp_path):
         other.load(tmp_path / "ckpt")
 
 
-def test_bf16_autocast_step_is_finite_and_close_to_fp32():
+def _off_policy_step(trainer, model, rollout, old_logprobs):
+    """Loss and the flattened gradient of every parameter for ``rollout`` scored against ``old_logprobs``."""
+    rollout.old_logprobs = old_logprobs
+    model.zero_grad(set_to_none=True)
+    out = trainer.compute_loss(rollout, torch.arange(len(rollout.prompts)))
+    out.loss.backward()
+    grad = torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
+    return out.loss.detach(), grad, out.metrics
+
+
+def test_bf16_autocast_off_policy_step_matches_fp32_within_bf16_rounding():
+    """One rollout, scored (old log-probs) by an fp32 and a bf16-autocast trainer of the same policy, then one AdamW
+    update of the policy (the same new weights in both), then the off-policy loss and every parameter's gradient
+    in each precision. Tolerances from bf16 arithmetic (unit roundoff u = 2^-8):
+
+    - gradient: each matmul under autocast rounds its two operands and its result (3u), and the importance weights
+      carry the log-probs' own bf16 error; bounded by 4u = 2^-6, the library's bound for any bf16 gradient
+      (docs/math.md §9). Observed 1.1u.
+    - loss: a mean of ``-A w`` terms whose log-ratios are off by at most twice the largest bf16-vs-fp32 difference
+      of the old log-probs: ``2 max|d old| max|A| max w``. Observed about 1% of that.
+
+    The comparison fails on errors of a real bug's size: every gradient 5% off (``verify``'s planted error), and
+    the bf16 step taking its importance weights as 1 (old log-probs from the current policy)."""
     tok = word_tokenizer()
-    losses = {}
-    for bf16 in (False, True):
-        model = tiny_model("llama", tok)
-        trainer = GSPOTrainer(model, tok, GSPOTrainerConfig(group_size=4, max_new_tokens=4, bf16=bf16,
-                                                             left_clip_range=0.2, right_clip_range=0.2))
-        rollout = trainer.rollout(QUERIES, digit_reward)
-        rollout.old_logprobs = trainer.score(model, rollout)
-        losses[bf16] = trainer.compute_loss(rollout, torch.arange(len(rollout.prompts))).loss.detach()
-    assert torch.isfinite(losses[True])
-    assert abs(float(losses[True]) - float(losses[False])) < 0.05
+    options = dict(group_size=4, max_new_tokens=5, left_clip_range=0.2, right_clip_range=0.2, learning_rate=0.02,
+                   max_grad_norm=None)
+    model32 = tiny_model("llama", tok)
+    model16 = copy.deepcopy(model32)
+    fp32 = GSPOTrainer(model32, tok, GSPOTrainerConfig(bf16=False, **options))
+    bf16 = GSPOTrainer(model16, tok, GSPOTrainerConfig(bf16=True, **options))
+    rollout = fp32.rollout(QUERIES, digit_reward)
+    old32, old16 = fp32.score(model32, rollout), bf16.score(model16, rollout)
+    _off_policy_step(fp32, model32, rollout, old32)  # on-policy gradient, then the update
+    fp32.optimizer.step()
+    model16.load_state_dict(model32.state_dict())
+    loss32, grad32, metrics = _off_policy_step(fp32, model32, rollout, old32)
+    loss16, grad16, _ = _off_policy_step(bf16, model16, rollout, old16)
+    u = 2.0**-8
+    w_max, adv_max = float(metrics["importance_weight/max"]), float(rollout.advantages.abs().max())
+    loss_tol = 2 * float((old16 - old32).abs().max()) * adv_max * w_max
+    assert float(metrics["importance_weight/min"]) < 0.95 and w_max > 1.05  # off-policy: the update moved it
+
+    def within(loss, grad) -> bool:
+        return abs(float(loss) - float(loss32)) <= loss_tol and rel_err(grad, grad32) <= 4 * u
+
+    assert torch.isfinite(loss16) and within(loss16, grad16), (float(loss16 - loss32), loss_tol,
+                                                              rel_err(grad16, grad32) / u)
+    assert not within(loss16, grad16 * 1.05)
+    on_policy = bf16.score(model16, rollout)
+    assert not within(*_off_policy_step(bf16, model16, rollout, on_policy)[:2])
+
     bf16_model = tiny_model("gemma", tok).to(torch.bfloat16)  # the logits probe passes for a bf16 model
     metrics = GSPOTrainer(bf16_model, tok, GSPOTrainerConfig(group_size=2, max_new_tokens=3)).train_step(
         QUERIES, digit_reward)

@@ -18,11 +18,13 @@ import gspo_kernels as gk
 from gspo_kernels import reference
 from tests.support import (
     RTOL,
+    assert_case_covers,
     check_against_reference,
     device_for,
     linear_loss_vs_reference,
     logits_loss_vs_reference,
     make_case,
+    matrix_budget,
     objective_configs,
     objective_id,
     rel_err,
@@ -44,21 +46,23 @@ def _loss_scale(config, vocab: int) -> float:
 
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 @pytest.mark.parametrize("config", CONFIGS, ids=objective_id)
-def test_logits_loss_matches_reference(backend, config, packed):  # noqa: F811
+def test_logits_loss_matches_reference(backend, config, packed, case_seed):  # noqa: F811
     check_against_reference(*logits_loss_vs_reference(backend, config, packed, device=_device(backend)),
                             loss_scale=_loss_scale(config, 97))
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 @pytest.mark.parametrize("config", CONFIGS, ids=objective_id)
-def test_linear_loss_matches_reference(backend, config, packed):  # noqa: F811
-    check_against_reference(*linear_loss_vs_reference(backend, config, packed, device=_device(backend)),
-                            loss_scale=_loss_scale(config, 75))
+def test_linear_loss_matches_reference(backend, config, packed, case_seed):  # noqa: F811
+    """Several chunks and vocabulary tiles on every backend (small tiles; every other config a budget of 4 rows)."""
+    budget = matrix_budget(CONFIGS.index(config), 75)
+    check_against_reference(*linear_loss_vs_reference(backend, config, packed, device=_device(backend),
+                                                      memory_budget=budget), loss_scale=_loss_scale(config, 75))
 
 
 # More combinations for the sequence stage alone (cheap: no logits): the remaining branches of the fused kernel.
 MORE = [
-    gk.GSPOConfig(loss_type="cispo", importance_sampling_level="sequence", epsilon_high=1.0001, log_ratio_clamp=1e-4),
+    gk.GSPOConfig(loss_type="cispo", importance_sampling_level="sequence", epsilon_high=1.0001, log_ratio_clamp=5e-4),
     gk.GSPOConfig(loss_type="sapo", importance_sampling_level="sequence_token", beta=0.04,
                   use_bias_correction_kl=True, off_policy_mask_threshold=0.0),
     gk.GSPOConfig(loss_type="vespo", importance_sampling_level="token", off_policy_mask_threshold=0.05,
@@ -79,13 +83,15 @@ MORE = [
 ]
 
 
+@pytest.mark.parametrize("draw", range(3))
 @pytest.mark.parametrize("config", CONFIGS + MORE, ids=objective_id)
-def test_policy_loss_matches_reference(backend, config):  # noqa: F811
-    """The sequence stage alone (packed, per-token advantages, with entropies)."""
+def test_policy_loss_matches_reference(backend, config, draw, case_seed):  # noqa: F811
+    """The sequence stage alone (packed, per-token advantages, with entropies), three draws each (its seed per
+    test: ``case_seed``)."""
     dev = _device(backend)
     case = make_case(lambda y: torch.randn(y.shape, dtype=torch.float64) * 0.5 - 2.0, 11, packed=True,
                      per_token_adv=True)
-    logp = (case.old_logprobs.double() + 2e-4 * torch.randn(case.old_logprobs.shape)).float()
+    logp = case.current.float()
     entropy = torch.rand(logp.shape) + 0.5
     kw = case.kwargs(config.beta > 0, config)
     x, h = logp.clone().to(dev).requires_grad_(), entropy.clone().to(dev).requires_grad_()
@@ -94,6 +100,7 @@ def test_policy_loss_matches_reference(backend, config):  # noqa: F811
     grads = [g.cpu() for g in torch.autograd.grad(out.loss, (x, h), allow_unused=True, materialize_grads=True)]
     x64, h64 = logp.double().requires_grad_(), entropy.double().requires_grad_()
     expected = reference.policy_loss(x64, case.advantages, case.old_logprobs, entropy=h64, config=config, **kw)
+    assert_case_covers(config, case, expected.metrics)
     ref_grads = torch.autograd.grad(expected.loss, (x64, h64), allow_unused=True, materialize_grads=True)
     check_against_reference(out, expected, grads, ref_grads, loss_scale=_loss_scale(config, 11))
 
@@ -281,10 +288,13 @@ def test_matches_trl_gamma_weights_and_off_policy_mask():
 
 
 @pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])
-def test_rollout_correction_matches_trl_vllm_importance_sampling(mode):
-    """TRL's vLLM importance sampling (``exp`` of the masked log-prob difference, summed over the response for
-    the sequence modes; truncated or masked at C_min / C_max) written out here from its definition, against the
-    library's correction: the loss equals the clipped loss times those weights, in float64."""
+def test_rollout_correction_matches_trl_compute_loss_given_its_vllm_weights(mode):
+    """TRL 1.16 computes its vLLM importance weights inside ``_generate_and_score_completions`` (during generation,
+    no function of their own), so they are written out here from that code: ``exp`` of the masked log-prob
+    difference, summed over the response for the sequence modes, truncated or masked at C_min / C_max. TRL's own
+    ``_compute_loss`` takes them as ``importance_sampling_ratio``; the library computes them itself from the engine's
+    log-probs (``rollout_correction=mode``): the same loss and gradient in float64. The library's weight metrics are
+    checked against the written-out weights."""
     logp, old, adv = _token_problem(S=4, T=6, spread=0.05)
     mask = torch.ones_like(logp)
     mask[1, 4:] = 0
@@ -296,19 +306,20 @@ def test_rollout_correction_matches_trl_vllm_importance_sampling(mode):
         weights = ratio.clamp(c_min, c_max)
     else:
         weights = ratio.masked_fill((ratio < c_min) | (ratio > c_max), 0.0)
-    weights = weights.expand_as(logp)
-    assert (weights != ratio.expand_as(logp)).any() and (weights == ratio.expand_as(logp)).any()
-    base = gk.GSPOConfig(importance_sampling_level="token", epsilon_low=0.2, epsilon_high=0.2, loss_type="bnpo")
+    assert (weights != ratio).any() and (weights == ratio).any()
+    x = logp.clone().requires_grad_()
+    theirs, _ = _trl_loss("bnpo", "token", x, old, adv[:, None], mask, mask.sum(), is_ratio=weights, epsilon_low=0.2,
+                          epsilon_high=0.2)
     corrected = gk.GSPOConfig(importance_sampling_level="token", epsilon_low=0.2, epsilon_high=0.2,
                               loss_type="bnpo", rollout_correction=mode, rollout_correction_min=c_min,
                               rollout_correction_max=c_max)
-    x, y = logp.clone().requires_grad_(), logp.clone().requires_grad_()
-    want = gk.policy_loss(x, adv, old, mask=mask, is_ratio=weights, config=base, backend="torch")
+    y = logp.clone().requires_grad_()
     got = gk.policy_loss(y, adv, old, mask=mask, rollout_logprobs=rollout, config=corrected, backend="torch")
-    assert abs(got.loss.item() - want.loss.item()) < 1e-12
-    torch.testing.assert_close(torch.autograd.grad(got.loss, y)[0], torch.autograd.grad(want.loss, x)[0])
+    assert abs(got.loss.item() - theirs.item()) < 1e-12
+    assert rel_err(torch.autograd.grad(got.loss, y)[0] * mask, torch.autograd.grad(theirs, x)[0] * mask) < 1e-10
     # the mismatch metrics: verl's direct KL estimator, TRL's weight statistics (over responses for sequence modes)
     assert abs(float(got.metrics["rollout/kl"]) - ((rollout - old) * mask).sum().item() / mask.sum().item()) < 1e-6
+    weights = weights.expand_as(logp)
     flat = weights[:, 0] if mode.startswith("sequence") else weights[mask > 0]
     assert abs(float(got.metrics["rollout/weight_max"]) - flat.max().item()) < 1e-6
     assert abs(float(got.metrics["rollout/weight_mean"]) - flat.mean().item()) < 1e-6

@@ -83,13 +83,13 @@ def test_reference_caps_before_the_temperature():
 
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 @pytest.mark.parametrize("config", SOFTCAP_CONFIGS, ids=CONFIG_IDS)
-def test_logits_loss_with_softcap_matches_reference(backend, config, packed):
+def test_logits_loss_with_softcap_matches_reference(backend, config, packed, case_seed):
     check_against_reference(*logits_loss_vs_reference(backend, config, packed, device=_device(backend)))
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 @pytest.mark.parametrize("config", SOFTCAP_CONFIGS, ids=CONFIG_IDS)
-def test_linear_loss_with_softcap_matches_reference(backend, config, packed):
+def test_linear_loss_with_softcap_matches_reference(backend, config, packed, case_seed):
     """Hidden states, weight and bias (the bias added before the cap: it must not be shifted by its max)."""
     check_against_reference(*linear_loss_vs_reference(backend, config, packed, device=_device(backend)))
 

@@ -587,20 +587,24 @@ def format_markdown(results: Sequence[StepResult], header: Optional[Dict[str, ob
 
 
 def workload(device: str = "cuda", vocab_size: int = 4099, linear_vocab_size: int = 1000,
-             loss_types: Optional[Sequence[str]] = None) -> None:
+             loss_types: Optional[Sequence[str]] = None, objectives: bool = True) -> None:
     """Small shapes through every Triton launch of the library (run under ``compute-sanitizer``).
 
     Logits path: padded ``[:, :-1]`` view (routed to its base), transposed rows, in place, ``-inf`` logits,
     out-of-range labels with the value checks skipped (decision 5: never read), a vocabulary that is not a
     multiple of the block. Hidden-state path: bf16 and fp32 operands, with bias, through the public
-    functions; the two-pass backward over one and several vocabulary slices and over rows. Sequence stage: every level and loss type, KL and entropy. Raises on a non-finite loss.
+    functions; the two-pass backward over one and several vocabulary slices and over rows. Sequence stage: every level and loss type, KL and entropy, and
+    with ``objectives``, every objective's Triton helpers (each loss type of the registry, the levels and the
+    rollout correction modes in turn) on packed responses with a masked token and an empty one (``--workload``;
+    ``--workload-quick`` leaves them out: their compilations would pass the quick step's time). Raises on a
+    non-finite loss.
     ``device="cpu"`` runs it in the Triton interpreter (tests).
     """
     import torch
 
     import gspo_kernels as gk
     from gspo_kernels.backends.triton.logits import logits_logprobs
-    from gspo_kernels.config import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES
+    from gspo_kernels.config import ALL_LOSS_TYPES, IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, ROLLOUT_CORRECTIONS
     from gspo_kernels.options import CallOptions
 
     torch.manual_seed(0)
@@ -619,6 +623,28 @@ def workload(device: str = "cuda", vocab_size: int = 4099, linear_vocab_size: in
                 out.loss.backward()
                 if not torch.isfinite(out.loss):
                     raise RuntimeError(f"non-finite loss ({level}, {loss_type})")
+    # Every objective's own Triton helpers (their gradient passes write per token): packed responses of 4, 1, 0 and
+    # 6 tokens (one masked), per-token advantages, old and engine log-probs.
+    cu = torch.tensor([0, 4, 5, 5, 11], device=device, dtype=torch.int32)
+    mask = torch.ones(11, device=device)
+    mask[2] = 0
+    for i, loss_type in enumerate(ALL_LOSS_TYPES if objectives else ()):
+        level = IMPORTANCE_SAMPLING_LEVELS[i % len(IMPORTANCE_SAMPLING_LEVELS)]
+        options = dict(loss_type=loss_type, importance_sampling_level=level, max_completion_length=T,
+                       rollout_correction=ROLLOUT_CORRECTIONS[i % len(ROLLOUT_CORRECTIONS)])
+        try:
+            config = gk.GSPOConfig(**options)
+        except ValueError:  # an objective whose epsilon_high is an absolute cap, or that refuses the mode
+            options.update(epsilon_high=5.0, rollout_correction=None)
+            config = gk.GSPOConfig(**options)
+        logp = (torch.randn(11, device=device) - 2).requires_grad_(True)
+        old = logp.detach() + 0.05 * torch.randn(11, device=device)
+        out = gk.policy_loss(logp, torch.randn(11, device=device), old, mask=mask, cu_seqlens=cu,
+                             rollout_logprobs=old + 0.1 * torch.randn(11, device=device), config=config,
+                             backend="triton")
+        torch.autograd.grad(out.loss, logp)
+        if not torch.isfinite(out.loss):
+            raise RuntimeError(f"non-finite loss ({level}, {loss_type})")
     x = torch.randn(V, 7, device=device).t().requires_grad_(True)  # transposed rows
     x_inf = torch.randn(7, V, device=device)
     x_inf[:, ::3] = float("-inf")
@@ -654,7 +680,7 @@ def workload(device: str = "cuda", vocab_size: int = 4099, linear_vocab_size: in
 
 def run(args: argparse.Namespace) -> int:
     if args.workload or getattr(args, "workload_quick", False):
-        workload(loss_types=("grpo",) if not args.workload else None)
+        workload(loss_types=("grpo",) if not args.workload else None, objectives=bool(args.workload))
         print("gpu-check workload: done")
         return 0
     import torch
