@@ -33,15 +33,17 @@ SEED_OFFSET = int(os.environ.get("GSPO_TEST_SEED", "0"))
 
 
 def pytest_report_header(config):
-    return [f"parity matrices: each test's seed is crc32(its id) + GSPO_TEST_SEED ({SEED_OFFSET})"]
+    return [f"parity matrices: each test's seed is crc32(its id from the file name on) + GSPO_TEST_SEED "
+            f"({SEED_OFFSET})"]
 
 
 @pytest.fixture
 def case_seed(request) -> int:
     """Seeds torch for this test alone, so that every cell of a parity matrix draws its own inputs around the
     designed responses of ``tests/support.RESPONSES``; ``GSPO_TEST_SEED=n`` draws another sample for all of them.
-    A failing test's report shows its seed."""
-    seed = (zlib.crc32(request.node.nodeid.encode()) + SEED_OFFSET) % 2**31
+    A failing test's report shows its seed. The id is taken from the file name on (``test_x.py::test_y[...]``), so
+    that moving a test file to another folder keeps its draws."""
+    seed = (zlib.crc32(request.node.nodeid.rsplit("/", 1)[-1].encode()) + SEED_OFFSET) % 2**31
     torch.manual_seed(seed)
     request.node.gspo_seed = seed
     return seed
