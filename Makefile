@@ -19,14 +19,14 @@ PEERS ?= trl==1.16.0 liger-kernel==0.8.5 cut-cross-entropy==25.1.1
 # install); on the CPU its accelerator compiles one communication op at first use, cached in TORCH_EXTENSIONS_DIR.
 DEEPSPEED_SPEC ?= deepspeed==0.19.8
 DS_EXTENSIONS ?= $(HOME)/.cache/gspo_kernels/torch_extensions
-DEEPSPEED_TESTS ?= tests/distributed tests/test_openrlhf_distributed.py
+DEEPSPEED_TESTS ?= tests/distributed tests/integrations/test_openrlhf_distributed.py
 # make test's worker processes (pytest-xdist; a test file stays in one worker): the interpreted Triton kernels
 # run on one core each, so two workers use both cores of the development machine.
 TEST_WORKERS ?= 2
 VERL_SPEC ?= verl==0.9.1
 VERL_IMPORTS ?= ray omegaconf tensordict orjson codetiming hydra-core
 OPENRLHF_SPEC ?= openrlhf==0.11.2
-# What OpenRLHF's modules import besides DEEPSPEED_SPEC (tests/stubs stands in for flash_attn and vllm).
+# What OpenRLHF's modules import besides DEEPSPEED_SPEC (tests/integrations/stubs stands in for flash_attn and vllm).
 OPENRLHF_IMPORTS ?= peft pylatexenc torchdata aiohttp
 
 # The tested floor (gspo_kernels/versions.py): torch 2.8 and the triton it pins (3.4), in their own virtual
@@ -37,9 +37,10 @@ FLOOR_VENV ?= .venv-floor
 FLOOR_PY := $(FLOOR_VENV)/bin/python
 FLOOR_STAMP := $(FLOOR_VENV)/.installed
 FLOOR_SPEC ?= torch==2.8.0 numpy==2.2.6 transformers==5.24.0
-COMPAT_TESTS ?= tests/test_versions.py tests/test_triton_logits.py tests/test_triton_linear.py tests/test_softcap.py \
-	tests/test_vocab_sliced_backward.py tests/test_cpu_backend.py tests/test_torch_backend.py \
-	tests/test_conformance.py tests/test_objectives.py tests/test_hf_trainer.py tests/test_toy_trainer.py
+COMPAT_TESTS ?= tests/repository/test_versions.py tests/backends/triton/test_triton_logits.py \
+	tests/backends/triton/test_triton_linear.py tests/test_softcap.py tests/backends/triton/test_vocab_sliced_backward.py \
+	tests/backends/cpu/test_cpu_backend.py tests/backends/torch/test_torch_backend.py tests/test_conformance.py \
+	tests/objectives/test_objectives.py tests/train/test_hf_trainer.py tests/train/test_toy_trainer.py
 # The peers (TRL, verl) and matplotlib (the arithmetic example's plot) are not installed on the floor: the tests
 # that need them run in make test, and only those are left out here, by name.
 COMPAT_DESELECT ?= not test_matches_trl and not test_matches_verl and not test_example_writes_its_plot

@@ -64,7 +64,7 @@ def trace_case(case: str, shape: Dict[str, int] = SHAPE) -> dict:
     old pass and the step (bytes above each start) and the largest storages alive at each."""
     sys.path.insert(0, str(ROOT))
     from benchmarks.memory_trace import MemoryTrace
-    from tests.openrlhf_env import openrlhf_importable
+    from tests.integrations.openrlhf_env import openrlhf_importable
 
     torch._dynamo.config.disable = True  # OpenRLHF's compute_entropy eagerly (not called here: no entropy)
     with openrlhf_importable():

@@ -35,8 +35,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 ROOT = Path(__file__).resolve().parents[1]
 # The test files the bugs run against (the parity matrix, the objectives, the one-pass plan, the peers).
-CORE = ("tests/test_conformance.py", "tests/test_objectives.py", "tests/test_softcap.py", "tests/test_policy_loss.py",
-        "tests/test_one_pass_plan.py", "tests/test_liger_and_cce_parity.py")
+CORE = ("tests/test_conformance.py", "tests/objectives/test_objectives.py", "tests/test_softcap.py", "tests/test_policy_loss.py",
+        "tests/backends/triton/test_one_pass_plan.py", "tests/test_liger_and_cce_parity.py")
 
 
 @dataclass(frozen=True)
@@ -102,13 +102,13 @@ BUGS = (
         "vocabulary tile raises the max",
         "gspo_kernels/backends/torch/linear.py",
         (("self.a = scale * (self.a + shift * self.s) + a_tile", "self.a = scale * self.a + a_tile"),),
-        k="(torch or liger) and not triton", files=CORE + ("tests/test_torch_backend.py",)),
+        k="(torch or liger) and not triton", files=CORE + ("tests/backends/torch/test_torch_backend.py",)),
     Bug("cpu-online-entropy-rescale",
         "C++ CPU kernels: the running entropy sum rescaled without its shift term when a later vocabulary tile "
         "raises the max",
         "csrc/gspo_cpu.h",
         (("a = c * (a + shift * s);", "a = c * a;"),),
-        k="cpu and not triton", files=CORE + ("tests/test_cpu_backend.py",)),
+        k="cpu and not triton", files=CORE + ("tests/backends/cpu/test_cpu_backend.py",)),
     Bug("dual-clip-wrong-sign",
         "PyTorch stage (torch and cpu backends): the dual clip tested on A > 0 (where it never binds) instead of A < 0",
         "gspo_kernels/objectives/clipped.py",

@@ -19,6 +19,7 @@ import torch.multiprocessing as mp
 
 import gspo_kernels as gk
 from gspo_kernels import GSPOConfig, reference
+from tests.distributed.test_vocab_parallel import RANGES, _free_port, gloo_process
 from tests.support import (
     RTOL,
     assert_bf16_within_fp32_math_plus_rounding,
@@ -30,7 +31,6 @@ from tests.support import (
     rel_err,
 )
 from tests.test_conformance import NAMES, _device, use_backend
-from tests.test_vocab_parallel import RANGES, _free_port, gloo_process
 
 CAP = 2.0
 # Every level and every loss type, with the optional terms (KL, bias correction, delta, temperature, entropy
@@ -335,7 +335,7 @@ def test_torch_compile_fullgraph_with_softcap():
     """backend="cpu" under torch.compile (fullgraph): the ops' softcap argument goes through their fake
     implementations and autograd formulas; the compiled loss and gradients equal the eager ones, and the cap
     changed them."""
-    from tests.test_cpu_backend import _compile_case, _eager_and_compiled
+    from tests.backends.cpu.test_cpu_backend import _compile_case, _eager_and_compiled
 
     hidden, weight, labels, adv, old, kw = _compile_case()
     cfg = GSPOConfig(loss_type="bnpo", beta=0.04, entropy_coef=0.01, final_logit_softcapping=1.5)

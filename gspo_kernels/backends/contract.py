@@ -3,7 +3,7 @@
 A backend (:class:`gspo_kernels.backends.Backend`) provides :class:`LogitsLogprobs` and :class:`LinearLogprobs`,
 and optionally :class:`SequenceStage`, :class:`FusedLinearLoss` and :class:`FusedLogitsLoss`, as differentiable
 functions (autograd Functions inside the backend) whose parameters are those of the Protocol's ``__call__``:
-the same names, kinds and defaults (``tests/test_backend_contract.py`` checks each registered backend against
+the same names, kinds and defaults (``tests/backends/test_backend_contract.py`` checks each registered backend against
 them).
 
 The call's options reach a backend as one frozen object, the :class:`~gspo_kernels.options.CallOptions` the

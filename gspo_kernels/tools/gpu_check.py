@@ -9,8 +9,9 @@ default, sized for an H100):
    *installed* Triton (``gspo-kernels h100-report``).
 3. ``gpu-tests``: ``pytest -m gpu tests`` (the GPU-only checks: the bf16 tensor-core path against float64,
    determinism, peak memory, devices other than the current one).
-4. ``triton-tests``: ``tests/test_triton_logits.py`` and ``tests/test_triton_linear.py`` (every kernel
-   against the float64 reference, on the GPU this time instead of the interpreter).
+4. ``triton-tests``: ``tests/backends/triton/test_triton_logits.py`` and
+   ``tests/backends/triton/test_triton_linear.py`` (every kernel against the float64 reference, on the GPU this time
+   instead of the interpreter).
 5. ``memcheck``: ``compute-sanitizer --tool memcheck`` over small shapes of every Triton launch
    (``--workload``), with PyTorch's caching allocator off so that a read past an allocation is caught;
    skipped with a reason when ``compute-sanitizer`` is not installed.
@@ -27,9 +28,9 @@ left out; in parallel processes with pytest-xdist when it is installed), ``memch
 (one loss type), and ``benchmarks``: ``gspo-kernels bench --gpu`` within the step's time when that command
 exists (``gspo_kernels.tools.bench_gpu``), else the two benchmark files at a quick size.
 
-Test files that need a peer that is not installed (TRL and ``datasets`` for ``tests/test_trl_*.py``, verl for
-``tests/test_verl.py`` and one test of ``tests/test_objectives.py``) are left out of the pytest steps, and the step's summary says which and why
-(:func:`left_out_test_files`): ``make test`` is where the parity tests run, and never skip.
+Test files that need a peer that is not installed (TRL and ``datasets`` for ``tests/integrations/test_trl_*.py``,
+verl for ``tests/integrations/test_verl.py`` and one test of ``tests/objectives/test_objectives.py``) are left out of
+the pytest steps, and the step's summary says which and why (:func:`left_out_test_files`): ``make test`` is where the parity tests run, and never skip.
 
 Everything goes to ``<out>/gpu_check.json`` and ``<out>/gpu_check.md`` (rewritten after each step, so an
 interrupted run still leaves what it measured), next to each step's own files (``h100_report.json``,
@@ -68,18 +69,19 @@ QUICK_STEPS = ("versions", "verify", "gpu-tests", "memcheck", "benchmarks")
 QUICK_LIMITS_S = {"versions": 20, "verify": 45, "gpu-tests": 110, "memcheck": 20, "benchmarks": 45}
 # Test files (or single tests, ``file::name``) and the peers (importable modules) they need.
 PEER_TEST_FILES = {
-    "tests/test_trl_integration.py": ("trl", "datasets"),
-    "tests/test_trl_objectives.py": ("trl", "datasets"),
-    "tests/test_trl_training.py": ("trl", "datasets"),
-    "tests/test_trl_distributed.py": ("trl", "datasets"),
-    "tests/test_verl.py": ("verl",),
-    "tests/test_objectives.py::test_matches_verl_policy_losses": ("verl",),
+    "tests/integrations/test_trl_integration.py": ("trl", "datasets"),
+    "tests/integrations/test_trl_objectives.py": ("trl", "datasets"),
+    "tests/integrations/test_trl_training.py": ("trl", "datasets"),
+    "tests/integrations/test_trl_distributed.py": ("trl", "datasets"),
+    "tests/integrations/test_verl.py": ("verl",),
+    "tests/objectives/test_objectives.py::test_matches_verl_policy_losses": ("verl",),
 }
 # Where the ``suite`` step checks that pip can reach the package index (the ``network``-marked tests need it).
 PACKAGE_INDEX = ("pypi.org", 443)
 # The kernel test files of the quick selection (with every ``gpu``-marked test of the suite).
-QUICK_TEST_FILES = ("tests/test_triton_logits.py", "tests/test_triton_linear.py", "tests/test_hidden_path_gemm.py",
-                    "tests/test_vocab_sliced_backward.py")
+QUICK_TEST_FILES = ("tests/backends/triton/test_triton_logits.py", "tests/backends/triton/test_triton_linear.py",
+                    "tests/backends/triton/test_hidden_path_gemm.py",
+                    "tests/backends/triton/test_vocab_sliced_backward.py")
 # --quick: verify's paths (the two-pass head's kernels are checked against float64 by its test file above instead:
 # the step's limit was set from a measured 26 s for these two paths)
 QUICK_VERIFY_PATHS = ("logits", "linear")
@@ -137,7 +139,8 @@ def find_test_tree(explicit: Optional[str] = None) -> Optional[str]:
     """The first of ``explicit``, ``$GSPO_KERNELS_TESTS``, the directory above the package (a checkout) and the
     current directory that holds the library's test files; None for an installed package with no source tree."""
     for candidate in (explicit, os.environ.get("GSPO_KERNELS_TESTS"), ROOT, os.getcwd()):
-        if candidate and os.path.exists(os.path.join(candidate, "tests", "test_triton_logits.py")):
+        kernel_tests = os.path.join(candidate or "", "tests", "backends", "triton", "test_triton_logits.py")
+        if candidate and os.path.exists(kernel_tests):
             return os.path.abspath(candidate)
     return None
 
@@ -363,7 +366,8 @@ def step_triton_tests(out_dir: str, limit_s: float) -> StepResult:
     missing = _needs_tree("triton-tests")
     if missing:
         return missing
-    files = [f for f in ("tests/test_triton_logits.py", "tests/test_triton_linear.py", "tests/test_hidden_path_gemm.py")
+    files = [f for f in ("tests/backends/triton/test_triton_logits.py", "tests/backends/triton/test_triton_linear.py",
+                         "tests/backends/triton/test_hidden_path_gemm.py")
              if os.path.exists(os.path.join(_tree["root"], f))]
     return _pytest_step("triton-tests", out_dir, limit_s, files, "triton_tests.xml")
 

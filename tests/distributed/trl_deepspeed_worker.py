@@ -51,7 +51,7 @@ def main(out_dir: str, policy_dir: str) -> None:
 
     from gspo_kernels.integrations.trl import GRPOTrainer
     from gspo_kernels.train.tasks import hf_tokenizer, trl_reward_function
-    from tests.test_trl_integration import TASK, _dataset
+    from tests.integrations.test_trl_integration import TASK, _dataset
 
     rows, shapes = {}, {}
     for name, (stage, stock_options, our_options) in RUNS.items():

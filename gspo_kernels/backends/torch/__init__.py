@@ -7,7 +7,7 @@ gradient), writing the gradient directly. Block size: on CPU about ``LOGITS_BLOC
 accelerator (CUDA) the scratch blocks fill ``DEFAULT_MEMORY_BUDGET`` (bf16 [16384, 151936] logits: 32 blocks,
 ~15 kernels each, where 55-row blocks made 304). Rows to compute (the forward's ``active``, the backward's rows
 with gradient) are read to the host once per call, never per block; no op sorts (``scatter_add``, not
-``index_put(accumulate=True)``); ``tests/test_torch_backend_launches.py`` counts both.
+``index_put(accumulate=True)``); ``tests/backends/torch/test_torch_backend_launches.py`` counts both.
 On an accelerator (CUDA) the logits path's forward is max(dim=1) + one softmax + entr + sum (log p_y from the max's
 column, :func:`_rows_forward_accelerated`) and a ``[B, T + 1, V]`` base read as ``[:, :-1]`` takes its gradient
 directly; fp16/bf16 rows that no softmax kernel reads into fp32 (bf16 on CUDA) get their gradient from a softmax in

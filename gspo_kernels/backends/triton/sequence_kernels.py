@@ -77,7 +77,7 @@ MIN_COLUMNS = tl.constexpr((P_W_MIN.value, P_RW_MIN.value))
 MAX_COLUMNS = tl.constexpr((P_W_MAX.value, P_RW_MAX.value))
 
 # Slots of the reduction kernel's output ``out [NUM_OUTPUTS]`` (on the host: ``out[O_LOSS.value]``); the metrics
-# they report are named in ``METRICS`` below. Both numberings run 0, 1, ... without a gap (tests/test_structure.py).
+# they report are named in ``METRICS`` below. Both numberings run 0, 1, ... without a gap (tests/repository/test_structure.py).
 O_LOSS = tl.constexpr(0)
 O_SCALE_LOGP = tl.constexpr(1)  # dL/dlogp = coef * O_SCALE_LOGP
 O_SCALE_ENTROPY = tl.constexpr(2)  # dL/dentropy = mask * O_SCALE_ENTROPY
