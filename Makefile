@@ -38,6 +38,7 @@ FLOOR_PY := $(FLOOR_VENV)/bin/python
 FLOOR_STAMP := $(FLOOR_VENV)/.installed
 FLOOR_SPEC ?= torch==2.8.0 numpy==2.2.6 transformers==5.24.0
 COMPAT_TESTS ?= tests/repository/test_versions.py tests/backends/triton/test_triton_logits.py \
+	tests/backends/triton/test_triton_logits_edges.py \
 	tests/backends/triton/test_triton_linear.py tests/test_softcap.py tests/backends/triton/test_vocab_sliced_backward.py \
 	tests/backends/cpu/test_cpu_backend.py tests/backends/torch/test_torch_backend.py tests/test_conformance.py \
 	tests/objectives/test_objectives.py tests/train/test_hf_trainer.py tests/train/test_toy_trainer.py

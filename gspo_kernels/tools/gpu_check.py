@@ -9,7 +9,7 @@ default, sized for an H100):
    *installed* Triton (``gspo-kernels h100-report``).
 3. ``gpu-tests``: ``pytest -m gpu tests`` (the GPU-only checks: the bf16 tensor-core path against float64,
    determinism, peak memory, devices other than the current one).
-4. ``triton-tests``: ``tests/backends/triton/test_triton_logits.py`` and
+4. ``triton-tests``: ``tests/backends/triton/test_triton_logits*.py`` and
    ``tests/backends/triton/test_triton_linear.py`` (every kernel against the float64 reference, on the GPU this time
    instead of the interpreter).
 5. ``memcheck``: ``compute-sanitizer --tool memcheck`` over small shapes of every Triton launch
@@ -79,8 +79,8 @@ PEER_TEST_FILES = {
 # Where the ``suite`` step checks that pip can reach the package index (the ``network``-marked tests need it).
 PACKAGE_INDEX = ("pypi.org", 443)
 # The kernel test files of the quick selection (with every ``gpu``-marked test of the suite).
-QUICK_TEST_FILES = ("tests/backends/triton/test_triton_logits.py", "tests/backends/triton/test_triton_linear.py",
-                    "tests/backends/triton/test_hidden_path_gemm.py",
+QUICK_TEST_FILES = ("tests/backends/triton/test_triton_logits.py", "tests/backends/triton/test_triton_logits_edges.py",
+                    "tests/backends/triton/test_triton_linear.py", "tests/backends/triton/test_hidden_path_gemm.py",
                     "tests/backends/triton/test_vocab_sliced_backward.py")
 # --quick: verify's paths (the two-pass head's kernels are checked against float64 by its test file above instead:
 # the step's limit was set from a measured 26 s for these two paths)
@@ -366,8 +366,8 @@ def step_triton_tests(out_dir: str, limit_s: float) -> StepResult:
     missing = _needs_tree("triton-tests")
     if missing:
         return missing
-    files = [f for f in ("tests/backends/triton/test_triton_logits.py", "tests/backends/triton/test_triton_linear.py",
-                         "tests/backends/triton/test_hidden_path_gemm.py")
+    files = [f for f in ("tests/backends/triton/test_triton_logits.py", "tests/backends/triton/test_triton_logits_edges.py",
+                         "tests/backends/triton/test_triton_linear.py", "tests/backends/triton/test_hidden_path_gemm.py")
              if os.path.exists(os.path.join(_tree["root"], f))]
     return _pytest_step("triton-tests", out_dir, limit_s, files, "triton_tests.xml")
 
