@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
+import signal
+import subprocess
+import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import List, Optional
 
 import pytest
 import torch
@@ -553,3 +557,36 @@ def save_tiny_policy(path, kind: str = "dense", tokenizer: bool = True):
     if tokenizer:
         hf_tokenizer().save_pretrained(path)
     return path
+
+
+def run_launch(command: List[str], timeout: float, env: Optional[dict] = None) -> str:
+    """``command`` in its own process group; killed (and the test failed) when it runs past ``timeout``: a rank that
+    hangs in a collective fails the test instead of blocking the suite. Returns its output."""
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, **(env or {})}, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"{' '.join(command)} did not finish within {timeout} s (a rank hung?):\n{out[-4000:]}") \
+            from None
+    if proc.returncode != 0:
+        raise AssertionError(f"{' '.join(command)} failed ({proc.returncode}):\n{out[-6000:]}")
+    return out
+
+
+def spawn_within(fn, args: tuple, nprocs: int, timeout: float) -> None:
+    """``torch.multiprocessing.spawn(fn, args, nprocs)`` with a deadline: a rank that raises fails the test (as
+    ``spawn`` does, the others terminated); ranks still running after ``timeout`` seconds (a rank hung in a
+    collective) are killed and the test fails, instead of blocking the suite."""
+    import torch.multiprocessing as mp
+
+    context = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout
+    while not context.join(timeout=max(0.0, min(5.0, deadline - time.monotonic()))):
+        if time.monotonic() >= deadline:
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
+            raise AssertionError(f"{nprocs} ranks of {fn.__name__} did not finish within {timeout} s (a rank hung?)")

@@ -15,7 +15,6 @@ import math
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 import gspo_kernels as gk
 from gspo_kernels import GSPOConfig, reference
@@ -29,6 +28,7 @@ from tests.support import (
     linear_loss_vs_reference,
     logits_loss_vs_reference,
     rel_err,
+    spawn_within,
 )
 from tests.test_conformance import NAMES, _device, use_backend
 
@@ -327,7 +327,7 @@ def _vp_worker(rank: int, world: int, port: int) -> None:
 
 
 def test_vocab_parallel_with_softcap():
-    mp.spawn(_vp_worker, args=(2, _free_port()), nprocs=2, join=True)
+    spawn_within(_vp_worker, (2, _free_port()), nprocs=2, timeout=180)
 
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from tests.distributed import trl_deepspeed_worker as worker
-from tests.distributed.zero3_cases import run
+from tests.support import run_launch
 
 ROOT = Path(__file__).resolve().parents[2]
 # fp32 on both sides; the same products in other orders (the library's head against TRL's chunked one), summed over
@@ -44,7 +44,7 @@ def logged(tmp_path_factory):
         "main_process_port: 0\nuse_cpu: false\n")
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(out / "accelerate.yaml"),
                str(ROOT / "tests" / "distributed" / "trl_deepspeed_worker.py"), str(out), str(policy)]
-    run(command, timeout=400, env={"DS_ACCELERATOR": "cpu", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    run_launch(command, timeout=400, env={"DS_ACCELERATOR": "cpu", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
     return json.loads((out / "rows.json").read_text())
 
 

@@ -23,19 +23,20 @@ import socket
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 if not torch.cuda.is_available():  # the children import triton after this line
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import gspo_kernels as gk  # noqa: E402
-from tests.support import configs, device_for, rel_err  # noqa: E402
+from tests.support import configs, device_for, rel_err, spawn_within  # noqa: E402
 
 V, H = 37, 16
 RANGES = {2: [(0, 15), (15, 37)], 3: [(22, 37), (0, 7), (7, 22)]}  # uneven; 3 ranks out of order
 BACKENDS = ("cpu", "torch", "triton")
 LENGTHS = (5, 1, 0, 7)
 TOL = 2e-5
+# A spawn fails past this (a rank hung in a collective): 15 s each alone on the 2-core development machine
+SPAWN_TIMEOUT_S = 300
 # The interpreter is slow: for triton, a subset of configs() still covering every level, every loss type
 # and both paths (index i: level i // 4, loss type i % 4; the hidden-state path when i % 3 == 2).
 TRITON_CONFIGS = (0, 5, 10, 11)
@@ -260,7 +261,7 @@ def _worker(rank: int, world: int, port: int) -> None:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_vocab_parallel_matches_one_process(world):
-    mp.spawn(_worker, args=(world, _free_port()), nprocs=world, join=True)
+    spawn_within(_worker, (world, _free_port()), nprocs=world, timeout=SPAWN_TIMEOUT_S)
 
 
 def test_vocab_parallel_needs_a_process_group():

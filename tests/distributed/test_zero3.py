@@ -20,6 +20,7 @@ import torch
 
 from gspo_kernels.distributed import zero3
 from tests.distributed import zero3_cases as cases
+from tests.support import run_launch
 
 ROOT = Path(__file__).resolve().parents[2]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
@@ -31,7 +32,7 @@ ATOL, RTOL = 2e-6, 1e-5
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     out = tmp_path_factory.mktemp("zero3")
-    cases.run(TORCHRUN + [str(ROOT / "tests" / "distributed" / "zero3_cases.py"), str(out)], timeout=400, env=ENV)
+    run_launch(TORCHRUN + [str(ROOT / "tests" / "distributed" / "zero3_cases.py"), str(out)], timeout=400, env=ENV)
     calls = [json.loads((out / f"calls{rank}.json").read_text()) for rank in range(cases.WORLD)]
     return torch.load(out / "states.pt"), calls
 
@@ -152,7 +153,7 @@ def test_plain_tensors_import_nothing_of_deepspeed():
     code = ("import sys, torch, gspo_kernels as gk; h = torch.randn(3, 8, requires_grad=True); "
             "w = torch.randn(11, 8, requires_grad=True); gk.linear_logprobs(h, w, torch.tensor([1, 2, 3])).sum()"
             ".backward(); assert 'deepspeed' not in sys.modules, 'deepspeed imported'; print('ok')")
-    out = cases.run([sys.executable, "-c", code], timeout=120, env={"PYTHONPATH": str(ROOT)})
+    out = run_launch([sys.executable, "-c", code], timeout=120, env={"PYTHONPATH": str(ROOT)})
     assert out.strip().endswith("ok")
     assert zero3.is_zero3_param(_partitioned()) and not zero3.is_zero3_param(torch.zeros(2))
 

@@ -16,7 +16,7 @@ import json
 import os
 import sys
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import torch
 from torch import nn
@@ -262,26 +262,6 @@ def load_example():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def run(command: List[str], timeout: float, env: Optional[dict] = None) -> str:
-    """``command`` in its own process group; killed (and the test failed) when it runs past ``timeout``: a rank that
-    hangs in a collective fails the test instead of blocking the suite. Returns its output."""
-    import signal
-    import subprocess
-
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, **(env or {})}, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        raise AssertionError(f"{' '.join(command)} did not finish within {timeout} s (a rank hung?):\n{out[-4000:]}") \
-            from None
-    if proc.returncode != 0:
-        raise AssertionError(f"{' '.join(command)} failed ({proc.returncode}):\n{out[-6000:]}")
-    return out
 
 
 if __name__ == "__main__":

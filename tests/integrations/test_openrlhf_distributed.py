@@ -5,9 +5,6 @@ with OpenRLHF's (``tests/integrations/openrlhf_workers.py``); and a real Ray wor
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,24 +12,10 @@ import pytest
 
 from gspo_kernels.testing import FP32_RTOL
 from tests.integrations.openrlhf_env import subprocess_env
+from tests.support import run_launch
 
 ROOT = Path(__file__).resolve().parents[2]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-
-
-def _run(command, timeout: float, env: dict) -> str:
-    """``command`` in its own process group, killed (the test failed) past ``timeout``: a rank hanging in a
-    collective fails the test instead of blocking the suite."""
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        raise AssertionError(f"{' '.join(command)} did not finish within {timeout} s:\n{out[-4000:]}") from None
-    assert proc.returncode == 0, f"{' '.join(command)} failed ({proc.returncode}):\n{out[-6000:]}"
-    return out
 
 
 MODES = ("ring", "zero2-tied", "zero3", "zero3-tied")
@@ -43,7 +26,7 @@ def workers(tmp_path_factory):
     """Every mode of ``tests/integrations/openrlhf_workers.py`` in one launch of two ranks; the output folder."""
     out = tmp_path_factory.mktemp("openrlhf_workers")
     env = {**subprocess_env(), "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    _run(TORCHRUN + [str(ROOT / "tests" / "integrations" / "openrlhf_workers.py"), ",".join(MODES), str(out)], timeout=500, env=env)
+    run_launch(TORCHRUN + [str(ROOT / "tests" / "integrations" / "openrlhf_workers.py"), ",".join(MODES), str(out)], timeout=500, env=env)
     return out
 
 
@@ -114,7 +97,7 @@ ray.shutdown()
 def test_a_ray_worker_of_an_enabled_driver_holds_the_library_classes():
     """``enable()`` in the driver, then ``ray.init``: a Ray worker process (started by Ray, not by the test) imports
     OpenRLHF's trainer modules and finds the library's classes there, with the driver's backend."""
-    out = _run([sys.executable, "-c", _RAY_WORKER], timeout=300, env=subprocess_env())
+    out = run_launch([sys.executable, "-c", _RAY_WORKER], timeout=300, env=subprocess_env())
     assert "worker (True, True, True, 'torch')" in out, out[-3000:]
 
 
@@ -128,5 +111,5 @@ def test_the_launcher_module_runs_train_ppo_ray_with_the_library_on():
             "except SystemExit as exit:\n    assert exit.code == 0\n"
             "import openrlhf.trainer.ray.ppo_actor as p\n"
             "print('held', p.PolicyLoss is gko.PolicyLoss, p.Actor is gko.Actor)\n")
-    out = _run([sys.executable, "-c", code], timeout=300, env=subprocess_env())
+    out = run_launch([sys.executable, "-c", code], timeout=300, env=subprocess_env())
     assert "--actor.policy_loss_type" in out and "held True True" in out, out[-3000:]

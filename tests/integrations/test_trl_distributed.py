@@ -23,9 +23,12 @@ import socket
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+
+from tests.support import spawn_within
 
 WORLD = 2
+# The spawn fails past this (a rank hung in a collective): it took 12 s alone on the 2-core development machine
+SPAWN_TIMEOUT_S = 300
 SETTINGS = ("ddp", "fsdp2", "fsdp1")
 RUNS = ("local",) + SETTINGS  # "local": no wrapper, each rank's own gradient (to explain stock TRL under FSDP2)
 
@@ -152,7 +155,7 @@ def results(tmp_path_factory):
 
     path = save_tiny_policy(tmp_path_factory.mktemp("dist_policy"))
     out = tmp_path_factory.mktemp("dist_out")
-    mp.spawn(_worker, args=(_free_port(), str(path), str(out)), nprocs=WORLD, join=True)
+    spawn_within(_worker, (_free_port(), str(path), str(out)), nprocs=WORLD, timeout=SPAWN_TIMEOUT_S)
     merged = {}
     for rank in range(WORLD):
         merged.update(torch.load(out / f"rank{rank}.pt", weights_only=False))
