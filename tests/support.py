@@ -98,14 +98,14 @@ RESPONSES = (
     # that carry a gradient are even, and each odd response starts with a token inside every band, so that a write
     # past an even response's end changes a result whatever the sign of that response's advantage.
     Designed("inside every band at the sequence level; its tokens leave both token-level edges (A > 0)",
-             (7 * E, -6 * E, 1.5 * E, -0.5 * E), 1.0, masked=(2,), rollout=(0.6, -0.3, 0.1, 0.2)),
+             (7 * E, -6 * E, 1.5 * E, -0.5 * E), 1.0, masked=(2,), rollout=(4.0, -0.3, 4.0, 0.2)),
     Designed("clipped high at the sequence level (A > 0, w above every band)", (0.5 * E, 13.5 * E), 0.8,
              rollout=(0.3, 0.35)),
     Designed("above every band with A < 0: not clipped (the dual clip and delta bite)",
              (15 * E, 3 * E, 7 * E, -6 * E, 16 * E), -1.2, masked=(1,), rollout=(-0.5, 0.2, -0.1, 0.3, 0.1)),
     Designed("clipped low at the sequence level (A < 0, w below every band)", (0.5 * E, -12.5 * E), -0.7,
              rollout=(-0.45, -0.3)),
-    Designed("below every band with A > 0: not clipped", (-6 * E, -6 * E), 0.6, rollout=(0.05, -0.6)),
+    Designed("below every band with A > 0: not clipped; the engine agrees", (-6 * E, -6 * E), 0.6, rollout=(0.0, 0.0)),
     Designed("length 1, zero advantage (no gradient without KL or entropy terms)", (0.5 * E,), 0.0, rollout=(-0.5,)),
     Designed("every token masked", (), 1.1, masked=(0, 1)),
     Designed("empty", (), 0.5),
@@ -281,12 +281,14 @@ def objective_configs():
           rollout_correction="sequence_masked_tis", **rc),
         C(loss_type="bnpo", importance_sampling_level="sequence", aggregation="seq_sum", delta=1.0002,
           rollout_correction="token_mask", rollout_correction_min=0.8, rollout_correction_max=None),
-        # the divergence gates (OpenRLHF's binary_kl / tv gating): bounds that keep some units and drop others
-        # on each helper's log-probs (the sampled tokens' probabilities run from ~1e-3 to ~0.3 across them)
+        # the divergence gates (OpenRLHF's binary_kl / tv gating), bounds that keep some units and drop others
+        # whatever the drawn probabilities p: response 4's engine agrees with the trainer (divergence 0: kept under a
+        # max, dropped under a min), two tokens of response 0 are 4 nats less likely to the engine (binary KL about
+        # 3p, TV about p: that response is dropped under a max of 1e-5 unless both p < 2e-6)
         C(loss_type="grpo", importance_sampling_level="sequence_token", rollout_correction="sequence_binary_kl_mask",
-          rollout_correction_max=1e-3),
+          rollout_correction_max=1e-5),
         C(loss_type="sapo", importance_sampling_level="token", aggregation="bnpo", rollout_correction="token_tv_mask",
-          rollout_correction_min=1e-4, rollout_correction_max=0.01),
+          rollout_correction_min=1e-6, rollout_correction_max=0.5),
     ]
 
 

@@ -72,8 +72,9 @@ MORE = [
                   max_completion_length=9),
     gk.GSPOConfig(loss_type="dapo", importance_sampling_level="sequence_token", clip_ratio_c=1.0001, delta=1.0003,
                   rollout_correction="icepop", rollout_correction_max=1.4, entropy_coef=0.01),
-    # the other gates (the divergence gates' bounds: the helper's tokens' divergences run ~2e-3 .. 1.5e-2 (binary
-    # KL) and ~2e-2 .. 6e-2 (TV) per token, so each bound keeps some units and drops others)
+    # the other gates (the divergence gates' bounds, on this test's log-probs (p about 0.05 to 0.4): the tokens the
+    # engine agrees on have divergence 0 (dropped under a min), those 4 nats apart a binary KL near 0.4 and a TV
+    # near p (dropped under a max), the others a binary KL of a few 1e-3 and a TV of a few 1e-2 (kept))
     gk.GSPOConfig(loss_type="grpo", importance_sampling_level="sequence", rollout_correction="sequence_geometric_mask",
                   rollout_correction_min=0.9, rollout_correction_max=1.1),
     gk.GSPOConfig(loss_type="gmpo", importance_sampling_level="token", epsilon_low=1e-4, epsilon_high=2e-4,
