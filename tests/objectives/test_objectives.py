@@ -570,6 +570,49 @@ def test_an_objective_registered_outside_the_package_runs_through_the_public_api
         gk.GSPOConfig(loss_type="plain_pg")
 
 
+@pytest.mark.parametrize("route", ["logits", "hidden"])
+def test_an_objective_without_triton_helpers_runs_on_every_backend_and_route(backend, route):  # noqa: F811
+    """An objective registered outside the package has no Triton helpers: every backend computes it with
+    PyTorch's sequence stage on every route, the Triton backend's one-node logits loss and one-pass hidden-state
+    loss included (they take their two-stage form), with gradients; against the torch backend in float64."""
+    from gspo_kernels import objectives
+
+    objectives.register(objectives.Objective(
+        name="plain_pg", loss_types=(objectives.LossType("plain_pg", "plain_pg", "bnpo"),),
+        surrogate=_plain_surrogate, check=_plain_check))
+    try:
+        cfg = gk.GSPOConfig(loss_type="plain_pg", importance_sampling_level="token")
+        B, T, H, V = 3, 5, 8, 37
+        labels = torch.randint(0, V, (B, T))
+        mask = torch.ones(B, T)
+        mask[1, 3:] = 0
+        adv = torch.tensor([1.0, -0.5, 0.7])
+        hidden, weight = torch.randn(B, T, H), torch.randn(V, H) * 0.5
+        logits = hidden @ weight.t()
+        old = torch.log_softmax(logits.double(), -1).gather(-1, labels[..., None]).squeeze(-1).float()
+        old = old - 0.3 * torch.randn(B, T)
+        leaves = (logits,) if route == "logits" else (hidden, weight)
+        dev = _device(backend)
+
+        def run(tensors, name, device):
+            xs = [t.clone().to(device).requires_grad_() for t in tensors]
+            args = dict(mask=mask.to(device), config=cfg, backend=name)
+            if route == "logits":
+                out = gk.gspo_loss(xs[0], labels.to(device), adv.to(device), old.to(device), **args)
+            else:
+                out = gk.fused_linear_gspo_loss(xs[0], xs[1], labels.to(device), adv.to(device), old.to(device),
+                                                **args)
+            return out.loss, torch.autograd.grad(out.loss, xs)
+
+        loss, grads = run(leaves, backend, dev)
+        want, want_grads = run([t.double() for t in leaves], "torch", "cpu")
+        assert abs(loss.item() - want.item()) <= RTOL * max(1.0, abs(want.item()))
+        for g, w in zip(grads, want_grads):
+            assert rel_err(g.cpu(), w) < RTOL
+    finally:
+        objectives.unregister("plain_pg")
+
+
 def _code_words(path):
     """``(line, text)`` of every identifier and string literal of a module's code: not its docstrings, not its
     comments, not ``GSPOConfig``'s field declarations."""

@@ -161,8 +161,9 @@ def _longest_response(inputs) -> int:
 def _chunk_gradient(sequence_stage, logp, entropy, stand_in, sl, inputs, config) -> Tuple[Tensor, Optional[Tensor]]:
     """``dL/dlogp`` (and ``dL/dentropy`` when the loss has an entropy term) for the tokens ``sl``: the stage on
     the whole batch, the chunk's values in place, the other tokens at their stand-ins (the Triton stage's gradient
-    without the autograd engine: no graph, no host-side work between its launches)."""
-    if sequence_stage is sequence.fused_objective:
+    without the autograd engine: no graph, no host-side work between its launches; by autograd for any other
+    stage, and for an objective the kernels do not compute)."""
+    if sequence_stage is sequence.fused_objective and sequence.has_kernels(config):
         lp = stand_in.clone()
         lp[sl] = logp[sl]
         g, ge = sequence.fused_objective_gradient(lp, entropy, inputs, config)

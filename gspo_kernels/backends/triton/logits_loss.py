@@ -10,8 +10,15 @@ import torch
 from torch import Tensor
 
 from gspo_kernels.backends.tiling import next_token_base
-from gspo_kernels.backends.triton.logits import gradient_rows, logprobs_backward, logprobs_forward
-from gspo_kernels.backends.triton.sequence import O_SCALE_ENTROPY, O_SCALE_LOGP, _sequence_stage, metric_slots
+from gspo_kernels.backends.triton.logits import gradient_rows, logits_logprobs, logprobs_backward, logprobs_forward
+from gspo_kernels.backends.triton.sequence import (
+    O_SCALE_ENTROPY,
+    O_SCALE_LOGP,
+    _sequence_stage,
+    fused_objective,
+    has_kernels,
+    metric_slots,
+)
 from gspo_kernels.objectives.stage import LossOutput
 from gspo_kernels.options import CallOptions
 
@@ -91,9 +98,16 @@ def fused_logits_loss(logits: Tensor, inputs, options: CallOptions):
             ``config.temperature`` divides the logits), ``inplace_backward`` and ``softcap``: None or ``c > 0``
             (the config's ``final_logit_softcapping``, checked by the public functions).
     Returns:
-        ``LossOutput(loss, metrics)``, what the two stages return one after the other.
+        ``LossOutput(loss, metrics)``, what the two stages return one after the other (and, for an objective the
+        sequence kernels do not compute, :func:`~gspo_kernels.backends.triton.sequence.has_kernels`, the two stages
+        themselves: the log-probs, then PyTorch's sequence stage).
     """
     config = options.config
+    if not has_kernels(config):
+        active = _flat_bool(inputs.batch.counted)
+        logp, entropy = logits_logprobs(logits, inputs.labels, inputs.batch.mask != 0 if active is None else active,
+                                        options)
+        return fused_objective(logp, entropy, inputs, config)
     base = next_token_base(logits) if torch.is_grad_enabled() else None
     loss, out = TritonLogitsLoss.apply(logits if base is None else base, inputs, options, base is not None)
     # fused_objective's metrics, read from the same ``out`` slots

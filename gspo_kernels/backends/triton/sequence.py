@@ -98,9 +98,9 @@ class SequenceParams:
     def of(cls, config: GSPOConfig, per_token_adv: bool) -> "SequenceParams":
         lo, hi = config.rollout_bounds
         spec = objectives.objective(config.objective)
-        if spec.name not in HELPERS:
-            raise NotImplementedError(f"the objective {spec.name!r} has no Triton helpers "
-                                      f"(backends/triton/objectives): use backend='torch' (or 'cpu')")
+        if not has_kernels(config):  # the backend's entries check has_kernels and take PyTorch's stage instead
+            raise ValueError(f"config: the objective {spec.name!r} has no Triton helpers (backends/triton/objectives); "
+                             f"the sequence kernels cannot compute it (has_kernels(config) is False)")
         floats = tuple(float(x) for x in spec.triton_floats(config)) + (0.0,) * 4
         return cls(
             eps_low=float(config.epsilon_low),
@@ -280,13 +280,21 @@ class TritonSequenceObjective(torch.autograd.Function):
         return grad_logp, grad_entropy, None, None
 
 
+def has_kernels(config: GSPOConfig) -> bool:
+    """Whether the sequence kernels compute ``config``'s objective (it has Triton helpers,
+    ``backends/triton/objectives``). An objective registered without them runs PyTorch's sequence stage on this
+    backend too: :func:`fused_objective` then calls it, and the composite losses (``logits_loss``, ``linear_loss``)
+    take their two-stage form, so that every route of the backend computes what that stage computes."""
+    return config.objective in HELPERS
+
+
 def fused_objective(logp: Tensor, entropy: Optional[Tensor], inputs: LossInputs, config: GSPOConfig) -> LossOutput:
     """The backend's ``objective``: :func:`gspo_kernels.objectives.stage.gspo_objective` computed by the fused kernels.
 
     ``logp``, ``entropy``: ``[N]`` (fp32). ``entropy`` may be None only when ``config.entropy_coef == 0``
     (the ``entropy`` metric is then omitted; the loss pipeline checked it). Metrics are detached 0-dim fp32 tensors.
     """
-    if config.objective not in HELPERS:  # an objective without Triton helpers: PyTorch's
+    if not has_kernels(config):  # an objective without Triton helpers: PyTorch's
         return gspo_objective(logp, entropy, inputs, config)
     loss, out = TritonSequenceObjective.apply(logp, entropy, inputs, config)
     slots = metric_slots(config, inputs.rollout_logprobs is not None, entropy is not None)
@@ -302,7 +310,8 @@ def fused_objective_gradient(logp: Tensor, entropy: Optional[Tensor], inputs: Lo
     no 0-dim product, no hop to the engine's device thread; the two launches and one multiplication per
     gradient. For callers that need the gradient inside a forward (the hidden-state path's per-chunk
     gradients). ``dL/dentropy`` is None when ``config.entropy_coef == 0`` (the loss does not depend on the
-    entropy then). Dtypes: those of ``logp`` / ``entropy`` (fp32, or fp64 for fp64 inputs).
+    entropy then). Dtypes: those of ``logp`` / ``entropy`` (fp32, or fp64 for fp64 inputs). Only for a ``config``
+    the kernels compute (:func:`has_kernels`).
     """
     coef, out, _ = _sequence_stage(logp, entropy, inputs, config)
     grad_logp = (coef * out[O_SCALE_LOGP.value]).to(logp.dtype)
