@@ -14,7 +14,7 @@ DEMO_DEPS ?= triton matplotlib
 # ignored" warning for every package looked up: the demo's installs leave those lines out. pip's exit status
 # passes through the filter (pipefail), so a failed install still fails make demo.
 PIP_NOISE := is ignored: it is neither a file nor a directory
-PEERS ?= trl==1.16.0 liger-kernel==0.8.5 cut-cross-entropy==25.1.1
+PEERS ?= trl==1.16.0 liger-kernel==0.8.5 cut-cross-entropy==25.1.1 megatron-core==0.16.1
 # DeepSpeed for the ZeRO-3 tests (make test-deepspeed): its Python package only (DS_BUILD_OPS=0, nothing compiled at
 # install); on the CPU its accelerator compiles one communication op at first use, cached in TORCH_EXTENSIONS_DIR.
 DEEPSPEED_SPEC ?= deepspeed==0.19.8

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-TEST_PEERS = ("trl", "liger", "cut-cross-entropy", "verl", "ray", "hydra")
+TEST_PEERS = ("trl", "liger", "cut-cross-entropy", "megatron-core", "verl", "ray", "hydra")
 
 pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
 
