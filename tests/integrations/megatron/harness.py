@@ -18,6 +18,7 @@ import os
 import pickle
 import socket
 import tempfile
+import warnings
 from typing import Callable, List, Optional
 
 import torch
@@ -65,10 +66,11 @@ def megatron_process(rank: int, world: int, port: int, *, tp: int = 1, cp: int =
 
 def tiny_gpt(*, vocab: int = 64, hidden: int = 32, layers: int = 2, heads: int = 4, seq_len: int = 16,
              tied: bool = False, params_dtype: torch.dtype = torch.float32, seed: int = 0,
-             sequence_parallel: bool = False):
+             sequence_parallel: bool = False, init_std: float = 0.5):
     """A tiny megatron ``GPTModel`` (local layer spec, RoPE, dropout 0) with weights drawn from ``seed`` on the CPU
     (identical on every rank before the tensor-parallel split). ``vocab`` is the model's (padded) vocabulary size;
-    ``tied``: the output layer uses the word embedding's weight. Call inside :func:`megatron_process`."""
+    ``tied``: the output layer uses the word embedding's weight. ``init_std``: megatron's ``init_method_std``
+    (0.5, not its 0.02, so that the logits spread over several units and the softmax is far from uniform). Call inside :func:`megatron_process`."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -78,7 +80,7 @@ def tiny_gpt(*, vocab: int = 64, hidden: int = 32, layers: int = 2, heads: int =
         num_layers=layers, hidden_size=hidden, num_attention_heads=heads, use_cpu_initialization=True,
         hidden_dropout=0.0, attention_dropout=0.0, params_dtype=params_dtype, bf16=params_dtype == torch.bfloat16,
         tensor_model_parallel_size=_tp_size(), context_parallel_size=_cp_size(),
-        sequence_parallel=sequence_parallel, transformer_impl="local",
+        sequence_parallel=sequence_parallel, transformer_impl="local", init_method_std=init_std,
     )
     model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=vocab,
                      max_sequence_length=seq_len, position_embedding_type="rope",
@@ -105,7 +107,8 @@ def column_parallel_head(vocab: int, hidden: int, *, sequence_parallel: bool = F
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     torch.manual_seed(seed)
-    config = TransformerConfig(num_layers=1, hidden_size=hidden, num_attention_heads=1, use_cpu_initialization=True,
+    config = TransformerConfig(num_layers=1, hidden_size=hidden, num_attention_heads=_tp_size(),
+                               use_cpu_initialization=True,
                                params_dtype=params_dtype, tensor_model_parallel_size=_tp_size(),
                                sequence_parallel=sequence_parallel, transformer_impl="local")
     return ColumnParallelLinear(hidden, vocab, config=config, init_method=torch.nn.init.normal_, bias=False,
@@ -125,6 +128,9 @@ def _cp_size() -> int:
 
 
 def _rank_entry(rank: int, fn: Callable, world: int, port: int, outdir: str, tp: int, cp: int, args: tuple) -> None:
+    # megatron's notes on this machine (no Apex / Transformer Engine, CUDA-only tuning hints) are not the test's
+    warnings.filterwarnings("ignore", category=UserWarning)
+    warnings.filterwarnings("ignore", category=FutureWarning)
     with megatron_process(rank, world, port, tp=tp, cp=cp):
         result = fn(rank, *args)
     with open(os.path.join(outdir, f"rank{rank}.pkl"), "wb") as f:
