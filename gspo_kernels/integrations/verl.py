@@ -291,10 +291,17 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, tempera
     Without a process group: :func:`gspo_kernels.linear_logprobs` of ``hidden @ weight.T``. With one (verl's
     Megatron path): ``weight`` is this rank's ``[V / tp, H]`` shard of an evenly split vocabulary, rank
     ``r`` holding rows ``[r V/tp, (r+1) V/tp)`` as in verl's kernel, labels are global ids, and ``dH`` stays
-    partial on each rank, as verl's kernel leaves it.
+    partial on each rank, as verl's kernel leaves it (verl's Megatron forward gathers the sequence-parallel
+    hidden states with megatron's gather, whose backward reduce-scatters it).
+
+    Outputs are shaped like ``labels`` when ``hidden`` is ``[*labels.shape, H]``. verl's Megatron forward passes
+    Megatron's sequence-first ``[T, 1, H]`` with its packed ``[1, T]`` labels: when the two differ only by
+    dimensions of size 1, both are flattened, as verl's kernel does, and the outputs are ``[T]``.
     """
     if reduction != "none":
         raise ValueError(f"the gspo_kernels linear_cross_entropy supports reduction='none' only, got {reduction!r}")
+    if hidden.shape[:-1] != labels.shape and _non_unit(hidden.shape[:-1]) == _non_unit(labels.shape):
+        hidden, labels = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
     vp = None
     if dist_process_group is not None:
         import torch.distributed as dist
@@ -308,6 +315,10 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, tempera
             _vocab_parallel_cache[key] = vp
     return linear_logprobs(hidden, weight, labels.to(torch.int64), temperature=float(temperature),
                            return_entropy=True, backend=FusedLinearForPPO.backend, vocab_parallel=vp)
+
+
+def _non_unit(shape: Tuple[int, ...]) -> Tuple[int, ...]:
+    return tuple(d for d in shape if d != 1)
 
 
 _TARGETS = (
