@@ -9,5 +9,6 @@ See ``docs/megatron.md``.
 """
 
 from gspo_kernels.integrations.megatron.logprobs import linear_logprobs
+from gspo_kernels.integrations.megatron.loss import fused_linear_gspo_loss
 
-__all__ = ["linear_logprobs"]
+__all__ = ["linear_logprobs", "fused_linear_gspo_loss"]
