@@ -60,20 +60,15 @@ def _cp_count(v):
             f"rank {v[2]} holds {v[3]} (every rank passes its part of the same sequences, in the same order)")
 
 
-def _cp_adv(v):
-    return (f"advantages: the context-parallel ranks hold different sequences: sequence {v[1]}'s advantage differs "
-            f"between rank {v[0]} and rank {v[2]} (every rank passes its part of the same sequences, in the same "
-            f"order, with the same per-sequence advantages)")
+def sequence_input_differs(name: str, rank: int, sequence: int, other: int) -> str:
+    """The message of a per-sequence input (``advantages``, ``is_ratio``) that differs between context-parallel ranks
+    (each rank finds the same difference in the all-gathered values, so every rank raises)."""
+    return (f"{name}: the context-parallel ranks hold different sequences: sequence {sequence}'s value differs "
+            f"between rank {rank} and rank {other} (every rank passes its part of the same sequences, in the same "
+            f"order, with the same per-sequence {name})")
 
 
-def _cp_empty(v):
-    return (f"cu_seqlens: rank {v[0]} holds {v[1]} tokens of sequence {v[2]} and rank {v[3]} holds {v[4]}: "
-            f"a sequence is counted on some ranks and not others in the padded layout (labels [B, S] must have "
-            f"the same B on every context-parallel rank)")
-
-
-MESSAGES: List[Callable[[tuple], str]] = [_shard, _shards_differ, _labels, _hidden_len, _hidden_width, _cp_count,
-                                          _cp_adv, _cp_empty]
+MESSAGES: List[Callable[[tuple], str]] = [_shard, _shards_differ, _labels, _hidden_len, _hidden_width, _cp_count]
 
 
 def code(message: Callable[[tuple], str]) -> int:

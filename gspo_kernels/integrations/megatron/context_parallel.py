@@ -155,7 +155,7 @@ def _agree_layout(group, tensors: TokenTensors, per_sequence: dict) -> _Layout:
         for k, other in enumerate(_all_gather(group, mine)):
             if not torch.equal(other.nan_to_num(), mine.nan_to_num()):
                 s = int(torch.nonzero(other.nan_to_num() != mine.nan_to_num())[0])
-                raise ValueError(ag._cp_adv((dist.get_rank(group), s, k)).replace("advantages", name, 1))
+                raise ValueError(ag.sequence_input_differs(name, dist.get_rank(group), s, k))
     return _Layout(lengths)
 
 
