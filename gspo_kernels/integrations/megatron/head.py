@@ -55,7 +55,7 @@ class MegatronHead:
         return self.start + self.weight.shape[0]
 
 
-def _unwrap(model):
+def unwrap(model):
     """megatron's wrappers (``DistributedDataParallel``, ``Float16Module``) keep the model in ``.module``."""
     seen = 0
     while not hasattr(model, "output_layer") and hasattr(model, "module") and seen < 8:
@@ -70,7 +70,7 @@ def _is_column_parallel(layer) -> bool:
 def resolve_head(head) -> MegatronHead:
     """``head``: a megatron ``GPTModel`` (or a wrapper of one) on the pipeline's last stage, or a
     ``ColumnParallelLinear``. Raises ``TypeError`` naming ``head`` for anything else."""
-    model = _unwrap(head)
+    model = unwrap(head)
     weight = None
     vocab_size = None
     if hasattr(model, "output_layer"):
