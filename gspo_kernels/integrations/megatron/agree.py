@@ -46,9 +46,9 @@ def _labels(v):
 
 
 def _hidden_len(v):
-    return (f"hidden: rank {v[0]}'s hidden states cover {v[1]} positions x {v[2]} sequences after the "
-            f"sequence-parallel gather ({v[3]} ranks), but labels are [B, S] = [{v[4]}, {v[5]}]; hidden must be "
-            f"[S, B, H] ([S / tp, B, H] for a sequence-parallel head)")
+    gathered = f" after the sequence-parallel gather over {v[3]} ranks" if v[3] > 1 else ""
+    return (f"hidden: rank {v[0]}'s hidden states cover {v[1]} positions x {v[2]} sequences{gathered}, but labels are "
+            f"[B, S] = [{v[4]}, {v[5]}]; hidden must be [S, B, H] ([S / tp, B, H] for a sequence-parallel head)")
 
 
 def _hidden_width(v):
