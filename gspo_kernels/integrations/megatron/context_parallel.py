@@ -1,7 +1,9 @@
 """Context parallelism: each rank holds part of every sequence; the sequence-level terms are the whole sequences'.
 
 Each context-parallel rank passes its own tokens (any split: contiguous, or megatron's load-balanced two chunks per
-sequence) and its own ``cu_seqlens``, the same sequences in the same order on every rank. The route:
+sequence) and its own ``cu_seqlens``, the same sequences in the same order on every rank; in the padded layout
+(``hidden [S_r, B, H]``, ``labels [B, S_r]``) each row is a sequence and each rank holds its positions of every row.
+The route:
 
 1. Each rank computes its tokens' log-probs and entropies from its hidden states (the vocabulary-parallel head, no
    logits): ``O(T_r * H)`` work, nothing of size ``H`` or ``V`` leaves the rank.

@@ -4,7 +4,9 @@ One launch runs every config of ``tests.support.configs()`` and ``objective_conf
 responses (lengths 0 to 5, masked tokens, per-token advantages for even configs and per-response ones for odd), each
 split between the two ranks two ways: contiguous halves, and megatron's load-balanced split (each sequence cut in
 ``2 * cp`` chunks, rank ``r`` holding chunks ``r`` and ``2 * cp - 1 - r``). Each rank passes only its tokens (its
-``[T_r, 1, H]`` hidden states, ``[1, T_r]`` labels and inputs, its own ``cu_seqlens``) with ``cp_group``. The
+``[T_r, 1, H]`` hidden states, ``[1, T_r]`` labels and inputs, its own ``cu_seqlens``) with ``cp_group``. The padded
+layout is checked too (``[B, T]`` responses, each rank holding half the positions of every row: ``hidden
+[T_r, B, H]``, ``labels [B, T_r]``, per-response advantages). The
 one-process reference is ``gspo_kernels.fused_linear_gspo_loss`` on the whole batch. Checked, on each rank: the
 ranks' losses add up to the one-process loss; the metrics are the one-process metrics; the rank's hidden-state
 gradient equals the one-process gradient at its tokens; the weight gradients summed over the ranks equal the
@@ -21,11 +23,11 @@ import torch
 import torch.distributed as dist
 
 from tests.integrations.megatron.harness import column_parallel_head, run_ranks
-from tests.support import CASE_LENGTHS, RTOL, configs, make_case, objective_configs, objective_id, rel_err
+from tests.support import CASE_LENGTHS, CASE_T, RTOL, configs, make_case, objective_configs, objective_id, rel_err
 
 V, H, CP = 48, 16, 2
 CONFIGS = configs() + objective_configs()
-SPLITS = ("halves", "load_balanced")
+SPLITS = ("halves", "load_balanced", "padded")
 
 
 def _chunks(length: int, split: str, rank: int):
@@ -50,6 +52,8 @@ def _rank_index(split: str, rank: int):
 
 
 def _cp_case(i: int, config, split: str, head, cp_group) -> dict:
+    """One config on one split: this rank's errors against the one process (``split`` "padded": megatron's padded
+    layout, each rank holding half the positions of every row)."""
     import gspo_kernels as gk
     from gspo_kernels import reference
     from gspo_kernels.integrations import megatron as gm
@@ -57,28 +61,38 @@ def _cp_case(i: int, config, split: str, head, cp_group) -> dict:
     weight = head.weight.detach()
     torch.manual_seed(200 + i)
     hidden = None
+    packed = split != "padded"
 
     def logp_of(labels):
         nonlocal hidden
-        hidden = torch.randn(labels.shape[0], H)
+        hidden = torch.randn(*labels.shape, H)
         return reference.linear_logprobs(hidden, weight, labels, temperature=config.temperature,
                                          final_logit_softcapping=config.final_logit_softcapping)
 
-    case = make_case(logp_of, V, packed=True, per_token_adv=i % 2 == 0)
+    case = make_case(logp_of, V, packed=packed, per_token_adv=packed and i % 2 == 0)
     kw = case.kwargs(config.beta > 0, config)
     h_ref, w_ref = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
     ref = gk.fused_linear_gspo_loss(h_ref, w_ref, case.labels, case.advantages, case.old_logprobs, config=config, **kw)
     ref.loss.backward()
 
     rank = dist.get_rank(cp_group)
-    index, cu = _rank_index(split, rank)
-    N = case.labels.numel()
-    mine = lambda t: t[index][None] if isinstance(t, torch.Tensor) and tuple(t.shape) == (N,) else t  # noqa: E731
+    shape = tuple(case.labels.shape)
+    if packed:
+        index, cu = _rank_index(split, rank)
+        mine = lambda t: t[index][None] if isinstance(t, torch.Tensor) and tuple(t.shape) == shape else t  # noqa: E731
+        h_r = hidden[index][:, None].clone().requires_grad_(True)
+        ref_dh = h_ref.grad[index]
+    else:
+        index = torch.tensor(_chunks(shape[1], "halves", rank))  # this rank's positions of every row
+        mine = lambda t: t[:, index] if isinstance(t, torch.Tensor) and tuple(t.shape) == shape else t  # noqa: E731
+        h_r = hidden[:, index].transpose(0, 1).contiguous().requires_grad_(True)
+        ref_dh = h_ref.grad[:, index]
     local = {k: mine(v) for k, v in kw.items()}
-    local["cu_seqlens"] = cu
-    h_r = hidden[index][:, None].clone().requires_grad_(True)
-    logprobs_out = torch.zeros(1, index.numel())
-    out = gm.fused_linear_gspo_loss(h_r, head, mine(case.labels), mine(case.advantages), mine(case.old_logprobs),
+    if packed:
+        local["cu_seqlens"] = cu
+    labels = mine(case.labels)
+    logprobs_out = torch.zeros(labels.shape)
+    out = gm.fused_linear_gspo_loss(h_r, head, labels, mine(case.advantages), mine(case.old_logprobs),
                                     config=config, cp_group=cp_group, logprobs_out=logprobs_out, **local)
     out.loss.backward()
     total = out.loss.detach().clone()
@@ -88,12 +102,13 @@ def _cp_case(i: int, config, split: str, head, cp_group) -> dict:
     head.weight.grad = None
     lp = gk.linear_logprobs(hidden, weight, case.labels.clamp(min=0), temperature=config.temperature,
                             final_logit_softcapping=config.final_logit_softcapping)
-    lp = torch.where(case.mask != 0, lp, 0)[index]
+    lp = mine(torch.where(case.mask != 0, lp, 0))
+    dh = h_r.grad[:, 0] if packed else h_r.grad.transpose(0, 1)
     return {"loss_sum": abs(total.item() - ref.loss.item()) / max(abs(ref.loss.item()), 1.0),
             "metrics": _metric_errors(out.metrics, ref.metrics),
-            "dH": rel_err(h_r.grad[:, 0], h_ref.grad[index]) if index.numel() else 0.0,
-            "dW": rel_err(dw, w_ref.grad), "logprobs_out": rel_err(logprobs_out[0], lp),
-            "tokens": index.numel()}
+            "dH": rel_err(dh, ref_dh) if index.numel() else 0.0,
+            "dW": rel_err(dw, w_ref.grad), "logprobs_out": rel_err(logprobs_out, lp),
+            "tokens": labels.numel()}
 
 
 def _metric_errors(got: dict, want: dict) -> float:
@@ -164,7 +179,7 @@ def test_context_parallel_ranks_add_up_to_one_process(ranks, split):
     # each rank held part of the batch, not all of it
     one = next(v for k, v in ranks[0].items() if isinstance(k, tuple) and k[1] == split)["tokens"]
     two = next(v for k, v in ranks[1].items() if isinstance(k, tuple) and k[1] == split)["tokens"]
-    assert one + two == sum(CASE_LENGTHS) and one and two
+    assert one + two == (sum(CASE_LENGTHS) if split != "padded" else len(CASE_LENGTHS) * CASE_T) and one and two
 
 
 def test_context_parallel_batches_that_differ_between_ranks_raise_on_every_rank(ranks):
