@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Optional, Sequence, Tuple, Union
 
-import torch
 from torch import Tensor
 
 import gspo_kernels as gk
@@ -100,8 +99,3 @@ def linear_logprobs(
         return out[0].t().contiguous(), out[1].t().contiguous()
     return out.t().contiguous()
 
-
-def full_vocab_labels(labels: Tensor, counted: Optional[Tensor]) -> Tensor:
-    """``labels`` with the positions that do not count set to 0 (any valid id): the per-token stage computes every
-    position, the loss reads only the counted ones."""
-    return labels if counted is None else torch.where(counted, labels, torch.zeros_like(labels))
