@@ -5,6 +5,14 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
+# make test installs every package under the pins of one constraints file (the README's tested versions; a test holds
+# the two equal). CONSTRAINTS= (empty) installs unpinned, e.g. with another TORCH_SPEC on a GPU machine.
+CONSTRAINTS ?= constraints/test.txt
+PIN := $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
+# torch's CPU build (2.13.0+cpu) comes from the configured package index; TORCH_INDEX=<url> adds an extra index
+# (e.g. PyTorch's CPU wheel index, where the default index serves the CUDA build). Empty by default.
+TORCH_INDEX ?=
+TORCH_FROM := $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
 STAMP := $(VENV)/.installed
 DEMO_STAMP := $(VENV)/.installed-demo
 # What make demo runs besides torch and the package: triton (verify checks the Triton backend, in the Triton
@@ -63,24 +71,24 @@ $(DEMO_STAMP): pyproject.toml
 	@PYTHONWARNINGS="ignore:Editable installation" $(PY) -m pip install -q -e . 2>&1 | { grep -v "$(PIP_NOISE)" || true; }
 	@touch $(DEMO_STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
-	$(PY) -m pip install -q "$(TORCH_SPEC)" numpy
-	$(PY) -m pip install -q triton transformers pytest pytest-benchmark pytest-xdist ruff matplotlib tqdm build
+	$(PY) -m pip install -q --retries 1 $(PIN) $(TORCH_FROM) "$(TORCH_SPEC)" numpy
+	$(PY) -m pip install -q $(PIN) triton transformers accelerate pytest pytest-benchmark pytest-xdist ruff matplotlib tqdm build
 	# Test peers: a failed install fails the build (their parity tests must run, never skip).
-	$(PY) -m pip install -q $(PEERS)
-	DS_BUILD_OPS=0 $(PY) -m pip install -q $(DEEPSPEED_SPEC)
+	$(PY) -m pip install -q $(PIN) $(PEERS)
+	DS_BUILD_OPS=0 $(PY) -m pip install -q $(PIN) $(DEEPSPEED_SPEC)
 	# verl pins transformers/tensordict ranges it does not need on the CPU: installed without its
 	# dependency list, plus the few packages its loss and model-patching modules import.
-	$(PY) -m pip install -q --no-deps $(VERL_SPEC)
-	$(PY) -m pip install -q $(VERL_IMPORTS)
+	$(PY) -m pip install -q $(PIN) --no-deps $(VERL_SPEC)
+	$(PY) -m pip install -q $(PIN) $(VERL_IMPORTS)
 	# OpenRLHF pins flash-attn (no build without CUDA) and older deepspeed / transformers / ray than the ones here:
 	# installed without its dependency list, plus what its modules import.
-	$(PY) -m pip install -q --no-deps $(OPENRLHF_SPEC)
-	$(PY) -m pip install -q $(OPENRLHF_IMPORTS)
+	$(PY) -m pip install -q $(PIN) --no-deps $(OPENRLHF_SPEC)
+	$(PY) -m pip install -q $(PIN) $(OPENRLHF_IMPORTS)
 	# The package itself, as any user installs it (build isolation on: the build needs no torch).
-	$(PY) -m pip install -q -e .
+	$(PY) -m pip install -q $(PIN) -e .
 	touch $(STAMP) $(DEMO_STAMP)
 
 install: $(STAMP)

@@ -21,8 +21,8 @@ SUBCOMMANDS = {
     "verify": ("gspo_kernels.tools.verify", "compare every available backend with the float64 reference"),
     "bench": ("gspo_kernels.tools.bench", "time and measure memory of every implementation side by side"),
     "h100-report": ("gspo_kernels.tools.h100_report", "compile every Triton kernel for sm_90a and report resources"),
-    "gpu-check": ("gspo_kernels.tools.gpu_check", "the first command on a GPU machine: versions, H100 report, "
-                  "GPU tests, memcheck, benchmarks -> results/gpu_check.{json,md}"),
+    "gpu-check": ("gspo_kernels.tools.gpu_check", "the first command on a GPU machine: versions, H100 report, verify, "
+                  "GPU tests, Triton tests, memcheck, benchmarks, the whole suite -> results/gpu_check.{json,md}"),
     "train": ("gspo_kernels.train.toy_trainer", "run the toy GSPO/GRPO trainer on a toy task"),
     "build-ext": ("gspo_kernels.tools.build_ext", "compile the C++ CPU kernels now (otherwise: at first use)"),
 }

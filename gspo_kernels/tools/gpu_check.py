@@ -7,18 +7,19 @@ default, sized for an H100):
    (``nvidia-smi``), the library's path and git commit.
 2. ``h100-report``: the static sm_90a report (registers, spills, HGMMA, 128-bit loads) compiled with the
    *installed* Triton (``gspo-kernels h100-report``).
-3. ``gpu-tests``: ``pytest -m gpu tests`` (the GPU-only checks: the bf16 tensor-core path against float64,
+3. ``verify``: ``gspo-kernels verify`` on the GPU (every backend against the float64 reference).
+4. ``gpu-tests``: ``pytest -m gpu tests`` (the GPU-only checks: the bf16 tensor-core path against float64,
    determinism, peak memory, devices other than the current one).
-4. ``triton-tests``: ``tests/backends/triton/test_triton_logits*.py`` and
+5. ``triton-tests``: ``tests/backends/triton/test_triton_logits*.py`` and
    ``tests/backends/triton/test_triton_linear.py`` (every kernel against the float64 reference, on the GPU this time
    instead of the interpreter).
-5. ``memcheck``: ``compute-sanitizer --tool memcheck`` over small shapes of every Triton launch
+6. ``memcheck``: ``compute-sanitizer --tool memcheck`` over small shapes of every Triton launch
    (``--workload``), with PyTorch's caching allocator off so that a read past an allocation is caught;
    skipped with a reason when ``compute-sanitizer`` is not installed.
-6. ``benchmarks``: ``benchmarks/test_gpu_logits.py`` (GB/s against the 3-pass floor, the peers, the
+7. ``benchmarks``: ``benchmarks/test_gpu_logits.py`` (GB/s against the 3-pass floor, the peers, the
    backward at 100/50/25% active rows) and ``benchmarks/test_gpu_linear.py`` (TFLOP/s against 6NHV / 8NHV,
    the backward at 100/50/25% active rows, the peers).
-7. ``suite``: ``pytest tests``, the whole suite (about 4 minutes on 15 processes of an H200 machine), with the
+8. ``suite``: ``pytest tests``, the whole suite (not yet run through this step on a GPU), with the
    parity tests of missing peers and, when ``pypi.org`` is unreachable, the ``network``-marked packaging tests
    left out and named.
 
@@ -131,8 +132,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"{QUICK_TIME}, compilation included: {', '.join(QUICK_STEPS)} on a selection of "
                              f"tests, one loss type under memcheck, the headline benchmarks (budget {QUICK_BUDGET_S} s "
                              f"unless --budget-s)")
-    parser.add_argument("--workload", action="store_true", help=argparse.SUPPRESS)  # the memcheck target
-    parser.add_argument("--workload-quick", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--workload", action="store_true",
+                        help="internal: run the memcheck step's workload (every Triton launch at small shapes) only")
+    parser.add_argument("--workload-quick", action="store_true",
+                        help="internal: the same, one loss type (the --quick memcheck workload)")
 
 
 def find_test_tree(explicit: Optional[str] = None) -> Optional[str]:

@@ -358,6 +358,9 @@ def test_models_whose_logits_are_not_the_lm_head_are_refused():
     cohere = tf.CohereForCausalLM(tf.CohereConfig(**{k: v for k, v in small.items() if k != "head_dim"}))
     with pytest.raises(UnsupportedModelError, match="logit_scale"):
         GSPOTrainer(cohere, tok, GSPOTrainerConfig())
+    granite = tf.GraniteForCausalLM(tf.GraniteConfig(**small, logits_scaling=4.0))  # Granite divides its logits by it
+    with pytest.raises(UnsupportedModelError, match=r"logits_scaling = 4\.0"):
+        GSPOTrainer(granite, tok, GSPOTrainerConfig())
 
     class Doubled(tf.LlamaForCausalLM):  # logits scaled where no config attribute says so
         def forward(self, *args, **kwargs):

@@ -32,7 +32,7 @@ says how many), gradients set to None before each step; peak extra = ``torch.cud
 above the allocation at the step's start (the gradients count), max over the timed steps;
 ``torch.cuda.empty_cache`` between cases. TFLOP/s on ``6 N H V`` whatever share of rows carries gradient.
 Peers are optional: a missing one is listed as skipped with the reason. The whole run keeps to
-``--budget-s`` (hidden option, default 215 s): a section starts only with time left, slow optional cases
+``--budget-s`` (default 215 s): a section starts only with time left, slow optional cases
 are skipped when their section's deadline is near.
 
 Output: a table of ratios and of the targets (met / MISSED; ``plan.TARGETS``), ``<out>.json`` and ``<out>.md``

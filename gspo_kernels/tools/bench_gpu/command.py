@@ -18,11 +18,14 @@ from .sections import SECTION_FUNCS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The hidden options of ``bench --gpu`` (``--gpu``, ``--device`` and ``--out`` are bench's)."""
-    parser.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--sections", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S, help=argparse.SUPPRESS)
-    parser.add_argument("--peers", default=",".join(PEERS), help=argparse.SUPPRESS)
+    """The options of ``bench --gpu`` (``--gpu``, ``--device`` and ``--out`` are bench's)."""
+    parser.add_argument("--tiny", action="store_true", help="with --gpu: tiny shapes (a smoke run, no targets judged)")
+    parser.add_argument("--sections", default=None,
+                        help=f"with --gpu: comma-separated sections to run (default: all: {','.join(SECTIONS)})")
+    parser.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S,
+                        help=f"with --gpu: the run's time budget in seconds (default {DEFAULT_BUDGET_S:g})")
+    parser.add_argument("--peers", default=",".join(PEERS),
+                        help=f"with --gpu: comma-separated optional peers to time (default: {','.join(PEERS)})")
 
 
 def run(args: argparse.Namespace) -> int:
