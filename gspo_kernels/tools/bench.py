@@ -310,6 +310,10 @@ def _kept_buffer_bytes(leaves: List) -> int:
 
 def _worker_main() -> None:
     spec = json.loads(sys.stdin.read())
+    if spec.get("memory_cap") is not None:  # bench --scaling: allocations past the cap fail here, as out of memory
+        from gspo_kernels.tools.memory_cap import apply_cap
+
+        apply_cap(spec["memory_cap"], spec["device"])
     try:
         result = dict(status="ok", **measure(spec["impl"], spec["case"], spec["repeats"], spec["device"]))
     except Skip as exc:
@@ -319,8 +323,10 @@ def _worker_main() -> None:
     print("BENCH-RESULT " + json.dumps(result), flush=True)
 
 
-def run_one(impl: str, case: Dict, repeats: int, device: str, timeout: float) -> Dict:
-    spec = json.dumps(dict(impl=impl, case=case, repeats=repeats, device=device))
+def run_one(impl: str, case: Dict, repeats: int, device: str, timeout: float,
+            memory_cap: Optional[int] = None) -> Dict:
+    """``measure`` in a fresh subprocess; ``memory_cap``: the bytes it may allocate past its start (None: no cap)."""
+    spec = json.dumps(dict(impl=impl, case=case, repeats=repeats, device=device, memory_cap=memory_cap))
     cmd = [sys.executable, "-c", "from gspo_kernels.tools.bench import _worker_main; _worker_main()"]
     env = dict(os.environ)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # gspo_kernels importable as here
@@ -518,6 +524,13 @@ def plot(results: List[Dict], cases: Dict[str, Dict], path: str) -> Optional[str
 # ---------------------------------------------------------------------------------------------
 
 
+def output_prefix(out: str) -> str:
+    """``--out`` without a trailing ``.json`` or ``.png`` (``results/b.json`` -> ``results/b``): the prefix of both
+    outputs, so neither gets a second suffix."""
+    root, ext = os.path.splitext(out)
+    return root if ext.lower() in (".json", ".png") else out
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="small shapes: a few minutes on a 2-core CPU")
     parser.add_argument("--cases", nargs="*", default=None, help=f"subset of {list(CASES)}")
@@ -526,6 +539,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--timeout", type=float, default=None, help="seconds per implementation and case")
     parser.add_argument("--out", default="results/bench", help="prefix of the .json and .png outputs")
+    parser.add_argument("--scaling", action="store_true", help="time and peak memory over a series of token counts "
+                        "and one of vocabularies -> <out>.json and <out>.png (default results/scaling); docs/scaling.md")
+    parser.add_argument("--memory-cap", type=float, default=None, metavar="GIB", help="--scaling: the GiB a point may "
+                        "allocate (default: 3/4 of what is available); a point estimated over it is recorded as oom")
+    parser.add_argument("--series", default=None, help=argparse.SUPPRESS)  # --scaling: "tokens=16,32;vocab=64,128;..."
     parser.add_argument("--gpu", action="store_true", help="on a GPU: every ratio against plain PyTorch and the "
                         "peers, and each target met or missed -> results/bench_gpu.{json,md}; see docs/bench_gpu.md")
     from gspo_kernels.tools import bench_gpu
@@ -564,8 +582,9 @@ def run(args: argparse.Namespace) -> int:
         print("\ntargets (CPU, this run):")
         for t in met:
             print(f"  [{'met' if t['met'] else 'MISSED'}] {t['target']}: {t['detail']}")
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    json_path, png_path = args.out + ".json", args.out + ".png"
+    prefix = output_prefix(args.out)
+    os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
+    json_path, png_path = prefix + ".json", prefix + ".png"
     command = "gspo-kernels bench " + " ".join(sys.argv[2:] if len(sys.argv) > 2 else [])
     skipped_chart = plot(results, cases, png_path)
     payload = dict(command=command.strip(), environment=env, repeats=repeats, quick=args.quick,

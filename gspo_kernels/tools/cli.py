@@ -1,7 +1,7 @@
 """The ``gspo-kernels`` command: ``verify``, ``bench``, ``h100-report``, ``gpu-check``, ``train``, ``build-ext``.
 
 Each subcommand lives in its own module exposing ``add_arguments(parser)`` and ``run(args) -> int``;
-they are imported only when their subcommand runs. The help's text is plain (:data:`DESCRIPTION`), not this
+they are imported only when their subcommand runs (``bench --scaling``: :data:`SCALING`). The help's text is plain (:data:`DESCRIPTION`), not this
 docstring's reST.
 """
 
@@ -26,6 +26,8 @@ SUBCOMMANDS = {
     "train": ("gspo_kernels.train.toy_trainer", "run the toy GSPO/GRPO trainer on a toy task"),
     "build-ext": ("gspo_kernels.tools.build_ext", "compile the C++ CPU kernels now (otherwise: at first use)"),
 }
+
+SCALING = "gspo_kernels.tools.bench_scaling"  # bench --scaling
 
 
 def version_report() -> str:
@@ -84,7 +86,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             importlib.import_module(module_name).add_arguments(p)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(message)s")
-    module = importlib.import_module(SUBCOMMANDS[args.command][0])
+    module_name = SUBCOMMANDS[args.command][0]
+    if args.command == "bench" and getattr(args, "scaling", False):
+        module_name = SCALING  # its flags are bench's; its module imports bench's measuring, so bench cannot import it
+    module = importlib.import_module(module_name)
     return int(module.run(args) or 0)
 
 
