@@ -15,14 +15,14 @@ import torch
 
 import gspo_kernels as gk
 from gspo_kernels.backends import BACKENDS as ALL_BACKENDS
+from gspo_kernels.options import CallOptions
 from tests.compile import cases
 from tests.support import device_for
 
 BACKENDS = [b for b in ALL_BACKENDS if b in gk.available_backends(device_for(b))]
 
 # (backend, case name) pairs that do not compile yet; strict: each starts failing the test once it compiles.
-NOT_YET = {("torch", c.name) for c in cases.CASES if "linear" in c.name.lower()}
-NOT_YET |= {("triton", c.name) for c in cases.CASES}
+NOT_YET = {("triton", c.name) for c in cases.CASES}
 
 # Where eager and compiled run the same kernels on the same rows: the same bits.
 BITWISE = {"cpu"}
@@ -53,3 +53,43 @@ def test_public_call_compiles_whole_and_matches_eager(backend, case):
     eager = cases.run(case, t, backend)
     compiled = cases.run(case, t, backend, torch.compile(case.call, fullgraph=True, backend="aot_eager"))
     _compare(eager, compiled, backend)
+
+
+@pytest.mark.parametrize("entropy", [False, True])
+def test_torch_backend_full_size_rows_under_tracing_equal_the_selected_rows(monkeypatch, entropy):
+    """The ``torch`` backend's CPU route without a host read (its form under ``torch.compile``): every row computed,
+    the unselected ones masked. The selected rows' log-probs and every gradient equal eager's row selection, and
+    garbage (NaN, inf) in the masked rows' hidden states reaches no output and no gradient."""
+    from gspo_kernels.backends.torch import linear as torch_linear
+
+    t = cases.draw("cpu")
+    t["hidden"][1, 3] = float("nan")
+    t["hidden"][0, 2] = float("inf")
+    mask = t["mask"].clone()
+    mask[1, 3] = mask[0, 2] = 0.0
+    t["mask"] = mask
+    config = gk.GSPOConfig(entropy_coef=0.01 if entropy else 0.0)
+
+    def call(t, backend, hidden, weight, bias):
+        return gk.fused_linear_gspo_loss(hidden, weight, t["labels"], t["adv"], t["old"], bias=bias, mask=t["mask"],
+                                         config=config, backend=backend).loss
+
+    def per_token(t):  # the backend's own outputs: 0 at the rows not selected
+        return torch_linear.linear_logprobs(t["hidden"].reshape(-1, cases.H), t["weight"], t["bias"],
+                                            t["labels"].reshape(-1), mask.reshape(-1) > 0,
+                                            CallOptions(return_entropy=True))
+
+    case = cases.Case("masked", ("hidden", "weight", "bias"), call)
+    selected = cases.run(case, t, "torch")
+    with torch.no_grad():
+        rows_selected = per_token(t)
+    monkeypatch.setattr(torch_linear, "host_reads_allowed", lambda: False)
+    full_size = cases.run(case, t, "torch")
+    with torch.no_grad():
+        rows_full = per_token(t)
+    for s, f in zip(rows_selected, rows_full):
+        assert torch.equal(f[mask.reshape(-1) == 0], torch.zeros(int((mask == 0).sum())))
+        torch.testing.assert_close(f, s, rtol=2e-6, atol=2e-6)
+    for s, f in zip(selected, full_size):
+        assert torch.isfinite(f).all()
+        torch.testing.assert_close(f, s, rtol=2e-6, atol=2e-6)
