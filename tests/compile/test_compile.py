@@ -93,3 +93,38 @@ def test_torch_backend_full_size_rows_under_tracing_equal_the_selected_rows(monk
     for s, f in zip(selected, full_size):
         assert torch.isfinite(f).all()
         torch.testing.assert_close(f, s, rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bad_input_under_compile_gets_the_eager_errors(backend):
+    """A structure error (shapes, options) is raised while tracing: the eager ``ValueError`` itself by default,
+    and under ``fullgraph=True`` Dynamo's error (it allows no exception out of the graph) naming that
+    ``ValueError`` and its text; a value error (labels out of range, a bad mask) is a ``RuntimeError``
+    with the rule's text from the graph's assert, where eager raises ``ValueError`` with the same rule."""
+    t = cases.draw(device_for(backend))
+
+    def loss(hidden, weight, labels, adv, mask):
+        return gk.fused_linear_gspo_loss(hidden, weight, labels, adv, mask=mask, backend=backend).loss
+
+    torch._dynamo.reset()
+    compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")
+    good = (t["hidden"], t["weight"], t["labels"], t["adv"], t["mask"])
+    torch.testing.assert_close(compiled(*good), loss(*good), rtol=2e-6, atol=2e-6)
+    bad_shape = (t["hidden"], t["weight"][:, :-1], t["labels"], t["adv"], t["mask"])
+    with pytest.raises(RuntimeError, match=r"ValueError.*weight must be \[V, H\]"):  # Dynamo's, naming it
+        compiled(*bad_shape)
+    torch._dynamo.reset()  # (the compiled frames are cached per code object, whatever the wrapper's options)
+    for fn in (loss, torch.compile(loss, backend="aot_eager")):  # the default, fullgraph=False: the ValueError itself
+        with pytest.raises(ValueError, match=r"weight must be \[V, H\]"):
+            fn(*bad_shape)
+    torch._dynamo.reset()
+    bad_labels = t["labels"].clone()
+    bad_labels[0, 0] = cases.V
+    with pytest.raises(ValueError, match="labels must lie in"):
+        loss(t["hidden"], t["weight"], bad_labels, t["adv"], t["mask"])
+    with pytest.raises(RuntimeError, match="labels must lie in"):
+        compiled(t["hidden"], t["weight"], bad_labels, t["adv"], t["mask"])
+    bad_mask = t["mask"].clone()
+    bad_mask[1, 1] = 0.5
+    with pytest.raises(RuntimeError, match="mask must hold only 0 and 1"):
+        compiled(t["hidden"], t["weight"], t["labels"], t["adv"], bad_mask)
