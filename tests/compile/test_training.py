@@ -31,8 +31,8 @@ def _step_inputs(vocab: int, device: str):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_hand_written_step_compiles_with_no_graph_break(backend):
-    """``torch._dynamo.explain`` of the step: one graph, zero breaks; the compiled step (``fullgraph=True``,
-    forward and backward) gives the eager loss and gradients to fp32 rounding."""
+    """``torch._dynamo.explain`` of the step: one graph, zero breaks, on every backend; the compiled step
+    (``fullgraph=True``, forward and backward; backend ``cpu``) gives the eager loss and gradients to fp32 rounding."""
     tok = word_tokenizer()
     model = tiny_model("qwen3", tok).to(device_for(backend))
     t = _step_inputs(len(tok), device_for(backend))
@@ -48,6 +48,8 @@ def test_hand_written_step_compiles_with_no_graph_break(backend):
     explained = torch._dynamo.explain(step)(*args)
     assert explained.graph_break_count == 0, explained.break_reasons
     assert explained.graph_count == 1
+    if backend != "cpu":  # the compiled step against eager: once (each backend's loss is compared in test_compile.py)
+        return
     torch._dynamo.reset()
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
     results = []
@@ -61,7 +63,7 @@ def test_hand_written_step_compiles_with_no_graph_break(backend):
 
 
 def test_trainer_compile_option_trains_as_the_eager_trainer():
-    """Two steps of ``GSPOTrainer(compile={"backend": "aot_eager", "fullgraph": True})`` (the backbone and the
+    """A step (two mini-batches: two optimizer updates) of ``GSPOTrainer(compile={"backend": "aot_eager", "fullgraph": True})`` (the backbone and the
     loss compiled together; packed mini-batches) against the same trainer eager: the same metrics and weights to
     fp32 rounding; a bad ``compile`` option is refused naming it."""
     tok = word_tokenizer()
@@ -73,7 +75,7 @@ def test_trainer_compile_option_trains_as_the_eager_trainer():
         torch._dynamo.reset()
         model = copy.deepcopy(base)
         trainer = GSPOTrainer(model, tok, GSPOTrainerConfig(compile=compile_option, **options))
-        metrics = [trainer.train_step(["3 + 4 =", "9 ="], lambda p, c: [float(len(x)) for x in c]) for _ in range(2)]
+        metrics = [trainer.train_step(["3 + 4 =", "9 ="], lambda p, c: [float(len(x)) for x in c])]
         runs.append((metrics, [p.detach().clone() for p in model.parameters()]))
     (m_eager, w_eager), (m_comp, w_comp) = runs
     assert {"loss", "importance_weight/mean", "grad_norm"} <= set(m_eager[0])
