@@ -87,3 +87,31 @@ def test_trainer_compile_option_trains_as_the_eager_trainer():
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="compile must be a bool or a dict"):
         GSPOTrainerConfig(compile="yes")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_compiled_step_replays_as_cuda_graphs(backend):
+    """``torch.compile(mode="reduce-overhead")`` (inductor, CUDA graphs) of a loss step, forward and backward, replayed
+    on fresh inputs of one shape: each replay equals eager (fp32 rounding: inductor fuses the PyTorch parts). GPU only
+    (``gpu-check``'s gpu-tests step runs it); never ran on this project's CPU machines."""
+    torch._dynamo.reset()
+    V, H, B, T = 1000, 64, 4, 33
+
+    def step(hidden, weight, labels, adv, old, mask):
+        return gk.fused_linear_gspo_loss(hidden, weight, labels, adv, old, mask=mask, config=CONFIG,
+                                         ref_logprobs=old, backend=backend).loss
+
+    def with_grads(fn, *args):
+        loss = fn(*args)
+        return (loss.detach().clone(), *torch.autograd.grad(loss, args[:2]))
+
+    gk.available_backends("cuda")  # loaded before compiling
+    compiled = torch.compile(step, mode="reduce-overhead")
+    for _ in range(4):  # the first calls record, the later ones replay
+        hidden = torch.randn(B, T, H, device="cuda", requires_grad=True)
+        weight = (0.1 * torch.randn(V, H, device="cuda")).requires_grad_()
+        args = (hidden, weight, torch.randint(0, V, (B, T), device="cuda"), torch.randn(B, device="cuda"),
+                -6.9 + 0.1 * torch.randn(B, T, device="cuda"), (torch.rand(B, T, device="cuda") > 0.2).float())
+        for comp, eager in zip(with_grads(compiled, *args), with_grads(step, *args)):
+            torch.testing.assert_close(comp, eager, rtol=1e-5, atol=1e-6)
