@@ -18,7 +18,6 @@ nothing from the package.
 
 from __future__ import annotations
 
-import math
 from typing import Callable, List, Optional, Tuple, Union
 
 import torch
@@ -150,7 +149,9 @@ def check_same_device(**tensors: Optional[Tensor]) -> torch.device:
 
 def is_finite_number(value: object) -> bool:
     """Whether ``value`` is a finite Python ``int`` or ``float`` (a bool is not a number here)."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    # ``v - v == 0`` is ``math.isfinite(v)`` (inf - inf and NaN - NaN are NaN), in a form torch.compile traces when
+    # it makes a Python float symbolic (``dynamic=True``); math.isfinite is a graph break there
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value - value == 0
 
 
 def check_temperature(temperature: object, name: str = "temperature") -> float:
@@ -167,7 +168,7 @@ def check_softcap(value: object, name: str = "final_logit_softcapping") -> Optio
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be None or a finite number > 0, got {type(value).__name__} {value!r}")
-    if not math.isfinite(value) or value <= 0:
+    if not is_finite_number(value) or value <= 0:
         raise ValueError(f"{name} must be None or a finite number > 0, got {value!r}")
     return float(value)
 
@@ -264,7 +265,7 @@ def check_num_items(value: Union[None, int, float, Tensor], device: torch.device
         checks.add(bad, rule, lambda: f"{rule}, got {value.item()!r}")
         return items
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        if not (math.isfinite(value) and value > 0):
+        if not (is_finite_number(value) and value > 0):
             raise ValueError(f"{rule}, got {value!r}")
         return torch.full((), float(value), device=device, dtype=torch.float32)  # a fill, no host-to-device copy
     raise TypeError(f"num_items_in_batch must be an int, float or scalar tensor, got {type(value).__name__}")

@@ -191,7 +191,8 @@ _PADDED_LAYOUTS_MAX = 32
 def _padded_layout(B: int, T: int, device: torch.device) -> Tuple[Tensor, Tensor]:
     """``(cu_seqlens [B + 1] int32, seq_index [B * T] int64)`` of the padded layout ``[B, T]``."""
     key = (B, T, device)
-    cached = _PADDED_LAYOUTS.get(key)
+    # (no lookup while tracing: a dict keyed by the sizes would make torch.compile specialize on them)
+    cached = _PADDED_LAYOUTS.get(key) if host_reads_allowed() else None
     if cached is not None:
         return cached
     cu = torch.arange(0, B * T + 1, max(T, 1), device=device, dtype=torch.int32)[: B + 1]

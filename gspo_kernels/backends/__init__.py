@@ -68,6 +68,13 @@ def load(name: str) -> Optional[Backend]:
     """Import a backend; None (with the reason in :func:`unavailable_reason`) if it cannot run here."""
     if name not in _MODULES:
         raise ValueError(f"backend must be one of {('auto',) + BACKENDS}, got {name!r}")
+    if name not in _cache and _torch.compiler.is_compiling():
+        # a backend's first use imports it (and may build the C++ kernels): nothing torch.compile can trace. Without
+        # fullgraph Dynamo runs this call eagerly (one graph break, where the backend then loads); with it, this
+        # error says what to do
+        raise RuntimeError(f"backend {name!r} is not loaded yet, and torch.compile cannot import it while tracing: "
+                           f"load it before compiling, with gspo_kernels.available_backends(device) or one eager "
+                           f"call of the loss")
     if name not in _cache:
         try:
             module = importlib.import_module(_MODULES[name])

@@ -9,11 +9,9 @@ from torch import Tensor
 
 
 def as_rows(x: Tensor) -> Tensor:
-    """``[..., D]`` -> ``[rows, D]`` without a copy when the leading dimensions can be merged."""
-    try:
-        return x.view(-1, x.shape[-1])
-    except RuntimeError:
-        return x.reshape(-1, x.shape[-1])
+    """``[..., D]`` -> ``[rows, D]`` without a copy when the leading dimensions can be merged (``reshape``: a view
+    then, else a copy; no ``view`` attempt in a ``try``, which ``torch.compile`` cannot trace)."""
+    return x.reshape(-1, x.shape[-1])
 
 
 def row_blocks(x: Tensor, block: int, balanced: bool = False) -> Sequence[tuple]:

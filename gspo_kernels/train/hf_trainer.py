@@ -87,6 +87,11 @@ class GSPOTrainerConfig:
             requires one; False never applies it.
         seed: sampling and mini-batch shuffles depend only on ``(seed, step)`` and the weights.
         memory_budget: passed to the loss (bytes for saved logits / chunk buffers; None: the backend's).
+        compile: ``torch.compile`` the training forward, the model's backbone and the loss together (the
+            mini-batch's hidden states through ``fused_linear_gspo_loss``): False (default), True
+            (``torch.compile``'s defaults: inductor; a new mini-batch shape compiles again once, then shapes are
+            dynamic), or a dict of ``torch.compile`` keyword arguments (``{"backend": "aot_eager"}``,
+            ``{"mode": "reduce-overhead"}`` ...). The sampling and the old / reference log-probs stay eager.
         loss_options: the :class:`GSPOConfig` options given by name (``importance_sampling_level``,
             ``loss_type``, ``beta``, ``temperature``, ``log_ratio_clamp``, ...); see :meth:`loss_config`.
     """
@@ -109,6 +114,7 @@ class GSPOTrainerConfig:
     use_chat_template: Optional[bool] = None
     seed: int = 0
     memory_budget: Optional[int] = None
+    compile: Any = False
     loss_options: Dict[str, Any] = field(default_factory=dict)
 
     def __init__(self, **options: Any) -> None:
@@ -183,6 +189,10 @@ class GSPOTrainerConfig:
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.use_chat_template not in (None, True, False):
             raise ValueError(f"use_chat_template must be None, True or False, got {self.use_chat_template!r}")
+        if not isinstance(self.compile, (bool, dict)) or isinstance(self.compile, dict) and not all(
+                isinstance(k, str) for k in self.compile):
+            raise ValueError(f"compile must be a bool or a dict of torch.compile keyword arguments, got "
+                             f"{self.compile!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed must be an int, got {self.seed!r}")
         self.loss_config()  # the loss options' own checks, now rather than at the first step
@@ -365,6 +375,10 @@ class GSPOTrainer:
             params, lr=config.learning_rate, weight_decay=config.weight_decay)
         self.step = 0
         self.last_rollout: Optional[Rollout] = None
+        self._minibatch_loss = self._policy_loss
+        if config.compile is not False:  # the backbone and the loss: one compiled function
+            self._minibatch_loss = torch.compile(self._policy_loss,
+                                                 **({} if config.compile is True else config.compile))
 
     # -- setup helpers
 
@@ -508,15 +522,15 @@ class GSPOTrainer:
 
     def _loss(self, rollout: Rollout, mb: MiniBatch):
         cm = rollout.completion_mask
-        kwargs: Dict[str, Any] = dict(
-            bias=self.parts.bias,
-            mask=mb.mask,
-            cu_seqlens=mb.cu_seqlens,
-            ref_logprobs=None if rollout.ref_logprobs is None else mb.per_token(rollout.ref_logprobs, cm),
-            config=self.loss_config,
-        )
-        old = mb.per_token(rollout.old_logprobs, cm)
-        adv = rollout.advantages[mb.rows]
+        # the rollout's per-token tensors in the mini-batch's layout (a data-dependent selection: outside the
+        # compiled function when the config compiles)
+        ref = None if rollout.ref_logprobs is None else mb.per_token(rollout.ref_logprobs, cm)
+        return self._minibatch_loss(mb, rollout.advantages[mb.rows], mb.per_token(rollout.old_logprobs, cm), ref)
+
+    def _policy_loss(self, mb: MiniBatch, adv: Tensor, old: Tensor, ref: Optional[Tensor]):
+        """The backbone's hidden states of ``mb`` and the loss: what ``compile`` compiles."""
+        kwargs: Dict[str, Any] = dict(bias=self.parts.bias, mask=mb.mask, cu_seqlens=mb.cu_seqlens,
+                                      ref_logprobs=ref, config=self.loss_config)
         with self._autocast():
             hidden = self._hidden(self.parts.decoder, mb)
             if self.config.backend == "reference":

@@ -168,6 +168,25 @@ def _active_index(active: Optional[Tensor], device: torch.device) -> Optional[Te
     return index.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else index.to(device)
 
 
+def _row_selection(rows: Optional[Tensor], n: int, device: torch.device) -> Tuple[Tensor, Optional[Tensor]]:
+    """``(index [k] int64, keep)``: the rows the CPU route computes, of the ``[N]`` bool mask ``rows`` (None: all).
+
+    Eager: only the selected rows (``nonzero``, a data-dependent count: the saving of skipped rows), ``keep``
+    None. Where no host read is allowed (``torch.compile`` tracing, CUDA-graph capture): every row, and ``keep``
+    = ``rows``, the mask the caller applies to each block's operands and results (a shape known before the
+    values: one graph, no ``nonzero``). The selected rows get the same values either way."""
+    if rows is not None and host_reads_allowed():
+        return torch.nonzero(rows)[:, 0], None
+    return torch.arange(n, device=device), rows
+
+
+def _kept_rows(t: Tensor, keep: Optional[Tensor]) -> Tensor:
+    """``t [r, ...]`` with the rows where ``keep [r]`` is False set to 0 (``t`` itself when ``keep`` is None)."""
+    if keep is None:
+        return t
+    return torch.where(keep.reshape(-1, *([1] * (t.dim() - 1))), t, torch.zeros((), dtype=t.dtype, device=t.device))
+
+
 def _linear_rows(n: int, V: int, cdt: torch.dtype, tiles: int, memory_budget: Optional[int]) -> int:
     """Rows per chunk of the accelerator route: ``tiles`` ``[rows, V]`` tiles in ``cdt`` fill the budget."""
     budget = DEFAULT_MEMORY_BUDGET if memory_budget is None else memory_budget
@@ -398,15 +417,19 @@ class _LinearLogprobs(torch.autograd.Function):
         stats = torch.zeros(2, n, dtype=cdt, device=device)
         shifted = _shifted_bias(bias, cdt, softcap)
         ws = _Workspace(LINEAR_ROW_BLOCK, min(LINEAR_VOCAB_BLOCK, V), cdt, device)
-        index_all = torch.arange(n, device=device) if active is None else torch.nonzero(active)[:, 0]
+        index_all, keep_all = _row_selection(active, n, device)
         for b0 in range(0, index_all.numel(), LINEAR_ROW_BLOCK):
             index = index_all[b0 : b0 + LINEAR_ROW_BLOCK]
-            h = rows_all[index].to(cdt)
+            keep = None if keep_all is None else keep_all[b0 : b0 + LINEAR_ROW_BLOCK]
+            h = _kept_rows(rows_all[index].to(cdt), keep)
             state = _OnlineSoftmax(index.numel(), labels[index], cdt, device)
             for v0 in range(0, V, LINEAR_VOCAB_BLOCK):
                 x, _ = _linear_tile(h, weight, shifted, v0, cdt, temperature, softcap)
                 state.fold(x, v0, ws, return_entropy)
-            logp[index], entropy[index], stats[:, index] = state.finish()
+            results = state.finish()
+            if keep is not None:  # the rows not selected: 0, as eager leaves them
+                results = tuple(torch.where(keep, r, 0.0) for r in results)
+            logp[index], entropy[index], stats[:, index] = results
         ctx.save_for_backward(hidden, weight, bias if bias is not None else torch.empty(0), labels, stats, entropy)
         ctx.has_bias = bias is not None
         ctx.temperature = temperature
@@ -425,16 +448,17 @@ class _LinearLogprobs(torch.autograd.Function):
         rows_all = as_rows(hidden)
         shifted = _shifted_bias(bias, cdt, cap)
         ws = _Workspace(LINEAR_ROW_BLOCK, min(LINEAR_VOCAB_BLOCK, V), cdt, device)
-        index_all = torch.nonzero(_carries_gradient(grad_logp, grad_entropy, n, device))[:, 0]
+        index_all, keep_all = _row_selection(_carries_gradient(grad_logp, grad_entropy, n, device), n, device)
         g_all = grad_logp if grad_logp is not None else torch.zeros_like(entropy)
         d_hidden = torch.zeros(n, H, dtype=cdt, device=device)
         d_weight = torch.zeros(V, H, dtype=cdt, device=device)  # fp32 accumulator: V*H*4 bytes
         d_bias = torch.zeros(V, dtype=cdt, device=device) if bias is not None else None
         for b0 in range(0, index_all.numel(), LINEAR_ROW_BLOCK):
             index = index_all[b0 : b0 + LINEAR_ROW_BLOCK]
-            h = rows_all[index].to(cdt)
-            g = g_all[index]
-            ge = grad_entropy[index] if grad_entropy is not None else None
+            keep = None if keep_all is None else keep_all[b0 : b0 + LINEAR_ROW_BLOCK]
+            h = _kept_rows(rows_all[index].to(cdt), keep)  # a row without gradient adds 0 to dW, never NaN
+            g = _kept_rows(g_all[index], keep)
+            ge = _kept_rows(grad_entropy[index], keep) if grad_entropy is not None else None
             m, log_s, ent = stats[0, index], stats[1, index], entropy[index]
             dh = torch.zeros_like(h)
             for v0 in range(0, V, LINEAR_VOCAB_BLOCK):

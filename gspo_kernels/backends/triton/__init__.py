@@ -18,6 +18,9 @@ and what they share: ``kernel_math.py`` (the ``@triton.jit`` exp2 and soft cap, 
 size and tuning table, and ``H100_CONFIGS`` for ``gspo-kernels h100-report``). ``linear.py`` imports nothing
 from ``linear_invariant.py``: :func:`linear_logprobs` here picks one of the two.
 
+Under ``torch.compile`` the entries call ``torch.library`` operators instead of the autograd Functions
+(``operators.py``: the operators, their fake implementations and autograd formulas, and the entries that choose).
+
 Every entry point (``logits_logprobs``, ``linear_logprobs`` in both modes, ``fused_linear_loss``,
 ``fused_logits_loss``) takes the call's :class:`~gspo_kernels.options.CallOptions` and hands it, as one object, to
 its autograd Function; among its fields ``softcap``: the final-logit soft cap ``z -> c tanh(z / c)``, applied
@@ -54,18 +57,12 @@ def supports(device: torch.device) -> bool:
 def linear_logprobs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor,
                     active: Optional[Tensor] = None, options: CallOptions = DEFAULT_OPTIONS, *,
                     leaves: Optional[Tuple[Tensor, Tensor, Optional[Tensor]]] = None) -> Tuple[Tensor, Optional[Tensor]]:
-    """The backend contract's ``linear_logprobs`` (:class:`gspo_kernels.backends.contract.LinearLogprobs`): the
-    vendor GEMMs (:func:`.linear.linear_logprobs`) by default; the batch-invariant Triton GEMMs
-    (:func:`.linear_invariant.linear_logprobs`) with ``options.batch_invariant``, which return the gradients to the
-    operands they are given (``leaves``, the caller's tensors before the precision policy's cast, is the vendor
-    path's)."""
-    if options.batch_invariant:
-        from gspo_kernels.backends.triton import linear_invariant
+    """The backend contract's ``linear_logprobs`` (:class:`gspo_kernels.backends.contract.LinearLogprobs`):
+    :func:`.operators.linear_logprobs` (the vendor GEMMs by default, the batch-invariant Triton GEMMs with
+    ``options.batch_invariant``; their operator under ``torch.compile``)."""
+    from gspo_kernels.backends.triton import operators
 
-        return linear_invariant.linear_logprobs(hidden, weight, bias, labels, active, options)
-    from gspo_kernels.backends.triton import linear
-
-    return linear.linear_logprobs(hidden, weight, bias, labels, active, options, leaves=leaves)
+    return operators.linear_logprobs(hidden, weight, bias, labels, active, options, leaves=leaves)
 
 
 def make_backend():
@@ -76,10 +73,8 @@ def make_backend():
 
     check_triton()
     from gspo_kernels.backends.contract import Backend
-    from gspo_kernels.backends.triton.linear_loss import fused_linear_loss
-    from gspo_kernels.backends.triton.logits import logits_logprobs
-    from gspo_kernels.backends.triton.logits_loss import fused_logits_loss
-    from gspo_kernels.backends.triton.sequence import fused_objective
+    from gspo_kernels.backends.triton import operators
 
-    return Backend("triton", logits_logprobs, linear_logprobs, sequence_stage=fused_objective, supports=supports,
-                   fused_linear_loss=fused_linear_loss, fused_logits_loss=fused_logits_loss)
+    return Backend("triton", operators.logits_logprobs, operators.linear_logprobs,
+                   sequence_stage=operators.sequence_stage, supports=supports,
+                   fused_linear_loss=operators.fused_linear_loss, fused_logits_loss=operators.fused_logits_loss)

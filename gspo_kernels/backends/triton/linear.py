@@ -339,6 +339,57 @@ def _vocab_sliced_backward(rows: Tensor, weight: Tensor, operand: torch.dtype, b
     return [dh, dw, db]
 
 
+def vendor_forward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, active: Optional[Tensor], *,
+                   temperature: float, memory_budget: Optional[int], softcap: Optional[float],
+                   grad: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    """The forward of the vendor path: ``(logp [N], entropy [N], row_stats [2, N])`` in the compute dtype, over row
+    chunks (the logits GEMM, then the forward epilogue). ``grad``: whether a backward will follow (it sizes the
+    buffers of a vocabulary-sliced call). Rows with ``active`` False get 0 outputs."""
+    rows, w, b = gemm_operands(hidden.detach(), weight.detach(), None if bias is None else bias.detach(), softcap)
+    n, vocab = rows.shape[0], w.shape[0]
+    acc = compute_dtype(w.dtype)
+    logp = torch.zeros(n, device=rows.device, dtype=acc)
+    entropy = torch.zeros_like(logp)
+    row_stats = torch.zeros((2, n), device=rows.device, dtype=acc)
+    # Few rows against the vocabulary: the backward runs over slices of it (and keeps no copy of the head); a
+    # forward whose backward will run sits beside the backbone's activations as that backward does, and gets
+    # its smaller default buffer (the no-grad pass, the old / reference log-probs, keeps the larger one).
+    budget = memory_budget
+    if budget is None and configs.vocab_sliced(n, vocab) and grad:
+        budget = configs.VOCAB_SLICE_BUDGET
+    chunk = configs.gemm_chunk_rows(n, vocab, w.dtype, budget, need_dz=False)
+    buffers = ChunkBuffers(min(chunk, n), vocab, w.dtype, rows.device, need_dz=False) if n else None
+    for r0 in range(0, n, chunk):
+        r1 = min(n, r0 + chunk)
+        z = chunk_logits(rows[r0:r1], w, b, buffers.logits)
+        chunk_statistics(z=z, labels=labels[r0:r1], active=None if active is None else active[r0:r1],
+                         temperature=temperature, logp=logp[r0:r1], entropy=entropy[r0:r1],
+                         row_stats=row_stats[:, r0:r1], softcap=softcap)
+    return logp, entropy, row_stats
+
+
+def vendor_backward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, computed: Tensor,
+                    row_stats: Tensor, entropy: Tensor, grad_logp: Optional[Tensor], grad_entropy: Optional[Tensor], *,
+                    operand: torch.dtype, sliced: bool, temperature: float, softcap: Optional[float],
+                    memory_budget: Optional[int], need) -> List[Optional[Tensor]]:
+    """The backward of the vendor path: ``[dH [N, H], dW, dB]`` in the compute dtype (None where ``need`` says
+    not wanted); the rows that are not ``computed`` or carry a zero gradient do no work."""
+    acc = compute_dtype(operand)
+    carries = torch.zeros_like(computed)
+    for g in (grad_logp, grad_entropy):
+        if g is not None:
+            carries |= g != 0
+    carries &= computed
+    grad_logp = None if grad_logp is None else torch.where(carries, grad_logp.to(acc), 0)
+    grad_entropy = None if grad_entropy is None else torch.where(carries, grad_entropy.to(acc), 0)
+    form = _vocab_sliced_backward if sliced else _row_chunked_backward
+    return form(rows=hidden.detach().reshape(-1, hidden.shape[-1]), weight=weight.detach(), operand=operand,
+                bias=None if bias is None else kernel_bias(bias.detach(), softcap, acc), labels=labels,
+                carries=carries, grad_logp=grad_logp, grad_entropy=grad_entropy, row_stats=row_stats,
+                entropy=entropy, temperature=temperature, softcap=softcap,
+                memory_budget=memory_budget, need=need)
+
+
 class VendorLinearLogprobs(torch.autograd.Function):
     """``(hidden, weight, bias, labels, active, options, operands) -> (logp, entropy)``, two passes (the backward
     recomputes each chunk's logits); ``options``: the call's :class:`~gspo_kernels.options.CallOptions`
@@ -354,31 +405,15 @@ class VendorLinearLogprobs(torch.autograd.Function):
         caller_weight = weight
         if operands is not None:
             hidden, weight, bias = operands
-        rows, w, b = gemm_operands(hidden.detach(), weight.detach(), None if bias is None else bias.detach(), softcap)
-        n, vocab = rows.shape[0], w.shape[0]
-        acc = compute_dtype(w.dtype)
-        logp = torch.zeros(n, device=rows.device, dtype=acc)
-        entropy = torch.zeros_like(logp)
-        row_stats = torch.zeros((2, n), device=rows.device, dtype=acc)
-        # Few rows against the vocabulary: the backward runs over slices of it (and keeps no copy of the head); a
-        # forward whose backward will run sits beside the backbone's activations as that backward does, and gets
-        # its smaller default buffer (the no-grad pass, the old / reference log-probs, keeps the larger one).
-        ctx.sliced = configs.vocab_sliced(n, vocab)
-        budget = memory_budget
-        if budget is None and ctx.sliced and any(ctx.needs_input_grad[:3]):
-            budget = configs.VOCAB_SLICE_BUDGET
-        chunk = configs.gemm_chunk_rows(n, vocab, w.dtype, budget, need_dz=False)
-        buffers = ChunkBuffers(min(chunk, n), vocab, w.dtype, rows.device, need_dz=False) if n else None
-        for r0 in range(0, n, chunk):
-            r1 = min(n, r0 + chunk)
-            z = chunk_logits(rows[r0:r1], w, b, buffers.logits)
-            chunk_statistics(z=z, labels=labels[r0:r1], active=None if active is None else active[r0:r1],
-                             temperature=temperature, logp=logp[r0:r1], entropy=entropy[r0:r1],
-                             row_stats=row_stats[:, r0:r1], softcap=softcap)
-        computed = torch.ones(n, device=rows.device, dtype=torch.bool) if active is None else active
+        logp, entropy, row_stats = vendor_forward(hidden, weight, bias, labels, active, temperature=temperature,
+                                                  memory_budget=memory_budget, softcap=softcap,
+                                                  grad=any(ctx.needs_input_grad[:3]))
+        n = logp.shape[0]
+        ctx.sliced = configs.vocab_sliced(n, weight.shape[0])
+        computed = torch.ones(n, device=logp.device, dtype=torch.bool) if active is None else active
         # The sliced backward casts the head slice by slice from the caller's tensor: the operand copy of the head
         # (the precision policy's cast) is not kept.
-        ctx.operand = w.dtype
+        ctx.operand = weight.dtype
         kept_weight = caller_weight if ctx.sliced and operands is not None else weight
         ctx.save_for_backward(hidden.detach(), kept_weight.detach(), None if bias is None else bias.detach(), labels,
                               computed, row_stats, entropy)
@@ -392,22 +427,12 @@ class VendorLinearLogprobs(torch.autograd.Function):
         need_dh, need_dw, need_db = ctx.needs_input_grad[:3]
         if grad_logp is None and grad_entropy is None:
             return (None,) * 7
-        acc = compute_dtype(ctx.operand)
-        carries = torch.zeros_like(computed)
-        for g in (grad_logp, grad_entropy):
-            if g is not None:
-                carries |= g != 0
-        carries &= computed
-        grad_logp = None if grad_logp is None else torch.where(carries, grad_logp.to(acc), 0)
-        grad_entropy = None if grad_entropy is None else torch.where(carries, grad_entropy.to(acc), 0)
-        # either form returns [dH, dW, dB] in the compute dtype, its chunk buffers freed on return: before the
-        # gradients are cast to the leaves' dtypes (an fp32 hidden state's dH copy, N x H x 4 bytes), not beside it
-        form = _vocab_sliced_backward if ctx.sliced else _row_chunked_backward
-        grads = form(rows=hidden.detach().reshape(-1, hidden.shape[-1]), weight=weight.detach(), operand=ctx.operand,
-                     bias=None if bias is None else kernel_bias(bias.detach(), ctx.softcap, acc), labels=labels,
-                     carries=carries, grad_logp=grad_logp, grad_entropy=grad_entropy, row_stats=row_stats,
-                     entropy=entropy, temperature=ctx.temperature, softcap=ctx.softcap,
-                     memory_budget=ctx.memory_budget, need=(need_dh, need_dw, need_db and bias is not None))
+        # [dH, dW, dB] in the compute dtype, the chunk buffers freed on return: before the gradients are cast to
+        # the leaves' dtypes (an fp32 hidden state's dH copy, N x H x 4 bytes), not beside it
+        grads = vendor_backward(hidden, weight, bias, labels, computed, row_stats, entropy, grad_logp, grad_entropy,
+                                operand=ctx.operand, sliced=ctx.sliced, temperature=ctx.temperature,
+                                softcap=ctx.softcap, memory_budget=ctx.memory_budget,
+                                need=(need_dh, need_dw, need_db and bias is not None))
         grads = [None if g is None else g.reshape(leaf[0]).to(leaf[1]) for g, leaf in zip(grads, ctx.leaves)]
         return (*grads, None, None, None, None)
 
