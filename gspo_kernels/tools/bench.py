@@ -21,8 +21,8 @@ of bitwise batch invariance), the plain PyTorch path (materialized logits, ``log
 Cross-Entropy (``impl="torch_compile"``, ``reduction="none"``) with the GSPO formula on their
 log-probs, and Liger (``LigerFusedLinearGRPOLoss(importance_sampling_level="sequence",
 loss_type="grpo")``, eager). Peers are optional: missing ones are listed as skipped, with the reason.
-Output: a table (with a progress bar while it runs), a JSON file with every figure plus the device
-and versions, and a PNG chart (skipped, with a note, when matplotlib is missing).
+Output: a table (the progress on stderr while it runs: ``tools/progress.py``), a JSON file with every figure plus
+the device and versions, and a PNG chart (skipped, with a note, when matplotlib is missing).
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ import time
 from typing import Callable, Dict, List, Optional, Tuple
 
 from gspo_kernels.tools.bench_gpu import gspo_formula  # the GSPO formula the peers are completed with
+from gspo_kernels.tools.progress import track
 
 # ---------------------------------------------------------------------------------------------
 # Cases: the full shapes, and small ones for --quick (a few minutes on 2 CPU cores).
@@ -386,14 +387,6 @@ def environment(device: str) -> Dict:
                 time_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
 
 
-def _progress(done: int, total: int, label: str, start: float) -> None:
-    width = 28
-    filled = int(width * done / max(total, 1))
-    bar = "#" * filled + "." * (width - filled)
-    sys.stderr.write(f"\r[{bar}] {done}/{total} {time.time() - start:6.0f}s  {label[:48]:<48}")
-    sys.stderr.flush()
-
-
 def _fmt_mb(value: Optional[float]) -> str:
     return "n/a" if value is None else f"{value / 2**20:.0f}"
 
@@ -569,13 +562,9 @@ def run(args: argparse.Namespace) -> int:
     jobs = [(c, impl) for c, spec in cases.items() for impl in IMPLS[spec["path"]]
             if args.impls is None or impl in args.impls]
     results: List[Dict] = []
-    start = time.time()
-    for i, (case_name, impl) in enumerate(jobs):
-        _progress(i, len(jobs), f"{case_name} / {impl}", start)
+    for case_name, impl in track(jobs, lambda job: f"{job[0]} / {job[1]}"):
         result = run_one(impl, cases[case_name], repeats, device, timeout)
         results.append(dict(case=case_name, impl=impl, case_spec=cases[case_name], **result))
-    _progress(len(jobs), len(jobs), "done", start)
-    sys.stderr.write("\n")
     print_table(results, cases)
     met = targets(results, quick=args.quick) if device == "cpu" else []
     if met:
