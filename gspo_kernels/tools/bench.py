@@ -40,6 +40,7 @@ import time
 from typing import Callable, Dict, List, Optional, Tuple
 
 from gspo_kernels.tools.bench_gpu import gspo_formula  # the GSPO formula the peers are completed with
+from gspo_kernels.tools.peers import Skip, peer  # Skip: an implementation that cannot run here
 from gspo_kernels.tools.progress import track
 
 # ---------------------------------------------------------------------------------------------
@@ -120,20 +121,6 @@ def _current_logprobs(inputs: Dict, case: Dict):
 # ---------------------------------------------------------------------------------------------
 
 
-class Skip(Exception):
-    """This implementation cannot run here (the message says why)."""
-
-
-def _peer(module: str, what: str, package: str):
-    """Import ``what`` from ``module`` or raise Skip naming the missing ``package``."""
-    import importlib
-
-    try:
-        return getattr(importlib.import_module(module), what)
-    except ImportError as exc:
-        raise Skip(f"{package} not installed ({exc})") from exc
-
-
 def build_impl(name: str, case: Dict, inputs: Dict) -> Tuple[Callable, List]:
 
     import gspo_kernels as gk
@@ -168,7 +155,7 @@ def build_impl(name: str, case: Dict, inputs: Dict) -> Tuple[Callable, List]:
                 return gspo_formula(logp, old, adv, mask)
             return step, leaves
         if name == "trl-chunked":
-            ChunkedLogProbFunction = _peer("trl.kernels", "ChunkedLogProbFunction", "trl")
+            ChunkedLogProbFunction = peer("trl.kernels", "ChunkedLogProbFunction", "trl")
             chunk = 32768  # TRL's _CHUNKED_LOGPROB_CHUNK_SIZE
 
             def step():
@@ -177,7 +164,7 @@ def build_impl(name: str, case: Dict, inputs: Dict) -> Tuple[Callable, List]:
                 return gspo_formula(logp.reshape(B, T), old, adv, mask)
             return step, leaves
         if name == "liger":
-            LigerFusedLinearGRPOLoss = _peer("liger_kernel.chunked_loss", "LigerFusedLinearGRPOLoss", "liger-kernel")
+            LigerFusedLinearGRPOLoss = peer("liger_kernel.chunked_loss", "LigerFusedLinearGRPOLoss", "liger-kernel")
             loss_fn = LigerFusedLinearGRPOLoss(beta=0.0, compiled=False, use_ref_model=False, epsilon_low=3e-4,
                                                epsilon_high=4e-4, loss_type="grpo",
                                                importance_sampling_level="sequence")
@@ -187,7 +174,7 @@ def build_impl(name: str, case: Dict, inputs: Dict) -> Tuple[Callable, List]:
                 return out[0] if isinstance(out, tuple) else out
             return step, leaves
         if name == "cce":
-            linear_cross_entropy = _peer("cut_cross_entropy", "linear_cross_entropy", "cut-cross-entropy")
+            linear_cross_entropy = peer("cut_cross_entropy", "linear_cross_entropy", "cut-cross-entropy")
 
             def step():
                 nll = linear_cross_entropy(hidden.reshape(B * T, -1), weight, labels.reshape(-1),
@@ -207,7 +194,7 @@ def build_impl(name: str, case: Dict, inputs: Dict) -> Tuple[Callable, List]:
                 return gspo_formula(logp, old, adv, mask)
             return step, leaves
         if name == "trl-selective":
-            selective_log_softmax = _peer("trl.trainer.utils", "selective_log_softmax", "trl")
+            selective_log_softmax = peer("trl.trainer.utils", "selective_log_softmax", "trl")
             return (lambda: gspo_formula(selective_log_softmax(logits, labels), old, adv, mask)), leaves
     raise Skip(f"{name} has no {case['path']}-path implementation")
 
