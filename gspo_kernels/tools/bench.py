@@ -37,11 +37,13 @@ import subprocess
 import sys
 import textwrap
 import time
+from dataclasses import replace
 from typing import Callable, Dict, List, Optional, Tuple
 
 from gspo_kernels.tools.bench_gpu import gspo_formula  # the GSPO formula the peers are completed with
 from gspo_kernels.tools.peers import Skip, peer  # Skip: an implementation that cannot run here
 from gspo_kernels.tools.progress import track
+from gspo_kernels.tools.table import Column, text_header, text_row
 
 # ---------------------------------------------------------------------------------------------
 # Cases: the full shapes, and small ones for --quick (a few minutes on 2 CPU cores).
@@ -385,6 +387,12 @@ def _spread(r: Dict) -> str:
     return f"{r['min_ms']:.0f}/{r['total_ms']:.0f}/{r['max_ms']:.0f}"
 
 
+# The table's columns; the throughput column's title is its unit (GFLOP/s or GB/s: ``work``).
+COLUMNS = (Column("implementation", 18, "<"), Column("fwd ms", 9, spec=".0f"), Column("bwd ms", 9, spec=".0f"),
+           Column("total ms", 9, spec=".0f"), Column("min/med/max ms", 16), Column("rate", 8, spec=".1f"),
+           Column("peak MB", 8), Column("x base", 7), Column("x plain", 7))
+
+
 def print_table(results: List[Dict], cases: Dict[str, Dict]) -> None:
     for case_name, case in cases.items():
         rows = [r for r in results if r["case"] == case_name]
@@ -394,17 +402,17 @@ def print_table(results: List[Dict], cases: Dict[str, Dict]) -> None:
         shape = ", ".join(f"{k}={v}" for k, v in case.items() if k != "path")
         print(f"\n{case_name} ({case['path']} path: {shape}); x base = total / {BASELINE[case['path']]}'s, "
               f"x plain = total / {PLAIN}'s")
-        print(f"  {'implementation':<18} {'fwd ms':>9} {'bwd ms':>9} {'total ms':>9} {'min/med/max ms':>16} {unit:>8} "
-              f"{'peak MB':>8} {'x base':>7} {'x plain':>7}")
+        columns = (*COLUMNS[:5], replace(COLUMNS[5], title=unit), *COLUMNS[6:])
+        print(text_header(columns, indent="  "))
         for r in rows:
             if r["status"] != "ok":
-                print(f"  {r['impl']:<18} {r['status']}: {r['reason']}")
+                print(text_row(columns[:1], [r["impl"]], indent="  ") + f" {r['status']}: {r['reason']}")
                 continue
             rate = amount / (r["total_ms"] / 1e3) / 1e9
             ratio = f"{r['total_ms'] / base['total_ms']:.2f}" if base else "-"
             to_plain = f"{r['total_ms'] / plain['total_ms']:.2f}" if plain else "-"
-            print(f"  {r['impl']:<18} {r['fwd_ms']:9.0f} {r['bwd_ms']:9.0f} {r['total_ms']:9.0f} {_spread(r):>16} "
-                  f"{rate:8.1f} {_fmt_mb(r['peak_extra_bytes']):>8} {ratio:>7} {to_plain:>7}")
+            print(text_row(columns, [r["impl"], r["fwd_ms"], r["bwd_ms"], r["total_ms"], _spread(r), rate,
+                                     _fmt_mb(r["peak_extra_bytes"]), ratio, to_plain], indent="  "))
         kept = [r for r in rows if r["status"] == "ok" and r.get("kept_bytes")]
         if kept:
             print(f"  peak MB includes {KEPT_NOTE}: "
