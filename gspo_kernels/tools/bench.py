@@ -531,7 +531,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "and one of vocabularies -> <out>.json and <out>.png (default results/scaling); docs/scaling.md")
     parser.add_argument("--memory-cap", type=float, default=None, metavar="GIB", help="--scaling: the GiB a point may "
                         "allocate (default: 3/4 of what is available); a point estimated over it is recorded as oom")
-    parser.add_argument("--series", default=None, help=argparse.SUPPRESS)  # --scaling: "tokens=16,32;vocab=64,128;..."
+    parser.add_argument("--series", default=None, help='--scaling: other series than the default ones, e.g. '
+                        '"tokens=64,128;vocab=256,512;hidden=16"')
     parser.add_argument("--gpu", action="store_true", help="on a GPU: every ratio against plain PyTorch and the "
                         "peers, and each target met or missed -> results/bench_gpu.{json,md}; see docs/bench_gpu.md")
     from gspo_kernels.tools import bench_gpu
