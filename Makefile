@@ -16,8 +16,8 @@ TORCH_FROM := $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
 STAMP := $(VENV)/.installed
 DEMO_STAMP := $(VENV)/.installed-demo
 # What make demo runs besides torch and the package: triton (verify checks the Triton backend, in the Triton
-# interpreter on a CPU) and matplotlib (bench's chart).
-DEMO_DEPS ?= triton matplotlib
+# interpreter on a CPU), matplotlib (bench's chart) and tqdm (bench's progress bar on a terminal).
+DEMO_DEPS ?= triton matplotlib tqdm
 # Some pip configurations (a find-links folder or a file:// index that lacks a package) print a "Location ... is
 # ignored" warning for every package looked up: the demo's installs leave those lines out. pip's exit status
 # passes through the filter (pipefail), so a failed install still fails make demo.

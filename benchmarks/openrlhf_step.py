@@ -27,7 +27,7 @@ import gc
 import json
 import sys
 from pathlib import Path
-from typing import Dict
+from typing import Dict, List
 
 import torch
 
@@ -149,11 +149,23 @@ def main() -> None:
         print(f"{r['case']:>9}: old pass {r['old'] / gib:6.2f} GiB, step {r['step'] / gib:6.2f} GiB")
         for rec in r["step_largest"]:
             print(f"           {rec['bytes'] / gib:6.2f} GiB {rec['dtype']:<15} {str(rec['shape']):<22} {rec['op']}")
-    for name, parts in predicted_gpu().items():
+    print("\n".join(prediction_lines()))
+
+
+def prediction_lines(shape: Dict[str, int] = SHAPE) -> List[str]:
+    """:func:`predicted_gpu` as the table's lines; where triton is not installed (the prediction reads the Triton
+    backend's chunk and slice sizes, whose module needs triton), one line saying the prediction is not made here."""
+    try:
+        predicted = predicted_gpu(shape)
+    except ImportError as exc:
+        return [f"PREDICTED on a GPU: not made here: it reads the Triton backend's chunk sizes, which need triton "
+                f"({type(exc).__name__}: {exc})"]
+    gib, lines = 2.0 ** 30, []
+    for name, parts in predicted.items():
         step = max(v for k, v in parts.items() if k.startswith("step"))
-        print(f"PREDICTED on a GPU, {name}: the head's tensors at the step's peak {step / gib:.2f} GiB")
-        for part, nbytes in parts.items():
-            print(f"           {nbytes / gib:6.2f} GiB {part}")
+        lines.append(f"PREDICTED on a GPU, {name}: the head's tensors at the step's peak {step / gib:.2f} GiB")
+        lines += [f"           {nbytes / gib:6.2f} GiB {part}" for part, nbytes in parts.items()]
+    return lines
 
 
 if __name__ == "__main__":

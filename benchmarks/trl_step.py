@@ -230,13 +230,17 @@ def main() -> None:
             cmd += ["--shape", opts.shape] if opts.shape else []
             out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=os.environ.copy())
             rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
-    print(f"{'precision':9} {'case':5} {'old s':>7} {'step s':>7} {'total s':>8} {'peak MB':>8} {'loss':>10} "
-          f"{'w min':>9} {'w max':>9} {'clip':>5}")
+    from gspo_kernels.tools.table import Column, text_header, text_row
+
+    columns = (Column("precision", 9, "<"), Column("case", 5, "<"), Column("old s", 7, spec=".2f"),
+               Column("step s", 7, spec=".2f"), Column("total s", 8, spec=".2f"), Column("peak MB", 8, spec=".0f"),
+               Column("loss", 10, spec=".6f"), Column("w min", 9, spec=".6f"), Column("w max", 9, spec=".6f"),
+               Column("clip", 5, spec=".2f"))
+    print(text_header(columns))
     for r in rows:
-        wmin = "-" if r["weight_min"] is None else f"{r['weight_min']:.6f}"
-        wmax = "-" if r["weight_max"] is None else f"{r['weight_max']:.6f}"
-        print(f"{r['precision']:9} {r['case']:5} {r['old_s']:7.2f} {r['step_s']:7.2f} {r['total_s']:8.2f} "
-              f"{r['peak_mb']:8.0f} {r['loss']:10.6f} {wmin:>9} {wmax:>9} {r['clip']:5.2f}")
+        wmin, wmax = ("-" if r[key] is None else r[key] for key in ("weight_min", "weight_max"))
+        print(text_row(columns, [r["precision"], r["case"], r["old_s"], r["step_s"], r["total_s"], r["peak_mb"],
+                                 r["loss"], wmin, wmax, r["clip"]]))
     for precision in opts.precisions.split(","):
         trl_row, ours = (next(r for r in rows if r["precision"] == precision and r["case"] == c) for c in ("trl", "gspo"))
         print(f"{precision}: drop-in / TRL: time {ours['total_s'] / trl_row['total_s']:.2f}x "

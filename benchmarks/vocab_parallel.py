@@ -28,6 +28,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import gspo_kernels as gk  # noqa: E402
+from gspo_kernels.tools.table import Column, text_header, text_row  # noqa: E402
 
 
 def _worker(rank: int, world: int, port: int, args, results) -> None:
@@ -118,9 +119,11 @@ def main() -> None:
         rows.extend(sorted(got))
     print(f"fused_linear_gspo_loss fwd+bwd, N={args.tokens} H={args.hidden} V={args.vocab} fp32, backend "
           f"{args.backend}, {args.threads} threads in all")
-    print(f"{'processes':>9} {'rank':>4} {'rows of W':>10} {'step s':>8} {'peak extra GiB':>15} {'loss':>12}")
+    columns = (Column("processes", 9), Column("rank", 4), Column("rows of W", 10), Column("step s", 8, spec=".2f"),
+               Column("peak extra GiB", 15, spec=".2f"), Column("loss", 12, spec=".6f"))
+    print(text_header(columns))
     for world, rank, seconds, gib, loss in rows:
-        print(f"{world:>9} {rank:>4} {args.vocab // world:>10} {seconds:>8.2f} {gib:>15.2f} {loss:>12.6f}")
+        print(text_row(columns, [world, rank, args.vocab // world, seconds, gib, loss]))
 
 
 if __name__ == "__main__":

@@ -21,8 +21,8 @@ of bitwise batch invariance), the plain PyTorch path (materialized logits, ``log
 Cross-Entropy (``impl="torch_compile"``, ``reduction="none"``) with the GSPO formula on their
 log-probs, and Liger (``LigerFusedLinearGRPOLoss(importance_sampling_level="sequence",
 loss_type="grpo")``, eager). Peers are optional: missing ones are listed as skipped, with the reason.
-Output: a table (with a progress bar while it runs), a JSON file with every figure plus the device
-and versions, and a PNG chart (skipped, with a note, when matplotlib is missing).
+Output: a table (the progress on stderr while it runs: ``tools/progress.py``), a JSON file with every figure plus
+the device and versions, and a PNG chart (skipped, with a note, when matplotlib is missing).
 """
 
 from __future__ import annotations
@@ -37,9 +37,13 @@ import subprocess
 import sys
 import textwrap
 import time
+from dataclasses import replace
 from typing import Callable, Dict, List, Optional, Tuple
 
 from gspo_kernels.tools.bench_gpu import gspo_formula  # the GSPO formula the peers are completed with
+from gspo_kernels.tools.peers import Skip, peer  # Skip: an implementation that cannot run here
+from gspo_kernels.tools.progress import track
+from gspo_kernels.tools.table import Column, text_header, text_row
 
 # ---------------------------------------------------------------------------------------------
 # Cases: the full shapes, and small ones for --quick (a few minutes on 2 CPU cores).
@@ -119,20 +123,6 @@ def _current_logprobs(inputs: Dict, case: Dict):
 # ---------------------------------------------------------------------------------------------
 
 
-class Skip(Exception):
-    """This implementation cannot run here (the message says why)."""
-
-
-def _peer(module: str, what: str, package: str):
-    """Import ``what`` from ``module`` or raise Skip naming the missing ``package``."""
-    import importlib
-
-    try:
-        return getattr(importlib.import_module(module), what)
-    except ImportError as exc:
-        raise Skip(f"{package} not installed ({exc})") from exc
-
-
 def build_impl(name: str, case: Dict, inputs: Dict) -> Tuple[Callable, List]:
 
     import gspo_kernels as gk
@@ -167,7 +157,7 @@ def build_impl(name: str, case: Dict, inputs: Dict) -> Tuple[Callable, List]:
                 return gspo_formula(logp, old, adv, mask)
             return step, leaves
         if name == "trl-chunked":
-            ChunkedLogProbFunction = _peer("trl.kernels", "ChunkedLogProbFunction", "trl")
+            ChunkedLogProbFunction = peer("trl.kernels", "ChunkedLogProbFunction", "trl")
             chunk = 32768  # TRL's _CHUNKED_LOGPROB_CHUNK_SIZE
 
             def step():
@@ -176,7 +166,7 @@ def build_impl(name: str, case: Dict, inputs: Dict) -> Tuple[Callable, List]:
                 return gspo_formula(logp.reshape(B, T), old, adv, mask)
             return step, leaves
         if name == "liger":
-            LigerFusedLinearGRPOLoss = _peer("liger_kernel.chunked_loss", "LigerFusedLinearGRPOLoss", "liger-kernel")
+            LigerFusedLinearGRPOLoss = peer("liger_kernel.chunked_loss", "LigerFusedLinearGRPOLoss", "liger-kernel")
             loss_fn = LigerFusedLinearGRPOLoss(beta=0.0, compiled=False, use_ref_model=False, epsilon_low=3e-4,
                                                epsilon_high=4e-4, loss_type="grpo",
                                                importance_sampling_level="sequence")
@@ -186,7 +176,7 @@ def build_impl(name: str, case: Dict, inputs: Dict) -> Tuple[Callable, List]:
                 return out[0] if isinstance(out, tuple) else out
             return step, leaves
         if name == "cce":
-            linear_cross_entropy = _peer("cut_cross_entropy", "linear_cross_entropy", "cut-cross-entropy")
+            linear_cross_entropy = peer("cut_cross_entropy", "linear_cross_entropy", "cut-cross-entropy")
 
             def step():
                 nll = linear_cross_entropy(hidden.reshape(B * T, -1), weight, labels.reshape(-1),
@@ -206,7 +196,7 @@ def build_impl(name: str, case: Dict, inputs: Dict) -> Tuple[Callable, List]:
                 return gspo_formula(logp, old, adv, mask)
             return step, leaves
         if name == "trl-selective":
-            selective_log_softmax = _peer("trl.trainer.utils", "selective_log_softmax", "trl")
+            selective_log_softmax = peer("trl.trainer.utils", "selective_log_softmax", "trl")
             return (lambda: gspo_formula(selective_log_softmax(logits, labels), old, adv, mask)), leaves
     raise Skip(f"{name} has no {case['path']}-path implementation")
 
@@ -386,14 +376,6 @@ def environment(device: str) -> Dict:
                 time_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
 
 
-def _progress(done: int, total: int, label: str, start: float) -> None:
-    width = 28
-    filled = int(width * done / max(total, 1))
-    bar = "#" * filled + "." * (width - filled)
-    sys.stderr.write(f"\r[{bar}] {done}/{total} {time.time() - start:6.0f}s  {label[:48]:<48}")
-    sys.stderr.flush()
-
-
 def _fmt_mb(value: Optional[float]) -> str:
     return "n/a" if value is None else f"{value / 2**20:.0f}"
 
@@ -405,6 +387,12 @@ def _spread(r: Dict) -> str:
     return f"{r['min_ms']:.0f}/{r['total_ms']:.0f}/{r['max_ms']:.0f}"
 
 
+# The table's columns; the throughput column's title is its unit (GFLOP/s or GB/s: ``work``).
+COLUMNS = (Column("implementation", 18, "<"), Column("fwd ms", 9, spec=".0f"), Column("bwd ms", 9, spec=".0f"),
+           Column("total ms", 9, spec=".0f"), Column("min/med/max ms", 16), Column("rate", 8, spec=".1f"),
+           Column("peak MB", 8), Column("x base", 7), Column("x plain", 7))
+
+
 def print_table(results: List[Dict], cases: Dict[str, Dict]) -> None:
     for case_name, case in cases.items():
         rows = [r for r in results if r["case"] == case_name]
@@ -414,17 +402,17 @@ def print_table(results: List[Dict], cases: Dict[str, Dict]) -> None:
         shape = ", ".join(f"{k}={v}" for k, v in case.items() if k != "path")
         print(f"\n{case_name} ({case['path']} path: {shape}); x base = total / {BASELINE[case['path']]}'s, "
               f"x plain = total / {PLAIN}'s")
-        print(f"  {'implementation':<18} {'fwd ms':>9} {'bwd ms':>9} {'total ms':>9} {'min/med/max ms':>16} {unit:>8} "
-              f"{'peak MB':>8} {'x base':>7} {'x plain':>7}")
+        columns = (*COLUMNS[:5], replace(COLUMNS[5], title=unit), *COLUMNS[6:])
+        print(text_header(columns, indent="  "))
         for r in rows:
             if r["status"] != "ok":
-                print(f"  {r['impl']:<18} {r['status']}: {r['reason']}")
+                print(text_row(columns[:1], [r["impl"]], indent="  ") + f" {r['status']}: {r['reason']}")
                 continue
             rate = amount / (r["total_ms"] / 1e3) / 1e9
             ratio = f"{r['total_ms'] / base['total_ms']:.2f}" if base else "-"
             to_plain = f"{r['total_ms'] / plain['total_ms']:.2f}" if plain else "-"
-            print(f"  {r['impl']:<18} {r['fwd_ms']:9.0f} {r['bwd_ms']:9.0f} {r['total_ms']:9.0f} {_spread(r):>16} "
-                  f"{rate:8.1f} {_fmt_mb(r['peak_extra_bytes']):>8} {ratio:>7} {to_plain:>7}")
+            print(text_row(columns, [r["impl"], r["fwd_ms"], r["bwd_ms"], r["total_ms"], _spread(r), rate,
+                                     _fmt_mb(r["peak_extra_bytes"]), ratio, to_plain], indent="  "))
         kept = [r for r in rows if r["status"] == "ok" and r.get("kept_bytes")]
         if kept:
             print(f"  peak MB includes {KEPT_NOTE}: "
@@ -570,13 +558,9 @@ def run(args: argparse.Namespace) -> int:
     jobs = [(c, impl) for c, spec in cases.items() for impl in IMPLS[spec["path"]]
             if args.impls is None or impl in args.impls]
     results: List[Dict] = []
-    start = time.time()
-    for i, (case_name, impl) in enumerate(jobs):
-        _progress(i, len(jobs), f"{case_name} / {impl}", start)
+    for case_name, impl in track(jobs, lambda job: f"{job[0]} / {job[1]}"):
         result = run_one(impl, cases[case_name], repeats, device, timeout)
         results.append(dict(case=case_name, impl=impl, case_spec=cases[case_name], **result))
-    _progress(len(jobs), len(jobs), "done", start)
-    sys.stderr.write("\n")
     print_table(results, cases)
     met = targets(results, quick=args.quick) if device == "cpu" else []
     if met:

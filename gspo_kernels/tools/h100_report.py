@@ -52,6 +52,8 @@ import tempfile
 import time
 from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
+from gspo_kernels.tools.table import Column, text_header, text_row
+
 TARGET = ("cuda", 90, 32)
 _WORKER_FLAG = "GSPO_KERNELS_H100_REPORT_WORKER"
 # The directory holding the gspo_kernels package: put first on the subprocesses' PYTHONPATH so that they
@@ -439,28 +441,29 @@ def _per_elem(row: dict) -> str:
     return f"{low:g}" if high == low else f"{low:g}-{high:g}"
 
 
+COLUMNS = (Column("kernel", 54, "<"), Column("warps", 5), Column("stages", 6), Column("regs", 5), Column("smem B", 7),
+           Column("local B", 7), Column("HGMMA", 6), Column("ld128", 5), Column("instr/elem", 11),
+           Column("ld bits", 8), Column("st bits", 8))
+
+
 def format_table(rows: List[dict]) -> str:
     """One line per configuration: warps, pipeline depth (``num_stages``), registers, shared and local (spill)
     bytes, HGMMA, 128-bit loads in the PTX, then the main loop (:func:`main_loop_stats`): SASS instructions per
     element (fewest-most per iteration; ``(n/it)`` where the elements per iteration are not defined) and the
     widths of its global loads and stores in bits."""
-    header = (f"{'kernel':<54} {'warps':>5} {'stages':>6} {'regs':>5} {'smem B':>7} {'local B':>7} {'HGMMA':>6} "
-              f"{'ld128':>5} {'instr/elem':>11} {'ld bits':>8} {'st bits':>8}  status")
+    header = text_header(COLUMNS, tail="status")
     lines = [header, "-" * len(header)]
     for row in rows:
         issues = problems(row)
         status = "ok" if not issues else "FAIL: " + "; ".join(issues)
         if row["error"]:
-            lines.append(f"{row['name']:<54} {row['num_warps']:>5} {row['num_stages']:>6} {'-':>5} {'-':>7} {'-':>7} "
-                         f"{'-':>6} {'-':>5} {'-':>11} {'-':>8} {'-':>8}  {status}")
+            lines.append(text_row(COLUMNS, [row["name"], row["num_warps"], row["num_stages"], *["-"] * 8], tail=status))
             continue
         hgmma = "yes" if row["hgmma"] else ("HMMA" if row["hmma"] else "no")
         loads = "yes" if row["loads_128"] else "no"
-        lines.append(
-            f"{row['name']:<54} {row['num_warps']:>5} {row['num_stages']:>6} {row['registers']:>5} "
-            f"{row['shared_bytes']:>7} {row['local_bytes']:>7} {hgmma:>6} {loads:>5} {_per_elem(row):>11} "
-            f"{_bits(row.get('load_bits')):>8} {_bits(row.get('store_bits')):>8}  {status}"
-        )
+        lines.append(text_row(COLUMNS, [row["name"], row["num_warps"], row["num_stages"], row["registers"],
+                                        row["shared_bytes"], row["local_bytes"], hgmma, loads, _per_elem(row),
+                                        _bits(row.get("load_bits")), _bits(row.get("store_bits"))], tail=status))
     return "\n".join(lines)
 
 

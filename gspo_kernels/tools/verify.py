@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Dict, List
 
 from gspo_kernels.config import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES
 from gspo_kernels.testing import FP32_RTOL, gradient_tolerance, rel_err, setup_triton_interpreter
+from gspo_kernels.tools.table import Column, text_header, text_row
 
 if TYPE_CHECKING:
     import torch
@@ -187,6 +188,12 @@ QUICK_LEVELS = ("sequence",)
 QUICK_LOSS_TYPES = ("grpo", "dapo")
 
 
+COLUMNS = (Column("backend", 8, "<"), Column("path", 8, "<"), Column("level", 14, "<"), Column("loss", 8, "<"),
+           Column("dtype", 5, "<"), Column("layout", 6, "<"), Column("loss err", 9, spec=".2e"),
+           Column("tol", 8, spec=".1e"), Column("grad err", 9, spec=".2e"), Column("tol", 8, spec=".1e"),
+           Column("metric", 8, spec=".1e"), Column("s", 6, spec=".2f"))
+
+
 def run(args: argparse.Namespace) -> int:
     where = setup_triton_interpreter()
     import torch
@@ -205,15 +212,13 @@ def run(args: argparse.Namespace) -> int:
     quick = getattr(args, "quick", False)
     levels, loss_types = (QUICK_LEVELS, QUICK_LOSS_TYPES) if quick else (IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES)
     cases = list(itertools.product(names, args.paths, levels, loss_types, args.dtypes))
-    header = f"{'backend':8} {'path':8} {'level':14} {'loss':8} {'dtype':5} {'layout':6} " \
-             f"{'loss err':>9} {'tol':>8} {'grad err':>9} {'tol':>8} {'metric':>8} {'s':>6}  result"
-    print(header)
+    print(text_header(COLUMNS, tail="result"))
     for i, (name, path, level, loss_type, dtype) in enumerate(cases):
         row = check_case(name, path, level, loss_type, dtype, seed=seed + i)
         rows.append(row)
-        print(f"{row.backend:8} {row.path:8} {row.level:14} {row.loss_type:8} {row.dtype:5} {row.layout:6} "
-              f"{row.loss_err:9.2e} {row.loss_tol:8.1e} {row.grad_err:9.2e} {row.grad_tol:8.1e} "
-              f"{row.metric_err:8.1e} {row.seconds:6.2f}  {'pass' if row.ok else 'FAIL'}", flush=True)
+        print(text_row(COLUMNS, [row.backend, row.path, row.level, row.loss_type, row.dtype, row.layout, row.loss_err,
+                                 row.loss_tol, row.grad_err, row.grad_tol, row.metric_err, row.seconds],
+                       tail="pass" if row.ok else "FAIL"), flush=True)
     failed = [r for r in rows if not r.ok]
     print(f"{len(rows) - len(failed)} passed, {len(failed)} failed")
     return 1 if failed else 0

@@ -307,17 +307,6 @@ def _run_case(ctx: _Ctx, section: str, case: str, fn: Callable[[], Dict], need_s
     return row
 
 
-def _peer(module: str, what: str):
-    """Import ``what`` from ``module`` or raise Skip naming the missing package."""
-    import importlib
-
-
-    try:
-        return getattr(importlib.import_module(module), what)
-    except Exception as exc:  # ImportError, or a peer failing at import on this machine
-        raise Skip(f"{module}.{what} not importable ({type(exc).__name__}: {str(exc)[:120]})") from exc
-
-
 def _rel_err(a, b) -> float:
     a, b = a.float(), b.float()
     return float((a - b).norm() / b.norm().clamp_min(1e-30))

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 
+from gspo_kernels.tools.peers import Skip  # noqa: F401  (a case that cannot run here)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # holds gspo_kernels/
 RESULT = "BENCH-GPU-CASE "
 SECTIONS = ("hidden", "logits", "trl-step", "torch-backend")
@@ -38,10 +40,6 @@ TARGETS = (
     ("torch_logits", "backend='torch' on CUDA, logits path <= 1.0x plain PyTorch", 1.0),
     ("torch_hidden", "backend='torch' on CUDA, hidden path <= 1.0x plain PyTorch", 1.0),
 )
-
-
-class Skip(Exception):
-    """This case cannot run here (the message says why)."""
 
 
 def gspo_formula(logp, old, advantages, mask, eps_low: float = 3e-4, eps_high: float = 4e-4):

@@ -7,6 +7,8 @@ import math
 import os
 from typing import Dict, List, Optional
 
+from gspo_kernels.tools.table import Column, markdown_header, markdown_row, text_header, text_row
+
 from .plan import SECTIONS, TARGETS
 
 
@@ -114,6 +116,8 @@ COLUMNS = (("ms", "ms", ".2f"), ("x_plain", "x plain", ".3f"), ("tflops", "TFLOP
            ("of_floor", "of floor", ".2f"), ("peak_extra_gib", "peak extra GiB", ".2f"),
            ("kernel_ms", "kernel ms", ".2f"), ("issue_ms", "host issue ms", ".3f"),
            ("sync_ops_per_call", "sync ops", "d"))
+# The text table: the case (cut to 58 characters), then the columns above, each 14 wide.
+TEXT_COLUMNS = (Column("case", 58, "<", clip=True), *(Column(title, 14) for _, title, _ in COLUMNS))
 
 
 # The notes of a row, in order: (field, the note shown when the row has the field (not None or False), formatted
@@ -138,10 +142,9 @@ def table_lines(rows: List[Dict], markdown: bool) -> List[str]:
     for section in sections:
         srows = [r for r in rows if r.get("section") == section and r.get("status") != "info"]
         if markdown:
-            lines += [f"### {section}", "", "| case | " + " | ".join(c[1] for c in COLUMNS) + " | notes |",
-                      "|---" * (len(COLUMNS) + 2) + "|"]
+            lines += [f"### {section}", "", *markdown_header(["case", *(c[1] for c in COLUMNS), "notes"])]
         else:
-            lines += ["", f"== {section}", f"{'case':58} " + " ".join(f"{c[1]:>14}" for c in COLUMNS)]
+            lines += ["", f"== {section}", text_header(TEXT_COLUMNS)]
         for r in srows:
             if r.get("status") != "ok":
                 cells, notes = ["-"] * len(COLUMNS), f"{r.get('status')}: {r.get('reason', '')}"
@@ -152,9 +155,9 @@ def table_lines(rows: List[Dict], markdown: bool) -> List[str]:
                     extra.append(r["note"])
                 notes = "; ".join(extra)
             if markdown:
-                lines.append(f"| {r['case']} | " + " | ".join(cells) + f" | {notes} |")
+                lines.append(markdown_row([r["case"], *cells, notes]))
             else:
-                lines.append(f"{r['case'][:58]:58} " + " ".join(f"{c:>14}" for c in cells) + (f"  {notes}" if notes else ""))
+                lines.append(text_row(TEXT_COLUMNS, [r["case"], *cells], tail=notes))
         if markdown:
             lines.append("")
     return lines
@@ -163,12 +166,12 @@ def table_lines(rows: List[Dict], markdown: bool) -> List[str]:
 def target_lines(targets: List[Dict], markdown: bool) -> List[str]:
     lines = ["", "### targets (this run)" if markdown else "targets (this run):", ""]
     if markdown:
-        lines += ["| target | value | limit | status |", "|---|---|---|---|"]
+        lines += markdown_header(["target", "value", "limit", "status"])
     for t in targets:
         value = _fmt(t["value"], ".3f")
         note = f" ({t['note']})" if t.get("note") else ""
         if markdown:
-            lines.append(f"| {t['target']} | {value} | {t['limit']} | {t['status']}{note} |")
+            lines.append(markdown_row([t["target"], value, t["limit"], f"{t['status']}{note}"]))
         else:
             lines.append(f"  [{t['status']:>12}] {t['target']}: {value}{note}")
     return lines

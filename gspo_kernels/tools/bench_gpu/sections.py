@@ -6,11 +6,12 @@ import json
 import sys
 from typing import Callable, Dict, List, Optional, Tuple
 
+from gspo_kernels.tools.peers import peer
+
 from .measure import (
     _Ctx,
     _environment,
     _gpu_clocks,
-    _peer,
     _rel_err,
     _run_case,
     issue_ms,
@@ -215,7 +216,7 @@ def _hidden_peers(ctx: _Ctx, *, hidden, weight, labels, mask, old, adv_all, zero
         return fn.apply(hidden.reshape(N, H), weight, None, labels.reshape(N), 1.0, chunk, None, 1.0, ())[0]
 
     def trl_fwd_bwd():
-        fn, chunk = _peer("trl.kernels", "ChunkedLogProbFunction"), trl_chunk_size()
+        fn, chunk = peer("trl.kernels", "ChunkedLogProbFunction"), trl_chunk_size()
 
         def step():
             logp = trl_logp(fn, chunk).reshape(B, T)
@@ -229,7 +230,7 @@ def _hidden_peers(ctx: _Ctx, *, hidden, weight, labels, mask, old, adv_all, zero
     def cce():
         if not ctx.cuda:
             raise Skip("Cut Cross-Entropy's kernels need CUDA")
-        linear_cross_entropy = _peer("cut_cross_entropy", "linear_cross_entropy")
+        linear_cross_entropy = peer("cut_cross_entropy", "linear_cross_entropy")
 
         def step():
             nll = linear_cross_entropy(hidden.reshape(N, H), weight, labels.reshape(N), reduction="none")
@@ -259,7 +260,7 @@ def _hidden_peers(ctx: _Ctx, *, hidden, weight, labels, mask, old, adv_all, zero
             return time_steps(ctx, lambda: gk.linear_logprobs(hidden, weight, labels))
 
     def fwd_trl():
-        fn, chunk = _peer("trl.kernels", "ChunkedLogProbFunction"), trl_chunk_size()
+        fn, chunk = peer("trl.kernels", "ChunkedLogProbFunction"), trl_chunk_size()
         with torch.no_grad():
             return time_steps(ctx, lambda: trl_logp(fn, chunk))
 
@@ -267,7 +268,7 @@ def _hidden_peers(ctx: _Ctx, *, hidden, weight, labels, mask, old, adv_all, zero
     _run_case(ctx, "hidden", "forward: TRL ChunkedLogProbFunction (no grad)", fwd_trl, peer="trl")
 
     def liger():
-        cls = _peer("liger_kernel.chunked_loss", "LigerFusedLinearGRPOLoss")
+        cls = peer("liger_kernel.chunked_loss", "LigerFusedLinearGRPOLoss")
         loss_fn = cls(beta=0.0, compiled=False, use_ref_model=False, epsilon_low=3e-4, epsilon_high=4e-4,
                       loss_type="grpo", importance_sampling_level="sequence")
 
@@ -374,7 +375,7 @@ def _logits_vocab(ctx: _Ctx, V: int, tb_s: Optional[float]) -> None:
     def liger():
         if not ctx.cuda:
             raise Skip("Liger's triton_grpo_loss needs CUDA")
-        fn = _peer("liger_kernel.transformers.grpo_loss", "triton_grpo_loss")
+        fn = peer("liger_kernel.transformers.grpo_loss", "triton_grpo_loss")
 
         def step():
             loss = fn(logits, old, None, labels, adv, mask, temperature=1.0, beta=0.0, eps_low=3e-4,
