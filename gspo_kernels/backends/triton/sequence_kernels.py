@@ -472,6 +472,47 @@ def clip_counts(low_sum, high_sum, n_tok, w_seq, adv_seq, low_edge, high_edge, e
     return low, high, units
 
 
+@triton.jit
+def _rollout_response_value(sum_d, sum_div, denom, ROLLOUT: tl.constexpr):
+    """The response's value the rollout correction gates on (from pass 1's sums)."""
+    if (ROLLOUT == RC_SEQUENCE_MASKED_TIS) | (ROLLOUT == RC_SEQUENCE_GEOMETRIC_MASK):
+        rc_seq = sum_d / denom  # the geometric mean's log
+    elif (ROLLOUT == RC_SEQUENCE_BINARY_KL_MASK) | (ROLLOUT == RC_SEQUENCE_TV_MASK):
+        rc_seq = sum_div / denom  # the mean divergence
+    else:
+        rc_seq = sum_d
+    return rc_seq
+
+
+@triton.jit
+def _store_rollout_partials(out, counted, n_tok, rc_seq, rc_lo, rc_hi, sum_d, rz_acc, rw_acc, rw_min, rw_max, rf_acc,
+                            rollout_ptr, ROLLOUT: tl.constexpr):
+    """The rollout correction's columns of the response's partials row: the filtered share (``P_RF``,
+    ``P_RF_UNITS``), the mismatch and the correction weights' statistics (``P_R_*``, ``P_RW_*``)."""
+    if ((ROLLOUT == RC_SEQUENCE_TRUNCATE) | (ROLLOUT == RC_SEQUENCE_MASK) | (ROLLOUT == RC_SEQUENCE_MASKED_TIS)
+            | (ROLLOUT == RC_SEQUENCE_GEOMETRIC_MASK) | (ROLLOUT == RC_SEQUENCE_BINARY_KL_MASK)
+            | (ROLLOUT == RC_SEQUENCE_TV_MASK)):  # the response is the unit of the filtered share
+        filtered = counted & ~_in_band(_sequence_statistic(rc_seq, ROLLOUT), rc_lo, rc_hi)
+        tl.store(out + P_RF, filtered.to(tl.float32))
+        tl.store(out + P_RF_UNITS, counted.to(tl.float32))
+    else:  # tokens (none counted without a mode, or without rollout log-probs)
+        tl.store(out + P_RF, tl.sum(rf_acc, axis=0))
+        if ROLLOUT != RC_NONE:
+            tl.store(out + P_RF_UNITS, n_tok)
+        else:
+            tl.store(out + P_RF_UNITS, 0.0)
+    if rollout_ptr is None:
+        _store_rollout_metrics(out, 0.0, 0.0, 0.0, float("inf"), float("-inf"), 0.0)
+    elif (ROLLOUT == RC_SEQUENCE_TRUNCATE) | (ROLLOUT == RC_SEQUENCE_MASK):  # one weight per response
+        tl.store(out + P_R_DIFF, -sum_d)
+        tl.store(out + P_R_ZERO, tl.sum(rz_acc, axis=0))
+        _store_one_per_response(out, _rollout_weight(0.0, rc_seq, rc_lo, rc_hi, ROLLOUT), counted, P_RW_SUM,
+                                P_RW_MIN, P_RW_MAX, P_RW_UNITS)
+    else:
+        _store_rollout_metrics(out, -sum_d, tl.sum(rz_acc, axis=0), tl.sum(rw_acc, axis=0), tl.min(rw_min, axis=0),
+                               tl.max(rw_max, axis=0), n_tok)
+
+
 # Inputs the options do not need arrive as None (``old_ptr``: on-policy; ``entropy_ptr``: no entropy term;
 # ``ref_ptr``: no KL; ``is_ratio_ptr``, ``rollout_ptr``): Triton compiles a launch for each pattern of absent
 # inputs, as for the constexpr options, so each launch is the code of its options only. Pass 2's per-token
@@ -517,12 +558,7 @@ def gspo_sequence_kernel(
         lam = 1.0 / denom
     else:
         lam = 1.0
-    if (ROLLOUT == RC_SEQUENCE_MASKED_TIS) | (ROLLOUT == RC_SEQUENCE_GEOMETRIC_MASK):
-        rc_seq = sum_d / denom  # the geometric mean's log
-    elif (ROLLOUT == RC_SEQUENCE_BINARY_KL_MASK) | (ROLLOUT == RC_SEQUENCE_TV_MASK):
-        rc_seq = sum_div / denom  # the mean divergence
-    else:
-        rc_seq = sum_d
+    rc_seq = _rollout_response_value(sum_d, sum_div, denom, ROLLOUT)
     seq_gap = sum_gap / denom
     # the objective's per-response values, the one weight of the response and its extra metric's value
     u1, u2, u3, w_one, aux_one = HELPERS[H_RESPONSE](sum_1, sum_2, denom, w_seq, adv_seq, obj_a, obj_b, obj_c,
@@ -617,28 +653,8 @@ def gspo_sequence_kernel(
     else:  # one value per response
         tl.store(out + P_AUX, tl.where(counted, aux_one, 0.0))
         tl.store(out + P_AUX_UNITS, counted.to(tl.float32))
-    if ((ROLLOUT == RC_SEQUENCE_TRUNCATE) | (ROLLOUT == RC_SEQUENCE_MASK) | (ROLLOUT == RC_SEQUENCE_MASKED_TIS)
-            | (ROLLOUT == RC_SEQUENCE_GEOMETRIC_MASK) | (ROLLOUT == RC_SEQUENCE_BINARY_KL_MASK)
-            | (ROLLOUT == RC_SEQUENCE_TV_MASK)):  # the response is the unit of the filtered share
-        filtered = counted & ~_in_band(_sequence_statistic(rc_seq, ROLLOUT), rc_lo, rc_hi)
-        tl.store(out + P_RF, filtered.to(tl.float32))
-        tl.store(out + P_RF_UNITS, counted.to(tl.float32))
-    else:  # tokens (none counted without a mode, or without rollout log-probs)
-        tl.store(out + P_RF, tl.sum(rf_acc, axis=0))
-        if ROLLOUT != RC_NONE:
-            tl.store(out + P_RF_UNITS, n_tok)
-        else:
-            tl.store(out + P_RF_UNITS, 0.0)
-    if rollout_ptr is None:
-        _store_rollout_metrics(out, 0.0, 0.0, 0.0, float("inf"), float("-inf"), 0.0)
-    elif (ROLLOUT == RC_SEQUENCE_TRUNCATE) | (ROLLOUT == RC_SEQUENCE_MASK):  # one weight per response
-        tl.store(out + P_R_DIFF, -sum_d)
-        tl.store(out + P_R_ZERO, tl.sum(rz_acc, axis=0))
-        _store_one_per_response(out, _rollout_weight(0.0, rc_seq, rc_lo, rc_hi, ROLLOUT), counted, P_RW_SUM,
-                                P_RW_MIN, P_RW_MAX, P_RW_UNITS)
-    else:
-        _store_rollout_metrics(out, -sum_d, tl.sum(rz_acc, axis=0), tl.sum(rw_acc, axis=0), tl.min(rw_min, axis=0),
-                               tl.max(rw_max, axis=0), n_tok)
+    _store_rollout_partials(out, counted, n_tok, rc_seq, rc_lo, rc_hi, sum_d, rz_acc, rw_acc, rw_min, rw_max, rf_acc,
+                            rollout_ptr, ROLLOUT)
 
 
 @triton.jit
