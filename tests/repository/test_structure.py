@@ -156,7 +156,7 @@ def _slot_numbers(tree: ast.Module, prefix: str) -> dict:
 def test_metric_slots_are_one_table():
     """The sequence kernels' partials columns (``P_*``) and output slots (``O_*``) are numbered 0, 1, ... once
     each, without a gap; every metric's slot is named in ``METRICS`` and only there (no ``out[7]``)."""
-    path = PACKAGE / "backends" / "triton" / "sequence_kernels.py"
+    path = PACKAGE / "backends" / "triton" / "sequence_slots.py"
     text = path.read_text()
     tree = ast.parse(text)
     for prefix in ("P_", "O_"):
