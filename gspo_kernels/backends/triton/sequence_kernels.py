@@ -31,8 +31,8 @@ reference still has a finite ``e^100``. Every product with a weight is taken as 
 ``0 * inf = NaN``; a clipped or ``delta``-capped response therefore has finite loss and gradients.
 
 The level, aggregation and rollout-mode codes are the positions of the names in the config's tuples; the
-kernels compare them with the named constants below. The objective is no code: its ``@triton.jit`` helpers
-(``gspo_kernels/backends/triton/objectives/<name>.py``, ``TRITON``) arrive as the ``HELPERS`` constexpr, called by
+kernels compare them with the named constants of ``sequence_slots.py``. The objective is no code: its
+``@triton.jit`` helpers (``gspo_kernels/backends/triton/objectives/<name>.py``, ``TRITON``) arrive as the ``HELPERS`` constexpr, called by
 position (``H_*``). The per-token steps of the sequence kernel are ``@triton.jit`` helpers (inlined by the
 compiler: the same code as one function).
 """
