@@ -225,7 +225,7 @@ def test_the_oracle_does_not_import_the_fast_paths():
     imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
     imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
     assert {m for m in imported if m.startswith("gspo_kernels")} == {"gspo_kernels.config", "gspo_kernels.objectives.stage",
-                                                                     "gspo_kernels.reference.objectives"}
+                                                                     "gspo_kernels.reference.checks", "gspo_kernels.reference.objectives"}
     names = {alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
              and node.module == "gspo_kernels.objectives.stage" for alias in node.names}
     assert names == {"LossOutput"}

@@ -4,6 +4,7 @@ definition of the pipeline's parts, and the public names all importable."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import gspo_kernels
@@ -156,7 +157,7 @@ def _slot_numbers(tree: ast.Module, prefix: str) -> dict:
 def test_metric_slots_are_one_table():
     """The sequence kernels' partials columns (``P_*``) and output slots (``O_*``) are numbered 0, 1, ... once
     each, without a gap; every metric's slot is named in ``METRICS`` and only there (no ``out[7]``)."""
-    path = PACKAGE / "backends" / "triton" / "sequence_kernels.py"
+    path = PACKAGE / "backends" / "triton" / "sequence_slots.py"
     text = path.read_text()
     tree = ast.parse(text)
     for prefix in ("P_", "O_"):
@@ -208,3 +209,129 @@ def test_one_meaning_per_name_at_the_top_level():
     assert len(modules) <= 13, modules
     assert not (PACKAGE / "objective.py").exists() and not (PACKAGE / "reference_objectives.py").exists()
     assert (PACKAGE / "reference" / "__init__.py").exists() and callable(gspo_kernels.reference.gspo_loss)
+
+
+# --- docs/architecture.md against the code -----------------------------------------------------------------
+
+ARCHITECTURE = PACKAGE.parent / "docs" / "architecture.md"
+
+
+def _modules_of_files() -> dict:
+    """``{dotted module name: path}`` of every module of the package (a package by its ``__init__.py``)."""
+    return {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def map_rows(text: str) -> list:
+    """``[(first cell, imports cell)]`` of the table under "## What each module owns"."""
+    section = text.split("## What each module owns", 1)[1].split("\n## ", 1)[0]
+    rows = []
+    for line in section.splitlines():
+        if line.startswith("| `"):
+            cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
+            rows.append((cells[0], cells[-1]))
+    return rows
+
+
+def _resolve(token: str, base: str, files: dict):
+    """A backticked name of the map as a module of the package, or None (a class, a function, prose). ``x/`` is
+    looked up under the row's package ``base`` first, ``x`` in the package root first."""
+    name = token.strip().removesuffix(".py").removesuffix("__init__")
+    relative_first = name.endswith("/")
+    name = name.rstrip("/").replace("/", ".")
+    if name in ("gspo_kernels", ""):  # the package itself (its ``__init__.py``)
+        return "gspo_kernels"
+    candidates = [f"{base}.{name}", f"gspo_kernels.{name}"] if relative_first else [f"gspo_kernels.{name}",
+                                                                                     f"{base}.{name}"]
+    return next((c for c in candidates if c in files), None)
+
+
+def _covers(claim: str, module: str) -> bool:
+    return module == claim or (claim != "gspo_kernels" and module.startswith(claim + "."))
+
+
+def map_problems(text: str) -> list:
+    """What the import table of ``text`` (docs/architecture.md) says wrong about the code, one line each, each saying
+    what to change. A row's first cell names one module (``x/y.py``) or one package (``x/``: all its modules); its
+    last cell names (in backticks) every module the row's modules import from outside the row, and nothing they do
+    not import (``nothing``: none). Type-only and function-level imports count, as in :func:`import_graph`."""
+    files, graph = _modules_of_files(), import_graph()
+    problems, covered = [], set()
+    for first, imports in map_rows(text):
+        named = re.findall(r"`([^`]+)`", first)
+        if len(named) != 1:
+            problems.append(f"row {first!r}: its first cell must name one module or one package in backticks")
+            continue
+        path = named[0]
+        module = _resolve(path if path.endswith("/") else path, "gspo_kernels", files)
+        if module is None:
+            problems.append(f"row `{path}`: no such module in gspo_kernels/: remove the row or fix its path")
+            continue
+        is_package = path.endswith("/")
+        members = {m for m in files if m == module or (path.endswith("/") and m.startswith(module + "."))}
+        covered |= members
+        base = module if path.endswith("/") else module.rsplit(".", 1)[0]
+        claims = {c for c in (_resolve(t, base, files) for t in re.findall(r"`([^`]+)`", imports)) if c}
+        actual = {t for m in members for t in graph[m]} - members
+        outside = {t for t in actual if not (is_package and t.startswith(module + "."))}
+        missing = sorted(t for t in outside if not any(_covers(c, t) for c in claims))
+        # a row may name its own modules (what reads what inside a package); a name outside must be imported
+        inside = {t for m in members for t in graph[m]}
+        stale = sorted(c for c in claims - members if not any(_covers(c, t) for t in actual | inside))
+        if missing:
+            problems.append(f"row `{path}`: its imports cell must name " + ", ".join(
+                f"`{t.removeprefix('gspo_kernels.')}`" for t in missing) + " (imported by the code)")
+        if stale:
+            problems.append(f"row `{path}`: its imports cell names " + ", ".join(
+                f"`{c.removeprefix('gspo_kernels.')}`" for c in stale) + " (imported by none of its modules): remove it")
+    for module in sorted(set(files) - covered):
+        path = str(files[module].relative_to(PACKAGE))
+        package = f" (or name its package in a row `| `{path.rsplit('/', 1)[0]}/` | ...`)" if "/" in path else ""
+        problems.append(f"no row for `{path}`: add `| `{path}` | what it owns | `the modules it imports` |`{package}")
+    return problems
+
+
+def tree_problems(text: str) -> list:
+    """The "Where things are" tree must name every module: each line starts with a folder of the package
+    (``gspo_kernels/...``) or continues the folder above (leading spaces); every module of that folder is named in
+    its lines by its file name without ``.py``."""
+    block = text.split("## Where things are", 1)[1].split("```", 2)[1]
+    folders, current = {}, None
+    for line in block.splitlines():
+        if line and not line[0].isspace():
+            current = line.split()[0]
+        if current is not None:
+            folders.setdefault(current, []).append(line)
+    problems = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        folder = str(path.parent.relative_to(PACKAGE.parent)) + "/"
+        if path.name == "__init__.py" or "csrc" in path.parts:
+            continue
+        words = set(re.findall(r"[A-Za-z_0-9]+", " ".join(folders.get(folder, [])).replace(".py", "")))
+        if path.stem not in words:
+            problems.append(f"docs/architecture.md's tree does not name {path.relative_to(PACKAGE.parent)}: add "
+                            f"`{path.stem}` (what it is) to the line of `{folder}`")
+    return problems
+
+
+def test_the_map_names_every_module_and_its_imports():
+    text = ARCHITECTURE.read_text()
+    problems = tree_problems(text) + map_problems(text)
+    assert not problems, "docs/architecture.md does not match the code:\n" + "\n".join(problems)
+
+
+def test_the_map_check_catches_a_wrong_row():
+    """A planted wrong row: ``options.py`` said to import nothing, ``checks.py`` said to import ``config``, and the
+    row of ``precision.py`` left out."""
+    text = ARCHITECTURE.read_text()
+    rows = {first: line for line in text.splitlines() if line.startswith("| `")
+            for first in [line.split(" | ")[0]]}
+    options_row, checks_row = rows["| `options.py`"], rows["| `checks.py`"]
+    wrong = (text.replace(options_row, options_row.rsplit(" | ", 1)[0] + " | nothing |")
+             .replace(checks_row, checks_row.rsplit(" | ", 1)[0] + " | `config` |")
+             .replace(rows["| `precision.py`"] + "\n", ""))
+    problems = "\n".join(map_problems(wrong))
+    assert "row `options.py`: its imports cell must name" in problems, problems
+    assert "row `checks.py`: its imports cell names `config`" in problems, problems
+    assert "no row for `precision.py`" in problems, problems
+    tree = text.replace("versions.py (the tested floors)", "", 1)
+    assert any("gspo_kernels/versions.py" in p for p in tree_problems(tree)), "the tree check missed versions.py"

@@ -29,7 +29,8 @@ from gspo_kernels.backends.triton.configs import (  # noqa: F401 (LOSS_TYPE_CODE
 )
 from gspo_kernels.backends.triton.launch import device_guard
 from gspo_kernels.backends.triton.objectives import HELPERS
-from gspo_kernels.backends.triton.sequence_kernels import (  # noqa: F401 (the slots and kernels, read by tests)
+from gspo_kernels.backends.triton.sequence_kernels import gspo_reduce_kernel, gspo_sequence_kernel
+from gspo_kernels.backends.triton.sequence_slots import (  # noqa: F401 (the slots, read by tests)
     METRICS,
     NUM_OUTPUTS,
     O_LOSS,
@@ -38,8 +39,6 @@ from gspo_kernels.backends.triton.sequence_kernels import (  # noqa: F401 (the s
     O_W_MEAN,
     OBJECTIVE_SLOTS,
     PARTIALS_STRIDE,
-    gspo_reduce_kernel,
-    gspo_sequence_kernel,
 )
 from gspo_kernels.config import GSPOConfig
 from gspo_kernels.layout import LossInputs

@@ -31,204 +31,96 @@ reference still has a finite ``e^100``. Every product with a weight is taken as 
 ``0 * inf = NaN``; a clipped or ``delta``-capped response therefore has finite loss and gradients.
 
 The level, aggregation and rollout-mode codes are the positions of the names in the config's tuples; the
-kernels compare them with the named constants below. The objective is no code: its ``@triton.jit`` helpers
-(``gspo_kernels/backends/triton/objectives/<name>.py``, ``TRITON``) arrive as the ``HELPERS`` constexpr, called by
+kernels compare them with the named constants of ``sequence_slots.py``. The objective is no code: its
+``@triton.jit`` helpers (``gspo_kernels/backends/triton/objectives/<name>.py``, ``TRITON``) arrive as the ``HELPERS`` constexpr, called by
 position (``H_*``). The per-token steps of the sequence kernel are ``@triton.jit`` helpers (inlined by the
 compiler: the same code as one function).
 """
 
 from __future__ import annotations
 
-import math
-
 import triton
 import triton.language as tl
 
-from gspo_kernels.backends.triton.configs import AGGREGATION_CODES, LEVEL_CODES, ROLLOUT_CODES
-from gspo_kernels.config import ROLLOUT_PROBABILITY_CLAMP
-
-# Columns of the per-response partial sums (row i of a [S, PARTIALS_STRIDE] fp32 buffer), written by the
-# sequence kernel and reduced by the reduction kernel. Kernel constants: the host reads their ``.value``.
-PARTIALS_STRIDE = tl.constexpr(32)
-P_LOSS = tl.constexpr(0)  # the aggregated loss sum
-P_TOKENS = tl.constexpr(1)  # |y_i|
-P_ENTROPY = tl.constexpr(2)  # sum of masked entropy
-P_KL = tl.constexpr(3)  # sum of masked KL
-P_LOW = tl.constexpr(4)  # low / high clip counts (an objective with one clip count: P_HIGH)
-P_HIGH = tl.constexpr(5)
-P_CLIP_UNITS = tl.constexpr(6)  # the items the clip counts count (tokens, or responses)
-P_W_SUM = tl.constexpr(7)  # weight sum, min, max
-P_W_MIN = tl.constexpr(8)
-P_W_MAX = tl.constexpr(9)
-P_UNITS = tl.constexpr(10)  # the number of counted items (tokens, or responses for sequence-level metrics)
-P_AUX = tl.constexpr(11)  # the objective's extra metric (VESPO's phi): its sum over the items, and their number
-P_AUX_UNITS = tl.constexpr(12)
-P_R_DIFF = tl.constexpr(13)  # rollout mismatch: sum of (rollout - trainer) log-probs
-P_R_ZERO = tl.constexpr(14)  # tokens whose rollout correction weight is 0
-P_RW_SUM = tl.constexpr(15)  # rollout weight sum, min, max, items
-P_RW_MIN = tl.constexpr(16)
-P_RW_MAX = tl.constexpr(17)
-P_RW_UNITS = tl.constexpr(18)
-P_RF = tl.constexpr(19)  # the correction's units (tokens, or responses) whose statistic left [C_min, C_max]
-P_RF_UNITS = tl.constexpr(20)
-P_COUNT = tl.constexpr(P_RF_UNITS.value + 1)  # the columns written; the rest of the row is never read
-# Columns the reduction takes the minimum / maximum of (the others are summed); kernel constants.
-MIN_COLUMNS = tl.constexpr((P_W_MIN.value, P_RW_MIN.value))
-MAX_COLUMNS = tl.constexpr((P_W_MAX.value, P_RW_MAX.value))
-
-# Slots of the reduction kernel's output ``out [NUM_OUTPUTS]`` (on the host: ``out[O_LOSS.value]``); the metrics
-# they report are named in ``METRICS`` below. Both numberings run 0, 1, ... without a gap (tests/repository/test_structure.py).
-O_LOSS = tl.constexpr(0)
-O_SCALE_LOGP = tl.constexpr(1)  # dL/dlogp = coef * O_SCALE_LOGP
-O_SCALE_ENTROPY = tl.constexpr(2)  # dL/dentropy = mask * O_SCALE_ENTROPY
-O_LOW = tl.constexpr(3)
-O_HIGH = tl.constexpr(4)
-O_REGION = tl.constexpr(5)
-O_W_MEAN = tl.constexpr(6)
-O_W_MIN = tl.constexpr(7)
-O_W_MAX = tl.constexpr(8)
-O_ENTROPY = tl.constexpr(9)
-O_KL = tl.constexpr(10)
-O_AUX_MEAN = tl.constexpr(11)  # the objective's extra metric
-O_ROLLOUT_KL = tl.constexpr(12)
-O_ROLLOUT_MASKED = tl.constexpr(13)
-O_RW_MIN = tl.constexpr(14)
-O_RW_MEAN = tl.constexpr(15)
-O_RW_MAX = tl.constexpr(16)
-O_ROLLOUT_FILTERED = tl.constexpr(17)
-NUM_OUTPUTS = O_ROLLOUT_FILTERED.value + 1
-
-# The metrics the output reports (TRL's names: those of ``objectives.stage.gspo_objective``), one row each: the name,
-# its ``O_*`` slot, and when it is reported: for every objective ("objective"), or when the batch has rollout
-# log-probs ("rollout"), an entropy ("entropy"), a KL term ("kl"). An objective's own metrics are its rows,
-# declared by its module (``Objective.metrics``: name and slot name) and read from the objectives' registry by
-# :func:`~gspo_kernels.backends.triton.sequence.metric_slots`; nothing else names a slot of a metric.
-METRICS = (
-    ("importance_weight/mean", O_W_MEAN, "objective"),
-    ("importance_weight/min", O_W_MIN, "objective"),
-    ("importance_weight/max", O_W_MAX, "objective"),
-    ("rollout/kl", O_ROLLOUT_KL, "rollout"),
-    ("rollout/masked_fraction", O_ROLLOUT_MASKED, "rollout"),
-    ("rollout/weight_min", O_RW_MIN, "rollout"),
-    ("rollout/weight_mean", O_RW_MEAN, "rollout"),
-    ("rollout/weight_max", O_RW_MAX, "rollout"),
-    ("rollout/is_filter_ratio", O_ROLLOUT_FILTERED, "rollout"),
-    ("entropy", O_ENTROPY, "entropy"),
-    ("kl", O_KL, "kl"),
+from gspo_kernels.backends.triton.sequence_rollout import (
+    _divergence,
+    _in_band,
+    _rollout_log_ratio,
+    _rollout_weight,
+    _sequence_statistic,
+    _token_statistic,
 )
-# The slots an objective's metric may name (``Objective.metrics``): its clip counts and its extra metric.
-OBJECTIVE_SLOTS = {"O_LOW": O_LOW, "O_HIGH": O_HIGH, "O_REGION": O_REGION, "O_AUX_MEAN": O_AUX_MEAN}
-
-# The codes as kernel constants (the kernels branch on these names, never on literal numbers).
-LEVEL_SEQUENCE = tl.constexpr(LEVEL_CODES["sequence"])
-LEVEL_SEQUENCE_TOKEN = tl.constexpr(LEVEL_CODES["sequence_token"])
-LEVEL_TOKEN = tl.constexpr(LEVEL_CODES["token"])
-LOSS_BNPO = tl.constexpr(AGGREGATION_CODES["bnpo"])
-LOSS_DR_GRPO = tl.constexpr(AGGREGATION_CODES["dr_grpo"])
-LOSS_DAPO = tl.constexpr(AGGREGATION_CODES["dapo"])
-RC_NONE = tl.constexpr(ROLLOUT_CODES[None])
-RC_TOKEN_TRUNCATE = tl.constexpr(ROLLOUT_CODES["token_truncate"])
-RC_TOKEN_MASK = tl.constexpr(ROLLOUT_CODES["token_mask"])
-RC_SEQUENCE_TRUNCATE = tl.constexpr(ROLLOUT_CODES["sequence_truncate"])
-RC_SEQUENCE_MASK = tl.constexpr(ROLLOUT_CODES["sequence_mask"])
-RC_ICEPOP = tl.constexpr(ROLLOUT_CODES["icepop"])
-RC_SEQUENCE_MASKED_TIS = tl.constexpr(ROLLOUT_CODES["sequence_masked_tis"])
-RC_SEQUENCE_GEOMETRIC_MASK = tl.constexpr(ROLLOUT_CODES["sequence_geometric_mask"])
-RC_TOKEN_BINARY_KL_MASK = tl.constexpr(ROLLOUT_CODES["token_binary_kl_mask"])
-RC_SEQUENCE_BINARY_KL_MASK = tl.constexpr(ROLLOUT_CODES["sequence_binary_kl_mask"])
-RC_TOKEN_TV_MASK = tl.constexpr(ROLLOUT_CODES["token_tv_mask"])
-RC_SEQUENCE_TV_MASK = tl.constexpr(ROLLOUT_CODES["sequence_tv_mask"])
-# The divergence gates' clamp of the sampled token's probabilities, as log-probs: [log eps, log(1 - eps)]
-_LOG_P_LOW = tl.constexpr(math.log(ROLLOUT_PROBABILITY_CLAMP))
-_LOG_P_HIGH = tl.constexpr(math.log1p(-ROLLOUT_PROBABILITY_CLAMP))
-# The objective's Triton helpers (``HELPERS``, a kernel constant: a tuple of ``@triton.jit`` functions, its
-# module's ``TRITON``), by position; their signatures are those of the defaults below.
-H_SUMS = tl.constexpr(0)  # pass 1, per tile: two per-response sums of its own
-H_RESPONSE = tl.constexpr(1)  # after pass 1: its per-response values, the response's weight and extra metric
-H_TOKEN = tl.constexpr(2)  # pass 2, per tile: l_t, dl_t/dw, dl_t/dlogp_t not through w, its metric sums
-H_FINISH = tl.constexpr(3)  # pass 3: a gradient through its per-response values
-H_CLIP_COUNTS = tl.constexpr(4)  # the clip counts of the response's partials row
+from gspo_kernels.backends.triton.sequence_slots import (
+    H_CLIP_COUNTS,
+    H_FINISH,
+    H_RESPONSE,
+    H_SUMS,
+    H_TOKEN,
+    LEVEL_SEQUENCE,
+    LEVEL_SEQUENCE_TOKEN,
+    LEVEL_TOKEN,
+    LOSS_BNPO,
+    LOSS_DAPO,
+    LOSS_DR_GRPO,
+    MAX_COLUMNS,
+    MIN_COLUMNS,
+    O_AUX_MEAN,
+    O_ENTROPY,
+    O_HIGH,
+    O_KL,
+    O_LOSS,
+    O_LOW,
+    O_REGION,
+    O_ROLLOUT_FILTERED,
+    O_ROLLOUT_KL,
+    O_ROLLOUT_MASKED,
+    O_RW_MAX,
+    O_RW_MEAN,
+    O_RW_MIN,
+    O_SCALE_ENTROPY,
+    O_SCALE_LOGP,
+    O_W_MAX,
+    O_W_MEAN,
+    O_W_MIN,
+    P_AUX,
+    P_AUX_UNITS,
+    P_CLIP_UNITS,
+    P_COUNT,
+    P_ENTROPY,
+    P_HIGH,
+    P_KL,
+    P_LOSS,
+    P_LOW,
+    P_R_DIFF,
+    P_R_ZERO,
+    P_RF,
+    P_RF_UNITS,
+    P_RW_MAX,
+    P_RW_MIN,
+    P_RW_SUM,
+    P_RW_UNITS,
+    P_TOKENS,
+    P_UNITS,
+    P_W_MAX,
+    P_W_MIN,
+    P_W_SUM,
+    PARTIALS_STRIDE,
+    RC_NONE,
+    RC_SEQUENCE_BINARY_KL_MASK,
+    RC_SEQUENCE_GEOMETRIC_MASK,
+    RC_SEQUENCE_MASK,
+    RC_SEQUENCE_MASKED_TIS,
+    RC_SEQUENCE_TRUNCATE,
+    RC_SEQUENCE_TV_MASK,
+    RC_TOKEN_BINARY_KL_MASK,
+    RC_TOKEN_TV_MASK,
+)
 
 
 @triton.jit
 def _times(a, w):
     """``a * w`` where a zero ``a`` gives exactly 0 even when ``w`` overflowed to ``inf``."""
     return tl.where(a == 0, 0.0, a * w)
-
-
-@triton.jit
-def _rollout_weight(d, seq_value, lo, hi, ROLLOUT: tl.constexpr):
-    """The rollout correction weight of tokens with trainer - rollout log-ratio ``d`` (``seq_value``: the
-    response's sum of ``d`` for the sequence modes, its mean for ``sequence_masked_tis``); ``RC_NONE``: the raw
-    ratio (metrics only)."""
-    if ROLLOUT == RC_SEQUENCE_TRUNCATE:
-        rho = tl.minimum(tl.maximum(tl.exp(seq_value + 0.0 * d), lo), hi)
-    elif ROLLOUT == RC_SEQUENCE_MASK:
-        e = tl.exp(seq_value + 0.0 * d)
-        rho = tl.where((e >= lo) & (e <= hi), e, 0.0)
-    elif ROLLOUT == RC_SEQUENCE_MASKED_TIS:
-        g = tl.exp(seq_value)
-        rho = tl.where((g >= lo) & (g <= hi), tl.minimum(tl.exp(d), hi), 0.0)
-    elif ROLLOUT == RC_TOKEN_TRUNCATE:
-        rho = tl.minimum(tl.maximum(tl.exp(d), lo), hi)
-    elif (ROLLOUT == RC_TOKEN_MASK) | (ROLLOUT == RC_ICEPOP):
-        e = tl.exp(d)
-        rho = tl.where((e >= lo) & (e <= hi), e, 0.0)
-    else:
-        rho = tl.exp(d)
-    return rho
-
-
-@triton.jit
-def _rollout_log_ratio(lp, old, roll_ptr, idx, inside, on):
-    """``d = old - rollout`` of the tile, 0 at masked tokens and where the engine's log-prob is NaN."""
-    d = old - tl.load(roll_ptr + idx, mask=inside, other=0.0)
-    return tl.where(on & (d == d), d, 0.0)
-
-
-@triton.jit
-def _divergence(old, roll_ptr, idx, inside, on, ROLLOUT: tl.constexpr):
-    """The sampled token's divergence between the engine (``p = e^{rollout}``) and the trainer (``q = e^{old}``),
-    both clamped to ``[eps, 1 - eps]`` through their logs: the binary KL ``p log(p/q) + (1-p) log((1-p)/(1-q))``
-    or the total variation ``|p - q|`` by ``ROLLOUT``; 0 at masked tokens and where the engine's log-prob is NaN."""
-    rollout = tl.load(roll_ptr + idx, mask=inside, other=0.0)
-    scored = on & (rollout == rollout)
-    log_p = tl.minimum(tl.maximum(tl.where(scored, rollout, 0.0), _LOG_P_LOW), _LOG_P_HIGH)
-    log_q = tl.minimum(tl.maximum(tl.where(scored, old, 0.0), _LOG_P_LOW), _LOG_P_HIGH)
-    p = tl.exp(log_p)
-    q = tl.exp(log_q)
-    if (ROLLOUT == RC_TOKEN_TV_MASK) | (ROLLOUT == RC_SEQUENCE_TV_MASK):
-        value = tl.abs(p - q)
-    else:
-        value = p * (log_p - log_q) + (1.0 - p) * (tl.log(1.0 - p) - tl.log(1.0 - q))
-    return tl.where(scored, value, 0.0)
-
-
-@triton.jit
-def _token_statistic(d, old, roll_ptr, idx, inside, on, ROLLOUT: tl.constexpr):
-    """The per-token statistic of a token mode: the sampled token's divergence for the divergence gates, else the
-    ratio ``e^d``."""
-    if (ROLLOUT == RC_TOKEN_BINARY_KL_MASK) | (ROLLOUT == RC_TOKEN_TV_MASK):
-        stat = _divergence(old, roll_ptr, idx, inside, on, ROLLOUT)
-    else:
-        stat = tl.exp(d)
-    return stat
-
-
-@triton.jit
-def _sequence_statistic(rc_seq, ROLLOUT: tl.constexpr):
-    """The per-response statistic of a sequence mode from ``rc_seq`` (the log of the product or geometric mean of
-    the ratios; the mean divergence for the divergence gates)."""
-    if (ROLLOUT == RC_SEQUENCE_BINARY_KL_MASK) | (ROLLOUT == RC_SEQUENCE_TV_MASK):
-        stat = rc_seq
-    else:
-        stat = tl.exp(rc_seq)
-    return stat
-
-
-@triton.jit
-def _in_band(stat, lo, hi):
-    return (stat >= lo) & (stat <= hi)
 
 
 @triton.jit
@@ -429,47 +321,45 @@ def _store_one_per_response(out, value, counted, SUM: tl.constexpr, MIN: tl.cons
     tl.store(out + UNITS, counted.to(tl.float32))
 
 
-# The objective's helpers when it has nothing to add at a step (``HELPERS[H_*]``; an objective's module uses
-# them in its ``TRITON`` tuple). Their signatures are the hooks' signatures.
 @triton.jit
-def no_sums(r, adv, on, is_ratio_ptr, rollout_ptr, idx, inside, d, lo, hi, eps_low, eps_high, ROLLOUT: tl.constexpr,
-            BLOCK_T: tl.constexpr):
-    """``H_SUMS``: the tile's contributions to the objective's two per-response sums (none)."""
-    zeros = tl.zeros([BLOCK_T], tl.float32)
-    return zeros, zeros
-
-
-@triton.jit
-def no_response_values(sum_1, sum_2, denom, w_seq, adv_seq, obj_a, obj_b, obj_c, obj_d, ADV_PER_TOKEN: tl.constexpr):
-    """``H_RESPONSE``: ``(u1, u2, u3, w_one, aux_one)``, the objective's per-response values (passed to its token
-    and finish helpers), the response's one weight (its metrics with one weight per response) and its extra
-    metric's value (none; the sequence-level weight)."""
-    return 0.0, 0.0, 0.0, w_seq, 0.0
+def _rollout_response_value(sum_d, sum_div, denom, ROLLOUT: tl.constexpr):
+    """The response's value the rollout correction gates on (from pass 1's sums)."""
+    if (ROLLOUT == RC_SEQUENCE_MASKED_TIS) | (ROLLOUT == RC_SEQUENCE_GEOMETRIC_MASK):
+        rc_seq = sum_d / denom  # the geometric mean's log
+    elif (ROLLOUT == RC_SEQUENCE_BINARY_KL_MASK) | (ROLLOUT == RC_SEQUENCE_TV_MASK):
+        rc_seq = sum_div / denom  # the mean divergence
+    else:
+        rc_seq = sum_d
+    return rc_seq
 
 
 @triton.jit
-def no_finish(coef_ptr, logp_ptr, old_ptr, mask_ptr, adv_ptr, start, end, adv_seq, f_sum, lam, denom, u1, u2, u3,
-              eps_low, eps_high, ADV_PER_TOKEN: tl.constexpr, BLOCK_T: tl.constexpr):
-    """``H_FINISH``: pass 3, a gradient through the objective's per-response values (none)."""
-    return
-
-
-@triton.jit
-def clip_counts(low_sum, high_sum, n_tok, w_seq, adv_seq, low_edge, high_edge, eps_high, OBJ_OPTION: tl.constexpr,
-                SEQ_UNITS: tl.constexpr):
-    """``H_CLIP_COUNTS``: ``(low, high, units)`` of the response's partials row: the token counts ``low_sum`` /
-    ``high_sum`` over ``n_tok`` tokens, or, with one weight and one advantage per response (``SEQ_UNITS``), the
-    response counted once, its weight out of the band on the side of its advantage's sign."""
-    if SEQ_UNITS == 0:  # clip counts over unmasked tokens
-        low = low_sum
-        high = high_sum
-        units = n_tok
-    else:  # one weight and one advantage per response: counted once
-        counted = n_tok > 0
-        low = (counted & (w_seq < low_edge) & (adv_seq < 0)).to(tl.float32)
-        high = (counted & (w_seq > high_edge) & (adv_seq > 0)).to(tl.float32)
-        units = counted.to(tl.float32)
-    return low, high, units
+def _store_rollout_partials(out, counted, n_tok, rc_seq, rc_lo, rc_hi, sum_d, rz_acc, rw_acc, rw_min, rw_max, rf_acc,
+                            rollout_ptr, ROLLOUT: tl.constexpr):
+    """The rollout correction's columns of the response's partials row: the filtered share (``P_RF``,
+    ``P_RF_UNITS``), the mismatch and the correction weights' statistics (``P_R_*``, ``P_RW_*``)."""
+    if ((ROLLOUT == RC_SEQUENCE_TRUNCATE) | (ROLLOUT == RC_SEQUENCE_MASK) | (ROLLOUT == RC_SEQUENCE_MASKED_TIS)
+            | (ROLLOUT == RC_SEQUENCE_GEOMETRIC_MASK) | (ROLLOUT == RC_SEQUENCE_BINARY_KL_MASK)
+            | (ROLLOUT == RC_SEQUENCE_TV_MASK)):  # the response is the unit of the filtered share
+        filtered = counted & ~_in_band(_sequence_statistic(rc_seq, ROLLOUT), rc_lo, rc_hi)
+        tl.store(out + P_RF, filtered.to(tl.float32))
+        tl.store(out + P_RF_UNITS, counted.to(tl.float32))
+    else:  # tokens (none counted without a mode, or without rollout log-probs)
+        tl.store(out + P_RF, tl.sum(rf_acc, axis=0))
+        if ROLLOUT != RC_NONE:
+            tl.store(out + P_RF_UNITS, n_tok)
+        else:
+            tl.store(out + P_RF_UNITS, 0.0)
+    if rollout_ptr is None:
+        _store_rollout_metrics(out, 0.0, 0.0, 0.0, float("inf"), float("-inf"), 0.0)
+    elif (ROLLOUT == RC_SEQUENCE_TRUNCATE) | (ROLLOUT == RC_SEQUENCE_MASK):  # one weight per response
+        tl.store(out + P_R_DIFF, -sum_d)
+        tl.store(out + P_R_ZERO, tl.sum(rz_acc, axis=0))
+        _store_one_per_response(out, _rollout_weight(0.0, rc_seq, rc_lo, rc_hi, ROLLOUT), counted, P_RW_SUM,
+                                P_RW_MIN, P_RW_MAX, P_RW_UNITS)
+    else:
+        _store_rollout_metrics(out, -sum_d, tl.sum(rz_acc, axis=0), tl.sum(rw_acc, axis=0), tl.min(rw_min, axis=0),
+                               tl.max(rw_max, axis=0), n_tok)
 
 
 # Inputs the options do not need arrive as None (``old_ptr``: on-policy; ``entropy_ptr``: no entropy term;
@@ -517,12 +407,7 @@ def gspo_sequence_kernel(
         lam = 1.0 / denom
     else:
         lam = 1.0
-    if (ROLLOUT == RC_SEQUENCE_MASKED_TIS) | (ROLLOUT == RC_SEQUENCE_GEOMETRIC_MASK):
-        rc_seq = sum_d / denom  # the geometric mean's log
-    elif (ROLLOUT == RC_SEQUENCE_BINARY_KL_MASK) | (ROLLOUT == RC_SEQUENCE_TV_MASK):
-        rc_seq = sum_div / denom  # the mean divergence
-    else:
-        rc_seq = sum_d
+    rc_seq = _rollout_response_value(sum_d, sum_div, denom, ROLLOUT)
     seq_gap = sum_gap / denom
     # the objective's per-response values, the one weight of the response and its extra metric's value
     u1, u2, u3, w_one, aux_one = HELPERS[H_RESPONSE](sum_1, sum_2, denom, w_seq, adv_seq, obj_a, obj_b, obj_c,
@@ -617,28 +502,8 @@ def gspo_sequence_kernel(
     else:  # one value per response
         tl.store(out + P_AUX, tl.where(counted, aux_one, 0.0))
         tl.store(out + P_AUX_UNITS, counted.to(tl.float32))
-    if ((ROLLOUT == RC_SEQUENCE_TRUNCATE) | (ROLLOUT == RC_SEQUENCE_MASK) | (ROLLOUT == RC_SEQUENCE_MASKED_TIS)
-            | (ROLLOUT == RC_SEQUENCE_GEOMETRIC_MASK) | (ROLLOUT == RC_SEQUENCE_BINARY_KL_MASK)
-            | (ROLLOUT == RC_SEQUENCE_TV_MASK)):  # the response is the unit of the filtered share
-        filtered = counted & ~_in_band(_sequence_statistic(rc_seq, ROLLOUT), rc_lo, rc_hi)
-        tl.store(out + P_RF, filtered.to(tl.float32))
-        tl.store(out + P_RF_UNITS, counted.to(tl.float32))
-    else:  # tokens (none counted without a mode, or without rollout log-probs)
-        tl.store(out + P_RF, tl.sum(rf_acc, axis=0))
-        if ROLLOUT != RC_NONE:
-            tl.store(out + P_RF_UNITS, n_tok)
-        else:
-            tl.store(out + P_RF_UNITS, 0.0)
-    if rollout_ptr is None:
-        _store_rollout_metrics(out, 0.0, 0.0, 0.0, float("inf"), float("-inf"), 0.0)
-    elif (ROLLOUT == RC_SEQUENCE_TRUNCATE) | (ROLLOUT == RC_SEQUENCE_MASK):  # one weight per response
-        tl.store(out + P_R_DIFF, -sum_d)
-        tl.store(out + P_R_ZERO, tl.sum(rz_acc, axis=0))
-        _store_one_per_response(out, _rollout_weight(0.0, rc_seq, rc_lo, rc_hi, ROLLOUT), counted, P_RW_SUM,
-                                P_RW_MIN, P_RW_MAX, P_RW_UNITS)
-    else:
-        _store_rollout_metrics(out, -sum_d, tl.sum(rz_acc, axis=0), tl.sum(rw_acc, axis=0), tl.min(rw_min, axis=0),
-                               tl.max(rw_max, axis=0), n_tok)
+    _store_rollout_partials(out, counted, n_tok, rc_seq, rc_lo, rc_hi, sum_d, rz_acc, rw_acc, rw_min, rw_max, rf_acc,
+                            rollout_ptr, ROLLOUT)
 
 
 @triton.jit

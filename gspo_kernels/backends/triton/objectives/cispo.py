@@ -6,8 +6,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from gspo_kernels.backends.triton.sequence_kernels import clip_counts as token_clip_counts
-from gspo_kernels.backends.triton.sequence_kernels import no_finish, no_response_values, no_sums
+from gspo_kernels.backends.triton.objectives.defaults import clip_counts as token_clip_counts
+from gspo_kernels.backends.triton.objectives.defaults import no_finish, no_response_values, no_sums
 from gspo_kernels.objectives import cispo as cispo_objective
 
 

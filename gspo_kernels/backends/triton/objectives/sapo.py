@@ -6,7 +6,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from gspo_kernels.backends.triton.sequence_kernels import clip_counts, no_finish, no_response_values, no_sums
+from gspo_kernels.backends.triton.objectives.defaults import clip_counts, no_finish, no_response_values, no_sums
 from gspo_kernels.objectives import sapo as sapo_objective
 
 

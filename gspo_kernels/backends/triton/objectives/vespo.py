@@ -6,7 +6,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from gspo_kernels.backends.triton.sequence_kernels import RC_NONE, _rollout_weight, clip_counts, no_finish
+from gspo_kernels.backends.triton.objectives.defaults import clip_counts, no_finish
+from gspo_kernels.backends.triton.sequence_rollout import _rollout_weight
+from gspo_kernels.backends.triton.sequence_slots import RC_NONE
 from gspo_kernels.objectives import vespo as vespo_objective
 from gspo_kernels.objectives.vespo import VESPO_LOG_MAX, VESPO_LOG_MIN
 
