@@ -39,6 +39,7 @@ import textwrap
 import time
 from typing import Callable, Dict, List, Optional, Tuple
 
+from gspo_kernels.tools.bench_compiled import compiled_step, print_compiled, with_compiled  # the "-compiled" rows
 from gspo_kernels.tools.bench_gpu import gspo_formula  # the GSPO formula the peers are completed with
 
 # ---------------------------------------------------------------------------------------------
@@ -59,11 +60,11 @@ QUICK_CASES: Dict[str, Dict] = {
     "logits": dict(path="logits", B=4, T=128, V=32768, dtype="fp32", inactive=0.0),
 }
 
-IMPLS: Dict[str, Tuple[str, ...]] = {
+IMPLS: Dict[str, Tuple[str, ...]] = with_compiled({
     "linear": ("gspo-cpu", "gspo-cpu-recompute", "gspo-cpu-invariant", "gspo-torch", "gspo-triton", "plain-torch", "trl-chunked", "liger",
                "cce"),
     "logits": ("gspo-cpu", "gspo-cpu-inplace", "gspo-torch", "gspo-triton", "plain-torch", "trl-selective"),
-}
+})
 BASELINE = {"linear": "trl-chunked", "logits": "plain-torch"}  # the "x base" column divides by these
 PLAIN = "plain-torch"  # the "x plain" column divides by it
 KEPT_NOTE = ("the buffers the cpu backend keeps between steps (allocated once, reused every step: its [N, V] "
@@ -134,7 +135,8 @@ def _peer(module: str, what: str, package: str):
 
 
 def build_impl(name: str, case: Dict, inputs: Dict) -> Tuple[Callable, List]:
-
+    if name.endswith("-compiled"):  # bench_compiled: the step of the name without the suffix, compiled
+        return compiled_step(name, case, inputs, build_impl)
     import gspo_kernels as gk
     from gspo_kernels import backends
 
@@ -577,6 +579,7 @@ def run(args: argparse.Namespace) -> int:
     _progress(len(jobs), len(jobs), "done", start)
     sys.stderr.write("\n")
     print_table(results, cases)
+    print_compiled(results)
     met = targets(results, quick=args.quick) if device == "cpu" else []
     if met:
         print("\ntargets (CPU, this run):")

@@ -17,7 +17,7 @@ from tests.integrations.test_trl_training import _rows, _trainer, policy_dir  # 
 COMPILED = dict(bf16=False, max_steps=4, torch_compile=True, torch_compile_backend="aot_eager")
 
 
-def test_compiled_drop_in_trains_as_compiled_trl(policy_dir, tmp_path, monkeypatch):
+def test_compiled_drop_in_trains_as_compiled_trl(policy_dir, tmp_path, monkeypatch):  # noqa: F811
     """One generation (4 optimizer steps, fp32) of stock TRL and of the drop-in, both compiled, from the same
     weights and seed: the same logged values step by step and the same weights after.
 
@@ -72,7 +72,7 @@ def test_compiled_drop_in_trains_as_compiled_trl(policy_dir, tmp_path, monkeypat
     assert moved > 3e-4, "training must move the weights, or the weight comparison is vacuous"
 
 
-def _initial_weights(policy_dir):
+def _initial_weights(path):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32).state_dict()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
