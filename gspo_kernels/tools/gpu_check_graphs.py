@@ -97,7 +97,7 @@ def _step(path: str, backend: str) -> Callable:
     return step
 
 
-def _run(fn: Callable, leaves, rest) -> List:
+def _call(fn: Callable, leaves, rest) -> List:
     """Loss and gradients of one call, cloned (a CUDA-graph replay overwrites its outputs at the next one)."""
     import torch
 
@@ -120,9 +120,9 @@ def measure(backend: str, path: str, shape_name: str, repeats: int) -> Dict:
     worst = {form: 0.0 for form in FORMS[1:]}
     for seed in range(3):  # the first calls compile and record the graphs, the later ones replay them
         leaves, rest = _inputs(path, SHAPES[shape_name], seed)
-        eager = _run(step, leaves, rest)
+        eager = _call(step, leaves, rest)
         for form in FORMS[1:]:
-            for got, want in zip(_run(forms[form], leaves, rest), eager):
+            for got, want in zip(_call(forms[form], leaves, rest), eager):
                 close = torch.allclose(got, want, rtol=RTOL, atol=ATOL)
                 worst[form] = max(worst[form], (got - want).abs().max().item())
                 record["ok"] = record["ok"] and close
@@ -136,7 +136,7 @@ def measure(backend: str, path: str, shape_name: str, repeats: int) -> Dict:
         for _ in range(repeats + 1):
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            _run(forms[form], leaves, rest)
+            _call(forms[form], leaves, rest)
             torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
         record[f"{form}_ms"] = 1e3 * statistics.median(times[1:])
