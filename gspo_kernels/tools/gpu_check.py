@@ -78,6 +78,7 @@ PEER_TEST_FILES = {
     "tests/integrations/test_trl_objectives.py": ("trl", "datasets"),
     "tests/integrations/test_trl_training.py": ("trl", "datasets"),
     "tests/integrations/test_trl_distributed.py": ("trl", "datasets"),
+    "tests/integrations/test_trl_compile.py": ("trl", "datasets"),
     "tests/integrations/test_verl.py": ("verl",),
     "tests/objectives/test_objectives.py::test_matches_verl_policy_losses": ("verl",),
 }
