@@ -18,7 +18,7 @@ ROUNDS = 3 if FULL else 5
 PARAMS = []
 for case_name, spec in CASES.items():
     for impl in bench.IMPLS[spec["path"]]:
-        marks = [pytest.mark.gpu] if impl == "gspo-triton" else []
+        marks = [pytest.mark.gpu] if impl.startswith("gspo-triton") else []
         PARAMS.append(pytest.param(case_name, impl, id=f"{case_name}-{impl}", marks=marks))
 
 

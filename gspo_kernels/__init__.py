@@ -6,6 +6,7 @@ Public API: :class:`GSPOConfig`, :func:`gspo_loss`, :func:`fused_linear_gspo_los
 :class:`VocabParallel` (a vocabulary-parallel lm_head); the float64 oracle is :mod:`gspo_kernels.reference`.
 """
 
+from gspo_kernels import config as _config
 from gspo_kernels import objectives as _objectives  # noqa: F401 (registers the objectives with the config)
 from gspo_kernels.advantages import group_advantages
 from gspo_kernels.backends import available as available_backends
@@ -21,6 +22,10 @@ from gspo_kernels.loss import (
 )
 from gspo_kernels.objectives.stage import LossOutput
 from gspo_kernels.parallel import VocabParallel
+
+# the defaults' config built now, not at the first call: built under torch.compile, it would leave a guard on the
+# module's global that fails at the next call (one more compilation of a compiled step that passes no config)
+_config.check_config(None)
 
 __version__ = "0.3.0.dev0"
 

@@ -40,6 +40,7 @@ import time
 from dataclasses import replace
 from typing import Callable, Dict, List, Optional, Tuple
 
+from gspo_kernels.tools.bench_compiled import compiled_step, print_compiled, with_compiled  # the "-compiled" rows
 from gspo_kernels.tools.bench_gpu import gspo_formula  # the GSPO formula the peers are completed with
 from gspo_kernels.tools.peers import Skip, peer  # Skip: an implementation that cannot run here
 from gspo_kernels.tools.progress import track
@@ -63,11 +64,11 @@ QUICK_CASES: Dict[str, Dict] = {
     "logits": dict(path="logits", B=4, T=128, V=32768, dtype="fp32", inactive=0.0),
 }
 
-IMPLS: Dict[str, Tuple[str, ...]] = {
+IMPLS: Dict[str, Tuple[str, ...]] = with_compiled({
     "linear": ("gspo-cpu", "gspo-cpu-recompute", "gspo-cpu-invariant", "gspo-torch", "gspo-triton", "plain-torch", "trl-chunked", "liger",
                "cce"),
     "logits": ("gspo-cpu", "gspo-cpu-inplace", "gspo-torch", "gspo-triton", "plain-torch", "trl-selective"),
-}
+})
 BASELINE = {"linear": "trl-chunked", "logits": "plain-torch"}  # the "x base" column divides by these
 PLAIN = "plain-torch"  # the "x plain" column divides by it
 KEPT_NOTE = ("the buffers the cpu backend keeps between steps (allocated once, reused every step: its [N, V] "
@@ -124,7 +125,8 @@ def _current_logprobs(inputs: Dict, case: Dict):
 
 
 def build_impl(name: str, case: Dict, inputs: Dict) -> Tuple[Callable, List]:
-
+    if name.endswith("-compiled"):  # bench_compiled: the step of the name without the suffix, compiled
+        return compiled_step(name, case, inputs, build_impl)
     import gspo_kernels as gk
     from gspo_kernels import backends
 
@@ -562,6 +564,7 @@ def run(args: argparse.Namespace) -> int:
         result = run_one(impl, cases[case_name], repeats, device, timeout)
         results.append(dict(case=case_name, impl=impl, case_spec=cases[case_name], **result))
     print_table(results, cases)
+    print_compiled(results)
     met = targets(results, quick=args.quick) if device == "cpu" else []
     if met:
         print("\ntargets (CPU, this run):")

@@ -19,7 +19,9 @@ default, sized for an H100):
 7. ``benchmarks``: ``benchmarks/test_gpu_logits.py`` (GB/s against the 3-pass floor, the peers, the
    backward at 100/50/25% active rows) and ``benchmarks/test_gpu_linear.py`` (TFLOP/s against 6NHV / 8NHV,
    the backward at 100/50/25% active rows, the peers).
-8. ``suite``: ``pytest tests``, the whole suite (not yet run through this step on a GPU), with the
+8. ``cuda-graphs``: the compiled loss step captured as CUDA graphs (``mode="reduce-overhead"``), checked against
+   eager and timed beside it (:mod:`gspo_kernels.tools.gpu_check_graphs`, ``cuda_graphs.json``).
+9. ``suite``: ``pytest tests``, the whole suite (not yet run through this step on a GPU), with the
    parity tests of missing peers and, when ``pypi.org`` is unreachable, the ``network``-marked packaging tests
    left out and named.
 
@@ -58,6 +60,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence
 
+from gspo_kernels.tools import gpu_check_graphs  # the cuda-graphs step
 from gspo_kernels.tools.gpu_check_report import BENCH_COLUMNS, StepResult, format_markdown, write_reports  # noqa: F401
 from gspo_kernels.tools.memcheck_workload import workload
 
@@ -77,6 +80,7 @@ PEER_TEST_FILES = {
     "tests/integrations/test_trl_objectives.py": ("trl", "datasets"),
     "tests/integrations/test_trl_training.py": ("trl", "datasets"),
     "tests/integrations/test_trl_distributed.py": ("trl", "datasets"),
+    "tests/integrations/test_trl_compile.py": ("trl", "datasets"),
     "tests/integrations/test_verl.py": ("verl",),
     "tests/objectives/test_objectives.py::test_matches_verl_policy_losses": ("verl",),
 }
@@ -91,7 +95,8 @@ QUICK_TEST_FILES = ("tests/backends/triton/test_triton_logits.py", "tests/backen
 QUICK_VERIFY_PATHS = ("logits", "linear")
 _mode: Dict[str, bool] = {"quick": False}
 STATIC_STEPS = ("versions", "h100-report")
-ALL_STEPS = ("versions", "h100-report", "verify", "gpu-tests", "triton-tests", "memcheck", "benchmarks", "suite")
+ALL_STEPS = ("versions", "h100-report", "verify", "gpu-tests", "triton-tests", "memcheck", "benchmarks", "cuda-graphs",
+             "suite")
 # The steps that run the repository's test files (tests/, benchmarks/): they need a source tree (a checkout,
 # or the unpacked sdist) found by :func:`find_test_tree`; the others run from the installed package alone.
 TREE_STEPS = ("gpu-tests", "triton-tests", "benchmarks", "suite")
@@ -489,10 +494,11 @@ STEP_FUNCTIONS: Dict[str, Callable[[str, float], StepResult]] = {
     "triton-tests": step_triton_tests,
     "memcheck": step_memcheck,
     "benchmarks": step_benchmarks,
+    "cuda-graphs": lambda out_dir, limit_s: gpu_check_graphs.step(out_dir, limit_s, _subprocess),
     "suite": step_suite,
 }
 STEP_LIMITS_S = {"versions": 60, "h100-report": 300, "verify": 300, "gpu-tests": 300, "triton-tests": 300, "memcheck": 300,
-                 "benchmarks": 600, "suite": 600}
+                 "benchmarks": 600, "cuda-graphs": 300, "suite": 600}
 
 
 def make_steps(names: Sequence[str], quick: bool = False) -> List[Step]:

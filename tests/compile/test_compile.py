@@ -156,3 +156,34 @@ def test_dynamic_shapes_compile_once_for_every_sequence_length(backend):
                 torch.randn(B, device=device), (torch.rand(B, T, device=device) > 0.2).float())
         torch.testing.assert_close(compiled(*args), step(*args), rtol=2e-6, atol=2e-6)
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+
+
+FIRST_USE = """
+import torch
+import gspo_kernels as gk
+from torch._dynamo.utils import counters
+gk.available_backends("cpu")  # loaded before compiling, as documented; no loss computed yet in this process
+def step(logits, labels, adv, old):
+    return gk.gspo_loss(logits, labels, adv, old, backend="torch").loss  # no config: the defaults
+compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+for seed in range(3):
+    g = torch.Generator().manual_seed(seed)
+    compiled(torch.randn(2, 5, 11, generator=g), torch.randint(0, 11, (2, 5), generator=g),
+             torch.randn(2, generator=g), -2.4 + 0.1 * torch.randn(2, 5, generator=g))
+print("graphs", counters["stats"]["unique_graphs"])
+"""
+
+
+def test_first_call_in_a_process_compiled_leaves_no_guard_that_recompiles():
+    """A process whose first loss call is compiled (the defaults' config included, nothing built lazily under
+    tracing) compiles once for calls of one shape: state created at the first call would leave a guard on it that
+    fails at the second call (one more compilation of the step)."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
+    proc = subprocess.run([sys.executable, "-c", FIRST_USE], capture_output=True, text=True, timeout=240, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split()[-2:] == ["graphs", "1"], proc.stdout
