@@ -23,7 +23,11 @@ import sys
 import time
 from typing import Callable, Dict, List, Optional, Sequence
 
-BACKENDS = ("triton", "torch")  # the backends that run on CUDA tensors (cpu's kernels are CPU-only)
+from gspo_kernels import backends as _backends
+
+# the backends that run on CUDA tensors, in "auto"'s order there (cpu's kernels are CPU-only)
+BACKENDS = tuple(r.name for r in sorted((r for r in _backends.REGISTRY if "cuda" in r.auto),
+                                        key=lambda r: r.auto["cuda"]))
 PATHS = ("linear", "logits")
 # B, T, H, V: small (host work dominates: where graphs help most) and medium (an RL micro-batch's head, shrunk)
 SHAPES: Dict[str, Dict[str, int]] = {

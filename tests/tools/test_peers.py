@@ -13,12 +13,18 @@ from gspo_kernels.tools.bench_gpu import measure
 from gspo_kernels.tools.peers import Skip, peer
 
 
+def _hide_trl(monkeypatch) -> None:
+    """``import trl`` and every ``trl.*`` raise ImportError, even where another test imported them already."""
+    for name in [n for n in sys.modules if n == "trl" or n.startswith("trl.")] + ["trl"]:
+        monkeypatch.setitem(sys.modules, name, None)
+
+
 def test_an_installed_peer_is_imported():
     assert peer("json", "dumps") is __import__("json").dumps
 
 
 def test_a_missing_peer_is_a_skip_naming_its_package(monkeypatch):
-    monkeypatch.setitem(sys.modules, "trl", None)  # import trl raises ImportError
+    _hide_trl(monkeypatch)  # import trl raises ImportError
     with pytest.raises(Skip, match=r"^trl not installed or not importable here: trl\.kernels\.ChunkedLogProbFunction"):
         peer("trl.kernels", "ChunkedLogProbFunction")
     with pytest.raises(Skip, match=r"^liger-kernel not installed .*ModuleNotFoundError"):  # the package's own name
@@ -33,7 +39,7 @@ def test_a_peer_failing_at_import_is_a_skip(tmp_path, monkeypatch):
 
 
 def test_bench_reports_a_missing_peer_as_skipped(monkeypatch):
-    monkeypatch.setitem(sys.modules, "trl", None)
+    _hide_trl(monkeypatch)
     case = dict(path="logits", B=1, T=4, V=16, dtype="fp32", inactive=0.0)
     inputs = bench.make_inputs(case, "cpu")
     with pytest.raises(bench.Skip, match="^trl not installed"):
