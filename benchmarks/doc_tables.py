@@ -197,6 +197,9 @@ def render(path: str, name: str, rows: Optional[Tuple[int, int]] = None, root: P
     """The lines of one region's body: the provenance line, a blank line, the table, a blank line (so that no
     Markdown renderer reads the end marker as one more row)."""
     record = load(path, root)
+    missing = [key for key in ("machine", "date", "command", "device") if not provenance(record)[key]]
+    if missing:
+        raise RecordError(f"{path}: the record names no {', '.join(missing)}")
     table = table_of(record, name)
     body = table["rows"] if rows is None else table["rows"][rows[0]: rows[1] + 1]
     if not body:
@@ -298,7 +301,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         problems = record_run(args.source, args.dest, args.machine)
         print("\n".join(f"{args.source}: {p}" for p in problems) or f"wrote {args.dest}")
         return 1 if problems else 0
-    problems = []
+    problems, rewritten = [], []
     for document in documents():
         text = document.read_text()
         name = document.relative_to(ROOT).as_posix()
@@ -308,8 +311,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         new = rewrite(text)
         if new != text:
             document.write_text(new)
-            print(f"rewrote {name}")
-    print("\n".join(problems) or ("every table region matches its record" if args.check else ""), end="\n")
+            rewritten.append(name)
+    done = f"rewrote {', '.join(rewritten)}" if rewritten else "every table region matches its record"
+    print("\n".join(problems) or done)
     return 1 if problems else 0
 
 

@@ -120,3 +120,18 @@ def test_a_bench_gpu_record_renders_a_section_with_its_reports_columns(tmp_path)
     lines = dt.render("r.json", "torch-backend", root=tmp_path)
     assert "(NVIDIA H200; torch 2.11.0+cu130, triton 3.6.0), 2026-12-06" in lines[0]
     assert lines[5] == "| ours backend='torch', logits [8, 1025, 151936] | 32.90 | 1.611 | - | - | 2.99 | - | - | - |  |"
+
+
+def test_bench_gpus_json_carries_its_date_and_commit_so_it_can_be_recorded(tmp_path):
+    """``bench --gpu`` writes its JSON through ``report.write_outputs``, which adds the date and commit its
+    environment row lacks: the file is then a record as it comes (only the machine's label is added)."""
+    from gspo_kernels.tools.bench_gpu.report import write_outputs
+
+    payload = dict(command="gspo-kernels bench --gpu --sections torch-backend", device="cuda", tiny=False,
+                   elapsed_s=1.0, sections=[], results=[], targets=[],
+                   environment=dict(device_name="NVIDIA H200", versions={"torch": "2.11.0+cu130"}))
+    write_outputs(str(tmp_path / "bench_gpu"), payload)
+    written = json.loads((tmp_path / "bench_gpu.json").read_text())
+    assert written["time_utc"][:4].isdigit() and "git_commit" in written
+    assert "no date" not in dt.provenance_problems(written, ["H200"])
+    assert dt.provenance_problems(dict(written, machine="H200"), ["H200"]) == []
