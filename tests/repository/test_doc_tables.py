@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -135,3 +136,43 @@ def test_bench_gpus_json_carries_its_date_and_commit_so_it_can_be_recorded(tmp_p
     assert written["time_utc"][:4].isdigit() and "git_commit" in written
     assert "no date" not in dt.provenance_problems(written, ["H200"])
     assert dt.provenance_problems(dict(written, machine="H200"), ["H200"]) == []
+
+
+# The README's measured sections quote figures in their prose too: each time or size there must be a cell of a
+# recorded table (any record rendered in the docs), so a typo in the prose fails as one in a table does.
+MEASURED_SECTIONS = ("## Measured on 2-core CPUs (no GPU)", "## On a GPU")
+UNIT = r"\d+(?:\.\d+)? ?(?:ms|s|MB|GiB)\b"
+# a number with its unit, or the first of "a against b unit"
+FIGURE = re.compile(rf"(?<![\w.^])(\d+(?:\.\d+)?)(?: ?(?:ms|s|MB|GiB)\b| against (?={UNIT}))")
+
+
+def _section(text: str, title: str) -> str:
+    body = text.split(title + "\n", 1)[1].split("\n## ", 1)[0]
+    body = re.sub(r"```.*?```", "", body, flags=re.S)  # commands, not figures
+    return re.sub(r"<!-- table: .*?<!-- end table -->", "", body, flags=re.S)  # checked against their records
+
+
+def _recorded_numbers() -> set:
+    numbers = set()
+    for path in _quoted_records():
+        record = dt.load(path)
+        names = record["tables"] if "tables" in record else [r["table"] for d in dt.documents()
+                                                            for r in dt.regions(d.read_text()) if r["path"] == path]
+        for name in names:
+            for row in dt.table_of(record, name)["rows"]:
+                numbers |= set(re.findall(r"\d+(?:\.\d+)?", " ".join(map(str, row))))
+    return numbers
+
+
+def unrecorded_figures(text: str, numbers: set) -> list:
+    return [m.group(0) for title in MEASURED_SECTIONS for m in FIGURE.finditer(_section(text, title))
+            if m.group(1) not in numbers]
+
+
+def test_every_time_and_size_in_the_readmes_measured_prose_is_a_recorded_figure():
+    text = (ROOT / "README.md").read_text()
+    numbers = _recorded_numbers()
+    assert len(FIGURE.findall(_section(text, MEASURED_SECTIONS[0]))) >= 6  # the check sees the CPU figures
+    assert not unrecorded_figures(text, numbers)
+    assert unrecorded_figures(text.replace("took 1.98 s and 1162 MB", "took 1.98 s and 1163 MB"), numbers) == [
+        "1163 MB"]
