@@ -55,7 +55,7 @@ COMPAT_TESTS ?= tests/repository/test_versions.py tests/backends/triton/test_tri
 COMPAT_DESELECT ?= not test_matches_trl and not matches_trl_compute_loss and not test_matches_verl \
 	and not test_example_writes_its_plot
 
-.PHONY: demo test test-deepspeed test-compat bench lint clean install
+.PHONY: demo test test-deepspeed test-compat bench lint clean install doc-tables
 
 $(DEMO_STAMP): SHELL := /bin/bash
 $(DEMO_STAMP): .SHELLFLAGS := -o pipefail -c
@@ -136,6 +136,11 @@ test-compat: $(FLOOR_STAMP)
 bench: $(STAMP)
 	$(VENV)/bin/gspo-kernels build-ext
 	$(VENV)/bin/gspo-kernels bench
+
+# The measured tables of README.md and docs/*.md, rewritten from their records (docs/records/*.json and the
+# records the bench commands write): benchmarks/doc_tables.py; tests/repository/test_doc_tables.py holds them equal.
+doc-tables:
+	$(PY) benchmarks/doc_tables.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check gspo_kernels tests benchmarks

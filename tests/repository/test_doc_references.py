@@ -106,6 +106,8 @@ def path_problem(text: str, document: Path = ROOT / "README.md") -> Optional[str
         return None if found else f"{module.group(1)}.py defines no {module.group(2)!r}"
     if "*" in text:
         return None if list(base.glob(text)) else "no file matches"
+    if not path.exists() and (base / f"{text}.json").is_file():
+        return None  # an output prefix (`--out docs/scaling_cpu` writes docs/scaling_cpu.json and .png)
     return None if path.exists() else "does not exist"
 
 
@@ -118,6 +120,8 @@ def test_the_checks_catch_a_wrong_name_and_a_wrong_path():
     assert path_problem("tests/distributed/test_trl_distributed.py", None) is not None
     assert path_problem("tests/support.make_case", None) is None
     assert path_problem("tests/support.no_such_helper", None) is not None
+    assert path_problem("docs/scaling_cpu", None) is None  # an --out prefix of an existing record
+    assert path_problem("docs/scaling_gpu", None) is not None
 
 
 def test_every_quoted_gspo_kernels_name_exists():

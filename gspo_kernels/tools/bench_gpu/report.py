@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import subprocess
+import time
 from typing import Dict, List, Optional
 
 from gspo_kernels.tools.table import Column, markdown_header, markdown_row, text_header, text_row
@@ -177,13 +179,27 @@ def target_lines(targets: List[Dict], markdown: bool) -> List[str]:
     return lines
 
 
+def _git_commit() -> Optional[str]:
+    try:
+        done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=20,
+                              cwd=os.path.dirname(os.path.abspath(__file__)))
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip() or None
+
+
 def write_outputs(out: str, payload: Dict) -> None:
+    """``out``.json (the payload, with ``time_utc``, when it was written, and ``git_commit``, the checkout's commit,
+    added where missing: a record's date and code) and ``out``.md."""
+    payload.setdefault("time_utc", time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    payload.setdefault("git_commit", _git_commit())
     os.makedirs(os.path.dirname(os.path.abspath(out)) or ".", exist_ok=True)
     with open(out + ".json", "w") as f:
         json.dump(payload, f, indent=1, default=float)
     env = payload.get("environment") or {}
     md = [f"# gspo-kernels bench --gpu: {env.get('device_name', payload.get('device'))}", "",
-          f"Command: `{payload['command']}`; {payload['elapsed_s']:.0f} s. Versions: "
+          f"Command: `{payload['command']}`; {payload['time_utc']}, commit {payload['git_commit']}; "
+          f"{payload['elapsed_s']:.0f} s. Versions: "
           + ", ".join(f"{k} {v}" for k, v in (env.get("versions") or {}).items() if v) + ".", "",
           "Method: CUDA events, median of 5 after 2 warm-ups (fewer where the JSON says), gradients set to None "
           "before each step; peak extra = max allocated above the step's start; TFLOP/s on 6NHV.", ""]
