@@ -66,6 +66,7 @@ elements of chunk-buffer traffic (~5% of the flop time at H = 4096 on an H100).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -174,69 +175,108 @@ def linear_logprobs_forward(
     return out[0], out[1], out[2], out[3]
 
 
-def _launch_dh(dz, weight, order, count, dh, chunk_start, rows_here, inv_t, upcast, cfg) -> None:
-    """``dh[order[chunk_start:...]] = (dZ @ W) / tau`` for one chunk (a GEMM)."""
+@dataclass(frozen=True)
+class BackwardChunk:
+    """One chunk of the backward, what its two GEMMs read besides the operands.
+
+    ``dz``: ``[C, V]`` operand dtype (row stride ``V``), ``q`` of the chunk's rows. ``db_part``: ``[ceil(C /
+    dz_block_n), V]`` fp32, the column sums of ``dz`` per row tile of the dZ kernel (``dz_block_n`` rows each), or
+    None without a bias gradient. ``order`` ``[N]`` int64 and ``count`` ``[1]`` int64: the compacted rows, on the
+    device (:func:`compact_rows`). ``start``: the chunk's first position in ``order``; ``rows``: an upper bound of
+    its rows (the kernels read ``count`` themselves). ``inv_temperature``: ``1 / tau``, applied in fp32 by the GEMMs.
+    ``upcast``: multiply in fp32 (:func:`upcast_dots`).
+    """
+
+    dz: Tensor
+    db_part: Optional[Tensor]
+    dz_block_n: int
+    order: Tensor
+    count: Tensor
+    start: int
+    rows: int
+    inv_temperature: float
+    upcast: bool
+
+
+def _launch_dh(chunk: BackwardChunk, weight: Tensor, dh: Tensor, cfg: Dict[str, int]) -> None:
+    """``dh[order[chunk.start:...]] = (dZ @ W) / tau`` for one chunk (a GEMM); ``dh`` ``[N, H]`` contiguous."""
     V, H = weight.shape
-    linear_dh_kernel[(triton.cdiv(rows_here, cfg["BLOCK_N"]) * triton.cdiv(H, cfg["BLOCK_H"]),)](
-        dz, weight, order, count, dh, chunk_start, rows_here, V, H,
-        weight.stride(0), weight.stride(1), inv_t,
-        UPCAST=upcast, BLOCK_N=cfg["BLOCK_N"], BLOCK_H=cfg["BLOCK_H"], BLOCK_V=cfg["BLOCK_V"],
+    linear_dh_kernel[(triton.cdiv(chunk.rows, cfg["BLOCK_N"]) * triton.cdiv(H, cfg["BLOCK_H"]),)](
+        chunk.dz, weight, chunk.order, chunk.count, dh, chunk.start, chunk.rows, V, H,
+        weight.stride(0), weight.stride(1), chunk.inv_temperature,
+        UPCAST=chunk.upcast, BLOCK_N=cfg["BLOCK_N"], BLOCK_H=cfg["BLOCK_H"], BLOCK_V=cfg["BLOCK_V"],
         GROUP=cfg["GROUP"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
 
 
-def _launch_dw(dz, hidden, order, count, db_part, dw, db, chunk_start, rows_here, V, inv_t, upcast, cfg,
-               dz_block_n, compute_dw, compute_db) -> None:
-    """``dw += (dZ^T @ H[rows]) / tau`` (a GEMM, when ``compute_dw``) and ``db += sum(dB_part) / tau`` (when
-    ``compute_db``) for one chunk; ``dw`` / ``db`` are fp32 accumulators (a dummy tensor when not computed)."""
+def _launch_dw(chunk: BackwardChunk, hidden: Tensor, dw: Optional[Tensor], db: Optional[Tensor],
+               cfg: Dict[str, int]) -> None:
+    """``dw += (dZ^T @ H[rows]) / tau`` (a GEMM) and ``db += sum(dB_part) / tau`` for one chunk; ``dw`` ``[V, H]``
+    and ``db`` ``[V]`` are fp32 accumulators, None when not computed (at least one is given; ``db`` needs
+    ``chunk.db_part``)."""
+    compute_dw, compute_db = dw is not None, db is not None
     T, stride_hb, stride_ht, stride_hh = row_strides(hidden, "hidden")
     H = hidden.shape[-1]
+    V = chunk.dz.shape[1]
     h_tiles = triton.cdiv(H, cfg["BLOCK_H"]) if compute_dw else 1
     linear_dw_kernel[(triton.cdiv(V, cfg["BLOCK_V"]) * h_tiles,)](
-        dz, hidden, order, count, db_part, dw, db,
-        chunk_start, rows_here, V, H, T, stride_hb, stride_ht, stride_hh, inv_t,
-        COMPUTE_DW=compute_dw, COMPUTE_DB=compute_db, UPCAST=upcast,
+        # an absent accumulator's pointer is never read (COMPUTE_DW / COMPUTE_DB): the other fp32 one stands in
+        chunk.dz, hidden, chunk.order, chunk.count, chunk.db_part if compute_db else chunk.dz,
+        dw if compute_dw else db, db if compute_db else dw,
+        chunk.start, chunk.rows, V, H, T, stride_hb, stride_ht, stride_hh, chunk.inv_temperature,
+        COMPUTE_DW=compute_dw, COMPUTE_DB=compute_db, UPCAST=chunk.upcast,
         BLOCK_V=cfg["BLOCK_V"], BLOCK_H=cfg["BLOCK_H"], BLOCK_K=cfg["BLOCK_K"], GROUP=cfg["GROUP"],
-        DZ_BLOCK_N=dz_block_n, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        DZ_BLOCK_N=chunk.dz_block_n, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
 
 
+@dataclass(frozen=True)
+class BackwardInputs:
+    """What :func:`linear_logprobs_backward` reads of a forward and of its incoming gradient.
+
+    ``hidden``: ``[N, H]`` or ``[B, T, H]`` (any strides), fp16/bf16/fp32. ``weight``: ``[V, H]``, same dtype.
+    ``bias``: ``[V]`` (any stride, any float dtype) or None, exactly as given to the forward. ``labels``,
+    ``row_max``, ``log_sum``, ``entropy``: ``[N]`` (int64 / fp32), as given to / returned by the forward.
+    ``grad_logp``, ``grad_entropy``: ``[N]`` fp32 or None (None: no gradient through that output). ``order``,
+    ``count``: the device-side compaction of the rows to visit (:func:`compact_rows`).
+    """
+
+    hidden: Tensor
+    weight: Tensor
+    bias: Optional[Tensor]
+    labels: Tensor
+    row_max: Tensor
+    log_sum: Tensor
+    entropy: Tensor
+    grad_logp: Optional[Tensor]
+    grad_entropy: Optional[Tensor]
+    order: Tensor
+    count: Tensor
+
+
 def linear_logprobs_backward(
-    hidden: Tensor,
-    weight: Tensor,
-    bias: Optional[Tensor],
-    labels: Tensor,
-    row_max: Tensor,
-    log_sum: Tensor,
-    entropy: Tensor,
-    grad_logp: Optional[Tensor],
-    grad_entropy: Optional[Tensor],
-    order: Tensor,
-    count: Tensor,
-    temperature: float = 1.0,
+    inputs: BackwardInputs,
+    options: CallOptions = DEFAULT_OPTIONS,
     *,
     compute_dh: bool = True,
     compute_dw: bool = True,
     compute_db: bool = True,
-    memory_budget: Optional[int] = None,
     config: Optional[Dict[str, Dict[str, int]]] = None,
-    softcap: Optional[float] = None,
 ) -> Tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
     """Gradients of ``sum(grad_logp * logp + grad_entropy * entropy)`` over the rows ``order[:count]``.
 
     Args:
-        hidden: ``[N, H]`` or ``[B, T, H]`` (any strides), fp16/bf16/fp32. weight: ``[V, H]``, same dtype.
-        bias: ``[V]`` (any stride, any float dtype) or None, exactly as given to the forward.
-        labels, row_max, log_sum, entropy: ``[N]`` (int64 / fp32), as given to / returned by the forward.
-        grad_logp, grad_entropy: ``[N]`` fp32 or None (None: no gradient through that output).
-        order, count: the device-side compaction of the rows to visit (:func:`compact_rows`).
-        memory_budget: bytes for the chunk buffers (None: ``configs.DEFAULT_MEMORY_BUDGET``).
+        inputs: the forward's operands, statistics and rows, and the incoming gradients (:class:`BackwardInputs`).
+        options: the call's :class:`~gspo_kernels.options.CallOptions`; read: ``temperature``, ``softcap`` and
+            ``memory_budget`` (bytes for the chunk buffers; None: ``configs.DEFAULT_MEMORY_BUDGET``).
         config: the three kernels' launch configurations (default: ``configs.linear_bwd_config``).
 
     Returns:
         ``(dh [N, H] in the hidden dtype or None, dw [V, H] fp32 or None, db [V] fp32 or None)``; rows of
         ``dh`` outside ``order[:count]`` are exactly 0.
     """
+    hidden, weight, bias, labels = inputs.hidden, inputs.weight, inputs.bias, inputs.labels
+    grad_logp, grad_entropy, softcap = inputs.grad_logp, inputs.grad_entropy, options.softcap
     N = labels.shape[0]
     V, H = weight.shape
     device = hidden.device
@@ -249,19 +289,19 @@ def linear_logprobs_backward(
         return dh, dw, db
     cfg = configs.linear_bwd_config(hidden.dtype, config)
     c_dz = cfg["dz"]
-    C = configs.chunk_rows(N, V, hidden.dtype, c_dz["BLOCK_N"], memory_budget)
+    C = configs.chunk_rows(N, V, hidden.dtype, c_dz["BLOCK_N"], options.memory_budget)
     dz = torch.empty((C, V), device=device, dtype=hidden.dtype)
     db_part = torch.empty((triton.cdiv(C, c_dz["BLOCK_N"]), V), device=device, dtype=torch.float32) if compute_db else dz
     T, stride_hb, stride_ht, stride_hh = row_strides(hidden, "hidden")
     upcast = upcast_dots(hidden, weight)
-    inv_t = 1.0 / float(temperature)
-    dummy = row_max
+    inv_t = 1.0 / float(options.temperature)
+    dummy = inputs.row_max
     with device_guard(hidden):
         for chunk_start in range(0, N, C):
             rows_here = min(C, N - chunk_start)  # an upper bound: the kernels read count themselves
             linear_dz_kernel[(triton.cdiv(rows_here, c_dz["BLOCK_N"]) * triton.cdiv(V, c_dz["BLOCK_V"]),)](
-                hidden, weight, bias if bias is not None else weight, order, count,
-                labels, row_max, log_sum, entropy,
+                hidden, weight, bias if bias is not None else weight, inputs.order, inputs.count,
+                labels, inputs.row_max, inputs.log_sum, inputs.entropy,
                 grad_logp if has_logp else dummy, grad_entropy if has_ent else dummy, dz, db_part,
                 chunk_start, rows_here, V, H, T, stride_hb, stride_ht, stride_hh,
                 weight.stride(0), weight.stride(1), bias.stride(0) if bias is not None else 0, inv_t,
@@ -272,14 +312,13 @@ def linear_logprobs_backward(
                 HAS_SOFTCAP=softcap is not None, FAST_MATH=not interpreter_active(),
                 num_warps=c_dz["num_warps"], num_stages=c_dz["num_stages"],
             )
+            chunk = BackwardChunk(dz=dz, db_part=db_part if compute_db else None, dz_block_n=c_dz["BLOCK_N"],
+                                  order=inputs.order, count=inputs.count, start=chunk_start, rows=rows_here,
+                                  inv_temperature=inv_t, upcast=upcast)
             if compute_dh:
-                _launch_dh(dz=dz, weight=weight, order=order, count=count, dh=dh, chunk_start=chunk_start,
-                           rows_here=rows_here, inv_t=inv_t, upcast=upcast, cfg=cfg["dh"])
+                _launch_dh(chunk, weight, dh, cfg["dh"])
             if compute_dw or compute_db:
-                _launch_dw(dz=dz, hidden=hidden, order=order, count=count, db_part=db_part,
-                           dw=dw if compute_dw else dummy, db=db if compute_db else dummy, chunk_start=chunk_start,
-                           rows_here=rows_here, V=V, inv_t=inv_t, upcast=upcast, cfg=cfg["dw"],
-                           dz_block_n=c_dz["BLOCK_N"], compute_dw=compute_dw, compute_db=compute_db)
+                _launch_dw(chunk, hidden, dw, db, cfg["dw"])
     return dh, dw, db
 
 
@@ -293,7 +332,8 @@ def _as_operands(hidden: Tensor, weight: Tensor) -> Tuple[Tensor, Tensor]:
 
 class LinearLogprobsFunction(torch.autograd.Function):
     """``(hidden, weight, bias, labels, active, options) -> (logp, entropy)``; ``options``: the call's
-    :class:`~gspo_kernels.options.CallOptions` (``temperature``, ``memory_budget`` and ``softcap`` read).
+    :class:`~gspo_kernels.options.CallOptions` (``temperature``, ``memory_budget`` and ``softcap`` read), kept whole
+    on ``ctx`` for the backward.
 
     Saves the caller's ``hidden``, ``weight``, ``bias`` (no copies: fp64 operands are cast to fp32 again in
     the backward) and five ``[N]`` tensors. No host synchronisation in either direction (the active rows
@@ -310,9 +350,8 @@ class LinearLogprobsFunction(torch.autograd.Function):
         active: Optional[Tensor],
         options: CallOptions,
     ) -> Tuple[Tensor, Tensor]:
-        temperature, memory_budget, softcap = float(options.temperature), options.memory_budget, options.softcap
         h, w = _as_operands(hidden.detach(), weight.detach())
-        b = kernel_bias(None if bias is None else bias.detach(), softcap)
+        b = kernel_bias(None if bias is None else bias.detach(), options.softcap)
         labels = labels.reshape(-1).to(torch.int64)
         if active is None:
             order = count = None
@@ -321,12 +360,10 @@ class LinearLogprobsFunction(torch.autograd.Function):
             computed = active.reshape(-1).to(torch.bool)
             order, count = compact_rows(computed)
         logp, entropy, row_max, log_sum = linear_logprobs_forward(
-            h, w, b, labels, temperature, order=order, count=count, softcap=softcap
+            h, w, b, labels, float(options.temperature), order=order, count=count, softcap=options.softcap
         )
         ctx.save_for_backward(hidden, weight, bias, labels, computed, row_max, log_sum, entropy)
-        ctx.temperature = temperature
-        ctx.memory_budget = memory_budget
-        ctx.softcap = softcap
+        ctx.options = options
         ctx.set_materialize_grads(False)
         out_dtype = torch.float64 if torch.float64 in (hidden.dtype, weight.dtype) else torch.float32
         return logp.to(out_dtype), entropy.to(out_dtype)
@@ -346,12 +383,12 @@ class LinearLogprobsFunction(torch.autograd.Function):
             carries |= grad_entropy != 0
         order, count = compact_rows(carries & computed)
         h, w = _as_operands(hidden.detach(), weight.detach())
-        dh, dw, db = linear_logprobs_backward(hidden=h, weight=w,
-                                              bias=kernel_bias(None if bias is None else bias.detach(), ctx.softcap),
-                                              labels=labels, row_max=row_max, log_sum=log_sum, entropy=entropy,
-                                              grad_logp=grad_logp, grad_entropy=grad_entropy, order=order, count=count,
-                                              temperature=ctx.temperature, compute_dh=need_dh, compute_dw=need_dw,
-                                              compute_db=need_db, memory_budget=ctx.memory_budget, softcap=ctx.softcap)
+        options = ctx.options
+        inputs = BackwardInputs(hidden=h, weight=w, bias=kernel_bias(None if bias is None else bias.detach(), options.softcap),
+                                labels=labels, row_max=row_max, log_sum=log_sum, entropy=entropy,
+                                grad_logp=grad_logp, grad_entropy=grad_entropy, order=order, count=count)
+        dh, dw, db = linear_logprobs_backward(inputs, options, compute_dh=need_dh, compute_dw=need_dw,
+                                              compute_db=need_db)
         dh = dh.reshape(hidden.shape).to(hidden.dtype) if dh is not None else None
         dw = dw.to(weight.dtype) if dw is not None else None
         db = db.to(bias.dtype) if db is not None else None
