@@ -12,6 +12,7 @@ All results are float64 (on the inputs' device), whatever the input dtype.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -148,10 +149,9 @@ def gspo_loss(
     if logits.shape[-1] < 1:
         raise ValueError("logits must have a vocabulary dimension V >= 1")
     rows = logits.reshape(-1, logits.shape[-1])
-    return _loss_from_rows(rows_of=lambda idx: rows[idx], layout=layout, labels=labels, advantages=advantages,
-                           old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, is_ratio=is_ratio,
-                           num_items_in_batch=num_items_in_batch, config=config, vocab_size=logits.shape[-1],
-                           rollout_logprobs=rollout_logprobs)
+    tensors = _LossTensors(advantages=advantages, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
+                           is_ratio=is_ratio, rollout_logprobs=rollout_logprobs, num_items_in_batch=num_items_in_batch)
+    return _loss_from_rows(lambda idx: rows[idx], layout, labels, tensors, config, vocab_size=logits.shape[-1])
 
 
 def fused_linear_gspo_loss(
@@ -179,10 +179,10 @@ def fused_linear_gspo_loss(
     _check_linear(hidden, weight, bias, labels)
     layout = _Layout.of(labels, mask, cu_seqlens)
     rows = hidden.reshape(-1, hidden.shape[-1])
-    return _loss_from_rows(rows_of=lambda idx: _logits(rows[idx], weight, bias), layout=layout, labels=labels,
-                           advantages=advantages, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
-                           is_ratio=is_ratio, num_items_in_batch=num_items_in_batch, config=config,
-                           vocab_size=weight.shape[0], rollout_logprobs=rollout_logprobs)
+    tensors = _LossTensors(advantages=advantages, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
+                           is_ratio=is_ratio, rollout_logprobs=rollout_logprobs, num_items_in_batch=num_items_in_batch)
+    return _loss_from_rows(lambda idx: _logits(rows[idx], weight, bias), layout, labels, tensors, config,
+                           vocab_size=weight.shape[0])
 
 
 def policy_loss(
@@ -346,10 +346,24 @@ def _mask_values(mask: Optional[Tensor], token_shape: Tuple[int, ...], device: t
 # -------------------------------------------------------------------------------------------------
 
 
-def _loss_from_rows(rows_of, layout: _Layout, labels: Tensor, advantages, old_logprobs, ref_logprobs, is_ratio,
-                    num_items_in_batch, config: GSPOConfig, *, vocab_size: int,
-                    rollout_logprobs: Optional[Tensor] = None) -> LossOutput:
-    """Log-probs and entropies of each response's counted tokens (``rows_of(idx)``: their logits)."""
+@dataclass(frozen=True)
+class _LossTensors:
+    """The loss's tensors besides the logits, as the caller gave them (None: not given): ``advantages`` ``[S]`` or
+    per token, ``old_logprobs``, ``ref_logprobs``, ``is_ratio``, ``rollout_logprobs`` per token, and
+    ``num_items_in_batch`` (a number, a 0-dim tensor or None)."""
+
+    advantages: Tensor
+    old_logprobs: Optional[Tensor]
+    ref_logprobs: Optional[Tensor]
+    is_ratio: Optional[Tensor]
+    rollout_logprobs: Optional[Tensor]
+    num_items_in_batch: Scalar
+
+
+def _loss_from_rows(rows_of, layout: _Layout, labels: Tensor, tensors: _LossTensors, config: GSPOConfig, *,
+                    vocab_size: int) -> LossOutput:
+    """Log-probs and entropies of each response's counted tokens (``rows_of(idx)``: their logits), then
+    :func:`_objective` on them with the loss's ``tensors``."""
     flat_labels = labels.reshape(-1)
     per_response = []
     for idx in layout.responses:
@@ -357,9 +371,10 @@ def _loss_from_rows(rows_of, layout: _Layout, labels: Tensor, advantages, old_lo
         _check_label_range(y, vocab_size, "labels (at unmasked positions)")
         per_response.append(_rows_logprobs(rows_of(idx), y, config.temperature,
                                            config.final_logit_softcapping))
-    return _objective(per_response=per_response, layout=layout, advantages=advantages, old_logprobs=old_logprobs,
-                      ref_logprobs=ref_logprobs, is_ratio=is_ratio, num_items_in_batch=num_items_in_batch,
-                      config=config, with_entropy=True, rollout_logprobs=rollout_logprobs)
+    return _objective(per_response=per_response, layout=layout, advantages=tensors.advantages,
+                      old_logprobs=tensors.old_logprobs, ref_logprobs=tensors.ref_logprobs, is_ratio=tensors.is_ratio,
+                      num_items_in_batch=tensors.num_items_in_batch, config=config, with_entropy=True,
+                      rollout_logprobs=tensors.rollout_logprobs)
 
 
 def _objective(

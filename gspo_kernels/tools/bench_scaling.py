@@ -153,18 +153,35 @@ def make_case(path: str, tokens: int, vocab: int, plan: ScalingPlan) -> Dict:
     return case
 
 
-def _record(impl: str, path: str, tokens: int, vocab: int, plan: ScalingPlan, estimate: int) -> Dict:
+@dataclasses.dataclass(frozen=True)
+class ScalingPoint:
+    """One implementation (``impl``, bench's name) on one case (``path``: ``"logits"`` or ``"linear"``) at one
+    point of the series: ``tokens`` (N) and ``vocab`` (V)."""
+
+    impl: str
+    path: str
+    tokens: int
+    vocab: int
+
+    def estimate(self, plan: ScalingPlan) -> int:
+        """:func:`estimate_bytes` of this point under ``plan`` (its hidden size and dtype)."""
+        return estimate_bytes(self.impl, self.path, self.tokens, self.vocab, plan.hidden, plan.dtype)
+
+
+def _record(point: ScalingPoint, plan: ScalingPlan, estimate: int) -> Dict:
+    impl, path, tokens, vocab = point.impl, point.path, point.tokens, point.vocab
     return dict(impl=impl, path=path, tokens=tokens, vocab=vocab, hidden=plan.hidden if path == "linear" else None,
                 dtype=plan.dtype, series=plan.series_of(tokens, vocab), ms=None, fwd_ms=None, bwd_ms=None,
                 peak_mb=None, kept_mb=None, estimate_mb=round(estimate / 2**20, 1), status=None, reason=None)
 
 
-def run_point(impl: str, path: str, tokens: int, vocab: int, plan: ScalingPlan, device: str, cap: int,
-              predict: bool = True, slack: int = RUN_SLACK) -> Dict:
+def run_point(point: ScalingPoint, plan: ScalingPlan, device: str, cap: int, predict: bool = True,
+              slack: int = RUN_SLACK) -> Dict:
     """One implementation at one point: ``"oom"`` without running when estimated over ``cap`` bytes (``predict``),
     else ``bench.run_one`` under ``cap + slack`` bytes, its result classified (an allocation that failed: "oom")."""
-    estimate = estimate_bytes(impl, path, tokens, vocab, plan.hidden, plan.dtype)
-    rec = _record(impl, path, tokens, vocab, plan, estimate)
+    impl, path, tokens, vocab = point.impl, point.path, point.tokens, point.vocab
+    estimate = point.estimate(plan)
+    rec = _record(point, plan, estimate)
     if predict and estimate > cap:
         rec.update(status="oom", reason=f"estimated {estimate / GIB:.2f} GiB > the cap of {cap / GIB:.2f} GiB: "
                                         "not run")
@@ -350,12 +367,13 @@ def run(args: argparse.Namespace) -> int:
     start = time.time()
     for i, (p, n, v, impl) in enumerate(jobs, 1):
         t0 = time.time()
-        rec = _record(impl, p, n, v, plan, estimate_bytes(impl, p, n, v, plan.hidden, plan.dtype))
+        point = ScalingPoint(impl=impl, path=p, tokens=n, vocab=v)
+        rec = _record(point, plan, point.estimate(plan))
         inherited = _inherited(rec, records)
         if inherited:
             rec.update(status=inherited[0], reason=inherited[1])
         else:
-            rec = run_point(impl, p, n, v, plan, device, cap)
+            rec = run_point(point, plan, device, cap)
         records.append(rec)
         print(progress_line(i, len(jobs), rec, time.time() - t0), flush=True)
     prefix = bench.output_prefix("results/scaling" if args.out == "results/bench" else args.out)

@@ -65,7 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--only", default=None, help="report only the kernels whose name contains this text")
     parser.add_argument("--json", default=None, help="also write the rows to this JSON file")
     parser.add_argument("--modules", default=None,
-                        help="comma-separated kernel modules to report (e.g. logits,linear_invariant,linear_loss,sequence)")
+                        help="comma-separated kernel modules to report (e.g. logits,linear_invariant_kernels,linear_loss,sequence_kernels)")
 
 
 def kernel_parameters(fn) -> List[tuple]:
@@ -520,7 +520,7 @@ def static_report(
     """Compile the kernels for sm_90a in a fresh subprocess (interpreter off) and return the report rows.
 
     The API for tests: works whether or not this process runs the Triton interpreter. ``modules`` limits the
-    report to those modules of ``gspo_kernels.backends.triton`` (e.g. ``["linear_invariant"]``), ``only`` to the kernels whose name contains that text. Each row holds ``name``,
+    report to those modules of ``gspo_kernels.backends.triton`` (e.g. ``["linear_invariant_kernels"]``), ``only`` to the kernels whose name contains that text. Each row holds ``name``,
     ``registers``, ``shared_bytes``, ``local_bytes``, ``stack_bytes``, ``stl_count``, ``hgmma``, ``loads_128``,
     ``num_stages``, the main loop's ``loop_instr_min`` / ``loop_instr_max``, ``instr_per_elem`` /
     ``instr_per_elem_max`` (None without ``loop_elements``), ``load_bits``, ``store_bits``, and ``error``; :func:`problems` says why a row fails. Raises ``RuntimeError`` when the subprocess wrote

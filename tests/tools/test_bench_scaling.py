@@ -56,8 +56,8 @@ def test_a_point_estimated_over_the_memory_cap_is_oom_and_not_run(tmp_path, monk
 def test_an_allocation_past_the_cap_while_running_is_recorded_as_oom():
     """Estimates off: the worker runs under the cap (its data size limit) and its 128 MiB of logits cannot be made."""
     plan = bench_scaling.PLANS[("cpu", True)]
-    rec = bench_scaling.run_point("plain-torch", "logits", 1024, 32768, plan, "cpu", cap=32 * 2**20, predict=False,
-                                  slack=0)
+    point = bench_scaling.ScalingPoint(impl="plain-torch", path="logits", tokens=1024, vocab=32768)
+    rec = bench_scaling.run_point(point, plan, "cpu", cap=32 * 2**20, predict=False, slack=0)
     assert rec["status"] == "oom", rec
     assert "out of memory while running" in rec["reason"] and "allocate" in rec["reason"], rec
 

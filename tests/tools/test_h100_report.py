@@ -51,7 +51,7 @@ def test_every_kernel_is_in_the_launch_configs():
         assert names <= covered, f"{module.__name__}: kernels missing from configs.H100_CONFIGS: {names - covered}"
         seen |= names
     assert seen == covered  # and no entry names a kernel that does not exist
-    assert {name.split(".")[0] for name in seen} == {"logits", "linear_loss", "linear_invariant", "sequence_kernels"}
+    assert {name.split(".")[0] for name in seen} == {"logits", "linear_loss", "linear_invariant_kernels", "sequence_kernels"}
     for config in configs.H100_CONFIGS:
         assert {"name", "kernel", "constexprs", "num_warps", "num_stages"} <= set(config)
         full = h100_report.normalize_config(config)  # the signature is derived from the arguments
@@ -98,10 +98,10 @@ def test_h100_report_compiles_every_kernel_without_spills(full_report):
 
 
 def test_h100_static_report_linear_kernels(full_report):
-    """The batch-invariant hidden-state kernels (``linear_invariant``) in the report: every one compiles for sm_90a
+    """The batch-invariant hidden-state kernels (``linear_invariant_kernels``) in the report: every one compiles for sm_90a
     with no spill (local bytes, stack frame, STL), HGMMA in every kernel that calls ``tl.dot`` on half-precision
     operands (all the bf16 ones), and shared memory within an H100 block."""
-    rows = [row for row in full_report if row["module"] == "linear_invariant"]
+    rows = [row for row in full_report if row["module"] == "linear_invariant_kernels"]
     assert len(rows) == 14  # forward: 3 bf16 (one soft-capped) + 1 fp32 + combine; backward: 5 bf16 + 4 fp32
     for row in rows:
         assert not row["error"], row

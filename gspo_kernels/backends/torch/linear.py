@@ -3,6 +3,7 @@ rows x vocabulary tiles with an online softmax on CPU tensors) and its autograd 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import torch
@@ -15,6 +16,7 @@ from gspo_kernels.backends.torch.rows import (
     _carries_gradient,
     _label_columns,
     _log_p_floor,
+    _RowGradient,
     _rows_backward,
     _rows_forward_accelerated,
     _scale_probabilities,
@@ -68,13 +70,27 @@ class _OnlineSoftmax:
         return (self.label_x - self.m) - log_s, log_s - self.a / self.s, torch.stack((self.m, log_s))
 
 
-def _grad_tile(x: Tensor, m: Tensor, log_s: Tensor, entropy: Tensor, g: Tensor, ge: Optional[Tensor],
-               local: Tensor, tau: float, ws: _Workspace, out: Tensor) -> None:
+@dataclass(frozen=True)
+class _TileRows:
+    """What :func:`_grad_tile` reads of a block's ``r`` rows, the same for each of its vocabulary tiles: the
+    forward's statistics ``m [r]`` and ``log_s [r]`` (``log p = (x - m) - log s``) and ``entropy [r]``, and the
+    incoming gradients ``g [r]`` (of the log-prob) and ``ge [r]`` (of the entropy; None: no entropy gradient)."""
+
+    m: Tensor
+    log_s: Tensor
+    entropy: Tensor
+    g: Tensor
+    ge: Optional[Tensor]
+
+
+def _grad_tile(x: Tensor, rows: _TileRows, local: Tensor, tau: float, ws: _Workspace, out: Tensor) -> None:
     """Write ``dL/dlogits`` of one tile into ``out``: ``(g/tau)(onehot - p) - (ge/tau) p (log p + H)``.
 
-    ``x``: the scaled logits tile (not modified); ``log p = (x - m) - log s``; ``out`` may be a strided
-    view of the gradient (or of the logits themselves: ``x`` is read before ``out`` is written).
+    ``x``: the scaled logits tile (not modified); ``local [r]``: each row's label minus the tile's first column;
+    ``out`` may be a strided view of the gradient (or of the logits themselves: ``x`` is read before ``out`` is
+    written).
     """
+    m, log_s, entropy, g, ge = rows.m, rows.log_s, rows.entropy, rows.g, rows.ge
     d, p = ws.tiles(*x.shape)
     torch.sub(x, m[:, None], out=d)
     d.sub_(log_s[:, None])  # log p
@@ -225,12 +241,14 @@ def _keeps_probabilities(ctx, m: int, weight: Tensor, gemms: "_Gemms", cap: Opti
     return m * item <= 4 * weight.shape[1]
 
 
-def _linear_forward_accelerated(ctx, hidden, weight, bias, labels, active, tau, return_entropy, cap, memory_budget,
-                                graph=False):
+def _linear_forward_accelerated(ctx, hidden, weight, bias, labels, active, options: CallOptions, graph=False):
     """Row chunks sized from the budget, no vocabulary tiles: per chunk one GEMM into an fp32 ``[c, V]`` tile,
     then the logits path's argmax + softmax + entr + sum (:func:`_rows_forward_accelerated`). One host read (the
     ``active`` rows, compacted) at most; nothing saved but the inputs (the backward recomputes the logits), unless
-    ``p`` is kept (:func:`_keeps_probabilities`; ``graph``: autograd records this call, so a backward may follow)."""
+    ``p`` is kept (:func:`_keeps_probabilities`; ``graph``: autograd records this call, so a backward may follow).
+    ``options``: ``temperature``, ``return_entropy``, ``softcap`` and ``memory_budget`` read."""
+    tau, return_entropy = float(options.temperature), options.return_entropy
+    cap, memory_budget = options.softcap, options.memory_budget
     rows_all = as_rows(hidden)
     n, V = labels.shape[0], weight.shape[0]
     cdt = compute_dtype(hidden.dtype)
@@ -314,8 +332,8 @@ def _linear_backward_accelerated(ctx, grad_logp, grad_entropy):
     m = h_all.shape[0]
     kept, ctx.kept = ctx.kept, None  # dZ is formed in its storage: a second backward (retain_graph) recomputes
     if kept is not None and ge_all is None:
-        return _linear_backward_kept(ctx, kept, h_all, carries, g_all, col, inside, gemms, index, n, hidden, weight,
-                                     bias)
+        rows = _SelectedRows(h=h_all, carries=carries, g=g_all, col=col, inside=inside, index=index, n=n)
+        return _linear_backward_kept(ctx, kept, rows, gemms, hidden, weight, bias)
     kept = None  # an entropy gradient needs log p: freed before the recomputation's buffers
     tiles = 2 + (ge_all is not None) + (cap is not None)
     C = _linear_rows(m, V, cdt, tiles, ctx.memory_budget)
@@ -337,9 +355,10 @@ def _linear_backward_accelerated(ctx, grad_logp, grad_entropy):
         slope = ws.slope_tile(c, V) if cap is not None else None
         _scale_logits(z, shifted, tau, cap, slope)
         dz = dz_buf[: c * V].view(c, V)  # the logits tile's own storage: z is not read after its softmax
-        _rows_backward(z, col[r0:r1], inside[r0:r1], g_all[r0:r1], None if ge_all is None else ge_all[r0:r1],
-                       ent_all[r0:r1], tau, cdt, ws, slope, dz,
-                       None if pre is None else (pre[0][r0:r1], pre[1][r0:r1]))
+        rows = _RowGradient(col=col[r0:r1], inside=inside[r0:r1], g=g_all[r0:r1],
+                            ge=None if ge_all is None else ge_all[r0:r1], ent=ent_all[r0:r1],
+                            pre=None if pre is None else (pre[0][r0:r1], pre[1][r0:r1]))
+        _rows_backward(z, rows, tau, cdt, ws, slope, dz)
         if want_h:
             gemms.d_hidden(dz, dh[r0:r1])
         if want_w:
@@ -360,12 +379,30 @@ def _linear_backward_accelerated(ctx, grad_logp, grad_entropy):
     return grad_hidden, grad_weight, grad_bias, None, None, None, None
 
 
-def _linear_backward_kept(ctx, kept, h_all, carries, g_all, col, inside, gemms, index, n, hidden, weight, bias):
+@dataclass(frozen=True)
+class _SelectedRows:
+    """The ``m`` rows the accelerator route's backward visits (all ``n``, or the forward's active rows, compacted):
+    their hidden states ``h [m, H]``, ``carries [m]`` bool (a nonzero incoming gradient, in an active row), the
+    log-prob's gradient ``g [m]`` (0 where not carried), their labels' ``col [m]`` and ``inside [m]``
+    (:func:`_label_columns`), and ``index [m]`` int64, their positions among the ``n`` rows (read where the forward
+    compacted them, ``ctx.compacted``)."""
+
+    h: Tensor
+    carries: Tensor
+    g: Tensor
+    col: Tensor
+    inside: Tensor
+    index: Tensor
+    n: int
+
+
+def _linear_backward_kept(ctx, kept, rows: _SelectedRows, gemms: "_Gemms", hidden, weight, bias):
     """The backward from the forward's kept ``p`` (:func:`_keeps_probabilities`): no logits GEMM. ``dZ = coef (p -
     onehot)`` formed in ``p``'s storage (one in-place multiply; the label's entry ``coef expm1(log p_y)`` from the
     forward's fp32 log-prob, rounded once; the others rounded twice for fp16/bf16 operands: ``p``, then the
     product), ``dH = dZ @ W`` and ``dW = dZ.T @ h`` one GEMM each, ``dW`` written in the weight's dtype (no fp32
     accumulator). Rows without gradient have ``coef = 0``: zero ``dZ`` rows, their hidden rows zeroed too."""
+    h_all, carries, g_all, col, inside, index, n = rows.h, rows.carries, rows.g, rows.col, rows.inside, rows.index, rows.n
     p, em1 = kept
     tau = ctx.temperature
     m, H = h_all.shape
@@ -397,16 +434,14 @@ class _LinearLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, active, options: CallOptions, graph=False):
-        temperature, return_entropy = float(options.temperature), options.return_entropy
-        softcap, memory_budget = options.softcap, options.memory_budget
+        temperature, return_entropy, softcap = float(options.temperature), options.return_entropy, options.softcap
         ctx.has_bias = bias is not None
         ctx.temperature = temperature
         ctx.softcap = softcap
         ctx.set_materialize_grads(False)  # an unused entropy gets grad None, not a zero-filled tensor
         ctx.accelerated = False
         if _accelerated(hidden.device):
-            return _linear_forward_accelerated(ctx, hidden, weight, bias, labels, active, temperature, return_entropy,
-                                               softcap, memory_budget, graph)
+            return _linear_forward_accelerated(ctx, hidden, weight, bias, labels, active, options, graph)
         rows_all = as_rows(hidden)
         n = labels.shape[0]
         V = weight.shape[0]
@@ -459,11 +494,11 @@ class _LinearLogprobs(torch.autograd.Function):
             h = _kept_rows(rows_all[index].to(cdt), keep)  # a row without gradient adds 0 to dW, never NaN
             g = _kept_rows(g_all[index], keep)
             ge = _kept_rows(grad_entropy[index], keep) if grad_entropy is not None else None
-            m, log_s, ent = stats[0, index], stats[1, index], entropy[index]
+            rows = _TileRows(m=stats[0, index], log_s=stats[1, index], entropy=entropy[index], g=g, ge=ge)
             dh = torch.zeros_like(h)
             for v0 in range(0, V, LINEAR_VOCAB_BLOCK):
                 z, slope = _linear_tile(h, weight, shifted, v0, cdt, tau, cap, slope=True)
-                _grad_tile(z, m, log_s, ent, g, ge, labels[index] - v0, tau, ws, out=z)  # dz, in place
+                _grad_tile(z, rows, labels[index] - v0, tau, ws, out=z)  # dz, in place
                 if slope is not None:
                     z.mul_(slope)
                 w_tile = weight[v0 : v0 + LINEAR_VOCAB_BLOCK].to(cdt)

@@ -16,6 +16,7 @@ from gspo_kernels.backends.torch.rows import (
     _half_softmax,
     _label_columns,
     _log_p_floor,
+    _RowGradient,
     _rows_backward,
     _rows_forward_accelerated,
     _scale_probabilities,
@@ -290,9 +291,10 @@ class _LogitsLogprobs(torch.autograd.Function):
                 _rows_backward_direct(x, _pick(col, r0, r1, sel), _pick(inside, r0, r1, sel),
                                       _pick(direct[0], r0, r1, sel), _pick(direct[1], r0, r1, sel), out)
             else:
-                _rows_backward(x, _pick(col, r0, r1, sel), _pick(inside, r0, r1, sel), _pick(g_all, r0, r1, sel),
-                               ge, _pick(entropy, r0, r1, sel), tau, cdt, ws, slope, out,
-                               None if pre is None else (_pick(pre[0], r0, r1, sel), _pick(pre[1], r0, r1, sel)))
+                rows = _RowGradient(col=_pick(col, r0, r1, sel), inside=_pick(inside, r0, r1, sel),
+                                    g=_pick(g_all, r0, r1, sel), ge=ge, ent=_pick(entropy, r0, r1, sel),
+                                    pre=None if pre is None else (_pick(pre[0], r0, r1, sel), _pick(pre[1], r0, r1, sel)))
+                _rows_backward(x, rows, tau, cdt, ws, slope, out)
             if index:
                 target.zero_()
                 target.index_copy_(0, sel, out)

@@ -4,6 +4,7 @@ accelerator), the host read of a row mask, each row's label column, and the soft
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import torch
@@ -126,18 +127,33 @@ def _rows_forward_accelerated(x: Tensor, col: Tensor, inside: Tensor, cdt: torch
     return logp, torch.special.entr(p, out=p).sum(dim=1)
 
 
-def _rows_backward(x: Tensor, col: Tensor, inside: Tensor, g: Tensor, ge: Optional[Tensor], ent: Optional[Tensor],
-                   tau: float, cdt: torch.dtype, ws: _Workspace, slope: Optional[Tensor], out: Tensor,
-                   pre: Optional[Tuple[Tensor, Tensor]] = None) -> None:
+@dataclass(frozen=True)
+class _RowGradient:
+    """What :func:`_rows_backward` reads of ``r`` rows besides their logits: each row's label column ``col [r]``
+    int64 and whether the label is in ``[0, V)`` (``inside [r]`` bool; :func:`_label_columns`), the incoming
+    gradients ``g [r]`` (of the log-prob) and ``ge [r]`` (of the entropy; None: no entropy gradient), the rows'
+    entropy ``ent [r]`` (read only with ``ge``), and ``pre``: the rows' ``(-1 where inside else 0, -g/tau)`` in the
+    compute dtype, formed once per call by the caller (the accelerator route without ``ge``), or None."""
+
+    col: Tensor
+    inside: Tensor
+    g: Tensor
+    ge: Optional[Tensor]
+    ent: Optional[Tensor]
+    pre: Optional[Tuple[Tensor, Tensor]] = None
+
+
+def _rows_backward(x: Tensor, rows: _RowGradient, tau: float, cdt: torch.dtype, ws: _Workspace,
+                   slope: Optional[Tensor], out: Tensor) -> None:
     """Write ``dL/dlogits`` of the rows into ``out [r, V]`` (the logits' dtype, possibly their own storage:
     ``x`` is read before ``out`` is written): ``(g/tau)(onehot - p) - (ge/tau) p (log p + H)``, times the
     soft cap's ``slope`` when given. Formed in the compute dtype and rounded once when stored.
 
     Without an entropy gradient: ``p = softmax(x)``, ``p_y -= 1`` (a ``scatter_add``: no sort, no host read),
-    then one multiply by ``-g/tau`` written straight into ``out``: two passes over the rows. ``pre``: the rows'
-    ``(-1 where inside else 0, -g/tau)`` in ``cdt``, formed once per call by the caller (the accelerator route).
+    then one multiply by ``-g/tau`` written straight into ``out``: two passes over the rows (``rows.pre``, when
+    given, holds the ``-1`` entries and ``-g/tau``).
     """
-    col = col[:, None]
+    col, inside, g, ge, ent, pre = rows.col[:, None], rows.inside, rows.g, rows.ge, rows.ent, rows.pre
     if ge is None:
         p = ws.second(*x.shape)
         if _accelerated(x.device):

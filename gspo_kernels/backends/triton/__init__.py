@@ -6,7 +6,8 @@ Function, the public function:
 * ``logits.py``: ``logits -> (logp, entropy)`` and its gradient (``logits_logprobs``);
 * ``linear.py``: ``hidden @ weight.T (+ bias) -> (logp, entropy)`` without the ``[N, V]`` logits, on the vendor
   GEMMs (``linear_logprobs``, the default);
-* ``linear_invariant.py``: the same on Triton GEMMs, batch invariant (``linear_logprobs(batch_invariant=True)``);
+* ``linear_invariant.py``: the same on Triton GEMMs, batch invariant (``linear_logprobs(batch_invariant=True)``;
+  its kernels in ``linear_invariant_kernels.py``);
 * ``sequence.py``: ``(logp, entropy) -> loss`` with the metrics (the backend's ``fused_objective``);
 
 the composite losses, each one call over an operation and the sequence stage:

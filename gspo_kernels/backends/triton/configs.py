@@ -345,7 +345,7 @@ def _linear_h100() -> List[dict]:
         for has_bias, softcap in [(b, False) for b in variants] + ([(True, True)] if dtype == "bf16" else []):
             out.append({
                 "name": f"linear_logprobs_fwd{'_bias' if has_bias else ''}[{dtype}{',softcap' if softcap else ''}]",
-                "kernel": "linear_invariant.linear_logprobs_fwd_kernel",
+                "kernel": "linear_invariant_kernels.linear_logprobs_fwd_kernel",
                 "pointers": {"hidden_ptr": dtype, "weight_ptr": dtype, **index},
                 "floats": ["inv_temperature", "softcap"],
                 "constexprs": {
@@ -359,7 +359,7 @@ def _linear_h100() -> List[dict]:
                 # the sizes/strides that are multiples of 16 for real models (H, H * T, H)
                 "aligned_ints": ["H", "stride_hb", "stride_ht", "stride_wv"],
             })
-    out.append({"name": "linear_logprobs_combine", "kernel": "linear_invariant.linear_logprobs_combine_kernel",
+    out.append({"name": "linear_logprobs_combine", "kernel": "linear_invariant_kernels.linear_logprobs_combine_kernel",
                 "pointers": index, "constexprs": {"HAS_ORDER": True, "BLOCK": COMBINE_BLOCK},
                 "num_warps": COMBINE_NUM_WARPS, "num_stages": 1})
     for dtype, cfgs in (("bf16", CUDA_BWD_CONFIG), ("fp32", CUDA_BWD_CONFIG_FP32)):
@@ -370,7 +370,7 @@ def _linear_h100() -> List[dict]:
             dz_variants += (("linear_dz_bias_entropy_softcap", True, True),)
         for name, with_bias_entropy, softcap in dz_variants:
             out.append(dict(common, **{
-                "name": f"{name}[{dtype}]", "kernel": "linear_invariant.linear_dz_kernel",
+                "name": f"{name}[{dtype}]", "kernel": "linear_invariant_kernels.linear_dz_kernel",
                 "pointers": {"hidden_ptr": dtype, "weight_ptr": dtype, "dz_ptr": dtype, **index},
                 "floats": ["inv_temperature", "softcap"],
                 "constexprs": {
@@ -382,7 +382,7 @@ def _linear_h100() -> List[dict]:
                 "aligned_ints": ["H", "V", "stride_hb", "stride_ht", "stride_wv"],
             }))
         out.append(dict(common, **{
-            "name": f"linear_dh[{dtype}]", "kernel": "linear_invariant.linear_dh_kernel",
+            "name": f"linear_dh[{dtype}]", "kernel": "linear_invariant_kernels.linear_dh_kernel",
             "pointers": {"dz_ptr": dtype, "weight_ptr": dtype, "dh_ptr": dtype, "order_ptr": "i64",
                          "count_ptr": "i64"},
             "constexprs": {"stride_wh": 1, "UPCAST": False, "BLOCK_N": dh["BLOCK_N"], "BLOCK_H": dh["BLOCK_H"],
@@ -391,7 +391,7 @@ def _linear_h100() -> List[dict]:
             "aligned_ints": ["H", "V", "stride_wv"],
         }))
         out.append(dict(common, **{
-            "name": f"linear_dw_db[{dtype}]", "kernel": "linear_invariant.linear_dw_kernel",
+            "name": f"linear_dw_db[{dtype}]", "kernel": "linear_invariant_kernels.linear_dw_kernel",
             "pointers": {"dz_ptr": dtype, "hidden_ptr": dtype, "order_ptr": "i64", "count_ptr": "i64"},
             "constexprs": {"stride_hh": 1, "COMPUTE_DW": True, "COMPUTE_DB": True, "UPCAST": False,
                            "BLOCK_V": dw["BLOCK_V"], "BLOCK_H": dw["BLOCK_H"], "BLOCK_K": dw["BLOCK_K"],

@@ -66,324 +66,25 @@ elements of chunk-buffer traffic (~5% of the flop time at H = 4096 on an H100).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
 import torch
 import triton
-import triton.language as tl
 from torch import Tensor
 
 from gspo_kernels.backends.triton import configs
-from gspo_kernels.backends.triton.kernel_math import kernel_bias, soft_cap
-from gspo_kernels.backends.triton.launch import (
-    device_guard,
-    grouped_tile,
-    interpreter_active,
-    row_offsets,
-    row_strides,
+from gspo_kernels.backends.triton.kernel_math import kernel_bias
+from gspo_kernels.backends.triton.launch import device_guard, interpreter_active, row_strides
+from gspo_kernels.backends.triton.linear_invariant_kernels import (
+    linear_dh_kernel,
+    linear_dw_kernel,
+    linear_dz_kernel,
+    linear_logprobs_combine_kernel,
+    linear_logprobs_fwd_kernel,
 )
 from gspo_kernels.options import DEFAULT_OPTIONS, CallOptions
 from gspo_kernels.precision import kernel_operand_dtype
-
-# A finite "minus infinity" for the running max: exp(_NEG_BIG - m) is 0 and (_NEG_BIG - m) * 0 is 0 (no NaN
-# when a whole tile or split is -inf, e.g. a -inf bias over a vocabulary range).
-_NEG_BIG = tl.constexpr(-1.0e30)
-
-
-@triton.jit
-def logits_tile(
-    hidden_ptr, weight_ptr, bias_ptr, h_row_off, offs_v, v_ok, V, H,
-    stride_hh, stride_wv, stride_wh, stride_bv, inv_temperature, softcap,
-    HAS_BIAS: tl.constexpr, EVEN_H: tl.constexpr, UPCAST: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, FAST_MATH: tl.constexpr,
-):
-    """``z [BLOCK_N, BLOCK_V]`` fp32 = ``(hidden[rows] @ weight[offs_v].T + bias[offs_v]) * inv_temperature``,
-    or with ``HAS_SOFTCAP`` ``softcap * tanh((h . W[v] + b[v]) / softcap) * inv_temperature``.
-
-    ``h_row_off`` [BLOCK_N] int64: element offsets of the rows in ``hidden`` (every one a valid row).
-    Columns ``>= V`` hold finite junk values that the caller must mask. The reduction over ``H`` runs in
-    ``BLOCK_H`` steps from 0 upwards for every row: a row's value does not depend on the other rows.
-    """
-    acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
-    # Out-of-range rows already point at a valid row and out-of-range columns are clamped to V - 1, so
-    # only a ragged H needs a load mask (EVEN_H drops it: fewer registers on the tensor-core path).
-    w_col_off = tl.minimum(offs_v, V - 1).to(tl.int64) * stride_wv
-    for h0 in range(0, H, BLOCK_H):
-        offs_h = h0 + tl.arange(0, BLOCK_H)
-        a_ptrs = hidden_ptr + h_row_off[:, None] + offs_h[None, :] * stride_hh
-        b_ptrs = weight_ptr + w_col_off[None, :] + offs_h[:, None] * stride_wh
-        if EVEN_H:
-            a = tl.load(a_ptrs)
-            b = tl.load(b_ptrs)
-        else:
-            a = tl.load(a_ptrs, mask=(offs_h < H)[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=(offs_h < H)[:, None], other=0.0)
-        if UPCAST:  # the interpreter's bf16 tl.dot is wrong (docs/kernels.md): multiply in fp32 there
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision="ieee")
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_v.to(tl.int64) * stride_bv, mask=v_ok, other=0.0).to(tl.float32)[None, :]
-    if HAS_SOFTCAP:
-        acc, _ = soft_cap(acc, 1.0 / softcap, softcap, FAST_MATH, False)
-    return acc * inv_temperature
-
-
-@triton.jit
-def as_operand(x, like_ptr, UPCAST: tl.constexpr):
-    """``x`` in the element type of ``like_ptr`` (the other ``tl.dot`` operand), or fp32 when upcasting."""
-    if UPCAST:
-        return x.to(tl.float32)
-    else:
-        return x.to(like_ptr.dtype.element_ty)
-
-
-# Row and split counts vary per batch: never specialize on them (no recompile for N == 1 or N % 16 == 0).
-@triton.jit(do_not_specialize=["M", "T", "cols_per_split", "num_splits"])
-def linear_logprobs_fwd_kernel(
-    hidden_ptr,  # [B, T, H] or [N, H], any strides, fp16/bf16/fp32
-    weight_ptr,  # [V, H], same dtype
-    bias_ptr,  # [V] (any stride, any float dtype) or dummy
-    order_ptr,  # [M] int64: the computed rows, compacted (read only when HAS_ORDER)
-    count_ptr,  # [1] int64: how many entries of order are valid (read only when HAS_ORDER)
-    labels_ptr,  # [N] int64 (any values: compared, never used as an address)
-    part_max_ptr, part_sum_ptr, part_ent_ptr,  # [splits, M] fp32 each, indexed by position in order
-    label_logit_ptr,  # [M] fp32 (written by the split that holds the label)
-    M, V, H, T,
-    stride_hb, stride_ht, stride_hh, stride_wv, stride_wh, stride_bv,
-    inv_temperature, cols_per_split, num_splits, softcap,
-    HAS_BIAS: tl.constexpr, HAS_ORDER: tl.constexpr, EVEN_H: tl.constexpr, UPCAST: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, GROUP_N: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, FAST_MATH: tl.constexpr,
-):
-    row_tile, split = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_N), num_splits, GROUP_N)
-    if HAS_ORDER:
-        count = tl.load(count_ptr).to(tl.int32)
-    else:
-        count = M
-    if row_tile * BLOCK_N < count:  # tiles past the active rows do nothing
-        offs_n = row_tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_ok = offs_n < count
-        if HAS_ORDER:
-            rows = tl.load(order_ptr + offs_n, mask=row_ok, other=0)
-        else:
-            rows = tl.where(row_ok, offs_n, 0).to(tl.int64)
-        h_row_off = row_offsets(rows, T, stride_hb, stride_ht)
-        label = tl.load(labels_ptr + rows, mask=row_ok, other=-1)
-
-        v_begin = split * cols_per_split
-        v_end = tl.minimum(v_begin + cols_per_split, V)
-        row_max = tl.full((BLOCK_N,), _NEG_BIG, dtype=tl.float32)  # of this split's scaled logits
-        s_i = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        t_i = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        lab = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for v0 in range(v_begin, v_end, BLOCK_V):
-            offs_v = v0 + tl.arange(0, BLOCK_V)
-            v_ok = offs_v < v_end
-            z = logits_tile(
-                hidden_ptr, weight_ptr, bias_ptr, h_row_off, offs_v, v_ok, V, H,
-                stride_hh, stride_wv, stride_wh, stride_bv, inv_temperature, softcap,
-                HAS_BIAS, EVEN_H, UPCAST, BLOCK_N, BLOCK_V, BLOCK_H, HAS_SOFTCAP, FAST_MATH,
-            )
-            lab += tl.sum(tl.where(offs_v[None, :] == label[:, None], z, 0.0), axis=1)
-            z = tl.where(v_ok[None, :], z, float("-inf"))
-            new_max = tl.maximum(row_max, tl.max(z, axis=1))
-            shift = row_max - new_max
-            alpha = tl.exp(shift)
-            zs = z - new_max[:, None]
-            e = tl.exp(zs)
-            # e == 0 where z = -inf (padding, a -inf bias entry): its p log p term is 0, not 0 * -inf = NaN.
-            t_i = alpha * (t_i + shift * s_i) + tl.sum(tl.where(e > 0, e * zs, 0.0), axis=1)
-            s_i = alpha * s_i + tl.sum(e, axis=1)
-            row_max = new_max
-
-        out = split * M + offs_n
-        tl.store(part_max_ptr + out, row_max, mask=row_ok)
-        tl.store(part_sum_ptr + out, s_i, mask=row_ok)
-        tl.store(part_ent_ptr + out, t_i, mask=row_ok)
-        tl.store(label_logit_ptr + offs_n, lab, mask=row_ok & (label >= v_begin) & (label < v_end))
-
-
-@triton.jit(do_not_specialize=["M", "num_splits"])
-def linear_logprobs_combine_kernel(
-    order_ptr, count_ptr, labels_ptr, part_max_ptr, part_sum_ptr, part_ent_ptr, label_logit_ptr,
-    logp_ptr,  # [N] fp32 outputs, indexed by row
-    entropy_ptr,
-    row_max_ptr,  # [N] fp32: the row's largest scaled logit
-    log_sum_ptr,  # [N] fp32: log sum exp(z - row_max)
-    M, V, num_splits,
-    HAS_ORDER: tl.constexpr, BLOCK: tl.constexpr,
-):
-    """Combines the splits of each row in split order (0, 1, ...): the same bits for any batch."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    if HAS_ORDER:
-        count = tl.load(count_ptr).to(tl.int32)
-    else:
-        count = M
-    ok = offs < count
-    if HAS_ORDER:
-        rows = tl.load(order_ptr + offs, mask=ok, other=0)
-    else:
-        rows = offs.to(tl.int64)
-    row_max = tl.full((BLOCK,), _NEG_BIG, dtype=tl.float32)
-    for s in range(0, num_splits):
-        row_max = tl.maximum(row_max, tl.load(part_max_ptr + s * M + offs, mask=ok, other=_NEG_BIG))
-    total = tl.zeros((BLOCK,), dtype=tl.float32)
-    t = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in range(0, num_splits):
-        pm = tl.load(part_max_ptr + s * M + offs, mask=ok, other=_NEG_BIG)
-        ps = tl.load(part_sum_ptr + s * M + offs, mask=ok, other=0.0)
-        pt = tl.load(part_ent_ptr + s * M + offs, mask=ok, other=0.0)
-        scale = tl.exp(pm - row_max)
-        total += scale * ps
-        t += scale * (pt + (pm - row_max) * ps)
-    total = tl.where(ok, total, 1.0)  # lanes past the rows: no log(0) on junk
-    log_sum = tl.log(total)
-    label = tl.load(labels_ptr + rows, mask=ok, other=0)
-    label_ok = (label >= 0) & (label < V)
-    logp = (tl.load(label_logit_ptr + offs, mask=ok, other=0.0) - row_max) - log_sum
-    logp = tl.where(label_ok, logp, float("nan"))  # an out-of-range label gives NaN, never an address
-    tl.store(logp_ptr + rows, logp, mask=ok)
-    tl.store(entropy_ptr + rows, log_sum - t / total, mask=ok)
-    tl.store(row_max_ptr + rows, row_max, mask=ok)
-    tl.store(log_sum_ptr + rows, log_sum, mask=ok)
-
-
-@triton.jit(do_not_specialize=["chunk_start", "C", "T"])
-def linear_dz_kernel(
-    hidden_ptr, weight_ptr, bias_ptr,
-    order_ptr,  # [N] int64: compacted rows with a gradient; count_ptr: [1] int64
-    count_ptr,
-    labels_ptr, row_max_ptr, log_sum_ptr, ent_ptr, g_logp_ptr, g_ent_ptr,  # [N], indexed by row
-    dz_ptr,  # [C, V] operand dtype (row stride V): q of the chunk's rows
-    db_part_ptr,  # [ceil(C / BLOCK_N), V] fp32: column sums of q per row tile (COMPUTE_DB)
-    chunk_start, C, V, H, T,
-    stride_hb, stride_ht, stride_hh, stride_wv, stride_wh, stride_bv, inv_temperature, softcap,
-    HAS_BIAS: tl.constexpr, HAS_LOGP_GRAD: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr,
-    COMPUTE_DB: tl.constexpr, EVEN_H: tl.constexpr, UPCAST: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, GROUP: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, FAST_MATH: tl.constexpr,
-):
-    row_tile, vocab_tile = grouped_tile(tl.program_id(0), tl.cdiv(C, BLOCK_N), tl.cdiv(V, BLOCK_V), GROUP)
-    n_here = tl.minimum(tl.load(count_ptr).to(tl.int32) - chunk_start, C)
-    if row_tile * BLOCK_N < n_here:
-        offs_n = row_tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_ok = offs_n < n_here
-        rows = tl.load(order_ptr + chunk_start + offs_n, mask=row_ok, other=0)
-        offs_v = vocab_tile * BLOCK_V + tl.arange(0, BLOCK_V)
-        v_ok = offs_v < V
-        z = logits_tile(
-            hidden_ptr, weight_ptr, bias_ptr, row_offsets(rows, T, stride_hb, stride_ht), offs_v, v_ok, V, H,
-            stride_hh, stride_wv, stride_wh, stride_bv, inv_temperature, softcap,
-            HAS_BIAS, EVEN_H, UPCAST, BLOCK_N, BLOCK_V, BLOCK_H, HAS_SOFTCAP, FAST_MATH,
-        )
-        row_max = tl.load(row_max_ptr + rows, mask=row_ok, other=0.0)
-        log_sum = tl.load(log_sum_ptr + rows, mask=row_ok, other=0.0)
-        label = tl.load(labels_ptr + rows, mask=row_ok, other=-1)
-        softcap_t = 1.0 / inv_temperature  # the temperature (z = capped logit / T)
-        valid = row_ok[:, None] & v_ok[None, :]
-        logp = (z - row_max[:, None]) - log_sum[:, None]
-        p = tl.where(valid, tl.exp(logp), 0.0)
-        q = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
-        if HAS_LOGP_GRAD:
-            g_logp = tl.load(g_logp_ptr + rows, mask=row_ok, other=0.0)
-            q = g_logp[:, None] * (tl.where(offs_v[None, :] == label[:, None], 1.0, 0.0) - p)
-        if HAS_ENTROPY_GRAD:
-            g_ent = tl.load(g_ent_ptr + rows, mask=row_ok, other=0.0)
-            ent = tl.load(ent_ptr + rows, mask=row_ok, other=0.0)
-            # p == 0 where z = -inf (a -inf bias entry): its term is 0, not 0 * -inf = NaN
-            q -= g_ent[:, None] * tl.where(p > 0, p * (logp + ent[:, None]), 0.0)
-        if HAS_SOFTCAP:
-            # The gradient with respect to the uncapped logit: times the cap's slope 1 - tanh^2, tanh recovered
-            # from log p (z = log p + row_max + log_sum, z T / c = tanh): no second [BLOCK_N, BLOCK_V] tile
-            # held across the kernel (registers), ~1e-7 absolute error on the slope.
-            th = (logp + (row_max + log_sum)[:, None]) * (softcap_t / softcap)
-            q = q * ((1.0 - th) * (1.0 + th))
-        label_ok = (label >= 0) & (label < V)  # an out-of-range label: NaN gradient, like its NaN log-prob
-        q = tl.where(valid, tl.where(label_ok[:, None], q, float("nan")), 0.0)
-        dz_off = offs_n.to(tl.int64)[:, None] * V + offs_v[None, :]
-        tl.store(dz_ptr + dz_off, q.to(dz_ptr.dtype.element_ty), mask=valid)
-        if COMPUTE_DB:
-            tl.store(db_part_ptr + row_tile.to(tl.int64) * V + offs_v, tl.sum(q, axis=0), mask=v_ok)
-
-
-@triton.jit(do_not_specialize=["chunk_start", "C"])
-def linear_dh_kernel(
-    dz_ptr,  # [C, V] operand dtype
-    weight_ptr,  # [V, H]
-    order_ptr, count_ptr,
-    dh_ptr,  # [N, H] contiguous, hidden dtype: rows order[chunk_start:...] are written
-    chunk_start, C, V, H,
-    stride_wv, stride_wh, inv_temperature,
-    UPCAST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_V: tl.constexpr,
-    GROUP: tl.constexpr,
-):
-    row_tile, h_tile = grouped_tile(tl.program_id(0), tl.cdiv(C, BLOCK_N), tl.cdiv(H, BLOCK_H), GROUP)
-    n_here = tl.minimum(tl.load(count_ptr).to(tl.int32) - chunk_start, C)
-    if row_tile * BLOCK_N < n_here:
-        offs_n = row_tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_ok = offs_n < n_here
-        offs_h = h_tile * BLOCK_H + tl.arange(0, BLOCK_H)
-        h_ok = offs_h < H
-        dz_rows = dz_ptr + offs_n.to(tl.int64)[:, None] * V
-        w_cols = weight_ptr + offs_h[None, :] * stride_wh
-        acc = tl.zeros((BLOCK_N, BLOCK_H), dtype=tl.float32)
-        for v0 in range(0, V, BLOCK_V):  # the same steps for every row: batch-invariant
-            offs_v = v0 + tl.arange(0, BLOCK_V)
-            v_ok = offs_v < V
-            a = tl.load(dz_rows + offs_v[None, :], mask=row_ok[:, None] & v_ok[None, :], other=0.0)
-            b = tl.load(w_cols + offs_v.to(tl.int64)[:, None] * stride_wv, mask=v_ok[:, None] & h_ok[None, :], other=0.0)
-            acc = tl.dot(as_operand(a, weight_ptr, UPCAST), as_operand(b, weight_ptr, UPCAST), acc, input_precision="ieee")
-        rows = tl.load(order_ptr + chunk_start + offs_n, mask=row_ok, other=0)
-        out = dh_ptr + rows.to(tl.int64)[:, None] * H + offs_h[None, :]
-        tl.store(out, (acc * inv_temperature).to(dh_ptr.dtype.element_ty), mask=row_ok[:, None] & h_ok[None, :])
-
-
-@triton.jit(do_not_specialize=["chunk_start", "C", "T"])
-def linear_dw_kernel(
-    dz_ptr,  # [C, V] operand dtype
-    hidden_ptr,  # [B, T, H] or [N, H], any strides
-    order_ptr, count_ptr,
-    db_part_ptr,  # [ceil(C / DZ_BLOCK_N), V] fp32
-    dw_ptr,  # [V, H] fp32 accumulator (contiguous)
-    db_ptr,  # [V] fp32 accumulator
-    chunk_start, C, V, H, T,
-    stride_hb, stride_ht, stride_hh, inv_temperature,
-    COMPUTE_DW: tl.constexpr, COMPUTE_DB: tl.constexpr, UPCAST: tl.constexpr,
-    BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
-    DZ_BLOCK_N: tl.constexpr,
-):
-    vocab_tile, h_tile = grouped_tile(tl.program_id(0), tl.cdiv(V, BLOCK_V), tl.cdiv(H, BLOCK_H), GROUP)
-    n_here = tl.minimum(tl.load(count_ptr).to(tl.int32) - chunk_start, C)
-    if n_here > 0:
-        offs_v = vocab_tile * BLOCK_V + tl.arange(0, BLOCK_V)
-        v_ok = offs_v < V
-        if COMPUTE_DW:
-            offs_h = h_tile * BLOCK_H + tl.arange(0, BLOCK_H)
-            h_ok = offs_h < H
-            acc = tl.zeros((BLOCK_V, BLOCK_H), dtype=tl.float32)
-            for k0 in range(0, n_here, BLOCK_K):
-                offs_k = k0 + tl.arange(0, BLOCK_K)
-                k_ok = offs_k < n_here
-                a = tl.load(dz_ptr + offs_k.to(tl.int64)[:, None] * V + offs_v[None, :],
-                            mask=k_ok[:, None] & v_ok[None, :], other=0.0)
-                rows = tl.load(order_ptr + chunk_start + offs_k, mask=k_ok, other=0)
-                h_off = row_offsets(rows, T, stride_hb, stride_ht)
-                b = tl.load(hidden_ptr + h_off[:, None] + offs_h[None, :] * stride_hh,
-                            mask=k_ok[:, None] & h_ok[None, :], other=0.0)
-                acc = tl.dot(tl.trans(as_operand(a, hidden_ptr, UPCAST)), as_operand(b, hidden_ptr, UPCAST), acc,
-                             input_precision="ieee")
-            ptrs = dw_ptr + offs_v.to(tl.int64)[:, None] * H + offs_h[None, :]
-            io_mask = v_ok[:, None] & h_ok[None, :]
-            tl.store(ptrs, tl.load(ptrs, mask=io_mask, other=0.0) + acc * inv_temperature, mask=io_mask)
-        if COMPUTE_DB:
-            if h_tile == 0:
-                db = tl.zeros((BLOCK_V,), dtype=tl.float32)
-                for t in range(0, tl.cdiv(n_here, DZ_BLOCK_N)):  # row-tile order: deterministic
-                    db += tl.load(db_part_ptr + t * V + offs_v, mask=v_ok, other=0.0)
-                old = tl.load(db_ptr + offs_v, mask=v_ok, other=0.0)
-                tl.store(db_ptr + offs_v, old + db * inv_temperature, mask=v_ok)
 
 
 def upcast_dots(*tensors: Tensor) -> bool:
@@ -474,69 +175,108 @@ def linear_logprobs_forward(
     return out[0], out[1], out[2], out[3]
 
 
-def _launch_dh(dz, weight, order, count, dh, chunk_start, rows_here, inv_t, upcast, cfg) -> None:
-    """``dh[order[chunk_start:...]] = (dZ @ W) / tau`` for one chunk (a GEMM)."""
+@dataclass(frozen=True)
+class BackwardChunk:
+    """One chunk of the backward, what its two GEMMs read besides the operands.
+
+    ``dz``: ``[C, V]`` operand dtype (row stride ``V``), ``q`` of the chunk's rows. ``db_part``: ``[ceil(C /
+    dz_block_n), V]`` fp32, the column sums of ``dz`` per row tile of the dZ kernel (``dz_block_n`` rows each), or
+    None without a bias gradient. ``order`` ``[N]`` int64 and ``count`` ``[1]`` int64: the compacted rows, on the
+    device (:func:`compact_rows`). ``start``: the chunk's first position in ``order``; ``rows``: an upper bound of
+    its rows (the kernels read ``count`` themselves). ``inv_temperature``: ``1 / tau``, applied in fp32 by the GEMMs.
+    ``upcast``: multiply in fp32 (:func:`upcast_dots`).
+    """
+
+    dz: Tensor
+    db_part: Optional[Tensor]
+    dz_block_n: int
+    order: Tensor
+    count: Tensor
+    start: int
+    rows: int
+    inv_temperature: float
+    upcast: bool
+
+
+def _launch_dh(chunk: BackwardChunk, weight: Tensor, dh: Tensor, cfg: Dict[str, int]) -> None:
+    """``dh[order[chunk.start:...]] = (dZ @ W) / tau`` for one chunk (a GEMM); ``dh`` ``[N, H]`` contiguous."""
     V, H = weight.shape
-    linear_dh_kernel[(triton.cdiv(rows_here, cfg["BLOCK_N"]) * triton.cdiv(H, cfg["BLOCK_H"]),)](
-        dz, weight, order, count, dh, chunk_start, rows_here, V, H,
-        weight.stride(0), weight.stride(1), inv_t,
-        UPCAST=upcast, BLOCK_N=cfg["BLOCK_N"], BLOCK_H=cfg["BLOCK_H"], BLOCK_V=cfg["BLOCK_V"],
+    linear_dh_kernel[(triton.cdiv(chunk.rows, cfg["BLOCK_N"]) * triton.cdiv(H, cfg["BLOCK_H"]),)](
+        chunk.dz, weight, chunk.order, chunk.count, dh, chunk.start, chunk.rows, V, H,
+        weight.stride(0), weight.stride(1), chunk.inv_temperature,
+        UPCAST=chunk.upcast, BLOCK_N=cfg["BLOCK_N"], BLOCK_H=cfg["BLOCK_H"], BLOCK_V=cfg["BLOCK_V"],
         GROUP=cfg["GROUP"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
 
 
-def _launch_dw(dz, hidden, order, count, db_part, dw, db, chunk_start, rows_here, V, inv_t, upcast, cfg,
-               dz_block_n, compute_dw, compute_db) -> None:
-    """``dw += (dZ^T @ H[rows]) / tau`` (a GEMM, when ``compute_dw``) and ``db += sum(dB_part) / tau`` (when
-    ``compute_db``) for one chunk; ``dw`` / ``db`` are fp32 accumulators (a dummy tensor when not computed)."""
+def _launch_dw(chunk: BackwardChunk, hidden: Tensor, dw: Optional[Tensor], db: Optional[Tensor],
+               cfg: Dict[str, int]) -> None:
+    """``dw += (dZ^T @ H[rows]) / tau`` (a GEMM) and ``db += sum(dB_part) / tau`` for one chunk; ``dw`` ``[V, H]``
+    and ``db`` ``[V]`` are fp32 accumulators, None when not computed (at least one is given; ``db`` needs
+    ``chunk.db_part``)."""
+    compute_dw, compute_db = dw is not None, db is not None
     T, stride_hb, stride_ht, stride_hh = row_strides(hidden, "hidden")
     H = hidden.shape[-1]
+    V = chunk.dz.shape[1]
     h_tiles = triton.cdiv(H, cfg["BLOCK_H"]) if compute_dw else 1
     linear_dw_kernel[(triton.cdiv(V, cfg["BLOCK_V"]) * h_tiles,)](
-        dz, hidden, order, count, db_part, dw, db,
-        chunk_start, rows_here, V, H, T, stride_hb, stride_ht, stride_hh, inv_t,
-        COMPUTE_DW=compute_dw, COMPUTE_DB=compute_db, UPCAST=upcast,
+        # an absent accumulator's pointer is never read (COMPUTE_DW / COMPUTE_DB): the other fp32 one stands in
+        chunk.dz, hidden, chunk.order, chunk.count, chunk.db_part if compute_db else chunk.dz,
+        dw if compute_dw else db, db if compute_db else dw,
+        chunk.start, chunk.rows, V, H, T, stride_hb, stride_ht, stride_hh, chunk.inv_temperature,
+        COMPUTE_DW=compute_dw, COMPUTE_DB=compute_db, UPCAST=chunk.upcast,
         BLOCK_V=cfg["BLOCK_V"], BLOCK_H=cfg["BLOCK_H"], BLOCK_K=cfg["BLOCK_K"], GROUP=cfg["GROUP"],
-        DZ_BLOCK_N=dz_block_n, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        DZ_BLOCK_N=chunk.dz_block_n, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
 
 
+@dataclass(frozen=True)
+class BackwardInputs:
+    """What :func:`linear_logprobs_backward` reads of a forward and of its incoming gradient.
+
+    ``hidden``: ``[N, H]`` or ``[B, T, H]`` (any strides), fp16/bf16/fp32. ``weight``: ``[V, H]``, same dtype.
+    ``bias``: ``[V]`` (any stride, any float dtype) or None, exactly as given to the forward. ``labels``,
+    ``row_max``, ``log_sum``, ``entropy``: ``[N]`` (int64 / fp32), as given to / returned by the forward.
+    ``grad_logp``, ``grad_entropy``: ``[N]`` fp32 or None (None: no gradient through that output). ``order``,
+    ``count``: the device-side compaction of the rows to visit (:func:`compact_rows`).
+    """
+
+    hidden: Tensor
+    weight: Tensor
+    bias: Optional[Tensor]
+    labels: Tensor
+    row_max: Tensor
+    log_sum: Tensor
+    entropy: Tensor
+    grad_logp: Optional[Tensor]
+    grad_entropy: Optional[Tensor]
+    order: Tensor
+    count: Tensor
+
+
 def linear_logprobs_backward(
-    hidden: Tensor,
-    weight: Tensor,
-    bias: Optional[Tensor],
-    labels: Tensor,
-    row_max: Tensor,
-    log_sum: Tensor,
-    entropy: Tensor,
-    grad_logp: Optional[Tensor],
-    grad_entropy: Optional[Tensor],
-    order: Tensor,
-    count: Tensor,
-    temperature: float = 1.0,
+    inputs: BackwardInputs,
+    options: CallOptions = DEFAULT_OPTIONS,
     *,
     compute_dh: bool = True,
     compute_dw: bool = True,
     compute_db: bool = True,
-    memory_budget: Optional[int] = None,
     config: Optional[Dict[str, Dict[str, int]]] = None,
-    softcap: Optional[float] = None,
 ) -> Tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
     """Gradients of ``sum(grad_logp * logp + grad_entropy * entropy)`` over the rows ``order[:count]``.
 
     Args:
-        hidden: ``[N, H]`` or ``[B, T, H]`` (any strides), fp16/bf16/fp32. weight: ``[V, H]``, same dtype.
-        bias: ``[V]`` (any stride, any float dtype) or None, exactly as given to the forward.
-        labels, row_max, log_sum, entropy: ``[N]`` (int64 / fp32), as given to / returned by the forward.
-        grad_logp, grad_entropy: ``[N]`` fp32 or None (None: no gradient through that output).
-        order, count: the device-side compaction of the rows to visit (:func:`compact_rows`).
-        memory_budget: bytes for the chunk buffers (None: ``configs.DEFAULT_MEMORY_BUDGET``).
+        inputs: the forward's operands, statistics and rows, and the incoming gradients (:class:`BackwardInputs`).
+        options: the call's :class:`~gspo_kernels.options.CallOptions`; read: ``temperature``, ``softcap`` and
+            ``memory_budget`` (bytes for the chunk buffers; None: ``configs.DEFAULT_MEMORY_BUDGET``).
         config: the three kernels' launch configurations (default: ``configs.linear_bwd_config``).
 
     Returns:
         ``(dh [N, H] in the hidden dtype or None, dw [V, H] fp32 or None, db [V] fp32 or None)``; rows of
         ``dh`` outside ``order[:count]`` are exactly 0.
     """
+    hidden, weight, bias, labels = inputs.hidden, inputs.weight, inputs.bias, inputs.labels
+    grad_logp, grad_entropy, softcap = inputs.grad_logp, inputs.grad_entropy, options.softcap
     N = labels.shape[0]
     V, H = weight.shape
     device = hidden.device
@@ -549,19 +289,19 @@ def linear_logprobs_backward(
         return dh, dw, db
     cfg = configs.linear_bwd_config(hidden.dtype, config)
     c_dz = cfg["dz"]
-    C = configs.chunk_rows(N, V, hidden.dtype, c_dz["BLOCK_N"], memory_budget)
+    C = configs.chunk_rows(N, V, hidden.dtype, c_dz["BLOCK_N"], options.memory_budget)
     dz = torch.empty((C, V), device=device, dtype=hidden.dtype)
     db_part = torch.empty((triton.cdiv(C, c_dz["BLOCK_N"]), V), device=device, dtype=torch.float32) if compute_db else dz
     T, stride_hb, stride_ht, stride_hh = row_strides(hidden, "hidden")
     upcast = upcast_dots(hidden, weight)
-    inv_t = 1.0 / float(temperature)
-    dummy = row_max
+    inv_t = 1.0 / float(options.temperature)
+    dummy = inputs.row_max
     with device_guard(hidden):
         for chunk_start in range(0, N, C):
             rows_here = min(C, N - chunk_start)  # an upper bound: the kernels read count themselves
             linear_dz_kernel[(triton.cdiv(rows_here, c_dz["BLOCK_N"]) * triton.cdiv(V, c_dz["BLOCK_V"]),)](
-                hidden, weight, bias if bias is not None else weight, order, count,
-                labels, row_max, log_sum, entropy,
+                hidden, weight, bias if bias is not None else weight, inputs.order, inputs.count,
+                labels, inputs.row_max, inputs.log_sum, inputs.entropy,
                 grad_logp if has_logp else dummy, grad_entropy if has_ent else dummy, dz, db_part,
                 chunk_start, rows_here, V, H, T, stride_hb, stride_ht, stride_hh,
                 weight.stride(0), weight.stride(1), bias.stride(0) if bias is not None else 0, inv_t,
@@ -572,14 +312,13 @@ def linear_logprobs_backward(
                 HAS_SOFTCAP=softcap is not None, FAST_MATH=not interpreter_active(),
                 num_warps=c_dz["num_warps"], num_stages=c_dz["num_stages"],
             )
+            chunk = BackwardChunk(dz=dz, db_part=db_part if compute_db else None, dz_block_n=c_dz["BLOCK_N"],
+                                  order=inputs.order, count=inputs.count, start=chunk_start, rows=rows_here,
+                                  inv_temperature=inv_t, upcast=upcast)
             if compute_dh:
-                _launch_dh(dz=dz, weight=weight, order=order, count=count, dh=dh, chunk_start=chunk_start,
-                           rows_here=rows_here, inv_t=inv_t, upcast=upcast, cfg=cfg["dh"])
+                _launch_dh(chunk, weight, dh, cfg["dh"])
             if compute_dw or compute_db:
-                _launch_dw(dz=dz, hidden=hidden, order=order, count=count, db_part=db_part,
-                           dw=dw if compute_dw else dummy, db=db if compute_db else dummy, chunk_start=chunk_start,
-                           rows_here=rows_here, V=V, inv_t=inv_t, upcast=upcast, cfg=cfg["dw"],
-                           dz_block_n=c_dz["BLOCK_N"], compute_dw=compute_dw, compute_db=compute_db)
+                _launch_dw(chunk, hidden, dw, db, cfg["dw"])
     return dh, dw, db
 
 
@@ -593,7 +332,8 @@ def _as_operands(hidden: Tensor, weight: Tensor) -> Tuple[Tensor, Tensor]:
 
 class LinearLogprobsFunction(torch.autograd.Function):
     """``(hidden, weight, bias, labels, active, options) -> (logp, entropy)``; ``options``: the call's
-    :class:`~gspo_kernels.options.CallOptions` (``temperature``, ``memory_budget`` and ``softcap`` read).
+    :class:`~gspo_kernels.options.CallOptions` (``temperature``, ``memory_budget`` and ``softcap`` read), kept whole
+    on ``ctx`` for the backward.
 
     Saves the caller's ``hidden``, ``weight``, ``bias`` (no copies: fp64 operands are cast to fp32 again in
     the backward) and five ``[N]`` tensors. No host synchronisation in either direction (the active rows
@@ -610,9 +350,8 @@ class LinearLogprobsFunction(torch.autograd.Function):
         active: Optional[Tensor],
         options: CallOptions,
     ) -> Tuple[Tensor, Tensor]:
-        temperature, memory_budget, softcap = float(options.temperature), options.memory_budget, options.softcap
         h, w = _as_operands(hidden.detach(), weight.detach())
-        b = kernel_bias(None if bias is None else bias.detach(), softcap)
+        b = kernel_bias(None if bias is None else bias.detach(), options.softcap)
         labels = labels.reshape(-1).to(torch.int64)
         if active is None:
             order = count = None
@@ -621,12 +360,10 @@ class LinearLogprobsFunction(torch.autograd.Function):
             computed = active.reshape(-1).to(torch.bool)
             order, count = compact_rows(computed)
         logp, entropy, row_max, log_sum = linear_logprobs_forward(
-            h, w, b, labels, temperature, order=order, count=count, softcap=softcap
+            h, w, b, labels, float(options.temperature), order=order, count=count, softcap=options.softcap
         )
         ctx.save_for_backward(hidden, weight, bias, labels, computed, row_max, log_sum, entropy)
-        ctx.temperature = temperature
-        ctx.memory_budget = memory_budget
-        ctx.softcap = softcap
+        ctx.options = options
         ctx.set_materialize_grads(False)
         out_dtype = torch.float64 if torch.float64 in (hidden.dtype, weight.dtype) else torch.float32
         return logp.to(out_dtype), entropy.to(out_dtype)
@@ -646,12 +383,12 @@ class LinearLogprobsFunction(torch.autograd.Function):
             carries |= grad_entropy != 0
         order, count = compact_rows(carries & computed)
         h, w = _as_operands(hidden.detach(), weight.detach())
-        dh, dw, db = linear_logprobs_backward(hidden=h, weight=w,
-                                              bias=kernel_bias(None if bias is None else bias.detach(), ctx.softcap),
-                                              labels=labels, row_max=row_max, log_sum=log_sum, entropy=entropy,
-                                              grad_logp=grad_logp, grad_entropy=grad_entropy, order=order, count=count,
-                                              temperature=ctx.temperature, compute_dh=need_dh, compute_dw=need_dw,
-                                              compute_db=need_db, memory_budget=ctx.memory_budget, softcap=ctx.softcap)
+        options = ctx.options
+        inputs = BackwardInputs(hidden=h, weight=w, bias=kernel_bias(None if bias is None else bias.detach(), options.softcap),
+                                labels=labels, row_max=row_max, log_sum=log_sum, entropy=entropy,
+                                grad_logp=grad_logp, grad_entropy=grad_entropy, order=order, count=count)
+        dh, dw, db = linear_logprobs_backward(inputs, options, compute_dh=need_dh, compute_dw=need_dw,
+                                              compute_db=need_db)
         dh = dh.reshape(hidden.shape).to(hidden.dtype) if dh is not None else None
         dw = dw.to(weight.dtype) if dw is not None else None
         db = db.to(bias.dtype) if db is not None else None
