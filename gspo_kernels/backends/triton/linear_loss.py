@@ -30,14 +30,14 @@ from torch import Tensor
 
 from gspo_kernels import checks
 from gspo_kernels.backends.triton import configs, sequence
-from gspo_kernels.backends.triton.launch import device_guard
-from gspo_kernels.backends.triton.linear import (
+from gspo_kernels.backends.triton.chunked_gemm import (
     ChunkBuffers,
     GradientStore,
     chunk_logits,
     chunk_statistics,
     gemm_operands,
 )
+from gspo_kernels.backends.triton.launch import device_guard
 from gspo_kernels.backends.triton.logits import logprobs_forward
 from gspo_kernels.options import CallOptions
 from gspo_kernels.precision import compute_dtype
