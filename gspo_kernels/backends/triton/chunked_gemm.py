@@ -15,6 +15,7 @@ Host reads: none.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import torch
@@ -25,6 +26,41 @@ from gspo_kernels.backends.triton.logits import logprobs_backward, logprobs_forw
 from gspo_kernels.precision import compute_dtype
 
 logger = logging.getLogger("gspo_kernels")
+
+
+@dataclass(frozen=True)
+class ChunkGradient:
+    """What one chunk's ``dZ`` needs (``n`` rows): its logits ``z [n, V]`` (compute dtype: the chunk buffer's
+    rows), ``labels [n]`` int64, the forward's ``stats [2, n]`` (contiguous) and ``entropy [n]``, the incoming
+    ``g = dL/dlogp [n]`` and ``ge = dL/dentropy [n]`` (compute dtype; None: zero). Where the rows go in the store:
+    the tokens ``index [n]`` (None: ``t0, t0 + 1, ...``) and ``keep [n]`` bool, which of them carry a gradient
+    (None: all; see :class:`GradientStore`)."""
+
+    z: Tensor
+    labels: Tensor
+    stats: Tensor
+    entropy: Tensor
+    g: Optional[Tensor]
+    ge: Optional[Tensor]
+    index: Optional[Tensor] = None
+    t0: int = 0
+    keep: Optional[Tensor] = None
+
+
+@dataclass(frozen=True)
+class GradientTargets:
+    """What the ``dZ`` store's GEMMs read and write, and the options of the ``dZ`` kernel: the operands ``rows
+    [N, H]`` and ``weight [V, H]`` (operand dtype, ``weight`` contiguous), the gradients ``dh [N, H]`` (operand
+    dtype), ``dw [V, H]`` and ``db [V]`` (compute dtype; None: not wanted), ``temperature`` and ``softcap`` (None:
+    no cap)."""
+
+    rows: Tensor
+    weight: Tensor
+    dh: Optional[Tensor]
+    dw: Optional[Tensor]
+    db: Optional[Tensor]
+    temperature: float
+    softcap: Optional[float]
 
 _fp32_out_gemm: dict = {}  # device type -> "out" | "new" | None: how mm(out_dtype=float32) runs for half operands
 
@@ -131,22 +167,23 @@ def gemm_operands(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], softca
     return rows, w, kernel_bias(bias, softcap, compute_dtype(weight.dtype))
 
 
-def form_dz(z: Tensor, dz: Tensor, labels: Tensor, stats: Tensor, entropy: Tensor, g: Optional[Tensor],
-            ge: Optional[Tensor], db: Optional[Tensor], *, temperature: float, softcap: Optional[float],
+def form_dz(chunk: ChunkGradient, dz: Tensor, db: Optional[Tensor], *, temperature: float, softcap: Optional[float],
             vocab_window: Optional[Tuple[int, int]] = None) -> None:
-    """``dZ`` of the logits ``z`` into ``dz`` (the operand dtype; ``z`` itself for fp32 / fp64 operands), adding
-    its column sums to ``db`` when given: then ``dZ`` is formed in fp32 over ``z`` first (the bias gradient sums
-    it) and rounded once into ``dz``; else the kernel writes ``dz`` directly."""
+    """``dZ`` of the chunk's logits ``chunk.z`` into ``dz`` (the operand dtype; ``z`` itself for fp32 / fp64
+    operands), adding its column sums to ``db`` when given: then ``dZ`` is formed in fp32 over ``z`` first (the
+    bias gradient sums it) and rounded once into ``dz``; else the kernel writes ``dz`` directly. ``vocab_window``:
+    as :func:`.logits.logprobs_backward`'s (``z`` holds a slice of the vocabulary's columns)."""
+    z = chunk.z
+    forward = (chunk.labels, chunk.stats, chunk.entropy, chunk.g, chunk.ge)
     if db is not None or dz.data_ptr() == z.data_ptr():
-        logprobs_backward(z, labels, stats, entropy, g, ge, temperature=temperature, inplace=True, softcap=softcap,
+        logprobs_backward(z, *forward, temperature=temperature, inplace=True, softcap=softcap,
                           vocab_window=vocab_window)
         if db is not None:
             db.add_(z.sum(0, dtype=db.dtype))
         if dz.data_ptr() != z.data_ptr():
             dz.copy_(z)
     else:
-        logprobs_backward(z, labels, stats, entropy, g, ge, temperature=temperature, out=dz, softcap=softcap,
-                          vocab_window=vocab_window)
+        logprobs_backward(z, *forward, temperature=temperature, out=dz, softcap=softcap, vocab_window=vocab_window)
 
 
 class GradientStore:
@@ -165,19 +202,17 @@ class GradientStore:
         self.rows, self.used, self.flushes = rows, 0, 0
         self.span: Optional[Tuple[int, int]] = None  # (first token, count) while the rows are one token range
 
-    def backward(self, z: Tensor, index: Optional[Tensor], t0: int, keep: Optional[Tensor], labels: Tensor,
-                 stats: Tensor, entropy: Tensor, g: Optional[Tensor], ge: Optional[Tensor], temperature: float,
-                 softcap: Optional[float], db: Optional[Tensor], gemms) -> None:
-        """``dZ`` of the logits ``z`` (``n`` rows: tokens ``index``, or ``t0, t0 + 1, ...``) into the store, the
-        store's GEMMs first when it is full (``gemms``: ``flush``'s arguments), and at once when ``dZ`` is
-        written over the logits (which the next chunk needs)."""
-        n = z.shape[0]
+    def backward(self, chunk: ChunkGradient, targets: GradientTargets) -> None:
+        """``dZ`` of the chunk (``n`` rows: tokens ``chunk.index``, or ``chunk.t0, chunk.t0 + 1, ...``) into the
+        store, its column sums into ``targets.db``; the store's GEMMs first when it is full, and at once when
+        ``dZ`` is written over the logits (which the next chunk needs)."""
+        n = chunk.z.shape[0]
         if self.used + n > self.rows:
-            self.flush(*gemms)
-        dz = self.add(n, index, t0, keep)
-        form_dz(z, dz, labels, stats, entropy, g, ge, db, temperature=temperature, softcap=softcap)
+            self.flush(targets)
+        dz = self.add(n, chunk.index, chunk.t0, chunk.keep)
+        form_dz(chunk, dz, targets.db, temperature=targets.temperature, softcap=targets.softcap)
         if not self.separate:
-            self.flush(*gemms)
+            self.flush(targets)
 
     def add(self, n: int, index: Optional[Tensor], t0: int, keep: Optional[Tensor] = None) -> Tensor:
         """Reserve ``n`` rows for tokens ``index`` (None: ``t0, t0 + 1, ...``; ``keep``: which of them carry a
@@ -201,7 +236,11 @@ class GradientStore:
             self.index[k:k + n].copy_(index)
         self.used = k + n
         return self.dz[k:k + n]
-    def flush(self, rows: Tensor, weight: Tensor, dh: Optional[Tensor], dw: Optional[Tensor]) -> None:
+
+    def flush(self, targets: GradientTargets) -> None:
+        """The store's rows through the GEMMs: ``dH[tokens] = dZ @ W``, ``dW (+)= dZ.T @ H[tokens]`` (``=`` at the
+        first flush); then the store is empty."""
+        rows, weight, dh, dw = targets.rows, targets.weight, targets.dh, targets.dw
         k = self.used
         if k == 0:
             return
@@ -222,3 +261,24 @@ class GradientStore:
             accumulate_dw(dw, dz, h, first=self.flushes == 0)
         self.used, self.span, self.masked = 0, None, False
         self.flushes += 1
+
+
+def open_store(n: int, sizes: Tuple[int, int], weight: Tensor) -> Tuple[Optional[ChunkBuffers], Optional[GradientStore]]:
+    """The buffers of a pass over ``n`` rows in chunks of ``sizes = (C, K)`` rows (:func:`configs.one_pass_chunk_rows`):
+    the chunk's logits buffer and the ``dZ`` store of ``K`` rows (``C`` when ``dZ`` is written over the logits,
+    fp32 / fp64 operands); ``(None, None)`` without rows."""
+    if not n:
+        return None, None
+    chunk, store_rows = sizes
+    separate = weight.dtype != compute_dtype(weight.dtype)
+    buffers = ChunkBuffers(min(chunk, n), weight.shape[0], weight.dtype, weight.device, need_dz=not separate)
+    return buffers, GradientStore(max(store_rows, chunk) if separate else chunk, weight.shape[0], buffers,
+                                  weight.dtype, weight.device)
+
+
+def close_store(store: Optional[GradientStore], targets: GradientTargets) -> None:
+    """The last rows of the store through the GEMMs; ``dW`` zeroed when no row ever went through them."""
+    if store is not None:
+        store.flush(targets)
+    if targets.dw is not None and (store is None or store.flushes == 0):
+        targets.dw.zero_()

@@ -21,9 +21,11 @@ the vocabulary instead (:func:`_vocab_sliced_backward`): per slice, the head's r
 whole-head copy kept from the forward), the logits of every row, ``dZ``, ``dW[slice]`` written once and ``dH``
 accumulated in fp32 (the accumulator re-read per pass is the ``[N, H]`` one, not the ``[V, H]`` one).
 
-That is ``8 N H V`` FLOPs for a forward and a backward (the logits are computed twice). The one-pass loss
-(:mod:`.linear_loss`, ``6 N H V``) reuses this module's chunk GEMM (:func:`chunk_logits`), buffers
-(:class:`ChunkBuffers`) and ``dZ`` store (:class:`GradientStore`).
+That is ``8 N H V`` FLOPs for a forward and a backward (the logits are computed twice). The chunk GEMM, the
+buffers, the ``dZ`` formation and the ``dZ`` store are the engine's (:mod:`.chunked_gemm`), which the one-pass loss
+(:mod:`.linear_loss`, ``6 N H V``) runs on too. The backward's inputs travel as two frozen objects:
+:class:`SavedForward` (what the forward kept, and the call's options) and :class:`BackwardPlan` (the rows'
+gradients and which of ``dH``, ``dW``, ``dB`` to form).
 
 Host reads: none. The two-pass backward visits every row, those without gradient as zero rows (their hidden rows
 zeroed, so garbage such as NaN padding cannot reach ``dW``), so a step can be captured in a CUDA graph.
@@ -36,6 +38,7 @@ instead (the package's ``linear_logprobs`` picks; this module imports nothing fr
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 import torch
@@ -45,52 +48,92 @@ from gspo_kernels import checks
 from gspo_kernels.backends.triton import configs
 from gspo_kernels.backends.triton.chunked_gemm import (
     ChunkBuffers,
-    GradientStore,
+    ChunkGradient,
+    GradientTargets,
     accumulate_dw,
     chunk_logits,
     chunk_statistics,
+    close_store,
     form_dz,
     gemm_operands,
+    open_store,
 )
 from gspo_kernels.backends.triton.kernel_math import kernel_bias
 from gspo_kernels.options import DEFAULT_OPTIONS, CallOptions
 from gspo_kernels.precision import compute_dtype
 
 
-def _row_chunked_backward(rows: Tensor, weight: Tensor, operand: torch.dtype, bias: Optional[Tensor], labels: Tensor,
-                          carries: Tensor, grad_logp: Optional[Tensor], grad_entropy: Optional[Tensor],
-                          row_stats: Tensor, entropy: Tensor, temperature: float, softcap: Optional[float],
-                          memory_budget: Optional[int], need) -> List[Optional[Tensor]]:
+@dataclass(frozen=True)
+class SavedForward:
+    """What the two-pass backward (:func:`vendor_backward`) needs of its forward: the operands ``hidden [N, H]``
+    (or ``[..., H]``), ``weight [V, H]`` (the caller's head when the backward is ``sliced`` and casts it slice by
+    slice to ``operand``) and ``bias [V]`` (None: none), ``labels [N]`` int64, ``computed [N]`` bool (the rows the
+    forward computed), its ``row_stats [2, N]`` and ``entropy [N]`` (compute dtype); the call's ``temperature``,
+    ``softcap`` (None: no cap) and ``memory_budget`` (None: the default)."""
+
+    hidden: Tensor
+    weight: Tensor
+    bias: Optional[Tensor]
+    labels: Tensor
+    computed: Tensor
+    row_stats: Tensor
+    entropy: Tensor
+    operand: torch.dtype
+    sliced: bool
+    temperature: float
+    softcap: Optional[float]
+    memory_budget: Optional[int]
+
+
+@dataclass(frozen=True)
+class BackwardPlan:
+    """One two-pass backward as its two forms read it: the operands ``rows [N, H]`` (operand dtype) and ``weight
+    [V, H]``, the kernel's ``bias [V]`` (compute dtype, capped when ``softcap``; None: none), ``carries [N]`` bool
+    (the rows with a gradient), ``grad_logp`` / ``grad_entropy`` ``[N]`` (compute dtype, 0 where not ``carries``;
+    None: zero), ``need``: which of ``[dH, dW, dB]`` to form; the rest as in :class:`SavedForward`."""
+
+    rows: Tensor
+    weight: Tensor
+    bias: Optional[Tensor]
+    saved: SavedForward
+    carries: Tensor
+    grad_logp: Optional[Tensor]
+    grad_entropy: Optional[Tensor]
+    need: Tuple[bool, bool, bool]
+
+    def chunk(self, r0: int, r1: int, z: Tensor, stats: Tensor) -> ChunkGradient:
+        """Rows ``r0:r1`` of the backward (their logits ``z``, their ``stats [2, r1 - r0]``) for ``dZ``."""
+        g, ge = self.grad_logp, self.grad_entropy
+        return ChunkGradient(z=z, labels=self.saved.labels[r0:r1], stats=stats, entropy=self.saved.entropy[r0:r1],
+                             g=None if g is None else g[r0:r1], ge=None if ge is None else ge[r0:r1], t0=r0,
+                             keep=self.carries[r0:r1])
+
+
+def _row_chunked_backward(plan: BackwardPlan) -> List[Optional[Tensor]]:
     """The two-pass backward over chunks of rows (more rows than a quarter of the vocabulary): each chunk's logits
     recomputed, its ``dZ`` into a store whose full loads go through the ``dH`` / ``dW`` GEMMs (``dW`` accumulated
     in fp32 across stores); ``[dH (operand dtype), dW, dB]``, None where ``need`` says no. No host read: every
     row goes through the GEMMs, those without gradient as zero rows (masked in the store)."""
+    rows, weight, saved, need = plan.rows, plan.weight, plan.saved, plan.need
     w = weight if weight.stride(-1) == 1 else weight.contiguous()  # the operand itself (saved by the forward)
     n, vocab = rows.shape[0], w.shape[0]
-    acc = compute_dtype(operand)
+    acc = compute_dtype(saved.operand)
     dh = torch.zeros_like(rows) if need[0] else None
     dw = torch.empty(w.shape, device=w.device, dtype=acc) if need[1] else None
     db = torch.zeros(vocab, device=w.device, dtype=acc) if need[2] else None
+    targets = GradientTargets(rows=rows, weight=w, dh=dh, dw=dw, db=db, temperature=saved.temperature,
+                              softcap=saved.softcap)
     free = None
-    if memory_budget is None and w.is_cuda and checks.host_reads_allowed():
+    if saved.memory_budget is None and w.is_cuda and checks.host_reads_allowed():
         free = torch.cuda.mem_get_info(w.device)[0]
-    chunk, store_rows = configs.one_pass_chunk_rows(n, vocab, w.dtype, memory_budget, free, two_pass=True)
-    separate = w.dtype != acc
-    buffers = ChunkBuffers(min(chunk, n), vocab, w.dtype, w.device, need_dz=not separate) if n else None
-    store = GradientStore(max(store_rows, chunk) if separate else chunk, vocab, buffers, w.dtype,
-                           w.device) if n else None
+    sizes = configs.one_pass_chunk_rows(n, vocab, w.dtype, saved.memory_budget, free, two_pass=True)
+    chunk = sizes[0]
+    buffers, store = open_store(n, sizes, w)
     for r0 in range(0, n, chunk):
-        sl = slice(r0, min(n, r0 + chunk))
-        z = chunk_logits(rows[sl], w, bias, buffers.logits)
-        store.backward(z=z, index=None, t0=r0, keep=carries[sl], labels=labels[sl],
-                       stats=row_stats[:, sl].contiguous(), entropy=entropy[sl],
-                       g=None if grad_logp is None else grad_logp[sl],
-                       ge=None if grad_entropy is None else grad_entropy[sl], temperature=temperature,
-                       softcap=softcap, db=db, gemms=(rows, w, dh, dw))
-    if store is not None:
-        store.flush(rows, w, dh, dw)
-    if dw is not None and (store is None or store.flushes == 0):
-        dw.zero_()
+        r1 = min(n, r0 + chunk)
+        z = chunk_logits(rows[r0:r1], w, plan.bias, buffers.logits)
+        store.backward(plan.chunk(r0, r1, z, saved.row_stats[:, r0:r1].contiguous()), targets)
+    close_store(store, targets)
     return [dh, dw, db]
 
 
@@ -101,10 +144,7 @@ def _slice_buffers(count: int, acc: torch.dtype, operand: torch.dtype, device: t
     return logits, (logits if operand == acc else torch.empty(count, device=device, dtype=operand))
 
 
-def _vocab_sliced_backward(rows: Tensor, weight: Tensor, operand: torch.dtype, bias: Optional[Tensor], labels: Tensor,
-                           carries: Tensor, grad_logp: Optional[Tensor], grad_entropy: Optional[Tensor],
-                           row_stats: Tensor, entropy: Tensor, temperature: float, softcap: Optional[float],
-                           memory_budget: Optional[int], need) -> List[Optional[Tensor]]:
+def _vocab_sliced_backward(plan: BackwardPlan) -> List[Optional[Tensor]]:
     """The two-pass backward over slices of ``S`` vocabulary columns (:func:`configs.vocab_slice_sizes`), for few
     rows against the vocabulary (:func:`configs.vocab_sliced`): ``[dH, dW, dB]`` in the compute dtype (None where
     ``need`` says no).
@@ -115,15 +155,17 @@ def _vocab_sliced_backward(rows: Tensor, weight: Tensor, operand: torch.dtype, b
     ``dW[slice]`` (+)= ``dZ.T @ H`` straight into the fp32 gradient, ``dH`` += ``dZ @ W[slice]`` into an fp32
     accumulator, ``dB[slice]`` = the columns' sums. Rows without gradient are zero ``dZ`` rows with their hidden
     rows zeroed for ``dW`` (garbage such as NaN padding cannot reach it). No host read."""
+    rows, weight, bias, saved, need = plan.rows, plan.weight, plan.bias, plan.saved, plan.need
+    operand, row_stats = saved.operand, saved.row_stats
     n, vocab = rows.shape[0], weight.shape[0]
     acc = compute_dtype(operand)
-    r_rows, s_cols = configs.vocab_slice_sizes(n, vocab, operand, memory_budget)
+    r_rows, s_cols = configs.vocab_slice_sizes(n, vocab, operand, saved.memory_budget)
     dh = torch.empty(rows.shape, device=rows.device, dtype=acc) if need[0] else None
     dw = torch.empty(weight.shape, device=weight.device, dtype=acc) if need[1] else None
     db = torch.zeros(vocab, device=weight.device, dtype=acc) if need[2] else None
     if n == 0 or vocab == 0:
         return [None if t is None else t.zero_() for t in (dh, dw, db)]
-    kept = torch.where(carries[:, None], rows, torch.zeros((), device=rows.device, dtype=rows.dtype)) if need[1] \
+    kept = torch.where(plan.carries[:, None], rows, torch.zeros((), device=rows.device, dtype=rows.dtype)) if need[1] \
         else None
     logits_buf, dz_buf = _slice_buffers(r_rows * s_cols, acc, operand, rows.device)
     for v0 in range(0, vocab, s_cols):
@@ -136,9 +178,8 @@ def _vocab_sliced_backward(rows: Tensor, weight: Tensor, operand: torch.dtype, b
             z = chunk_logits(rows[r0:r1], w, b, logits_buf[: count * width].view(count, width))
             dz = dz_buf[: count * width].view(count, width)
             stats = row_stats if count == n else row_stats[:, r0:r1].contiguous()
-            form_dz(z, dz, labels[r0:r1], stats, entropy[r0:r1], None if grad_logp is None else grad_logp[r0:r1],
-                    None if grad_entropy is None else grad_entropy[r0:r1], None if db is None else db[v0:v1],
-                    temperature=temperature, softcap=softcap, vocab_window=(v0, vocab))
+            form_dz(plan.chunk(r0, r1, z, stats), dz, None if db is None else db[v0:v1],
+                    temperature=saved.temperature, softcap=saved.softcap, vocab_window=(v0, vocab))
             if dh is not None:
                 accumulate_dw(dh[r0:r1], dz.t(), w, first=v0 == 0)  # dH[rows] (+)= dZ @ W[slice]
             if dw is not None:
@@ -176,26 +217,24 @@ def vendor_forward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], label
     return logp, entropy, row_stats
 
 
-def vendor_backward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, computed: Tensor,
-                    row_stats: Tensor, entropy: Tensor, grad_logp: Optional[Tensor], grad_entropy: Optional[Tensor], *,
-                    operand: torch.dtype, sliced: bool, temperature: float, softcap: Optional[float],
-                    memory_budget: Optional[int], need) -> List[Optional[Tensor]]:
+def vendor_backward(saved: SavedForward, grad_logp: Optional[Tensor], grad_entropy: Optional[Tensor],
+                    need: Tuple[bool, bool, bool]) -> List[Optional[Tensor]]:
     """The backward of the vendor path: ``[dH [N, H], dW, dB]`` in the compute dtype (None where ``need`` says
-    not wanted); the rows that are not ``computed`` or carry a zero gradient do no work."""
-    acc = compute_dtype(operand)
-    carries = torch.zeros_like(computed)
+    not wanted); the rows that are not ``saved.computed`` or carry a zero gradient do no work."""
+    acc = compute_dtype(saved.operand)
+    carries = torch.zeros_like(saved.computed)
     for g in (grad_logp, grad_entropy):
         if g is not None:
             carries |= g != 0
-    carries &= computed
-    grad_logp = None if grad_logp is None else torch.where(carries, grad_logp.to(acc), 0)
-    grad_entropy = None if grad_entropy is None else torch.where(carries, grad_entropy.to(acc), 0)
-    form = _vocab_sliced_backward if sliced else _row_chunked_backward
-    return form(rows=hidden.detach().reshape(-1, hidden.shape[-1]), weight=weight.detach(), operand=operand,
-                bias=None if bias is None else kernel_bias(bias.detach(), softcap, acc), labels=labels,
-                carries=carries, grad_logp=grad_logp, grad_entropy=grad_entropy, row_stats=row_stats,
-                entropy=entropy, temperature=temperature, softcap=softcap,
-                memory_budget=memory_budget, need=need)
+    carries &= saved.computed
+    hidden, bias = saved.hidden, saved.bias
+    plan = BackwardPlan(rows=hidden.detach().reshape(-1, hidden.shape[-1]), weight=saved.weight.detach(),
+                        bias=None if bias is None else kernel_bias(bias.detach(), saved.softcap, acc), saved=saved,
+                        carries=carries,
+                        grad_logp=None if grad_logp is None else torch.where(carries, grad_logp.to(acc), 0),
+                        grad_entropy=None if grad_entropy is None else torch.where(carries, grad_entropy.to(acc), 0),
+                        need=need)
+    return (_vocab_sliced_backward if saved.sliced else _row_chunked_backward)(plan)
 
 
 class VendorLinearLogprobs(torch.autograd.Function):
@@ -206,15 +245,15 @@ class VendorLinearLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, active, options: CallOptions, operands=None):
-        temperature, memory_budget, softcap = float(options.temperature), options.memory_budget, options.softcap
         # operands: the tensors the GEMMs multiply (detached), when the inputs are the caller's tensors before the
         # precision policy's cast; the gradients then go to the inputs directly, in their dtypes
         ctx.leaves = [None if t is None else (t.shape, t.dtype) for t in (hidden, weight, bias)]
         caller_weight = weight
         if operands is not None:
             hidden, weight, bias = operands
-        logp, entropy, row_stats = vendor_forward(hidden, weight, bias, labels, active, temperature=temperature,
-                                                  memory_budget=memory_budget, softcap=softcap,
+        logp, entropy, row_stats = vendor_forward(hidden, weight, bias, labels, active,
+                                                  temperature=options.temperature,
+                                                  memory_budget=options.memory_budget, softcap=options.softcap,
                                                   grad=any(ctx.needs_input_grad[:3]))
         n = logp.shape[0]
         ctx.sliced = configs.vocab_sliced(n, weight.shape[0])
@@ -225,7 +264,7 @@ class VendorLinearLogprobs(torch.autograd.Function):
         kept_weight = caller_weight if ctx.sliced and operands is not None else weight
         ctx.save_for_backward(hidden.detach(), kept_weight.detach(), None if bias is None else bias.detach(), labels,
                               computed, row_stats, entropy)
-        ctx.temperature, ctx.memory_budget, ctx.softcap = temperature, memory_budget, softcap
+        ctx.options = options
         ctx.set_materialize_grads(False)
         return logp, entropy
 
@@ -237,10 +276,12 @@ class VendorLinearLogprobs(torch.autograd.Function):
             return (None,) * 7
         # [dH, dW, dB] in the compute dtype, the chunk buffers freed on return: before the gradients are cast to
         # the leaves' dtypes (an fp32 hidden state's dH copy, N x H x 4 bytes), not beside it
-        grads = vendor_backward(hidden, weight, bias, labels, computed, row_stats, entropy, grad_logp, grad_entropy,
-                                operand=ctx.operand, sliced=ctx.sliced, temperature=ctx.temperature,
-                                softcap=ctx.softcap, memory_budget=ctx.memory_budget,
-                                need=(need_dh, need_dw, need_db and bias is not None))
+        options = ctx.options
+        saved = SavedForward(hidden=hidden, weight=weight, bias=bias, labels=labels, computed=computed,
+                             row_stats=row_stats, entropy=entropy, operand=ctx.operand, sliced=ctx.sliced,
+                             temperature=options.temperature, softcap=options.softcap,
+                             memory_budget=options.memory_budget)
+        grads = vendor_backward(saved, grad_logp, grad_entropy, (need_dh, need_dw, need_db and bias is not None))
         grads = [None if g is None else g.reshape(leaf[0]).to(leaf[1]) for g, leaf in zip(grads, ctx.leaves)]
         return (*grads, None, None, None, None)
 
