@@ -215,9 +215,9 @@ class GemmClock:
         self.times = []
 
     def install(self):
-        from gspo_kernels.backends.triton import linear, linear_loss
+        from gspo_kernels.backends.triton import chunked_gemm, linear, linear_loss
 
-        original_logits, original_dw = linear.chunk_logits, linear.accumulate_dw
+        original_logits, original_dw = chunked_gemm.chunk_logits, chunked_gemm.accumulate_dw
 
         def chunk_logits(*a, **k):
             self.times.append(("logits", time.perf_counter()))
@@ -227,8 +227,8 @@ class GemmClock:
             self.times.append(("dw", time.perf_counter()))
             return original_dw(*a, **k)
 
-        linear.chunk_logits, linear.accumulate_dw = chunk_logits, accumulate_dw
-        linear_loss.chunk_logits = chunk_logits  # the one-pass loss's own binding of linear.chunk_logits
+        chunked_gemm.chunk_logits, chunked_gemm.accumulate_dw = chunk_logits, accumulate_dw
+        linear_loss.chunk_logits = chunk_logits  # the one-pass loss's own binding of chunked_gemm.chunk_logits
         linear.configs.one_pass_chunk_rows = lambda *a, **k: (HIDDEN["chunk"], HIDDEN["store"])
 
 

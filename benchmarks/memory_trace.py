@@ -263,7 +263,7 @@ def as_on_cuda(trace: MemoryTrace, *, trl: bool = True) -> Iterator[MemoryTrace]
     """
     import gc
 
-    from gspo_kernels.backends.triton import linear, linear_loss
+    from gspo_kernels.backends.triton import chunked_gemm, linear, linear_loss
 
     patched = []
 
@@ -280,9 +280,10 @@ def as_on_cuda(trace: MemoryTrace, *, trl: bool = True) -> Iterator[MemoryTrace]
 
         patch(owner, name, wrapper)
 
-    pause(linear, "chunk_logits")
-    pause(linear_loss, "chunk_logits")  # the one-pass loss's own binding of linear.chunk_logits
-    pause(linear, "accumulate_dw")
+    for owner in (chunked_gemm, linear, linear_loss):  # each module's own binding of the engine's GEMMs
+        for name in ("chunk_logits", "accumulate_dw"):
+            if hasattr(owner, name):
+                pause(owner, name)
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     if interpreted:
         from triton.runtime import interpreter
@@ -374,14 +375,14 @@ CLASSES = (
     ("sliced: fp32 dH", ("empty float32 @ linear.py", "_vocab_sliced_backward")),
     ("sliced: masked bf16 hidden rows", ("where bfloat16 @ linear.py", "_vocab_sliced_backward")),
     ("bf16 copy of the lm_head", ("_to_copy bfloat16 @ precision.py:80",)),
-    ("logits chunk buffer (fp32)", ("empty float32 @ linear.py", "__init__")),
-    ("dZ store (bf16)", ("empty bfloat16 @ linear.py", "__init__")),
+    ("logits chunk buffer (fp32)", ("empty float32 @ chunked_gemm.py", "__init__")),
+    ("dZ store (bf16)", ("empty bfloat16 @ chunked_gemm.py", "__init__")),
     ("dH in the operand dtype", ("zeros_like bfloat16 @ linear.py",)),
     ("dH in the operand dtype", ("zeros_like bfloat16 @ linear_loss.py",)),
     ("dH cast to the hidden state's fp32", ("_to_copy float32 @ linear.py",)),
     ("dH cast to the hidden state's fp32", ("_to_copy float32 @ linear_loss.py",)),
     ("hidden states' bf16 copy", ("_to_copy bfloat16 @ precision.py:79",)),
-    ("flush: masked copy of K hidden rows", ("where bfloat16 @ linear.py",)),
+    ("flush: masked copy of K hidden rows", ("where bfloat16 @ chunked_gemm.py",)),
     ("TRL tile buffer mm_buf", ("empty bfloat16 @ chunked_logprob.py",)),
     ("TRL lm_head tile cast w_chunk", ("_to_copy bfloat16 @ chunked_logprob.py:423",)),
     ("TRL hidden chunk cast", ("_to_copy bfloat16 @ chunked_logprob.py",)),

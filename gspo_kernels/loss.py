@@ -30,8 +30,6 @@ from gspo_kernels.checks import (
     check_logprobs_out,
     check_memory_budget,
     check_same_device,
-    check_softcap,
-    check_temperature,
 )
 from gspo_kernels.config import GSPOConfig, check_config
 from gspo_kernels.distributed import zero3
@@ -45,11 +43,12 @@ Scalar = Union[None, int, float, Tensor]
 
 
 def _loss_options(config: Optional[GSPOConfig], backend: str, check_finite: bool, **head) -> CallOptions:
-    """A loss's :class:`CallOptions`: the config checked (the defaults for None), its temperature and soft cap."""
+    """A loss's :class:`CallOptions`: the config checked (the defaults for None); the options' temperature and soft
+    cap are the config's (the one copy the stages read), the other options checked as :class:`CallOptions` is
+    built."""
     config = check_config(config)
-    return CallOptions(config=config, backend=backend, check_finite=check_bool("check_finite", check_finite),
-                       temperature=config.temperature, softcap=config.final_logit_softcapping, return_entropy=True,
-                       **head)
+    return CallOptions(config=config, backend=backend, check_finite=check_finite, temperature=config.temperature,
+                       softcap=config.final_logit_softcapping, return_entropy=True, **head)
 
 
 def token_logprobs(
@@ -81,7 +80,7 @@ def token_logprobs(
     check_logits(logits, labels, None)
     vp = check_vocab_parallel(vocab_parallel)
     options = CallOptions(backend=backend, vocab_parallel=vp, **_logprobs_options(
-        temperature, final_logit_softcapping, return_entropy, check_finite))
+        temperature, final_logit_softcapping, return_entropy, check_finite))  # each option checked as it is built
     return _run_logprobs(_LogitsHead(logits, options), labels, options)
 
 
@@ -131,7 +130,7 @@ def linear_logprobs(
         check_linear(hidden, weight, bias, labels)
         head = _linear_head_options(vocab_parallel, fp32_head, memory_budget, batch_invariant)
         options = CallOptions(backend=backend, **head, **_logprobs_options(
-            temperature, final_logit_softcapping, return_entropy, check_finite))
+            temperature, final_logit_softcapping, return_entropy, check_finite))  # each option checked as it is built
         return _run_logprobs(_LinearHead(hidden, weight, bias, options, gather), labels, options)
 
 
@@ -179,8 +178,7 @@ def gspo_loss(
     """
     check_logits(logits, labels, cu_seqlens)
     vp = check_vocab_parallel(vocab_parallel)
-    options = _loss_options(config, backend, check_finite, vocab_parallel=vp,
-                            inplace_backward=check_bool("inplace_backward", inplace_backward))
+    options = _loss_options(config, backend, check_finite, vocab_parallel=vp, inplace_backward=inplace_backward)
     tensors = LossTensors(advantages, old_logprobs, mask, cu_seqlens, ref_logprobs, is_ratio, num_items_in_batch,
                           rollout_logprobs)
     return _run(_LogitsHead(logits, options), labels, tensors, options)
@@ -280,18 +278,16 @@ def policy_loss(
 
 
 def _logprobs_options(temperature: float, softcap: Optional[float], return_entropy: bool, check_finite: bool) -> dict:
-    """The per-token functions' own options, checked (:class:`CallOptions` fields)."""
-    return {"temperature": check_temperature(temperature), "softcap": check_softcap(softcap),
-            "return_entropy": check_bool("return_entropy", return_entropy),
-            "check_finite": check_bool("check_finite", check_finite)}
+    """The per-token functions' own options as :class:`CallOptions` fields (checked there, once, as it is built)."""
+    return {"temperature": temperature, "softcap": softcap, "return_entropy": return_entropy,
+            "check_finite": check_finite}
 
 
 def _linear_head_options(vocab_parallel, fp32_head: bool, memory_budget: Optional[int], batch_invariant: bool) -> dict:
-    """The lm_head options of the hidden-state functions, checked (:class:`CallOptions` fields)."""
-    vp = check_vocab_parallel(vocab_parallel)
-    check_memory_budget(memory_budget)
-    return {"vocab_parallel": vp, "fp32_head": fp32_head, "memory_budget": memory_budget,
-            "batch_invariant": check_bool("batch_invariant", batch_invariant)}
+    """The lm_head options of the hidden-state functions as :class:`CallOptions` fields (``vocab_parallel`` checked
+    here, the others as the options are built)."""
+    return {"vocab_parallel": check_vocab_parallel(vocab_parallel), "fp32_head": fp32_head,
+            "memory_budget": memory_budget, "batch_invariant": batch_invariant}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -20,7 +20,9 @@ class CallOptions:
     passed down as one to the pipeline (``loss._run``, ``loss._run_logprobs``), the heads and the backends' stage
     functions (:mod:`gspo_kernels.backends.contract` says which fields a stage reads).
 
-    ``temperature`` and ``softcap`` are the per-token functions' arguments, or the config's for a loss;
+    ``temperature`` and ``softcap`` are the one source of the logits' temperature and soft cap for every stage
+    (the per-token functions' arguments; for a loss, a copy of its config's ``temperature`` and
+    ``final_logit_softcapping``, which must agree: see :meth:`__post_init__`); a stage never reads the config's.
     ``return_entropy`` is always True for a loss (the objective may use it). ``config`` is None for the
     per-token functions. Options only: the call's tensors, inputs and outputs (``logprobs_out``), travel in
     :class:`~gspo_kernels.layout.LossTensors` / ``LossInputs``.
@@ -39,10 +41,24 @@ class CallOptions:
     batch_invariant: bool = False
 
     def __post_init__(self) -> None:
-        """Each option checked as the object is built, naming the field (the public functions check their own
-        arguments first, by their public names): a backend receives checked options and never checks them again."""
-        object.__setattr__(self, "temperature", check_temperature(self.temperature))
-        object.__setattr__(self, "softcap", check_softcap(self.softcap, "softcap"))
+        """Each option checked once, here, as the object is built by the public function (which checks nothing of
+        its own): the errors name the public arguments (``softcap`` is the functions' ``final_logit_softcapping``),
+        and a backend receives checked options and never checks them again.
+
+        With a ``config`` (a loss), ``temperature`` and ``softcap`` must be the config's ``temperature`` and
+        ``final_logit_softcapping`` (checked when the config was built; here only compared, and made floats):
+        options that disagree with their config are refused, so the two can never give the stages two answers."""
+        config = self.config
+        if config is None:
+            object.__setattr__(self, "temperature", check_temperature(self.temperature))
+            object.__setattr__(self, "softcap", check_softcap(self.softcap))
+        else:
+            if self.temperature != config.temperature or self.softcap != config.final_logit_softcapping:
+                raise ValueError(f"CallOptions: temperature {self.temperature!r} and softcap {self.softcap!r} must be "
+                                 f"the config's temperature {config.temperature!r} and final_logit_softcapping "
+                                 f"{config.final_logit_softcapping!r} (the stages read the options' only)")
+            object.__setattr__(self, "temperature", float(self.temperature))
+            object.__setattr__(self, "softcap", None if self.softcap is None else float(self.softcap))
         check_memory_budget(self.memory_budget)
         for name in ("check_finite", "return_entropy", "inplace_backward", "fp32_head", "batch_invariant"):
             check_bool(name, getattr(self, name))

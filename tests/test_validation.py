@@ -128,6 +128,20 @@ def test_temperature_has_one_rule(temperature):
         gk.linear_logprobs(torch.randn(2, H), torch.randn(V, H), y, temperature=temperature, backend="torch")
 
 
+def test_call_options_hold_one_temperature_and_cap_the_configs():
+    """A loss's options carry the config's temperature and soft cap, the one copy the stages read: options built
+    with a config and another temperature or cap are refused, so the two can never disagree."""
+    from gspo_kernels.options import CallOptions
+
+    cfg = GSPOConfig(temperature=0.7, final_logit_softcapping=30)
+    options = CallOptions(config=cfg, temperature=0.7, softcap=30)
+    assert (options.temperature, options.softcap) == (0.7, 30.0) and type(options.softcap) is float
+    for temperature, softcap in ((1.0, None), (0.7, None), (0.5, 30.0), (0.7, 29.0)):
+        with pytest.raises(ValueError, match="must be the config's temperature 0.7 and final_logit_softcapping 30"):
+            CallOptions(config=cfg, temperature=temperature, softcap=softcap)
+    assert CallOptions(config=GSPOConfig()).temperature == 1.0  # the defaults agree with the default config
+
+
 def test_label_range_has_one_rule():
     labels = torch.randint(0, V, (B, T))
     labels[1, 2] = V + 4  # flat position 5

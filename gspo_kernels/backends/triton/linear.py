@@ -21,9 +21,11 @@ the vocabulary instead (:func:`_vocab_sliced_backward`): per slice, the head's r
 whole-head copy kept from the forward), the logits of every row, ``dZ``, ``dW[slice]`` written once and ``dH``
 accumulated in fp32 (the accumulator re-read per pass is the ``[N, H]`` one, not the ``[V, H]`` one).
 
-That is ``8 N H V`` FLOPs for a forward and a backward (the logits are computed twice). The one-pass loss
-(:mod:`.linear_loss`, ``6 N H V``) reuses this module's chunk GEMM (:func:`chunk_logits`), buffers
-(:class:`ChunkBuffers`) and ``dZ`` store (:class:`GradientStore`).
+That is ``8 N H V`` FLOPs for a forward and a backward (the logits are computed twice). The chunk GEMM, the
+buffers, the ``dZ`` formation and the ``dZ`` store are the engine's (:mod:`.chunked_gemm`), which the one-pass loss
+(:mod:`.linear_loss`, ``6 N H V``) runs on too. The backward's inputs travel as two frozen objects:
+:class:`SavedForward` (what the forward kept, and the call's options) and :class:`BackwardPlan` (the rows'
+gradients and which of ``dH``, ``dW``, ``dB`` to form).
 
 Host reads: none. The two-pass backward visits every row, those without gradient as zero rows (their hidden rows
 zeroed, so garbage such as NaN padding cannot reach ``dW``), so a step can be captured in a CUDA graph.
@@ -36,7 +38,7 @@ instead (the package's ``linear_logprobs`` picks; this module imports nothing fr
 
 from __future__ import annotations
 
-import logging
+from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 import torch
@@ -44,245 +46,94 @@ from torch import Tensor
 
 from gspo_kernels import checks
 from gspo_kernels.backends.triton import configs
+from gspo_kernels.backends.triton.chunked_gemm import (
+    ChunkBuffers,
+    ChunkGradient,
+    GradientTargets,
+    accumulate_dw,
+    chunk_logits,
+    chunk_statistics,
+    close_store,
+    form_dz,
+    gemm_operands,
+    open_store,
+)
 from gspo_kernels.backends.triton.kernel_math import kernel_bias
-from gspo_kernels.backends.triton.logits import logprobs_backward, logprobs_forward
 from gspo_kernels.options import DEFAULT_OPTIONS, CallOptions
 from gspo_kernels.precision import compute_dtype
 
-logger = logging.getLogger("gspo_kernels")
 
-_fp32_out_gemm: dict = {}  # device type -> "out" | "new" | None: how mm(out_dtype=float32) runs for half operands
+@dataclass(frozen=True)
+class SavedForward:
+    """What the two-pass backward (:func:`vendor_backward`) needs of its forward: the operands ``hidden [N, H]``
+    (or ``[..., H]``), ``weight [V, H]`` (the caller's head when the backward is ``sliced`` and casts it slice by
+    slice to ``operand``) and ``bias [V]`` (None: none), ``labels [N]`` int64, ``computed [N]`` bool (the rows the
+    forward computed), its ``row_stats [2, N]`` and ``entropy [N]`` (compute dtype); the call's ``temperature``,
+    ``softcap`` (None: no cap) and ``memory_budget`` (None: the default)."""
 
-
-def _half_fp32_out(device: torch.device) -> Optional[str]:
-    """How ``torch.mm(a, b, out_dtype=torch.float32)`` runs for bf16 / fp16 operands here: ``"out"``, into a
-    given fp32 tensor (``out=``; CUDA on current PyTorch), ``"new"``, only into a new tensor, or None, not at all
-    (probed once per device type, logged when it is not ``"out"`` on CUDA)."""
-    key = device.type
-    if key not in _fp32_out_gemm:
-        a = torch.ones((2, 2), device=device, dtype=torch.bfloat16)
-        mode = None
-        try:
-            torch.mm(a, a, out_dtype=torch.float32, out=torch.empty((2, 2), device=device, dtype=torch.float32))
-            mode = "out"
-        except (RuntimeError, TypeError, NotImplementedError):
-            try:
-                torch.mm(a, a, out_dtype=torch.float32)
-                mode = "new"
-            except (RuntimeError, TypeError, NotImplementedError):  # an older torch or a device without the kernel:
-                mode = None  # not a stub; chunk_logits takes its exact fp32-copy route instead
-        _fp32_out_gemm[key] = mode
-        if key == "cuda" and mode != "out":
-            logger.warning("gspo_kernels: torch.mm(out_dtype=float32, out=...) is unavailable for half operands; the "
-                           "logits chunk is %s (slower)", "copied into its buffer" if mode else
-                           "formed from an fp32 copy of the operands")
-    return _fp32_out_gemm[key]
+    hidden: Tensor
+    weight: Tensor
+    bias: Optional[Tensor]
+    labels: Tensor
+    computed: Tensor
+    row_stats: Tensor
+    entropy: Tensor
+    operand: torch.dtype
+    sliced: bool
+    temperature: float
+    softcap: Optional[float]
+    memory_budget: Optional[int]
 
 
-def chunk_logits(h: Tensor, weight: Tensor, bias: Optional[Tensor], out: Tensor) -> Tensor:
-    """``out[:n] = h @ weight.T + bias`` in ``out``'s dtype (fp32, or fp64 for fp64 operands), fp32 accumulation.
+@dataclass(frozen=True)
+class BackwardPlan:
+    """One two-pass backward as its two forms read it: the operands ``rows [N, H]`` (operand dtype) and ``weight
+    [V, H]``, the kernel's ``bias [V]`` (compute dtype, capped when ``softcap``; None: none), ``carries [N]`` bool
+    (the rows with a gradient), ``grad_logp`` / ``grad_entropy`` ``[N]`` (compute dtype, 0 where not ``carries``;
+    None: zero), ``need``: which of ``[dH, dW, dB]`` to form; the rest as in :class:`SavedForward`."""
 
-    Half operands: one GEMM that writes its fp32 output into the buffer (``out_dtype`` with ``out=``) where
-    PyTorch has it (CUDA); elsewhere (the Triton interpreter's CPU tensors) the operands are converted to fp32
-    first, which is exact, so the products are the same as the tensor cores' and only the summation order differs.
-    """
-    z = out[: h.shape[0]]
-    if h.dtype == out.dtype:
-        if bias is None:
-            torch.mm(h, weight.t(), out=z)
-        else:
-            torch.addmm(bias.to(out.dtype), h, weight.t(), out=z)
-        return z
-    mode = _half_fp32_out(h.device)
-    if mode == "out":
-        torch.mm(h, weight.t(), out_dtype=out.dtype, out=z)
-    elif mode == "new":
-        z.copy_(torch.mm(h, weight.t(), out_dtype=out.dtype))
-    else:
-        torch.mm(h.to(out.dtype), weight.t().to(out.dtype), out=z)
-    if bias is not None:
-        z.add_(bias.to(out.dtype))
-    return z
+    rows: Tensor
+    weight: Tensor
+    bias: Optional[Tensor]
+    saved: SavedForward
+    carries: Tensor
+    grad_logp: Optional[Tensor]
+    grad_entropy: Optional[Tensor]
+    need: Tuple[bool, bool, bool]
+
+    def chunk(self, r0: int, r1: int, z: Tensor, stats: Tensor) -> ChunkGradient:
+        """Rows ``r0:r1`` of the backward (their logits ``z``, their ``stats [2, r1 - r0]``) for ``dZ``."""
+        g, ge = self.grad_logp, self.grad_entropy
+        return ChunkGradient(z=z, labels=self.saved.labels[r0:r1], stats=stats, entropy=self.saved.entropy[r0:r1],
+                             g=None if g is None else g[r0:r1], ge=None if ge is None else ge[r0:r1], t0=r0,
+                             keep=self.carries[r0:r1])
 
 
-def accumulate_dw(dw: Tensor, dz: Tensor, h: Tensor, *, first: bool = False) -> None:
-    """``dw += dz.T @ h`` (``first``: ``dw = dz.T @ h``, nothing read) with ``dw`` fp32 (or fp64) and ``dz``, ``h``
-    in the operand dtype.
-
-    Half operands on CUDA: one GEMM into the fp32 accumulator (``out_dtype``: cuBLAS's beta = 1, or 0 for the
-    first), so ``dW`` is summed in fp32 across chunks and rounded once, at the end, to the weight's dtype.
-    """
-    if dz.dtype == dw.dtype:
-        if first:
-            torch.mm(dz.t(), h, out=dw)
-        else:
-            dw.addmm_(dz.t(), h)
-    elif _half_fp32_out(dz.device) == "out":
-        if first:
-            torch.mm(dz.t(), h, out_dtype=dw.dtype, out=dw)
-        else:
-            torch.addmm(dw, dz.t(), h, out_dtype=dw.dtype, out=dw)
-    elif first:
-        torch.mm(dz.t().to(dw.dtype), h.to(dw.dtype), out=dw)
-    else:
-        dw.addmm_(dz.t().to(dw.dtype), h.to(dw.dtype))
-
-
-class ChunkBuffers:
-    """The chunk's logits buffer (fp32) and its ``dZ`` in the operand dtype (a view of the same storage
-    when the operand dtype is the compute dtype)."""
-
-    def __init__(self, rows: int, vocab: int, operand: torch.dtype, device: torch.device, need_dz: bool):
-        acc = compute_dtype(operand)
-        self.logits = torch.empty((rows, vocab), device=device, dtype=acc)
-        self.dz = None
-        if need_dz:
-            self.dz = self.logits if operand == acc else torch.empty((rows, vocab), device=device, dtype=operand)
-
-
-def chunk_statistics(z: Tensor, labels: Tensor, active: Optional[Tensor], temperature: float, logp: Tensor,
-                      entropy: Tensor, row_stats: Tensor, softcap: Optional[float] = None) -> None:
-    """The forward kernel on one chunk's logits, its outputs written into the slices given (the kernel
-    writes ``row_stats`` as a dense ``[2, n]`` block: the chunk's own, then copied into its columns)."""
-    stats = torch.empty((2, z.shape[0]), device=z.device, dtype=row_stats.dtype)
-    logprobs_forward(z, labels, active=active, temperature=temperature, return_entropy=True,
-                     out=(logp, entropy, stats), softcap=softcap)
-    row_stats.copy_(stats)
-
-
-def gemm_operands(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], softcap: Optional[float] = None):
-    rows = hidden.reshape(-1, hidden.shape[-1])
-    w = weight if weight.stride(-1) == 1 else weight.contiguous()
-    return rows, w, kernel_bias(bias, softcap, compute_dtype(weight.dtype))
-
-
-def form_dz(z: Tensor, dz: Tensor, labels: Tensor, stats: Tensor, entropy: Tensor, g: Optional[Tensor],
-            ge: Optional[Tensor], db: Optional[Tensor], *, temperature: float, softcap: Optional[float],
-            vocab_window: Optional[Tuple[int, int]] = None) -> None:
-    """``dZ`` of the logits ``z`` into ``dz`` (the operand dtype; ``z`` itself for fp32 / fp64 operands), adding
-    its column sums to ``db`` when given: then ``dZ`` is formed in fp32 over ``z`` first (the bias gradient sums
-    it) and rounded once into ``dz``; else the kernel writes ``dz`` directly."""
-    if db is not None or dz.data_ptr() == z.data_ptr():
-        logprobs_backward(z, labels, stats, entropy, g, ge, temperature=temperature, inplace=True, softcap=softcap,
-                          vocab_window=vocab_window)
-        if db is not None:
-            db.add_(z.sum(0, dtype=db.dtype))
-        if dz.data_ptr() != z.data_ptr():
-            dz.copy_(z)
-    else:
-        logprobs_backward(z, labels, stats, entropy, g, ge, temperature=temperature, out=dz, softcap=softcap,
-                          vocab_window=vocab_window)
-
-
-class GradientStore:
-    """``dZ`` rows (operand dtype) waiting for the ``dH`` / ``dW`` GEMMs, with the token index of each; flushed
-    when full and at the end, so that the fp32 ``dW`` accumulator is read and written once per store.
-
-    Rows added with a ``keep`` mask (rows whose plan is not known on the host) enter the GEMMs with their hidden
-    rows zeroed where ``keep`` is False: garbage there (e.g. NaN padding) cannot reach ``dW``."""
-
-    def __init__(self, rows: int, vocab: int, buffers: ChunkBuffers, operand: torch.dtype, device: torch.device):
-        self.separate = buffers.dz is None  # else dZ is written over the logits buffer (fp32 / fp64 operands)
-        self.dz = torch.empty((rows, vocab), device=device, dtype=operand) if self.separate else buffers.dz
-        self.index = torch.empty(rows, device=device, dtype=torch.int64)
-        self.keep = torch.empty(rows, device=device, dtype=torch.bool)
-        self.masked = False  # some row of the store came with a keep mask
-        self.rows, self.used, self.flushes = rows, 0, 0
-        self.span: Optional[Tuple[int, int]] = None  # (first token, count) while the rows are one token range
-
-    def backward(self, z: Tensor, index: Optional[Tensor], t0: int, keep: Optional[Tensor], labels: Tensor,
-                 stats: Tensor, entropy: Tensor, g: Optional[Tensor], ge: Optional[Tensor], temperature: float,
-                 softcap: Optional[float], db: Optional[Tensor], gemms) -> None:
-        """``dZ`` of the logits ``z`` (``n`` rows: tokens ``index``, or ``t0, t0 + 1, ...``) into the store, the
-        store's GEMMs first when it is full (``gemms``: ``flush``'s arguments), and at once when ``dZ`` is
-        written over the logits (which the next chunk needs)."""
-        n = z.shape[0]
-        if self.used + n > self.rows:
-            self.flush(*gemms)
-        dz = self.add(n, index, t0, keep)
-        form_dz(z, dz, labels, stats, entropy, g, ge, db, temperature=temperature, softcap=softcap)
-        if not self.separate:
-            self.flush(*gemms)
-
-    def add(self, n: int, index: Optional[Tensor], t0: int, keep: Optional[Tensor] = None) -> Tensor:
-        """Reserve ``n`` rows for tokens ``index`` (None: ``t0, t0 + 1, ...``; ``keep``: which of them carry a
-        gradient, None: all); returns their ``dZ`` rows."""
-        k = self.used
-        if keep is None:
-            self.keep[k:k + n].fill_(True)
-        else:
-            self.keep[k:k + n].copy_(keep)
-            self.masked = True
-        if index is None:
-            if self.span is not None and self.span[0] + self.span[1] == t0 and k == self.span[1]:
-                self.span = (self.span[0], k + n)
-            elif k == 0:
-                self.span = (t0, n)
-            else:
-                self.span = None
-            torch.arange(t0, t0 + n, device=self.index.device, out=self.index[k:k + n])
-        else:
-            self.span = None
-            self.index[k:k + n].copy_(index)
-        self.used = k + n
-        return self.dz[k:k + n]
-    def flush(self, rows: Tensor, weight: Tensor, dh: Optional[Tensor], dw: Optional[Tensor]) -> None:
-        k = self.used
-        if k == 0:
-            return
-        dz = self.dz[:k]
-        if self.span is not None:
-            a = self.span[0]
-            h = rows[a:a + k]
-            if dh is not None:
-                torch.mm(dz, weight, out=dh[a:a + k])
-        else:
-            index = self.index[:k]
-            h = rows.index_select(0, index)
-            if dh is not None:
-                dh.index_copy_(0, index, dz @ weight)
-        if dw is not None:
-            if self.masked:
-                h = torch.where(self.keep[:k, None], h, torch.zeros((), device=h.device, dtype=h.dtype))
-            accumulate_dw(dw, dz, h, first=self.flushes == 0)
-        self.used, self.span, self.masked = 0, None, False
-        self.flushes += 1
-
-
-def _row_chunked_backward(rows: Tensor, weight: Tensor, operand: torch.dtype, bias: Optional[Tensor], labels: Tensor,
-                          carries: Tensor, grad_logp: Optional[Tensor], grad_entropy: Optional[Tensor],
-                          row_stats: Tensor, entropy: Tensor, temperature: float, softcap: Optional[float],
-                          memory_budget: Optional[int], need) -> List[Optional[Tensor]]:
+def _row_chunked_backward(plan: BackwardPlan) -> List[Optional[Tensor]]:
     """The two-pass backward over chunks of rows (more rows than a quarter of the vocabulary): each chunk's logits
     recomputed, its ``dZ`` into a store whose full loads go through the ``dH`` / ``dW`` GEMMs (``dW`` accumulated
     in fp32 across stores); ``[dH (operand dtype), dW, dB]``, None where ``need`` says no. No host read: every
     row goes through the GEMMs, those without gradient as zero rows (masked in the store)."""
+    rows, weight, saved, need = plan.rows, plan.weight, plan.saved, plan.need
     w = weight if weight.stride(-1) == 1 else weight.contiguous()  # the operand itself (saved by the forward)
     n, vocab = rows.shape[0], w.shape[0]
-    acc = compute_dtype(operand)
+    acc = compute_dtype(saved.operand)
     dh = torch.zeros_like(rows) if need[0] else None
     dw = torch.empty(w.shape, device=w.device, dtype=acc) if need[1] else None
     db = torch.zeros(vocab, device=w.device, dtype=acc) if need[2] else None
+    targets = GradientTargets(rows=rows, weight=w, dh=dh, dw=dw, db=db, temperature=saved.temperature,
+                              softcap=saved.softcap)
     free = None
-    if memory_budget is None and w.is_cuda and checks.host_reads_allowed():
+    if saved.memory_budget is None and w.is_cuda and checks.host_reads_allowed():
         free = torch.cuda.mem_get_info(w.device)[0]
-    chunk, store_rows = configs.one_pass_chunk_rows(n, vocab, w.dtype, memory_budget, free, two_pass=True)
-    separate = w.dtype != acc
-    buffers = ChunkBuffers(min(chunk, n), vocab, w.dtype, w.device, need_dz=not separate) if n else None
-    store = GradientStore(max(store_rows, chunk) if separate else chunk, vocab, buffers, w.dtype,
-                           w.device) if n else None
+    sizes = configs.one_pass_chunk_rows(n, vocab, w.dtype, saved.memory_budget, free, two_pass=True)
+    chunk = sizes[0]
+    buffers, store = open_store(n, sizes, w)
     for r0 in range(0, n, chunk):
-        sl = slice(r0, min(n, r0 + chunk))
-        z = chunk_logits(rows[sl], w, bias, buffers.logits)
-        store.backward(z=z, index=None, t0=r0, keep=carries[sl], labels=labels[sl],
-                       stats=row_stats[:, sl].contiguous(), entropy=entropy[sl],
-                       g=None if grad_logp is None else grad_logp[sl],
-                       ge=None if grad_entropy is None else grad_entropy[sl], temperature=temperature,
-                       softcap=softcap, db=db, gemms=(rows, w, dh, dw))
-    if store is not None:
-        store.flush(rows, w, dh, dw)
-    if dw is not None and (store is None or store.flushes == 0):
-        dw.zero_()
+        r1 = min(n, r0 + chunk)
+        z = chunk_logits(rows[r0:r1], w, plan.bias, buffers.logits)
+        store.backward(plan.chunk(r0, r1, z, saved.row_stats[:, r0:r1].contiguous()), targets)
+    close_store(store, targets)
     return [dh, dw, db]
 
 
@@ -293,10 +144,7 @@ def _slice_buffers(count: int, acc: torch.dtype, operand: torch.dtype, device: t
     return logits, (logits if operand == acc else torch.empty(count, device=device, dtype=operand))
 
 
-def _vocab_sliced_backward(rows: Tensor, weight: Tensor, operand: torch.dtype, bias: Optional[Tensor], labels: Tensor,
-                           carries: Tensor, grad_logp: Optional[Tensor], grad_entropy: Optional[Tensor],
-                           row_stats: Tensor, entropy: Tensor, temperature: float, softcap: Optional[float],
-                           memory_budget: Optional[int], need) -> List[Optional[Tensor]]:
+def _vocab_sliced_backward(plan: BackwardPlan) -> List[Optional[Tensor]]:
     """The two-pass backward over slices of ``S`` vocabulary columns (:func:`configs.vocab_slice_sizes`), for few
     rows against the vocabulary (:func:`configs.vocab_sliced`): ``[dH, dW, dB]`` in the compute dtype (None where
     ``need`` says no).
@@ -307,15 +155,17 @@ def _vocab_sliced_backward(rows: Tensor, weight: Tensor, operand: torch.dtype, b
     ``dW[slice]`` (+)= ``dZ.T @ H`` straight into the fp32 gradient, ``dH`` += ``dZ @ W[slice]`` into an fp32
     accumulator, ``dB[slice]`` = the columns' sums. Rows without gradient are zero ``dZ`` rows with their hidden
     rows zeroed for ``dW`` (garbage such as NaN padding cannot reach it). No host read."""
+    rows, weight, bias, saved, need = plan.rows, plan.weight, plan.bias, plan.saved, plan.need
+    operand, row_stats = saved.operand, saved.row_stats
     n, vocab = rows.shape[0], weight.shape[0]
     acc = compute_dtype(operand)
-    r_rows, s_cols = configs.vocab_slice_sizes(n, vocab, operand, memory_budget)
+    r_rows, s_cols = configs.vocab_slice_sizes(n, vocab, operand, saved.memory_budget)
     dh = torch.empty(rows.shape, device=rows.device, dtype=acc) if need[0] else None
     dw = torch.empty(weight.shape, device=weight.device, dtype=acc) if need[1] else None
     db = torch.zeros(vocab, device=weight.device, dtype=acc) if need[2] else None
     if n == 0 or vocab == 0:
         return [None if t is None else t.zero_() for t in (dh, dw, db)]
-    kept = torch.where(carries[:, None], rows, torch.zeros((), device=rows.device, dtype=rows.dtype)) if need[1] \
+    kept = torch.where(plan.carries[:, None], rows, torch.zeros((), device=rows.device, dtype=rows.dtype)) if need[1] \
         else None
     logits_buf, dz_buf = _slice_buffers(r_rows * s_cols, acc, operand, rows.device)
     for v0 in range(0, vocab, s_cols):
@@ -328,9 +178,8 @@ def _vocab_sliced_backward(rows: Tensor, weight: Tensor, operand: torch.dtype, b
             z = chunk_logits(rows[r0:r1], w, b, logits_buf[: count * width].view(count, width))
             dz = dz_buf[: count * width].view(count, width)
             stats = row_stats if count == n else row_stats[:, r0:r1].contiguous()
-            form_dz(z, dz, labels[r0:r1], stats, entropy[r0:r1], None if grad_logp is None else grad_logp[r0:r1],
-                    None if grad_entropy is None else grad_entropy[r0:r1], None if db is None else db[v0:v1],
-                    temperature=temperature, softcap=softcap, vocab_window=(v0, vocab))
+            form_dz(plan.chunk(r0, r1, z, stats), dz, None if db is None else db[v0:v1],
+                    temperature=saved.temperature, softcap=saved.softcap, vocab_window=(v0, vocab))
             if dh is not None:
                 accumulate_dw(dh[r0:r1], dz.t(), w, first=v0 == 0)  # dH[rows] (+)= dZ @ W[slice]
             if dw is not None:
@@ -368,26 +217,24 @@ def vendor_forward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], label
     return logp, entropy, row_stats
 
 
-def vendor_backward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, computed: Tensor,
-                    row_stats: Tensor, entropy: Tensor, grad_logp: Optional[Tensor], grad_entropy: Optional[Tensor], *,
-                    operand: torch.dtype, sliced: bool, temperature: float, softcap: Optional[float],
-                    memory_budget: Optional[int], need) -> List[Optional[Tensor]]:
+def vendor_backward(saved: SavedForward, grad_logp: Optional[Tensor], grad_entropy: Optional[Tensor],
+                    need: Tuple[bool, bool, bool]) -> List[Optional[Tensor]]:
     """The backward of the vendor path: ``[dH [N, H], dW, dB]`` in the compute dtype (None where ``need`` says
-    not wanted); the rows that are not ``computed`` or carry a zero gradient do no work."""
-    acc = compute_dtype(operand)
-    carries = torch.zeros_like(computed)
+    not wanted); the rows that are not ``saved.computed`` or carry a zero gradient do no work."""
+    acc = compute_dtype(saved.operand)
+    carries = torch.zeros_like(saved.computed)
     for g in (grad_logp, grad_entropy):
         if g is not None:
             carries |= g != 0
-    carries &= computed
-    grad_logp = None if grad_logp is None else torch.where(carries, grad_logp.to(acc), 0)
-    grad_entropy = None if grad_entropy is None else torch.where(carries, grad_entropy.to(acc), 0)
-    form = _vocab_sliced_backward if sliced else _row_chunked_backward
-    return form(rows=hidden.detach().reshape(-1, hidden.shape[-1]), weight=weight.detach(), operand=operand,
-                bias=None if bias is None else kernel_bias(bias.detach(), softcap, acc), labels=labels,
-                carries=carries, grad_logp=grad_logp, grad_entropy=grad_entropy, row_stats=row_stats,
-                entropy=entropy, temperature=temperature, softcap=softcap,
-                memory_budget=memory_budget, need=need)
+    carries &= saved.computed
+    hidden, bias = saved.hidden, saved.bias
+    plan = BackwardPlan(rows=hidden.detach().reshape(-1, hidden.shape[-1]), weight=saved.weight.detach(),
+                        bias=None if bias is None else kernel_bias(bias.detach(), saved.softcap, acc), saved=saved,
+                        carries=carries,
+                        grad_logp=None if grad_logp is None else torch.where(carries, grad_logp.to(acc), 0),
+                        grad_entropy=None if grad_entropy is None else torch.where(carries, grad_entropy.to(acc), 0),
+                        need=need)
+    return (_vocab_sliced_backward if saved.sliced else _row_chunked_backward)(plan)
 
 
 class VendorLinearLogprobs(torch.autograd.Function):
@@ -398,15 +245,15 @@ class VendorLinearLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, active, options: CallOptions, operands=None):
-        temperature, memory_budget, softcap = float(options.temperature), options.memory_budget, options.softcap
         # operands: the tensors the GEMMs multiply (detached), when the inputs are the caller's tensors before the
         # precision policy's cast; the gradients then go to the inputs directly, in their dtypes
         ctx.leaves = [None if t is None else (t.shape, t.dtype) for t in (hidden, weight, bias)]
         caller_weight = weight
         if operands is not None:
             hidden, weight, bias = operands
-        logp, entropy, row_stats = vendor_forward(hidden, weight, bias, labels, active, temperature=temperature,
-                                                  memory_budget=memory_budget, softcap=softcap,
+        logp, entropy, row_stats = vendor_forward(hidden, weight, bias, labels, active,
+                                                  temperature=options.temperature,
+                                                  memory_budget=options.memory_budget, softcap=options.softcap,
                                                   grad=any(ctx.needs_input_grad[:3]))
         n = logp.shape[0]
         ctx.sliced = configs.vocab_sliced(n, weight.shape[0])
@@ -417,7 +264,7 @@ class VendorLinearLogprobs(torch.autograd.Function):
         kept_weight = caller_weight if ctx.sliced and operands is not None else weight
         ctx.save_for_backward(hidden.detach(), kept_weight.detach(), None if bias is None else bias.detach(), labels,
                               computed, row_stats, entropy)
-        ctx.temperature, ctx.memory_budget, ctx.softcap = temperature, memory_budget, softcap
+        ctx.options = options
         ctx.set_materialize_grads(False)
         return logp, entropy
 
@@ -429,10 +276,12 @@ class VendorLinearLogprobs(torch.autograd.Function):
             return (None,) * 7
         # [dH, dW, dB] in the compute dtype, the chunk buffers freed on return: before the gradients are cast to
         # the leaves' dtypes (an fp32 hidden state's dH copy, N x H x 4 bytes), not beside it
-        grads = vendor_backward(hidden, weight, bias, labels, computed, row_stats, entropy, grad_logp, grad_entropy,
-                                operand=ctx.operand, sliced=ctx.sliced, temperature=ctx.temperature,
-                                softcap=ctx.softcap, memory_budget=ctx.memory_budget,
-                                need=(need_dh, need_dw, need_db and bias is not None))
+        options = ctx.options
+        saved = SavedForward(hidden=hidden, weight=weight, bias=bias, labels=labels, computed=computed,
+                             row_stats=row_stats, entropy=entropy, operand=ctx.operand, sliced=ctx.sliced,
+                             temperature=options.temperature, softcap=options.softcap,
+                             memory_budget=options.memory_budget)
+        grads = vendor_backward(saved, grad_logp, grad_entropy, (need_dh, need_dw, need_db and bias is not None))
         grads = [None if g is None else g.reshape(leaf[0]).to(leaf[1]) for g, leaf in zip(grads, ctx.leaves)]
         return (*grads, None, None, None, None)
 

@@ -6,7 +6,9 @@ computes the logits again. The one-call loss (:func:`fused_linear_loss`) needs t
 logits are still there: it runs over chunks of *whole responses*, so that the sequence stage can produce
 ``dL/dlogp`` for the chunk's tokens before ``dZ`` is formed, and does ``6 N H V`` (``2 N H V`` per counted row
 plus ``4 H V`` per row that carries a gradient). The chunk GEMM, the buffers and the ``dZ`` store are
-:mod:`.linear`'s (:func:`~.linear.chunk_logits`, :class:`~.linear.ChunkBuffers`, :class:`~.linear.GradientStore`).
+the engine's (:mod:`.chunked_gemm`: :func:`~.chunked_gemm.chunk_logits`, :class:`~.chunked_gemm.ChunkBuffers`,
+:class:`~.chunked_gemm.GradientStore`), as for the two-pass path. A call travels as one frozen
+:class:`OnePassCall`; the state its chunks share as one :class:`_Pass`.
 
 Host reads: none here. The one-call loss plans its rows from ``inputs.host`` (read with the value checks, once
 per call; :class:`_RowPlan`): masked rows enter no GEMM, rows of responses without a gradient enter no backward
@@ -21,7 +23,8 @@ in place by the incoming gradient (:func:`scale_gradient_kernel`, the one kernel
 from __future__ import annotations
 
 import bisect
-from typing import Callable, List, Optional, Tuple
+from dataclasses import dataclass
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 import triton
@@ -30,14 +33,18 @@ from torch import Tensor
 
 from gspo_kernels import checks
 from gspo_kernels.backends.triton import configs, sequence
-from gspo_kernels.backends.triton.launch import device_guard
-from gspo_kernels.backends.triton.linear import (
+from gspo_kernels.backends.triton.chunked_gemm import (
     ChunkBuffers,
+    ChunkGradient,
     GradientStore,
+    GradientTargets,
     chunk_logits,
     chunk_statistics,
+    close_store,
     gemm_operands,
+    open_store,
 )
+from gspo_kernels.backends.triton.launch import device_guard
 from gspo_kernels.backends.triton.logits import logprobs_forward
 from gspo_kernels.options import CallOptions
 from gspo_kernels.precision import compute_dtype
@@ -158,11 +165,54 @@ def _longest_response(inputs) -> int:
     return inputs.batch.token_shape[-1]  # padded (the caller returns early for packed without a host layout)
 
 
-def _chunk_gradient(sequence_stage, logp, entropy, stand_in, sl, inputs, config) -> Tuple[Tensor, Optional[Tensor]]:
+@dataclass(frozen=True)
+class OnePassCall:
+    """One call of the one-pass loss (:func:`fused_linear_loss`): the backend's ``sequence_stage``, the operands
+    ``hidden [N, H]``, ``weight [V, H]`` and ``bias [V]`` (None: none) in the operand dtype, the validated
+    ``inputs`` (:class:`~gspo_kernels.layout.LossInputs`), the call's ``options`` (``config``, ``temperature`` and
+    ``softcap`` read here), ``sizes = (C, K)`` (the rows of a chunk and of the ``dZ`` store), ``need``: which of
+    ``[dH, dW, dB]`` to form, and ``logprobs_out`` (``[N]``, receives the log-probs; None: not kept)."""
+
+    sequence_stage: Callable
+    hidden: Tensor
+    weight: Tensor
+    bias: Optional[Tensor]
+    inputs: Any
+    options: CallOptions
+    sizes: Tuple[int, int]
+    need: Sequence[bool]
+    logprobs_out: Optional[Tensor] = None
+
+
+@dataclass(frozen=True)
+class _Pass:
+    """What every chunk of one pass reads and writes: the ``call``, its ``row_plan``, the GEMMs' operands and
+    gradients with the ``dZ`` kernel's options (``targets``), the kernel's ``bias`` (compute dtype, capped; None:
+    none), the chunk ``buffers`` and the ``dZ`` ``store`` (None without rows), ``labels [N]``, ``valid [N]`` (the
+    unmasked tokens), the outputs ``logp``, ``entropy [N]`` and ``row_stats [2, N]`` (compute dtype) and
+    ``stand_in [N]``: the log-probs the sequence stage sees for the tokens of the other chunks."""
+
+    call: OnePassCall
+    row_plan: _RowPlan
+    targets: GradientTargets
+    bias: Optional[Tensor]
+    buffers: Optional[ChunkBuffers]
+    store: Optional[GradientStore]
+    labels: Tensor
+    valid: Tensor
+    logp: Tensor
+    entropy: Tensor
+    row_stats: Tensor
+    stand_in: Tensor
+
+
+def _chunk_gradient(run: _Pass, sl: slice) -> Tuple[Tensor, Optional[Tensor]]:
     """``dL/dlogp`` (and ``dL/dentropy`` when the loss has an entropy term) for the tokens ``sl``: the stage on
     the whole batch, the chunk's values in place, the other tokens at their stand-ins (the Triton stage's gradient
     without the autograd engine: no graph, no host-side work between its launches; by autograd for any other
     stage, and for an objective the kernels do not compute)."""
+    sequence_stage, inputs, config = run.call.sequence_stage, run.call.inputs, run.call.options.config
+    logp, entropy, stand_in = run.logp, run.entropy, run.stand_in
     if sequence_stage is sequence.fused_objective and sequence.has_kernels(config):
         lp = stand_in.clone()
         lp[sl] = logp[sl]
@@ -183,41 +233,94 @@ def _chunk_gradient(sequence_stage, logp, entropy, stand_in, sl, inputs, config)
     return g, ge
 
 
-def _long_response(sequence_stage, rows, w, b, labels, valid, t0, t1, chunk, n_carrying, logp, entropy, row_stats,
-                   stand_in, inputs, config, buffers, store, dh, dw, db, softcap) -> None:
-    """One response longer than a chunk: its forward in parts, the stage's gradient, then each part again
-    (logits recomputed) through the backward; its masked rows are zero rows (no host read)."""
-    temperature = config.temperature
+def _long_response(run: _Pass, t0: int, t1: int, n_carrying: Optional[int]) -> None:
+    """One response (tokens ``t0:t1``) longer than a chunk: its forward in parts, the stage's gradient, then each
+    part again (logits recomputed) through the backward; its masked rows are zero rows (no host read)."""
+    targets, b, buffers = run.targets, run.bias, run.buffers
+    temperature, softcap, rows, w = targets.temperature, targets.softcap, targets.rows, targets.weight
+    chunk = run.call.sizes[0]
     parts = [(s, min(t1, s + chunk)) for s in range(t0, t1, chunk)]
     for s0, s1 in parts:
         z = chunk_logits(rows[s0:s1], w, b, buffers.logits)
-        chunk_statistics(z=z, labels=labels[s0:s1], active=valid[s0:s1], temperature=temperature, logp=logp[s0:s1],
-                         entropy=entropy[s0:s1], row_stats=row_stats[:, s0:s1], softcap=softcap)
+        chunk_statistics(z=z, labels=run.labels[s0:s1], active=run.valid[s0:s1], temperature=temperature,
+                         logp=run.logp[s0:s1], entropy=run.entropy[s0:s1], row_stats=run.row_stats[:, s0:s1],
+                         softcap=softcap)
     if n_carrying == 0:
         return
-    g, ge = _chunk_gradient(sequence_stage=sequence_stage, logp=logp, entropy=entropy, stand_in=stand_in, sl=slice(t0, t1),
-                            inputs=inputs, config=config)
+    g, ge = _chunk_gradient(run, slice(t0, t1))
     for s0, s1 in parts:
         local = slice(s0 - t0, s1 - t0)
         z = chunk_logits(rows[s0:s1], w, b, buffers.logits)
-        store.backward(z=z, index=None, t0=s0, keep=valid[s0:s1], labels=labels[s0:s1],
-                       stats=row_stats[:, s0:s1].contiguous(), entropy=entropy[s0:s1], g=g[local],
-                       ge=None if ge is None else ge[local], temperature=temperature, softcap=softcap, db=db,
-                       gemms=(rows, w, dh, dw))
+        run.store.backward(ChunkGradient(z=z, labels=run.labels[s0:s1], stats=run.row_stats[:, s0:s1].contiguous(),
+                                         entropy=run.entropy[s0:s1], g=g[local], ge=None if ge is None else ge[local],
+                                         t0=s0, keep=run.valid[s0:s1]), targets)
 
 
-def _one_pass(sequence_stage, hidden, weight, bias, inputs, config, sizes, need, softcap, logprobs_out=None):
+def _whole_chunk(run: _Pass, t0: int, t1: int, n_counted: Optional[int], n_carrying: Optional[int]) -> None:
+    """A chunk of whole responses (tokens ``t0:t1``; ``n_counted`` of its rows unmasked, ``n_carrying`` with a
+    gradient, None: not known on the host): its counted rows (gathered, carrying rows first, when some are
+    masked or without gradient) through the logits GEMM and the forward epilogue, the stage's gradient, then the
+    carrying rows' ``dZ`` into the store."""
+    targets, valid, logp, entropy, row_stats = run.targets, run.valid, run.logp, run.entropy, run.row_stats
+    temperature, softcap, rows, w = targets.temperature, targets.softcap, targets.rows, targets.weight
+    acc = logp.dtype
+    sl = slice(t0, t1)
+    order = None  # the chunk's rows to visit, carrying rows first (None: all, in token order)
+    if n_counted is not None and (n_counted < t1 - t0 or 0 < n_carrying < n_counted):
+        order = torch.sort(run.row_plan.category[sl], stable=True).indices[:n_counted]
+    m = (t1 - t0) if n_counted is None else n_counted
+    if m == 0:
+        run.stand_in[sl] = logp[sl]
+        return
+    h_rows = rows[sl] if order is None else rows[sl].index_select(0, order)
+    lab = run.labels[sl] if order is None else run.labels[sl].index_select(0, order)
+    z = chunk_logits(h_rows, w, run.bias, run.buffers.logits)
+    if order is None:
+        c_logp, c_ent, c_stats = logp[sl], entropy[sl], row_stats[:, sl]
+        stats = torch.empty((2, m), device=w.device, dtype=acc)
+        logprobs_forward(z, lab, active=None if n_counted is not None else valid[sl], temperature=temperature,
+                         return_entropy=True, out=(c_logp, c_ent, stats), softcap=softcap)
+        c_stats.copy_(stats)
+    else:
+        c_logp, c_ent = torch.empty(m, device=w.device, dtype=acc), torch.empty(m, device=w.device, dtype=acc)
+        stats = torch.empty((2, m), device=w.device, dtype=acc)
+        logprobs_forward(z, lab, temperature=temperature, return_entropy=True, out=(c_logp, c_ent, stats),
+                         softcap=softcap)
+        idx = order + t0
+        logp.index_copy_(0, idx, c_logp)
+        entropy.index_copy_(0, idx, c_ent)
+        row_stats.index_copy_(1, idx, stats)
+    g, ge = _chunk_gradient(run, sl)
+    run.stand_in[sl] = logp[sl]
+    k = m if n_carrying is None else n_carrying
+    if k == 0:
+        return
+    if order is not None:
+        g = g.index_select(0, order[:k])
+        ge = None if ge is None else ge.index_select(0, order[:k])
+    keep = None
+    if n_counted is None:  # rows not planned on the host: those without gradient are zero rows
+        g = torch.where(valid[sl], g, 0)
+        ge = None if ge is None else torch.where(valid[sl], ge, 0)
+        keep = (g != 0) if ge is None else ((g != 0) | (ge != 0))
+    run.store.backward(ChunkGradient(z=z[:k], labels=lab[:k], stats=stats if k == m else stats[:, :k].contiguous(),
+                                     entropy=c_ent[:k], g=g, ge=ge, index=None if order is None else order[:k] + t0,
+                                     t0=t0, keep=keep), targets)
+
+
+def _one_pass(call: OnePassCall):
     """The pass of :func:`fused_linear_loss`: ``(LossOutput with its metrics, [dH, dW, dB])`` (fp32 / operand
-    dtypes; None where ``need`` says no), over chunks of ``sizes = (C, K)`` rows; the log-probs into
-    ``logprobs_out`` when given."""
-    rows, w, b = gemm_operands(hidden.detach(), weight.detach(), None if bias is None else bias.detach(), softcap)
+    dtypes; None where ``call.need`` says no), over chunks of ``call.sizes = (C, K)`` rows; the log-probs into
+    ``call.logprobs_out`` when given."""
+    options, inputs, need = call.options, call.inputs, call.need
+    config = options.config
+    bias = call.bias
+    rows, w, b = gemm_operands(call.hidden.detach(), call.weight.detach(), None if bias is None else bias.detach(),
+                               options.softcap)
     n, vocab = rows.shape[0], w.shape[0]
     acc = compute_dtype(w.dtype)
-    separate = w.dtype != acc
-    chunk, store_rows = sizes
-    plan = _RowPlan(inputs, config, chunk)
+    plan = _RowPlan(inputs, config, call.sizes[0])
     labels, valid = inputs.labels, inputs.batch.mask > 0
-    temperature = config.temperature
     dh = torch.zeros_like(rows) if need[0] else None
     dw = torch.empty(w.shape, device=w.device, dtype=acc) if need[1] else None
     db = torch.zeros(vocab, device=w.device, dtype=acc) if need[2] else None
@@ -225,73 +328,29 @@ def _one_pass(sequence_stage, hidden, weight, bias, inputs, config, sizes, need,
     entropy = torch.zeros_like(logp)
     row_stats = torch.zeros((2, n), device=w.device, dtype=acc)
     stand_in = torch.zeros_like(logp) if inputs.old_logprobs is None else inputs.old_logprobs.to(acc).clone()
-    buffers = ChunkBuffers(min(chunk, n), vocab, w.dtype, w.device, need_dz=not separate) if n else None
-    store = GradientStore(max(store_rows, chunk) if separate else chunk, vocab, buffers, w.dtype,
-                           w.device) if n else None
+    buffers, store = open_store(n, call.sizes, w)
+    targets = GradientTargets(rows=rows, weight=w, dh=dh, dw=dw, db=db, temperature=options.temperature,
+                              softcap=options.softcap)
+    run = _Pass(call=call, row_plan=plan, targets=targets, bias=b, buffers=buffers, store=store, labels=labels,
+                valid=valid, logp=logp, entropy=entropy, row_stats=row_stats, stand_in=stand_in)
     two_pass_tokens = 0
     for t0, t1, whole, n_counted, n_carrying in plan.chunks:
-        sl = slice(t0, t1)
-        if not whole:  # one response longer than a chunk: in parts, the logits recomputed in the backward
-            two_pass_tokens += t1 - t0
-            _long_response(sequence_stage=sequence_stage, rows=rows, w=w, b=b, labels=labels, valid=valid, t0=t0, t1=t1,
-                           chunk=chunk, n_carrying=n_carrying, logp=logp, entropy=entropy, row_stats=row_stats,
-                           stand_in=stand_in, inputs=inputs, config=config, buffers=buffers, store=store, dh=dh, dw=dw,
-                           db=db, softcap=softcap)
-            stand_in[sl] = logp[sl]
+        if whole:
+            _whole_chunk(run, t0, t1, n_counted, n_carrying)
             continue
-        order = None  # the chunk's rows to visit, carrying rows first (None: all, in token order)
-        if n_counted is not None and (n_counted < t1 - t0 or 0 < n_carrying < n_counted):
-            order = torch.sort(plan.category[sl], stable=True).indices[:n_counted]
-        m = (t1 - t0) if n_counted is None else n_counted
-        if m == 0:
-            stand_in[sl] = logp[sl]
-            continue
-        h_rows = rows[sl] if order is None else rows[sl].index_select(0, order)
-        lab = labels[sl] if order is None else labels[sl].index_select(0, order)
-        z = chunk_logits(h_rows, w, b, buffers.logits)
-        if order is None:
-            c_logp, c_ent, c_stats = logp[sl], entropy[sl], row_stats[:, sl]
-            stats = torch.empty((2, m), device=w.device, dtype=acc)
-            logprobs_forward(z, lab, active=None if n_counted is not None else valid[sl], temperature=temperature,
-                             return_entropy=True, out=(c_logp, c_ent, stats), softcap=softcap)
-            c_stats.copy_(stats)
-        else:
-            c_logp, c_ent = torch.empty(m, device=w.device, dtype=acc), torch.empty(m, device=w.device, dtype=acc)
-            stats = torch.empty((2, m), device=w.device, dtype=acc)
-            logprobs_forward(z, lab, temperature=temperature, return_entropy=True, out=(c_logp, c_ent, stats),
-                             softcap=softcap)
-            idx = order + t0
-            logp.index_copy_(0, idx, c_logp)
-            entropy.index_copy_(0, idx, c_ent)
-            row_stats.index_copy_(1, idx, stats)
-        g, ge = _chunk_gradient(sequence_stage=sequence_stage, logp=logp, entropy=entropy, stand_in=stand_in, sl=sl,
-                                inputs=inputs, config=config)
-        stand_in[sl] = logp[sl]
-        k = m if n_carrying is None else n_carrying
-        if k == 0:
-            continue
-        if order is not None:
-            g = g.index_select(0, order[:k])
-            ge = None if ge is None else ge.index_select(0, order[:k])
-        keep = None
-        if n_counted is None:  # rows not planned on the host: those without gradient are zero rows
-            g = torch.where(valid[sl], g, 0)
-            ge = None if ge is None else torch.where(valid[sl], ge, 0)
-            keep = (g != 0) if ge is None else ((g != 0) | (ge != 0))
-        store.backward(z=z[:k], index=None if order is None else order[:k] + t0, t0=t0, keep=keep, labels=lab[:k],
-                       stats=stats if k == m else stats[:, :k].contiguous(), entropy=c_ent[:k], g=g, ge=ge,
-                       temperature=temperature, softcap=softcap, db=db, gemms=(rows, w, dh, dw))
-    if store is not None:
-        store.flush(rows, w, dh, dw)
-    if dw is not None and (store is None or store.flushes == 0):
-        dw.zero_()
+        # one response longer than a chunk: in parts, the logits recomputed in the backward
+        two_pass_tokens += t1 - t0
+        _long_response(run, t0, t1, n_carrying)
+        stand_in[t0:t1] = logp[t0:t1]
+    close_store(store, targets)
     with torch.no_grad():
-        out = sequence_stage(logp, entropy, inputs, config)
-        if logprobs_out is not None:
-            logprobs_out.copy_(torch.where(valid, logp, 0))
+        out = call.sequence_stage(logp, entropy, inputs, config)
+        if call.logprobs_out is not None:
+            call.logprobs_out.copy_(torch.where(valid, logp, 0))
     metrics = dict(out.metrics)
     metrics["fused_linear/two_pass_tokens"] = logp.new_full((), float(two_pass_tokens), dtype=torch.float32)
     return type(out)(out.loss, metrics), [dh, dw, db]
+
 
 
 class _GradientsKnown(torch.autograd.Function):
@@ -344,9 +403,7 @@ def fused_linear_loss(sequence_stage: Callable, hidden: Tensor, weight: Tensor, 
     (``[N]``, when the caller gave one) receives the per-token log-probs (0 where the mask is 0) when the pass runs
     (not when it returns None).
     """
-    config, memory_budget = options.config, options.memory_budget
-    softcap = options.softcap
-    logprobs_out = inputs.logprobs_out
+    memory_budget = options.memory_budget
     leaves = (hidden, weight, bias) if leaves is None else leaves
     need = [t is not None and t.requires_grad for t in leaves]
     if not (torch.is_grad_enabled() and any(need)):
@@ -358,8 +415,10 @@ def fused_linear_loss(sequence_stage: Callable, hidden: Tensor, weight: Tensor, 
         free = torch.cuda.mem_get_info(weight.device)[0]
     sizes = configs.one_pass_chunk_rows(hidden.reshape(-1, hidden.shape[-1]).shape[0], weight.shape[0], weight.dtype,
                                         memory_budget, free, longest=_longest_response(inputs))
-    out, grads = _one_pass(sequence_stage=sequence_stage, hidden=hidden, weight=weight, bias=bias, inputs=inputs, config=config,
-                           sizes=sizes, need=need, softcap=softcap, logprobs_out=logprobs_out)
+    # the call without its operands: what a second pass needs (``again`` below)
+    stage_args = dict(sequence_stage=sequence_stage, inputs=inputs, options=options, sizes=sizes, need=need)
+    out, grads = _one_pass(OnePassCall(hidden=hidden, weight=weight, bias=bias, logprobs_out=inputs.logprobs_out,
+                                       **stage_args))
     present = tuple(leaf for leaf in leaves if leaf is not None)
     # what a second pass needs (not the operands themselves: an fp32 head's bf16 copy is not kept for it)
     shapes = [(leaf.shape, leaf.dtype) for leaf in present]
@@ -372,7 +431,7 @@ def fused_linear_loss(sequence_stage: Callable, hidden: Tensor, weight: Tensor, 
     def again():  # a second backward through the loss: the same pass on the same operands and sizes
         ops = [leaf.detach().to(dtype).reshape(shape) for leaf, (shape, dtype) in zip(present, casts)]
         ops += [None] * (3 - len(ops))
-        return leaf_grads(_one_pass(sequence_stage, *ops, inputs, config, sizes, need, softcap)[1])
+        return leaf_grads(_one_pass(OnePassCall(hidden=ops[0], weight=ops[1], bias=ops[2], **stage_args))[1])
 
     loss = _GradientsKnown.apply(out.loss, leaf_grads(grads), again, *present)
     return type(out)(loss, out.metrics)

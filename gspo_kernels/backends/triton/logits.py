@@ -499,9 +499,9 @@ class TritonLogitsLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, labels, active, options: CallOptions, extra_position=False):
-        # the call's options: temperature, return_entropy, inplace_backward and softcap read (checked by the caller)
-        temperature, return_entropy = float(options.temperature), bool(options.return_entropy)
-        inplace_backward, softcap = bool(options.inplace_backward), options.softcap
+        # the call's options (checked as they were built), kept whole for the backward: temperature,
+        # return_entropy, inplace_backward and softcap read
+        ctx.options = options
         # Grad mode is off inside forward: the views below record nothing (no detach needed). The usual inputs
         # (flat int64 labels, flat bool mask) pass through without an op.
         if labels.dim() != 1:
@@ -512,17 +512,14 @@ class TritonLogitsLogprobs(torch.autograd.Function):
             active = active.reshape(-1).to(torch.bool).contiguous()
         rows = logits[:, :-1] if extra_position else logits
         logp, entropy, row_stats = logprobs_forward(
-            rows, labels, active=active, temperature=temperature, return_entropy=return_entropy, softcap=softcap
+            rows, labels, active=active, temperature=options.temperature, return_entropy=options.return_entropy,
+            softcap=options.softcap
         )
         if entropy is None:
             entropy = torch.zeros_like(logp)
             ctx.mark_non_differentiable(entropy)
         ctx.save_for_backward(logits, labels, row_stats, entropy, active if active is not None else torch.empty(0))
         ctx.has_active = active is not None
-        ctx.has_entropy = return_entropy
-        ctx.temperature = temperature
-        ctx.softcap = softcap
-        ctx.inplace = inplace_backward
         ctx.extra_position = extra_position
         ctx.set_materialize_grads(False)
         return logp, entropy
@@ -530,11 +527,12 @@ class TritonLogitsLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
         logits, labels, row_stats, entropy, active = ctx.saved_tensors
-        if not ctx.has_entropy:
+        options = ctx.options
+        if not options.return_entropy:
             grad_entropy = None
         if grad_logp is None and grad_entropy is None:
             return None, None, None, None, None
-        rows, out = gradient_rows(logits, ctx.inplace, ctx.extra_position)
+        rows, out = gradient_rows(logits, options.inplace_backward, ctx.extra_position)
         dlogits = logprobs_backward(
             rows,
             labels,
@@ -543,9 +541,9 @@ class TritonLogitsLogprobs(torch.autograd.Function):
             None if grad_logp is None else grad_logp.to(row_stats.dtype).contiguous(),
             None if grad_entropy is None else grad_entropy.to(row_stats.dtype).contiguous(),
             active=active if ctx.has_active else None,
-            temperature=ctx.temperature,
+            temperature=options.temperature,
             out=out,
-            softcap=ctx.softcap,
+            softcap=options.softcap,
         )
         return dlogits, None, None, None, None
 

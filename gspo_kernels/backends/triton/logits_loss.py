@@ -36,21 +36,19 @@ class TritonLogitsLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, inputs, options: CallOptions, extra_position):
-        # the call's options: config, inplace_backward and softcap read (checked by the caller)
-        config, inplace_backward, softcap = options.config, bool(options.inplace_backward), options.softcap
+        # the call's options (checked as they were built), kept whole for the backward: config, temperature,
+        # inplace_backward and softcap read (the temperature is the options', the one copy: see CallOptions)
+        config = options.config
         # The rows that count: the layout's bool flags (the forward kernel the two-node path launches), else the
         # 0/1 fp32 mask (the kernels test ``!= 0`` either way).
         active = _flat_bool(inputs.batch.counted)
         active = inputs.batch.mask if active is None else active
         rows = logits[:, :-1] if extra_position else logits
         logp, entropy, row_stats = logprobs_forward(rows, inputs.labels, active=active,
-                                                    temperature=config.temperature, softcap=softcap)
+                                                    temperature=options.temperature, softcap=options.softcap)
         coef, out, loss = _sequence_stage(logp, entropy, inputs, config)
         ctx.save_for_backward(logits, inputs.labels, row_stats, entropy, active, inputs.batch.mask, coef, out)
-        ctx.temperature = config.temperature
-        ctx.entropy_coef = config.entropy_coef
-        ctx.softcap = softcap
-        ctx.inplace = inplace_backward
+        ctx.options = options
         ctx.extra_position = extra_position
         ctx.mark_non_differentiable(out)
         ctx.set_materialize_grads(False)
@@ -61,8 +59,9 @@ class TritonLogitsLoss(torch.autograd.Function):
         if grad_loss is None:
             return None, None, None, None
         logits, labels, row_stats, entropy, active, mask, coef, out = ctx.saved_tensors
-        rows, dst = gradient_rows(logits, ctx.inplace, ctx.extra_position)
-        with_entropy = ctx.entropy_coef != 0
+        options = ctx.options
+        rows, dst = gradient_rows(logits, options.inplace_backward, ctx.extra_position)
+        with_entropy = options.config.entropy_coef != 0
         dlogits = logprobs_backward(
             rows,
             labels,
@@ -71,9 +70,9 @@ class TritonLogitsLoss(torch.autograd.Function):
             coef,
             mask if with_entropy else None,
             active=active,
-            temperature=ctx.temperature,
+            temperature=options.temperature,
             out=dst,
-            softcap=ctx.softcap,
+            softcap=options.softcap,
             grad_scale=(grad_loss.to(torch.float32), out[O_SCALE_LOGP.value], out[O_SCALE_ENTROPY.value]),
         )
         return dlogits, None, None, None
@@ -94,9 +93,9 @@ def fused_logits_loss(logits: Tensor, inputs, options: CallOptions):
         logits: ``[N, V]`` or ``[B, T, V]``, any float dtype and strides (a ``model_output[:, :-1]`` view is
             routed to its base, as in :func:`.logits.logits_logprobs`).
         inputs: the validated :class:`~gspo_kernels.layout.LossInputs` (labels in ``[0, V)``, the token mask).
-        options: the call's :class:`~gspo_kernels.options.CallOptions`; read: ``config`` (the loss's options;
-            ``config.temperature`` divides the logits), ``inplace_backward`` and ``softcap``: None or ``c > 0``
-            (the config's ``final_logit_softcapping``, checked by the public functions).
+        options: the call's :class:`~gspo_kernels.options.CallOptions`; read: ``config`` (the loss's options),
+            ``temperature`` (divides the logits: the config's, copied into the options), ``inplace_backward`` and
+            ``softcap``: None or ``c > 0`` (the config's ``final_logit_softcapping``, copied likewise).
     Returns:
         ``LossOutput(loss, metrics)``, what the two stages return one after the other (and, for an objective the
         sequence kernels do not compute, :func:`~gspo_kernels.backends.triton.sequence.has_kernels`, the two stages

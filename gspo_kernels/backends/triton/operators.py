@@ -28,7 +28,7 @@ from torch import Tensor
 
 from gspo_kernels.backends.triton import configs, linear, linear_invariant, linear_loss, logits_loss, sequence
 from gspo_kernels.backends.triton import logits as logits_path
-from gspo_kernels.backends.triton.linear import vendor_backward, vendor_forward
+from gspo_kernels.backends.triton.linear import SavedForward, vendor_backward, vendor_forward
 from gspo_kernels.backends.triton.logits import logprobs_backward, logprobs_forward
 from gspo_kernels.checks import tracing
 from gspo_kernels.config import GSPOConfig
@@ -144,10 +144,11 @@ def linear_bwd(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: T
     a bias is an empty ``[0]`` tensor."""
     n = hidden.shape[0]
     computed = torch.ones(n, device=hidden.device, dtype=torch.bool) if active is None else active
-    grads = vendor_backward(hidden, weight, bias, labels, computed, row_stats, entropy, grad_logp, grad_entropy,
-                            operand=weight.dtype, sliced=configs.vocab_sliced(n, weight.shape[0]),
-                            temperature=temperature, softcap=softcap, memory_budget=memory_budget,
-                            need=(need_dh, need_dw, need_db and bias is not None))
+    saved = SavedForward(hidden=hidden, weight=weight, bias=bias, labels=labels, computed=computed,
+                         row_stats=row_stats, entropy=entropy, operand=weight.dtype,
+                         sliced=configs.vocab_sliced(n, weight.shape[0]), temperature=temperature, softcap=softcap,
+                         memory_budget=memory_budget)
+    grads = vendor_backward(saved, grad_logp, grad_entropy, (need_dh, need_dw, need_db and bias is not None))
     like = (hidden, weight, bias if bias is not None else hidden)
     return tuple(t.new_empty((0,)) if g is None else g.to(t.dtype) for g, t in zip(grads, like))
 

@@ -141,7 +141,7 @@ def section_hidden(ctx: _Ctx) -> None:
                   zero_grads=zero_grads, with_rate=with_rate)
 
 
-# The chunk GEMM (``linear.chunk_logits``: ``hidden[:m] @ weight.T`` written as fp32 into the chunk buffer) at the
+# The chunk GEMM (``chunked_gemm.chunk_logits``: ``hidden[:m] @ weight.T`` written as fp32 into the chunk buffer) at the
 # row counts the library's chunk rules give and their neighbours that are multiples of 128: whether a row count
 # that is not a multiple of cuBLAS's tile costs its padding (the sliced route's forward runs 432-row GEMMs at the
 # TRL client's shape, the no-grad pass 1760-row ones). H = 2048 is the TRL client's hidden size.
@@ -167,7 +167,7 @@ def chunk_gemm_rows(N: int, V: int, dtype, tiny: bool) -> List[int]:
 def chunk_gemm_sweep(ctx: _Ctx, N: int, H: int, V: int, dtype, peak_tflops: Optional[float]) -> Dict:
     """TFLOP/s of the library's chunk GEMM for each row count of :func:`chunk_gemm_rows` (one row of the table;
     ``sweep``: rows -> TFLOP/s, ``ms`` the largest count's)."""
-    from gspo_kernels.backends.triton.linear import chunk_logits
+    from gspo_kernels.backends.triton.chunked_gemm import chunk_logits
 
     torch, dev = ctx.torch, ctx.device
     rows = chunk_gemm_rows(N, V, dtype, ctx.tiny)

@@ -440,9 +440,11 @@ def test_softcap_one_pass_fused_linear_loss_matches_float64(layout, monkeypatch)
 
     cap = 3.0
     impl = registry.load("triton")
-    def capped(entry):  # the pipeline passes the call's options last among the positional arguments
+    def capped(entry):  # the pipeline passes the call's options last among the positional arguments; a loss's
+        # options hold its config's cap (they must agree), so both are bound
         def call(*args, **kwargs):
-            return entry(*args[:-1], dataclasses.replace(args[-1], softcap=cap), **kwargs)
+            config = dataclasses.replace(args[-1].config, final_logit_softcapping=cap)
+            return entry(*args[:-1], dataclasses.replace(args[-1], softcap=cap, config=config), **kwargs)
         return call
 
     monkeypatch.setattr(impl, "fused_linear_loss", capped(impl.fused_linear_loss))
