@@ -295,7 +295,6 @@ def _linear_forward_accelerated(ctx, hidden, weight, bias, labels, active, optio
     ctx.accelerated, ctx.compacted, ctx.has_active = True, index is not None, active is not None
     # intermediates (not inputs or outputs): on ctx, dropped by the backward that uses them
     ctx.kept = None if kept is None else (kept, torch.expm1(logp_c))
-    ctx.memory_budget = memory_budget
     return logp, entropy
 
 
@@ -303,7 +302,7 @@ def _saved_geometry(ctx, weight: Tensor, bias: Tensor, labels: Tensor):
     """What both backwards read of the forward besides its tensors: the bias (None where the forward had none),
     temperature, softcap, the row count ``n`` and the weight's ``V, H``."""
     V, H = weight.shape
-    return (bias if ctx.has_bias else None), ctx.temperature, ctx.softcap, labels.shape[0], V, H
+    return (bias if ctx.has_bias else None), float(ctx.options.temperature), ctx.options.softcap, labels.shape[0], V, H
 
 
 def _linear_backward_accelerated(ctx, grad_logp, grad_entropy):
@@ -336,7 +335,7 @@ def _linear_backward_accelerated(ctx, grad_logp, grad_entropy):
         return _linear_backward_kept(ctx, kept, rows, gemms, hidden, weight, bias)
     kept = None  # an entropy gradient needs log p: freed before the recomputation's buffers
     tiles = 2 + (ge_all is not None) + (cap is not None)
-    C = _linear_rows(m, V, cdt, tiles, ctx.memory_budget)
+    C = _linear_rows(m, V, cdt, tiles, ctx.options.memory_budget)
     ws = _Workspace(C, V, cdt, device)  # the logits tile (then dZ in its storage), p, and lp / the cap's slope
     z_buf = torch.empty(C * V, dtype=cdt, device=device)
     dz_buf = z_buf.view(op) if op != cdt else z_buf
@@ -404,7 +403,7 @@ def _linear_backward_kept(ctx, kept, rows: _SelectedRows, gemms: "_Gemms", hidde
     accumulator). Rows without gradient have ``coef = 0``: zero ``dZ`` rows, their hidden rows zeroed too."""
     h_all, carries, g_all, col, inside, index, n = rows.h, rows.carries, rows.g, rows.col, rows.inside, rows.index, rows.n
     p, em1 = kept
-    tau = ctx.temperature
+    tau = float(ctx.options.temperature)
     m, H = h_all.shape
     cdt = g_all.dtype
     device = h_all.device
@@ -436,8 +435,7 @@ class _LinearLogprobs(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, labels, active, options: CallOptions, graph=False):
         temperature, return_entropy, softcap = float(options.temperature), options.return_entropy, options.softcap
         ctx.has_bias = bias is not None
-        ctx.temperature = temperature
-        ctx.softcap = softcap
+        ctx.options = options  # the call's options, whole (the backward reads temperature, softcap, memory_budget)
         ctx.set_materialize_grads(False)  # an unused entropy gets grad None, not a zero-filled tensor
         ctx.accelerated = False
         if _accelerated(hidden.device):
@@ -466,10 +464,6 @@ class _LinearLogprobs(torch.autograd.Function):
                 results = tuple(torch.where(keep, r, 0.0) for r in results)
             logp[index], entropy[index], stats[:, index] = results
         ctx.save_for_backward(hidden, weight, bias if bias is not None else torch.empty(0), labels, stats, entropy)
-        ctx.has_bias = bias is not None
-        ctx.temperature = temperature
-        ctx.softcap = softcap
-        ctx.set_materialize_grads(False)  # an unused entropy gets grad None, not a zero-filled tensor
         return logp, entropy
 
     @staticmethod

@@ -203,9 +203,8 @@ class _LogitsLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, labels, active, options: CallOptions, extra_position=False):
-        # the call's options (temperature, return_entropy, softcap, inplace_backward read)
+        # the call's options (temperature, return_entropy, softcap read; inplace_backward by the backward)
         temperature, return_entropy, softcap = float(options.temperature), options.return_entropy, options.softcap
-        inplace_backward = options.inplace_backward
         ctx.extra = extra_position  # ``logits`` is the [B, T + 1, V] base of the rows read (its [:, :-1])
         source = logits
         if extra_position:
@@ -239,22 +238,20 @@ class _LogitsLogprobs(torch.autograd.Function):
         ctx.em1 = torch.expm1(logp) if _accelerated(device) else None
         ctx.active = active
         ctx.plan, ctx.rows = plan, R
-        ctx.temperature = temperature
-        ctx.softcap = softcap
-        ctx.inplace = inplace_backward
+        ctx.options = options  # the call's options, whole (the backward reads temperature, softcap, inplace_backward)
         ctx.set_materialize_grads(False)  # an unused entropy gets grad None, not a zero-filled tensor
         return logp, entropy
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
         logits, labels, entropy = ctx.saved_tensors
-        tau, cap = ctx.temperature, ctx.softcap
+        tau, cap = float(ctx.options.temperature), ctx.options.softcap
         V = logits.shape[-1]
         n = labels.shape[0]
         cdt = entropy.dtype
         device = logits.device
         source = logits.detach()
-        full = source if ctx.inplace else torch.empty_like(logits, memory_format=torch.contiguous_format)
+        full = source if ctx.options.inplace_backward else torch.empty_like(logits, memory_format=torch.contiguous_format)
         grad = full
         if ctx.extra:  # the base's gradient: 0 at the last position, the rows' gradient written into the others
             full[:, -1].zero_()
@@ -270,7 +267,7 @@ class _LogitsLogprobs(torch.autograd.Function):
         col, inside = _label_columns(labels, V)
         ws = _Workspace(ctx.rows, V, cdt, device)
         pre = direct = None
-        if _direct_half_backward(source, device, tau, cap, grad_entropy, ctx.inplace, cdt):  # per call, not per block
+        if _direct_half_backward(source, device, tau, cap, grad_entropy, ctx.options.inplace_backward, cdt):  # per call, not per block
             coef = -g_all / tau
             direct = (coef, (ctx.em1 * coef).to(grad.dtype))  # the label's entry, rounded once
         elif _accelerated(device) and grad_entropy is None:
