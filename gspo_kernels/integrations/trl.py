@@ -85,13 +85,20 @@ _FSDP1_OWN_UNIT = (
     "GRPOTrainer; keep lm_head in the root FSDP unit (use_orig_params=True), or use FSDP2 (fully_shard) or DDP"
 )
 SUPPORTED_IMPORTANCE_LEVELS = ("token", "sequence", "sequence_token")
-# TRL 1.16's loss types (its GRPOConfig.loss_type); each maps onto the library's loss_type of the same name (the
-# objectives' registry marks them)
-TRL_LOSS_TYPES = tuple(t.name for t in sorted((t for t in objectives.loss_types() if t.trl), key=lambda t: t.trl))
+# TRL 1.16's loss types (its GRPOConfig.loss_type), in TRL's order; each maps onto the library's loss_type of the
+# same name
+TRL_LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo", "luspo", "vespo")
 CLIPPED_LOSS_TYPES = tuple(t.name for t in objectives.loss_types()  # the clipped surrogate: TRL logs clip_ratio/*
-                           if t.trl and t.objective == "clip")
+                           if t.name in TRL_LOSS_TYPES and t.objective == "clip")
+# The GRPOConfig fields passed to GSPOConfig under the same name, by objective (TRL applies delta to the clipped
+# surrogate only)
+TRL_OBJECTIVE_OPTIONS = {
+    "clip": ("delta",),
+    "sapo": ("sapo_temperature_pos", "sapo_temperature_neg"),
+    "vespo": ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"),
+}
 # The metrics TRL logs as the library computes them (per process, averaged over processes)
-_LIBRARY_METRICS = tuple(name for o in objectives.objectives() for name in o.trl_metrics)
+_LIBRARY_METRICS = ("cispo_clip_ratio", "vespo/phi_seq_mean")
 # TRL's vllm_importance_sampling_mode values, the library's rollout_correction modes of the same names
 VLLM_IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 _MULTIMODAL_KEYS = (
@@ -196,8 +203,8 @@ class GRPOTrainer(trl.GRPOTrainer):
             rollout_correction_max=None,
         )
         # the objective's own options, TRL's names (the clipped surrogate: delta; SAPO's, VESPO's)
-        spec = objectives.objective(objectives.loss_type(self.loss_type).objective)
-        options.update({name: getattr(args, name) for name in spec.trl_options})
+        objective = objectives.loss_type(self.loss_type).objective
+        options.update({name: getattr(args, name) for name in TRL_OBJECTIVE_OPTIONS.get(objective, ())})
         if rollout_correction:  # TRL's vLLM importance sampling: mode, C_max and C_min map one-to-one
             options.update(rollout_correction=self.vllm_importance_sampling_mode,
                            rollout_correction_max=self.vllm_importance_sampling_clip_max,

@@ -48,7 +48,6 @@ import torch
 import verl.trainer.ppo.core_algos as core_algos
 from torch import Tensor
 
-from gspo_kernels import objectives
 from gspo_kernels.config import GSPOConfig
 from gspo_kernels.loss import linear_logprobs, policy_loss
 from gspo_kernels.parallel import VocabParallel
@@ -59,10 +58,26 @@ LEVEL_LOSS_NAMES = {
     "gspo_kernels_sequence": "sequence",
     "gspo_kernels_token": "token",
 }
-# verl's sapo / cispo / geo_mean as the library's objectives (the names each loss type declares in the registry)
-OBJECTIVE_LOSS_NAMES = {name: t.name for t in objectives.loss_types() for name in t.verl}
-# how each of them reads verl's actor config and reports verl's metrics (LossType.verl_spec)
-_VERL_SPECS = {t.name: t.verl_spec for t in objectives.loss_types() if t.verl}
+# verl's sapo / cispo / geo_mean as the library's objectives, by the library's loss_type: the loss_mode names
+# registered for it (``names``), how it reads verl's actor config (``options(get)``: the GSPOConfig options,
+# ``get(key, default)`` reads verl's config), ``log_ratio_clamp`` (verl clamps the log-ratio at 20), ``agg_mode`` (the
+# ``loss_agg_mode`` verl always uses for it), ``per_response`` (one loss per response, the mean over rows, the rollout
+# weights folded per response), ``clipfrac`` (the library's metrics reported as verl's ``pg_clipfrac`` and
+# ``pg_clipfrac_lower``; None: 0)
+_VERL_SPECS: Dict[str, Dict[str, Any]] = {
+    # verl's cispo: the band [1 - clip_ratio_low, 1 + clip_ratio_high], the log-ratio clamp; its clip share
+    "cispo": dict(names=("gspo_kernels_cispo",), options=lambda get: dict(cispo_clip="band"), log_ratio_clamp=True,
+                  clipfrac=("cispo_clip_ratio", None)),
+    # verl's sapo: its tau_pos / tau_neg, the log-ratio clamp, always seq-mean-token-mean, no clip share
+    "sapo": dict(names=("gspo_kernels_sapo",),
+                 options=lambda get: dict(sapo_temperature_pos=float(get("tau_pos", 1.0)),
+                                          sapo_temperature_neg=float(get("tau_neg", 1.05))),
+                 log_ratio_clamp=True, agg_mode="seq-mean-token-mean", clipfrac=(None, None)),
+    # verl's geo_mean: no clamp (verl leaves it commented out), one loss per response, its log-space clip shares
+    "gmpo": dict(names=("gspo_kernels_geo_mean",), options=lambda get: {}, log_ratio_clamp=False, per_response=True,
+                 clipfrac=("clip_ratio/high_mean", "clip_ratio/low_mean")),
+}
+OBJECTIVE_LOSS_NAMES = {name: loss_type for loss_type, spec in _VERL_SPECS.items() for name in spec["names"]}
 AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 GSPO_LOG_RATIO_CLAMP = 10.0  # verl's compute_policy_loss_gspo: clamp(max=10) before exp
 PPO_LOG_RATIO_CLAMP = 20.0  # verl's vanilla / sapo / cispo: clamp(-20, 20) before exp
@@ -200,7 +215,7 @@ def _gspo_config(config: Any, level: str, loss_type: str, dual_clip: bool) -> Tu
     high = clip if high is None else high
     cfg: Dict[str, Any] = dict(importance_sampling_level=level, epsilon_low=float(low), epsilon_high=float(high))
     spec = _VERL_SPECS.get(loss_type)
-    if spec is not None:  # an objective: its options read from verl's config (LossType.verl_spec)
+    if spec is not None:  # an objective: its options read from verl's config (_VERL_SPECS)
         cfg.update(loss_type=loss_type, **spec["options"](lambda key, default: _get(config, key, default)))
         if spec["log_ratio_clamp"]:
             cfg["log_ratio_clamp"] = PPO_LOG_RATIO_CLAMP

@@ -92,13 +92,11 @@ ORDER = 0  # its place in the registry (gspo_kernels.objectives)
 # The four aggregations' names (TRL's): the clipped surrogate with that aggregation.
 OBJECTIVE = Objective(
     name=NAME,
-    loss_types=tuple(LossType(name, NAME, name, trl=trl) for name, trl in (("grpo", 1), ("bnpo", 4), ("dr_grpo", 3),
-                                                                          ("dapo", 2))),
+    loss_types=tuple(LossType(name, NAME, name) for name in ("grpo", "bnpo", "dr_grpo", "dapo")),
     surrogate=surrogate,
     check=check,
     clip_metrics=clip_metrics,
     metrics=(("clip_ratio/low_mean", "O_LOW"), ("clip_ratio/high_mean", "O_HIGH"),
              ("clip_ratio/region_mean", "O_REGION")),
-    trl_options=("delta",),  # TRL applies delta to the clipped surrogate only
     loss_through_weight=True,
 )
