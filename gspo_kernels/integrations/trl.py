@@ -61,7 +61,7 @@ from gspo_kernels.checks import check_bool, check_memory_budget, check_softcap
 from gspo_kernels.config import GSPOConfig
 from gspo_kernels.distributed import zero3
 from gspo_kernels.loss import fused_linear_gspo_loss, linear_logprobs, policy_loss
-from gspo_kernels.objectives.stage import clip_flags
+from gspo_kernels.objectives.clipped import clip_flags
 
 # The head's memory_budget on CPU tensors when the caller gives none (bytes; see GRPOTrainer): the logits the cpu
 # backend keeps between forward and backward. Smaller than the library's 1 GiB: a trainer's loss step holds the
@@ -333,7 +333,7 @@ class GRPOTrainer(trl.GRPOTrainer):
 
         The formulas are the library's: ``entropy`` and ``kl`` are its metrics (token means over ``mask``,
         reduced here as token-weighted totals), the clip shares come from
-        :func:`gspo_kernels.objectives.stage.clip_flags`. What is TRL's own is the weighting: every response counts
+        :func:`gspo_kernels.objectives.clipped.clip_flags`. What is TRL's own is the weighting: every response counts
         (empty ones too), the totals are summed over processes, the advantages are the unmasked ones (entropy
         masking changes the loss, not the metrics), and ``clip_ratio/low_min`` / ``high_max`` are taken over
         per-response shares. ``cispo_clip_ratio`` and ``vespo/phi_seq_mean`` are the library's per-process
