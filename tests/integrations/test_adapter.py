@@ -88,3 +88,25 @@ def test_the_trainers_declarations():
     assert (run.importance_sampling_level, run.epsilon_low, run.epsilon_high) == ("token", 0.2, 0.3)
     with pytest.raises(ValueError, match="algorithm must be one of"):
         TrainConfig(algorithm="ppo").loss_config()
+
+
+def test_the_trl_declaration_reads_the_trainers_resolved_options_and_refuses_by_name():
+    """TRL's declaration on a trainer-shaped object: the band from the trainer's ``epsilon_low`` / ``epsilon_high``
+    (TRL resolved them from ``epsilon`` / ``epsilon_high``), the objective's own options from ``args`` only for it."""
+    from gspo_kernels.integrations import trl as drop_in
+
+    args = types.SimpleNamespace(epsilon=0.2, epsilon_high=0.28, use_bias_correction_kl=0, delta=1.5,
+                                 sapo_temperature_pos=0.9, sapo_temperature_neg=1.1)
+    trainer = types.SimpleNamespace(args=args, importance_sampling_level="token", loss_type="sapo", epsilon_low=0.2,
+                                    epsilon_high=0.28, beta=0.0, max_completion_length=16, off_policy_mask_threshold=None,
+                                    use_vllm=False, vllm_importance_sampling_correction=False)
+    config = adapter.build_config(drop_in.TRL, trainer)
+    assert (config.loss_type, config.epsilon_low, config.epsilon_high) == ("sapo", 0.2, 0.28)
+    assert (config.sapo_temperature_pos, config.sapo_temperature_neg, config.delta) == (0.9, 1.1, None)
+    assert config.use_bias_correction_kl is False
+    trainer.loss_type = "grpo"
+    assert adapter.build_config(drop_in.TRL, trainer).delta == 1.5
+    trainer.loss_type, trainer.importance_sampling_level = "reinforce", "tokens"
+    assert adapter.refused(drop_in.TRL, trainer) == [
+        "loss_type='reinforce' (supported: " + ", ".join(drop_in.TRL_LOSS_TYPES) + ")",
+        "importance_sampling_level='tokens' (supported: token, sequence, sequence_token)"]
