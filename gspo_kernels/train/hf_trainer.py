@@ -61,7 +61,7 @@ def _loss_field_names() -> Tuple[str, ...]:
     return tuple(f.name for f in dataclasses.fields(GSPOConfig))
 
 
-def _loss_option_given(name: str) -> Callable[[Any], bool]:
+def _given(name: str) -> Callable[[Any], bool]:
     return lambda trainer_config: name in trainer_config.loss_options
 
 
@@ -69,15 +69,12 @@ def _loss_option_given(name: str) -> Callable[[Any], bool]:
 # clip band from left_clip_range / right_clip_range (refused beside epsilon_low / epsilon_high), and
 # max_completion_length = max_new_tokens unless given (the dr_grpo divisor).
 TRAINER_OPTIONS = adapter.Declaration("GSPOTrainerConfig", rules=(
-    *(adapter.rename(name, f"loss_options.{name}", when=_loss_option_given(name)) for name in _loss_field_names()),
-    *(adapter.rename(name, alias, when=lambda trainer_config, alias=alias: getattr(trainer_config, alias) is not None)
+    *(adapter.rename(name, f"loss_options.{name}", when=_given(name)) for name in _loss_field_names()),
+    *(adapter.rename(name, alias, when=lambda c, alias=alias: getattr(c, alias) is not None)
       for alias, name in _CLIP_ALIASES.items()),
-    adapter.rename("max_completion_length", "max_new_tokens",
-                   when=lambda trainer_config: "max_completion_length" not in trainer_config.loss_options),
-), refusals=tuple(
-    adapter.Refusal(alias, lambda value: value is None, "give the clip band as {option} or as " + name + ", not both",
-                    when=_loss_option_given(name))
-    for alias, name in _CLIP_ALIASES.items()))
+    adapter.rename("max_completion_length", "max_new_tokens", when=lambda c: not _given("max_completion_length")(c)),
+), refusals=tuple(adapter.Refusal(alias, lambda value: value is None, "give the clip band as {option} or as " + name
+                                  + ", not both", when=_given(name)) for alias, name in _CLIP_ALIASES.items()))
 
 
 @dataclass(init=False)
