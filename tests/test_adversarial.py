@@ -305,7 +305,7 @@ def test_overflowing_importance_weight_gives_finite_results(backend, level, clip
 def test_live_weight_keeps_the_reference_gradient_in_band():
     """The stand-in is used only where the loss is constant in the weight: in-band tokens, ties and the
     unclipped branch keep the exact float64 gradient of ``-min(c1 A, c2 A)`` (ties split by torch.minimum)."""
-    from gspo_kernels.objectives.stage import _live_log_weight
+    from gspo_kernels.objectives.clipped import live_log_weight
 
     cfg = C(epsilon_low=0.2, epsilon_high=0.2, delta=1.5)
     log_w = torch.tensor([0.0, math.log(1.2), math.log(1.5), math.log(3.0), math.log(0.5), 80.0, 800.0],
@@ -318,7 +318,7 @@ def test_live_weight_keeps_the_reference_gradient_in_band():
             c1, c2 = torch.clamp(w, max=cfg.delta), torch.clamp(w, 0.8, 1.2)
             return -torch.minimum(c1 * adv, c2 * adv)
 
-        live = surrogate(_live_log_weight(log_w, adv, cfg))
+        live = surrogate(live_log_weight(log_w, adv, cfg))
         plain = surrogate(log_w)
         assert torch.equal(live.detach(), plain.detach())  # same values, e^800 = inf included
         (g_live,) = torch.autograd.grad(live.sum(), log_w)

@@ -53,7 +53,7 @@ from torch import Tensor
 
 from gspo_kernels import backends
 from gspo_kernels.checks import check_memory_budget, check_softcap
-from gspo_kernels.config import GSPOConfig
+from gspo_kernels.integrations import adapter
 from gspo_kernels.loss import linear_logprobs, policy_loss
 
 TESTED_OPENRLHF = "0.11.2"
@@ -118,6 +118,50 @@ def _check_backend(backend: str) -> str:
 # ----------------------------------------------------------------------------------------------- PolicyLoss
 
 
+def _threshold(loss: Any) -> Tuple[float, float]:
+    """OpenRLHF's ``is_correction_threshold`` as ``(low, high)``, checked."""
+    low, high = (float(x) for x in loss.is_correction_threshold)
+    if not high > 0 or not math.isfinite(high):
+        raise ValueError(f"is_correction_threshold's high must be a finite number > 0, got {high}")
+    if low > high:
+        raise ValueError(f"is_correction_threshold ({low}, {high}): low > high keeps no token")
+    return low, high
+
+
+def _corrected(loss: Any) -> bool:
+    return loss.correction is not None
+
+
+def _ppo(loss: Any) -> bool:
+    return loss.policy_loss_type == "ppo"
+
+
+# OpenRLHF's PolicyLoss options as the library's (read from the PolicyLoss, after OpenRLHF's constructor).
+OPENRLHF = adapter.Declaration("OpenRLHF", rules=(
+    adapter.rename("epsilon_low", "clip_eps_low", convert=float),
+    adapter.rename("epsilon_high", "clip_eps_high", convert=float),
+    adapter.rename("clip_ratio_c", "dual_clip", convert=lambda c: None if c is None else float(c)),
+    adapter.constant("rollout_correction_max", None),
+    # ppo: token ratios, clamped as OpenRLHF clamps them; gspo: the sequence ratio
+    adapter.derived("importance_sampling_level", lambda loss: "token" if _ppo(loss) else "sequence"),
+    adapter.constant("log_ratio_clamp", PPO_LOG_RATIO_CLAMP, when=_ppo),
+    # the aggregation: token mean (a global token count: dapo) or the mean of per-sequence token means
+    adapter.derived("loss_type", lambda loss: "dapo" if loss.token_level_loss else "grpo"),
+    # the mismatch correction: its mode (PolicyLoss.correction), the threshold's high as C_max; the ratio and the
+    # divergences are never negative: a negative low bounds nothing
+    adapter.rename("rollout_correction", "correction", when=_corrected),
+    adapter.derived("rollout_correction_max", lambda loss: _threshold(loss)[1], when=_corrected),
+    adapter.derived("rollout_correction_min", lambda loss: _threshold(loss)[0] if _threshold(loss)[0] >= 0 else None,
+                    when=_corrected),
+), refusals=(
+    # OpenRLHF refuses it only in forward; the library at once
+    adapter.Refusal("policy_loss_type", lambda value: value in ("ppo", "gspo"),
+                    "{option} must be 'ppo' or 'gspo', got {value!r}"),
+    adapter.Refusal("dual_clip", lambda value: value is None or value > 1.0,  # OpenRLHF asserts the same
+                    "{option} must be > 1.0 (or None), got {value}"),
+))
+
+
 class PolicyLoss(openrlhf_models.PolicyLoss):
     """OpenRLHF's ``PolicyLoss`` (same constructor, ``forward`` and returns) computed by the library's sequence stage.
 
@@ -135,10 +179,8 @@ class PolicyLoss(openrlhf_models.PolicyLoss):
                  is_correction_mode: str = "mask", is_correction_gating: str = "ratio",
                  is_correction_threshold: Sequence[float] = (0.5, 5.0), *, backend: Optional[str] = None) -> None:
         _check_version()
-        if policy_loss_type not in ("ppo", "gspo"):  # OpenRLHF refuses it only in forward; the library at once
-            raise ValueError(f"policy_loss_type must be 'ppo' or 'gspo', got {policy_loss_type!r}")
-        if dual_clip is not None and not dual_clip > 1.0:  # OpenRLHF asserts the same
-            raise ValueError(f"dual_clip must be > 1.0 (or None), got {dual_clip}")
+        # the declaration's refusals before OpenRLHF's own constructor (which asserts on dual_clip)
+        adapter.check(OPENRLHF, dict(policy_loss_type=policy_loss_type, dual_clip=dual_clip))
         super().__init__(clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high, dual_clip=dual_clip,
                          token_level_loss=token_level_loss, policy_loss_type=policy_loss_type,
                          is_correction_level=is_correction_level, is_correction_mode=is_correction_mode,
@@ -147,7 +189,7 @@ class PolicyLoss(openrlhf_models.PolicyLoss):
             self.backend = _check_backend(backend)
         self.correction = self._correction()
         try:
-            self.config = GSPOConfig(**self._options())
+            self.config = adapter.build_config(OPENRLHF, self)
         except ValueError as exc:
             raise ValueError(f"gspo_kernels' OpenRLHF PolicyLoss cannot compute these options: {exc}") from None
 
@@ -157,27 +199,6 @@ class PolicyLoss(openrlhf_models.PolicyLoss):
         if self.is_correction_level == "off" or self.policy_loss_type != "ppo":
             return None
         return CORRECTION_MODES[(self.is_correction_level, self.is_correction_gating, self.is_correction_mode)]
-
-    def _options(self) -> dict:
-        options = dict(epsilon_low=float(self.clip_eps_low), epsilon_high=float(self.clip_eps_high),
-                       clip_ratio_c=None if self.dual_clip is None else float(self.dual_clip),
-                       rollout_correction_max=None)
-        if self.policy_loss_type == "ppo":
-            options.update(importance_sampling_level="token", log_ratio_clamp=PPO_LOG_RATIO_CLAMP)
-        else:
-            options.update(importance_sampling_level="sequence")
-        # the aggregation: token mean (a global token count: dapo) or the mean of per-sequence token means
-        options["loss_type"] = "dapo" if self.token_level_loss else "grpo"
-        if self.correction is not None:
-            low, high = (float(x) for x in self.is_correction_threshold)
-            if not high > 0 or not math.isfinite(high):
-                raise ValueError(f"is_correction_threshold's high must be a finite number > 0, got {high}")
-            if low > high:
-                raise ValueError(f"is_correction_threshold ({low}, {high}): low > high keeps no token")
-            # the ratio and the divergences are never negative: a negative low bounds nothing
-            options.update(rollout_correction=self.correction, rollout_correction_max=high,
-                           rollout_correction_min=low if low >= 0 else None)
-        return options
 
     def forward(self, log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor,
                 action_mask: Optional[Tensor] = None, rollout_log_probs: Optional[Tensor] = None, dp_size: int = 1,

@@ -60,8 +60,9 @@ from gspo_kernels import backends, objectives
 from gspo_kernels.checks import check_bool, check_memory_budget, check_softcap
 from gspo_kernels.config import GSPOConfig
 from gspo_kernels.distributed import zero3
+from gspo_kernels.integrations import adapter
 from gspo_kernels.loss import fused_linear_gspo_loss, linear_logprobs, policy_loss
-from gspo_kernels.objectives.stage import clip_flags
+from gspo_kernels.objectives.clipped import clip_flags
 
 # The head's memory_budget on CPU tensors when the caller gives none (bytes; see GRPOTrainer): the logits the cpu
 # backend keeps between forward and backward. Smaller than the library's 1 GiB: a trainer's loss step holds the
@@ -85,15 +86,70 @@ _FSDP1_OWN_UNIT = (
     "GRPOTrainer; keep lm_head in the root FSDP unit (use_orig_params=True), or use FSDP2 (fully_shard) or DDP"
 )
 SUPPORTED_IMPORTANCE_LEVELS = ("token", "sequence", "sequence_token")
-# TRL 1.16's loss types (its GRPOConfig.loss_type); each maps onto the library's loss_type of the same name (the
-# objectives' registry marks them)
-TRL_LOSS_TYPES = tuple(t.name for t in sorted((t for t in objectives.loss_types() if t.trl), key=lambda t: t.trl))
+# TRL 1.16's loss types (its GRPOConfig.loss_type), in TRL's order; each maps onto the library's loss_type of the
+# same name
+TRL_LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo", "luspo", "vespo")
 CLIPPED_LOSS_TYPES = tuple(t.name for t in objectives.loss_types()  # the clipped surrogate: TRL logs clip_ratio/*
-                           if t.trl and t.objective == "clip")
+                           if t.name in TRL_LOSS_TYPES and t.objective == "clip")
+# The GRPOConfig fields passed to GSPOConfig under the same name, by objective (TRL applies delta to the clipped
+# surrogate only)
+TRL_OBJECTIVE_OPTIONS = {
+    "clip": ("delta",),
+    "sapo": ("sapo_temperature_pos", "sapo_temperature_neg"),
+    "vespo": ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"),
+}
 # The metrics TRL logs as the library computes them (per process, averaged over processes)
-_LIBRARY_METRICS = tuple(name for o in objectives.objectives() for name in o.trl_metrics)
+_LIBRARY_METRICS = ("cispo_clip_ratio", "vespo/phi_seq_mean")
 # TRL's vllm_importance_sampling_mode values, the library's rollout_correction modes of the same names
 VLLM_IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+
+def _objective_is(name: str):
+    """The trainer's loss_type runs the objective ``name``."""
+    return lambda trainer: objectives.loss_type(trainer.loss_type).objective == name
+
+
+def _vllm_is(trainer: Any) -> bool:
+    return bool(trainer.use_vllm and trainer.vllm_importance_sampling_correction)
+
+
+# TRL's options as the library's (read from the trainer, which holds GRPOConfig's values as TRL resolved them, and
+# its ``args``): the same loss_type (objective and aggregation), TRL's option names. The options TRL has and the
+# library does not are refused by name when the trainer is built.
+TRL = adapter.Declaration("TRL", rules=(
+    adapter.rename("importance_sampling_level"),
+    adapter.rename("loss_type"),
+    adapter.rename("epsilon_low"),
+    adapter.rename("epsilon_high"),  # CISPO: the absolute cap on the weight, as in TRL
+    adapter.rename("beta"),
+    adapter.rename("use_bias_correction_kl", "args.use_bias_correction_kl", convert=bool),
+    adapter.rename("max_completion_length"),
+    adapter.rename("off_policy_mask_threshold"),
+    adapter.constant("rollout_correction_max", None),
+    # the objective's own options, TRL's names (the clipped surrogate: delta; SAPO's, VESPO's)
+    *(adapter.rename(name, f"args.{name}", when=_objective_is(objective))
+      for objective, names in TRL_OBJECTIVE_OPTIONS.items() for name in names),
+), refusals=(
+    adapter.Refusal("loss_type", lambda value: value in TRL_LOSS_TYPES,
+                    "{option}={value!r} (supported: " + ", ".join(TRL_LOSS_TYPES) + ")"),
+    adapter.Refusal("importance_sampling_level", lambda value: value in SUPPORTED_IMPORTANCE_LEVELS,
+                    "{option}={value!r} (supported: " + ", ".join(SUPPORTED_IMPORTANCE_LEVELS) + ")"),
+    adapter.Refusal("max_completion_length", bool, "loss_type='dr_grpo' without {option}",
+                    when=lambda trainer: trainer.loss_type == "dr_grpo"),
+    adapter.Refusal("vllm_importance_sampling_mode", lambda value: value in VLLM_IS_MODES,
+                    "{option}={value!r} (supported: " + ", ".join(VLLM_IS_MODES) + ")", when=_vllm_is),
+    adapter.Refusal("vllm_importance_sampling_mode", lambda value: False,
+                    "{option}={value!r} without vllm_importance_sampling_clip_min or _clip_max",
+                    when=lambda trainer: _vllm_is(trainer) and trainer.vllm_importance_sampling_mode in VLLM_IS_MODES
+                    and trainer.vllm_importance_sampling_clip_min is None
+                    and trainer.vllm_importance_sampling_clip_max is None),
+))
+# With TRL's vLLM importance sampling (the engine's log-probs given): mode, C_max and C_min map one-to-one
+TRL_VLLM_IS = TRL.extend(
+    adapter.rename("rollout_correction", "vllm_importance_sampling_mode"),
+    adapter.rename("rollout_correction_max", "vllm_importance_sampling_clip_max"),
+    adapter.rename("rollout_correction_min", "vllm_importance_sampling_clip_min"),
+)
 _MULTIMODAL_KEYS = (
     "pixel_values", "image_grid_thw", "pixel_attention_mask", "spatial_shapes", "image_sizes",
     "token_type_ids", "mm_token_type_ids", "image_position_ids", "num_images",
@@ -146,18 +202,7 @@ class GRPOTrainer(trl.GRPOTrainer):
 
     def _check_supported(self) -> None:
         args = self.args
-        problems = []
-        if self.loss_type not in TRL_LOSS_TYPES:
-            problems.append(f"loss_type={self.loss_type!r} (supported: {', '.join(TRL_LOSS_TYPES)})")
-        if self.importance_sampling_level not in SUPPORTED_IMPORTANCE_LEVELS:
-            problems.append(
-                f"importance_sampling_level={self.importance_sampling_level!r} "
-                f"(supported: {', '.join(SUPPORTED_IMPORTANCE_LEVELS)})"
-            )
-        if self.loss_type == "dr_grpo" and not self.max_completion_length:
-            problems.append("loss_type='dr_grpo' without max_completion_length")
-        if self.use_vllm and self.vllm_importance_sampling_correction:
-            problems.extend(self._vllm_is_problems())
+        problems = adapter.refused(TRL, self)  # the options the declaration refuses, in its order
         if problems:
             raise ValueError(
                 "gspo_kernels.integrations.trl.GRPOTrainer does not support: " + "; ".join(problems)
@@ -173,36 +218,9 @@ class GRPOTrainer(trl.GRPOTrainer):
         except ValueError as exc:
             raise ValueError(f"gspo_kernels' GRPOTrainer cannot run this GRPOConfig: {exc}") from None
 
-    def _vllm_is_problems(self) -> list:
-        mode = self.vllm_importance_sampling_mode
-        if mode not in VLLM_IS_MODES:
-            return [f"vllm_importance_sampling_mode={mode!r} (supported: {', '.join(VLLM_IS_MODES)})"]
-        if self.vllm_importance_sampling_clip_min is None and self.vllm_importance_sampling_clip_max is None:
-            return [f"vllm_importance_sampling_mode={mode!r} without vllm_importance_sampling_clip_min or _clip_max"]
-        return []
-
     def _loss_config(self, *, rollout_correction: bool) -> GSPOConfig:
-        """The library's options for TRL's: the same loss_type (objective and aggregation), TRL's option names."""
-        args = self.args
-        options: Dict[str, Any] = dict(
-            importance_sampling_level=self.importance_sampling_level,
-            loss_type=self.loss_type,
-            epsilon_low=self.epsilon_low,
-            epsilon_high=self.epsilon_high,  # CISPO: the absolute cap on the weight, as in TRL
-            beta=self.beta,
-            use_bias_correction_kl=bool(args.use_bias_correction_kl),
-            max_completion_length=self.max_completion_length,
-            off_policy_mask_threshold=self.off_policy_mask_threshold,
-            rollout_correction_max=None,
-        )
-        # the objective's own options, TRL's names (the clipped surrogate: delta; SAPO's, VESPO's)
-        spec = objectives.objective(objectives.loss_type(self.loss_type).objective)
-        options.update({name: getattr(args, name) for name in spec.trl_options})
-        if rollout_correction:  # TRL's vLLM importance sampling: mode, C_max and C_min map one-to-one
-            options.update(rollout_correction=self.vllm_importance_sampling_mode,
-                           rollout_correction_max=self.vllm_importance_sampling_clip_max,
-                           rollout_correction_min=self.vllm_importance_sampling_clip_min)
-        return GSPOConfig(**options)
+        """The library's options for TRL's (:data:`TRL`; with TRL's vLLM importance sampling, :data:`TRL_VLLM_IS`)."""
+        return adapter.build_config(TRL_VLLM_IS if rollout_correction else TRL, self)
 
     def _one_pass_loss(self) -> bool:
         """Whether the loss runs inside the model's forward as :func:`gspo_kernels.fused_linear_gspo_loss` (its
@@ -326,7 +344,7 @@ class GRPOTrainer(trl.GRPOTrainer):
 
         The formulas are the library's: ``entropy`` and ``kl`` are its metrics (token means over ``mask``,
         reduced here as token-weighted totals), the clip shares come from
-        :func:`gspo_kernels.objectives.stage.clip_flags`. What is TRL's own is the weighting: every response counts
+        :func:`gspo_kernels.objectives.clipped.clip_flags`. What is TRL's own is the weighting: every response counts
         (empty ones too), the totals are summed over processes, the advantages are the unmasked ones (entropy
         masking changes the loss, not the metrics), and ``clip_ratio/low_min`` / ``high_max`` are taken over
         per-response shares. ``cispo_clip_ratio`` and ``vespo/phi_seq_mean`` are the library's per-process

@@ -48,8 +48,8 @@ import torch
 import verl.trainer.ppo.core_algos as core_algos
 from torch import Tensor
 
-from gspo_kernels import objectives
 from gspo_kernels.config import GSPOConfig
+from gspo_kernels.integrations import adapter
 from gspo_kernels.loss import linear_logprobs, policy_loss
 from gspo_kernels.parallel import VocabParallel
 
@@ -59,10 +59,26 @@ LEVEL_LOSS_NAMES = {
     "gspo_kernels_sequence": "sequence",
     "gspo_kernels_token": "token",
 }
-# verl's sapo / cispo / geo_mean as the library's objectives (the names each loss type declares in the registry)
-OBJECTIVE_LOSS_NAMES = {name: t.name for t in objectives.loss_types() for name in t.verl}
-# how each of them reads verl's actor config and reports verl's metrics (LossType.verl_spec)
-_VERL_SPECS = {t.name: t.verl_spec for t in objectives.loss_types() if t.verl}
+# verl's sapo / cispo / geo_mean as the library's objectives, by the library's loss_type: the loss_mode names
+# registered for it (``names``), how it reads verl's actor config (``rules``: the adapter's rules of its own
+# options), ``log_ratio_clamp`` (verl clamps the log-ratio at 20), ``agg_mode`` (the
+# ``loss_agg_mode`` verl always uses for it), ``per_response`` (one loss per response, the mean over rows, the rollout
+# weights folded per response), ``clipfrac`` (the library's metrics reported as verl's ``pg_clipfrac`` and
+# ``pg_clipfrac_lower``; None: 0)
+_VERL_SPECS: Dict[str, Dict[str, Any]] = {
+    # verl's cispo: the band [1 - clip_ratio_low, 1 + clip_ratio_high], the log-ratio clamp; its clip share
+    "cispo": dict(names=("gspo_kernels_cispo",), rules=(adapter.constant("cispo_clip", "band"),), log_ratio_clamp=True,
+                  clipfrac=("cispo_clip_ratio", None)),
+    # verl's sapo: its tau_pos / tau_neg, the log-ratio clamp, always seq-mean-token-mean, no clip share
+    "sapo": dict(names=("gspo_kernels_sapo",),
+                 rules=(adapter.rename("sapo_temperature_pos", "tau_pos", default=1.0, convert=float),
+                        adapter.rename("sapo_temperature_neg", "tau_neg", default=1.05, convert=float)),
+                 log_ratio_clamp=True, agg_mode="seq-mean-token-mean", clipfrac=(None, None)),
+    # verl's geo_mean: no clamp (verl leaves it commented out), one loss per response, its log-space clip shares
+    "gmpo": dict(names=("gspo_kernels_geo_mean",), rules=(), log_ratio_clamp=False, per_response=True,
+                 clipfrac=("clip_ratio/high_mean", "clip_ratio/low_mean")),
+}
+OBJECTIVE_LOSS_NAMES = {name: loss_type for loss_type, spec in _VERL_SPECS.items() for name in spec["names"]}
 AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 GSPO_LOG_RATIO_CLAMP = 10.0  # verl's compute_policy_loss_gspo: clamp(max=10) before exp
 PPO_LOG_RATIO_CLAMP = 20.0  # verl's vanilla / sapo / cispo: clamp(-20, 20) before exp
@@ -106,6 +122,7 @@ def make_policy_loss(importance_sampling_level: str, *, loss_type: str = "clip",
                          f"got {loss_type!r}")
     if loss_type != "clip":
         importance_sampling_level = "token"
+    declaration = verl_declaration(importance_sampling_level, loss_type, dual_clip)
 
     def gspo_kernels_policy_loss(
         old_log_prob: Tensor,
@@ -121,27 +138,25 @@ def make_policy_loss(importance_sampling_level: str, *, loss_type: str = "clip",
         _check_agg_mode(loss_agg_mode)
         mask = response_mask.to(torch.bool)
         info = getattr(config, "global_batch_info", None) or {}
-        cfg, clip_c = _gspo_config(config, importance_sampling_level, loss_type, dual_clip)
         spec = _VERL_SPECS.get(loss_type) or {}
         if spec.get("agg_mode"):  # verl's SAPO always aggregates seq-mean-token-mean, whatever loss_agg_mode says
             loss_agg_mode = spec["agg_mode"]
+        cfg = adapter.build_config(declaration, _CallOptions(config, loss_agg_mode))
         is_weights = rollout_is_weights
         if spec.get("per_response"):
             # verl's geo_mean: one loss per response, mean over every row of the micro-batch (neither loss_agg_mode
             # nor global_batch_info), the rollout weights folded per response as their geometric mean
-            cfg["aggregation"], scale, num_items = "grpo", 1.0, None
+            scale, num_items = 1.0, None
             if rollout_is_weights is not None:
                 is_weights = _geometric_mean_weights(rollout_is_weights, mask)
         else:
-            per_seq_mean = loss_agg_mode == "seq-mean-token-mean"
-            cfg["aggregation"] = "grpo" if per_seq_mean else "dapo"
-            num_items = None if per_seq_mean else 1.0
+            num_items = None if cfg.aggregation == "grpo" else 1.0
             scale = _agg_scale(loss_agg_mode, mask, info)
         out = policy_loss(log_prob, advantages, old_log_prob, mask=mask, is_ratio=is_weights,
-                          num_items_in_batch=num_items, config=GSPOConfig(**cfg), backend=backend)
+                          num_items_in_batch=num_items, config=cfg, backend=backend)
         loss = out.loss * scale
         metrics = _verl_metrics(library=out.metrics, log_prob=log_prob, old_log_prob=old_log_prob,
-                                advantages=advantages, mask=mask, cfg=cfg, clip_c=clip_c, loss_type=loss_type)
+                                advantages=advantages, mask=mask, cfg=cfg, loss_type=loss_type)
         return loss, metrics
 
     name = importance_sampling_level if loss_type == "clip" else loss_type
@@ -151,13 +166,13 @@ def make_policy_loss(importance_sampling_level: str, *, loss_type: str = "clip",
 
 @torch.no_grad()
 def _verl_metrics(library: Dict[str, Tensor], log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor,
-                  mask: Tensor, cfg: Dict[str, Any], clip_c: Optional[float], loss_type: str) -> Dict[str, float]:
+                  mask: Tensor, cfg: GSPOConfig, loss_type: str) -> Dict[str, float]:
     """verl's three metrics: ``actor/pg_clipfrac`` and ``actor/pg_clipfrac_lower`` from the library's clip shares
     where they are verl's (the clipped surrogate, CISPO's band, GMPO's log-space clip), verl's masked mean of
     ``-log ratio`` as ``actor/ppo_kl`` (clamped at +-20 where verl clamps)."""
     log_ratio = (log_prob.detach() - old_log_prob.detach()).float()
     spec = _VERL_SPECS.get(loss_type)
-    if (spec is None or spec["log_ratio_clamp"]) and cfg["importance_sampling_level"] == "token":
+    if (spec is None or spec["log_ratio_clamp"]) and cfg.importance_sampling_level == "token":
         log_ratio = torch.clamp(log_ratio, min=-PPO_LOG_RATIO_CLAMP, max=PPO_LOG_RATIO_CLAMP)
     denom = mask.sum() + 1e-8
     ppo_kl = torch.where(mask, -log_ratio, 0.0).sum() / denom
@@ -169,15 +184,16 @@ def _verl_metrics(library: Dict[str, Tensor], log_prob: Tensor, old_log_prob: Te
         lower = library[low_name].item() if low_name else zero
     else:
         clipfrac, lower = library["clip_ratio/region_mean"].item(), zero
+        clip_c = cfg.clip_ratio_c
         if clip_c is not None:  # verl's dual-clip share: -A w' above -A c for A < 0, with w' the clipped weight
             adv = advantages.detach().float()
-            if cfg["importance_sampling_level"] != "token":  # the sequence weight, clamped as verl's gspo
+            if cfg.importance_sampling_level != "token":  # the sequence weight, clamped as verl's gspo
                 lengths = mask.sum(-1, keepdim=True).clamp(min=1)
                 seq = torch.where(mask, log_ratio, 0.0).sum(-1, keepdim=True) / lengths
                 log_ratio = torch.clamp(seq, max=GSPO_LOG_RATIO_CLAMP).expand_as(log_ratio)
             ratio = torch.exp(log_ratio)
-            clipped = torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 1 - cfg["epsilon_low"],
-                                                                     1 + cfg["epsilon_high"]))
+            clipped = torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 1 - cfg.epsilon_low,
+                                                                     1 + cfg.epsilon_high))
             share = (clipped > -adv * clip_c) & (adv < 0)
             lower = (torch.where(mask, share.float(), 0.0).sum() / denom).item()
     return {"actor/pg_clipfrac": clipfrac, "actor/ppo_kl": ppo_kl.item(), "actor/pg_clipfrac_lower": lower}
@@ -190,30 +206,52 @@ def _geometric_mean_weights(weights: Tensor, mask: Tensor) -> Tensor:
     return torch.exp(log_w.sum(-1) / (mask.sum(-1) + 1e-8))
 
 
-def _gspo_config(config: Any, level: str, loss_type: str, dual_clip: bool) -> Tuple[Dict[str, Any], Optional[float]]:
-    """The library's options from verl's actor config, read as verl reads them; and the dual clip's ``c`` (None
-    where it does not apply)."""
-    clip = _get(config, "clip_ratio", 0.2)
-    low = _get(config, "clip_ratio_low", None)
-    high = _get(config, "clip_ratio_high", None)
-    low = clip if low is None else low
-    high = clip if high is None else high
-    cfg: Dict[str, Any] = dict(importance_sampling_level=level, epsilon_low=float(low), epsilon_high=float(high))
+class _CallOptions:
+    """What a verl policy-loss call reads: verl's actor config (as verl reads it) and the call's ``loss_agg_mode``."""
+
+    def __init__(self, config: Any, loss_agg_mode: str) -> None:
+        self.config, self.loss_agg_mode = config, loss_agg_mode
+
+    def get(self, key: str, default: Any) -> Any:
+        return self.loss_agg_mode if key == "loss_agg_mode" else _get(self.config, key, default)
+
+
+def _clip_side(side: str):
+    """verl's ``clip_ratio_low`` / ``_high``, ``clip_ratio`` (default 0.2) where it is None."""
+    def value(options: Any) -> float:
+        own = adapter.read(options, side, None, "verl")
+        return float(adapter.read(options, "clip_ratio", 0.2, "verl") if own is None else own)
+    return value
+
+
+def verl_declaration(level: str, loss_type: str = "clip", dual_clip: bool = False) -> adapter.Declaration:
+    """How one registered verl loss reads verl's actor config (and the call's ``loss_agg_mode``) into the library's
+    options, as verl reads them: the clip band, an objective's own options (:data:`_VERL_SPECS`), the log-ratio
+    clamp, the dual clip's ``clip_ratio_c`` where it applies (refused unless > 1, as verl asserts) and the
+    aggregation (``seq-mean-token-mean``: the mean of per-response means; else a sum the call scales as verl's)."""
+    rules = [adapter.constant("importance_sampling_level", level),
+             adapter.derived("epsilon_low", _clip_side("clip_ratio_low")),
+             adapter.derived("epsilon_high", _clip_side("clip_ratio_high"))]
+    refusals = []
     spec = _VERL_SPECS.get(loss_type)
-    if spec is not None:  # an objective: its options read from verl's config (LossType.verl_spec)
-        cfg.update(loss_type=loss_type, **spec["options"](lambda key, default: _get(config, key, default)))
+    if spec is not None:  # an objective: its options read from verl's config
+        rules += [adapter.constant("loss_type", loss_type), *spec["rules"]]
         if spec["log_ratio_clamp"]:
-            cfg["log_ratio_clamp"] = PPO_LOG_RATIO_CLAMP
-        return cfg, None
-    cfg["loss_type"] = "grpo"  # the clipped surrogate (the aggregation is set per call)
-    clip_c = None
-    if level == "token" or dual_clip:
-        clip_c = float(_get(config, "clip_ratio_c", 3.0))
-        if not clip_c > 1.0:  # verl asserts the same
-            raise ValueError(f"clip_ratio_c (verl's dual clip) must be > 1.0, got {clip_c}")
-        cfg["clip_ratio_c"] = clip_c
-    cfg["log_ratio_clamp"] = PPO_LOG_RATIO_CLAMP if level == "token" else GSPO_LOG_RATIO_CLAMP
-    return cfg, clip_c
+            rules.append(adapter.constant("log_ratio_clamp", PPO_LOG_RATIO_CLAMP))
+    else:
+        rules.append(adapter.constant("loss_type", "grpo"))  # the clipped surrogate
+        if level == "token" or dual_clip:
+            rules.append(adapter.rename("clip_ratio_c", default=3.0, convert=float))
+            refusals.append(adapter.Refusal("clip_ratio_c", lambda c: c > 1.0, default=3.0, convert=float,
+                                            problem="{option} (verl's dual clip) must be > 1.0, got {value}"))
+        rules.append(adapter.constant("log_ratio_clamp", PPO_LOG_RATIO_CLAMP if level == "token"
+                                      else GSPO_LOG_RATIO_CLAMP))
+    if spec is not None and spec.get("per_response"):
+        rules.append(adapter.constant("aggregation", "grpo"))
+    else:
+        rules.append(adapter.derived("aggregation", lambda options: "grpo" if adapter.read(
+            options, "loss_agg_mode") == "seq-mean-token-mean" else "dapo"))
+    return adapter.Declaration("verl", tuple(rules), tuple(refusals))
 
 
 def _get(config: Any, key: str, default: Any) -> Any:

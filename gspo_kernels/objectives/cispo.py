@@ -55,14 +55,11 @@ NAME = "cispo"
 ORDER = 10  # its place in the registry (gspo_kernels.objectives)
 OBJECTIVE = Objective(
     name=NAME,
-    loss_types=(LossType(NAME, NAME, "dapo", trl=5, verl=("gspo_kernels_cispo",), verl_spec=dict(
-        # verl's cispo: the band [1 - clip_ratio_low, 1 + clip_ratio_high], the log-ratio clamp; its clip share
-        options=lambda get: dict(cispo_clip="band"), log_ratio_clamp=True, clipfrac=("cispo_clip_ratio", None))),),
+    loss_types=(LossType(NAME, NAME, "dapo"),),
     surrogate=surrogate,
     check=check,
     clip_metrics=clip_metrics,
     metrics=(("cispo_clip_ratio", "O_HIGH"),),  # its clipped items in the high column
-    trl_metrics=("cispo_clip_ratio",),
     triton_option=lambda config: config.cispo_clip == "band",
     h100=(dict(level="token", OBJ_OPTION=True, HAS_ROLLOUT=True, ROLLOUT="sequence_masked_tis"),),
 )

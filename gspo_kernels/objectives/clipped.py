@@ -14,7 +14,7 @@ from gspo_kernels.objectives.base import Options
 from gspo_kernels.objectives.registry import LossType, Objective, loss_types
 
 
-def _live_log_weight(log_w: Tensor, A: Tensor, config: Options) -> Tensor:
+def live_log_weight(log_w: Tensor, A: Tensor, config: Options) -> Tensor:
     """``log_w`` where the token's surrogate ``-min(c1 A, c2 A)`` depends on the weight; a detached, finite
     stand-in giving the same clipped value elsewhere (its gradient is exactly 0 there, with no ``0 * inf``).
 
@@ -53,7 +53,7 @@ def clip_flags(w: Tensor, A: Tensor, config: Options) -> Tuple[Tensor, Tensor]:
 def surrogate(*, log_w: Tensor, A_live: Tensor, config: Options, **_: Any) -> Tuple[Tensor, None]:
     """``l = -min(c1 A, c2 A)`` (``c1 = min(w, delta)`` or ``w``, ``c2 = clamp(w, 1 - eps_low, 1 + eps_high)``),
     for ``A < 0`` at most ``clip_ratio_c * |A|`` (the dual clip)."""
-    w = torch.exp(_live_log_weight(log_w, A_live, config))
+    w = torch.exp(live_log_weight(log_w, A_live, config))
     c1 = w if config.delta is None else torch.clamp(w, max=config.delta)
     c2 = torch.clamp(w, 1.0 - config.epsilon_low, 1.0 + config.epsilon_high)
     per_token = -torch.minimum(c1 * A_live, c2 * A_live)
@@ -92,13 +92,11 @@ ORDER = 0  # its place in the registry (gspo_kernels.objectives)
 # The four aggregations' names (TRL's): the clipped surrogate with that aggregation.
 OBJECTIVE = Objective(
     name=NAME,
-    loss_types=tuple(LossType(name, NAME, name, trl=trl) for name, trl in (("grpo", 1), ("bnpo", 4), ("dr_grpo", 3),
-                                                                          ("dapo", 2))),
+    loss_types=tuple(LossType(name, NAME, name) for name in ("grpo", "bnpo", "dr_grpo", "dapo")),
     surrogate=surrogate,
     check=check,
     clip_metrics=clip_metrics,
     metrics=(("clip_ratio/low_mean", "O_LOW"), ("clip_ratio/high_mean", "O_HIGH"),
              ("clip_ratio/region_mean", "O_REGION")),
-    trl_options=("delta",),  # TRL applies delta to the clipped surrogate only
     loss_through_weight=True,
 )

@@ -42,10 +42,7 @@ NAME = "gmpo"
 ORDER = 50  # its place in the registry (gspo_kernels.objectives)
 OBJECTIVE = Objective(
     name=NAME,
-    loss_types=(LossType(NAME, NAME, "grpo", verl=("gspo_kernels_geo_mean",), verl_spec=dict(
-        # verl's geo_mean: no clamp (verl leaves it commented out), one loss per response, its log-space clip shares
-        options=lambda get: {}, log_ratio_clamp=False, per_response=True,
-        clipfrac=("clip_ratio/high_mean", "clip_ratio/low_mean"))),),
+    loss_types=(LossType(NAME, NAME, "grpo"),),
     surrogate=_gmpo_surrogate,
     one_weight_per_response=True,
     metrics=(("clip_ratio/low_mean", "O_LOW"), ("clip_ratio/high_mean", "O_HIGH"),

@@ -5,5 +5,5 @@ from __future__ import annotations
 
 from gspo_kernels.objectives.registry import LossType
 
-LOSS_TYPE = LossType("luspo", "clip", "seq_sum", trl=7)
+LOSS_TYPE = LossType("luspo", "clip", "seq_sum")
 ORDER = 30  # its place in the registry (gspo_kernels.objectives): after the clipped surrogate

@@ -3,8 +3,9 @@
 An :class:`Objective` is the per-token math of one or more ``loss_type`` names (``config.objective``); a
 :class:`LossType` is a name a user passes as ``GSPOConfig.loss_type``: the objective it runs and the
 aggregation it implies. Every table that used to list the objectives by hand (``config.ALL_LOSS_TYPES``,
-``IMPLIED_AGGREGATION``, ``OBJECTIVES``, ``OBJECTIVE_OF``, the Triton codes, the sequence kernels' metric rows,
-the TRL and verl name maps) is read from here, in registration order.
+``IMPLIED_AGGREGATION``, ``OBJECTIVES``, ``OBJECTIVE_OF``, the Triton codes, the sequence kernels' metric rows) is
+read from here, in registration order. It knows nothing of any framework: how TRL or verl name an objective and its
+options, each framework's integration declares (``gspo_kernels.integrations``).
 
 This module imports nothing of the package: ``config.py`` validates through it.
 """
@@ -34,19 +35,11 @@ def _no_option(config: Any) -> bool:
 @dataclass(frozen=True)
 class LossType:
     """A ``loss_type`` name: the objective it runs and the aggregation it implies (``aggregation`` overrides
-    it). ``trl``: TRL's ``GRPOConfig.loss_type`` of the same name, its place in TRL's list (1, 2, ...; 0: not TRL's); ``verl``: the verl ``loss_mode`` names the
-    verl integration registers for it, ``verl_spec`` how it reads verl's actor config: ``options(get)`` (the
-    GSPOConfig options; ``get(key, default)`` reads verl's config), ``log_ratio_clamp`` (verl clamps the
-    log-ratio at 20), ``agg_mode`` (the ``loss_agg_mode`` verl always uses for it), ``per_response`` (one loss
-    per response, the mean over rows, the rollout weights folded per response), ``clipfrac`` (the library's
-    metrics reported as verl's ``pg_clipfrac`` and ``pg_clipfrac_lower``; None: 0)."""
+    it)."""
 
     name: str
     objective: str
     aggregation: str
-    trl: int = 0
-    verl: Tuple[str, ...] = ()
-    verl_spec: Optional[Mapping[str, Any]] = None
 
 
 @dataclass(frozen=True)
@@ -72,8 +65,6 @@ class Objective:
         one_weight_per_response: the ``importance_weight/*`` metrics count one weight per response.
         metrics: ``(name, kernel slot)`` of the metrics it reports besides ``importance_weight/*``, the
             slot named as the Triton sequence kernel's output (``"O_HIGH"``): its rows of the metric table.
-        trl_options: ``GRPOConfig`` fields the TRL drop-in passes to ``GSPOConfig`` under the same name.
-        trl_metrics: the metrics the TRL drop-in logs as the library computed them (averaged over processes).
         triton_floats: ``triton_floats(config)``: its float options as the kernel's ``obj_a`` .. ``obj_d``.
         triton_option: ``triton_option(config)``: its constexpr option, the kernel's ``OBJ_OPTION``.
         h100: the sequence kernel launches ``gspo-kernels h100-report`` compiles for it: keyword arguments of
@@ -89,8 +80,6 @@ class Objective:
     loss_through_weight: bool = False
     one_weight_per_response: bool = False
     metrics: Tuple[Tuple[str, str], ...] = ()
-    trl_options: Tuple[str, ...] = ()
-    trl_metrics: Tuple[str, ...] = ()
     triton_floats: Callable[[Any], Tuple[float, ...]] = _no_floats
     triton_option: Callable[[Any], bool] = _no_option
     h100: Tuple[Mapping[str, Any], ...] = ()

@@ -46,14 +46,9 @@ NAME = "sapo"
 ORDER = 20  # its place in the registry (gspo_kernels.objectives)
 OBJECTIVE = Objective(
     name=NAME,
-    loss_types=(LossType(NAME, NAME, "grpo", trl=6, verl=("gspo_kernels_sapo",), verl_spec=dict(
-        # verl's sapo: its tau_pos / tau_neg, the log-ratio clamp, always seq-mean-token-mean, no clip share
-        options=lambda get: dict(sapo_temperature_pos=float(get("tau_pos", 1.0)),
-                                 sapo_temperature_neg=float(get("tau_neg", 1.05))),
-        log_ratio_clamp=True, agg_mode="seq-mean-token-mean", clipfrac=(None, None))),),
+    loss_types=(LossType(NAME, NAME, "grpo"),),
     surrogate=surrogate,
     check=check,
-    trl_options=("sapo_temperature_pos", "sapo_temperature_neg"),
     loss_through_weight=True,
     triton_floats=lambda config: (config.sapo_temperature_pos, config.sapo_temperature_neg),
     h100=(dict(level="sequence", HAS_ROLLOUT=True, ROLLOUT="sequence_mask"),),

@@ -26,10 +26,8 @@ from gspo_kernels import objectives
 from gspo_kernels.config import ROLLOUT_DIVERGENCES, ROLLOUT_PROBABILITY_CLAMP, ROLLOUT_SEQUENCE_MODES, GSPOConfig
 from gspo_kernels.layout import LossInputs
 from gspo_kernels.objectives.base import segment_sum
-from gspo_kernels.objectives.clipped import _live_log_weight, clip_flags
 
-__all__ = ["LossOutput", "gspo_objective", "segment_sum", "off_policy_keep", "rollout_correction", "k3_kl",
-           "clip_flags", "_live_log_weight"]
+__all__ = ["LossOutput", "gspo_objective", "segment_sum", "off_policy_keep", "rollout_correction", "k3_kl"]
 
 
 class LossOutput(NamedTuple):

@@ -86,14 +86,12 @@ NAME = "vespo"
 ORDER = 40  # its place in the registry (gspo_kernels.objectives)
 OBJECTIVE = Objective(
     name=NAME,
-    loss_types=(LossType(NAME, NAME, "dapo", trl=8),),
+    loss_types=(LossType(NAME, NAME, "dapo"),),
     surrogate=_vespo_surrogate,
     check=check,
     folds_correction=True,
     one_weight_per_response=True,
     metrics=(("vespo/phi_seq_mean", "O_AUX_MEAN"),),
-    trl_options=("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"),
-    trl_metrics=("vespo/phi_seq_mean",),
     triton_floats=lambda config: (config.vespo_k_pos, config.vespo_lambda_pos, config.vespo_k_neg,
                                   config.vespo_lambda_neg),
     h100=(dict(level="token", SEQ_UNITS=True, HAS_KL=True, HAS_ROLLOUT=True, ROLLOUT="token_mask"),),

@@ -36,6 +36,7 @@ from gspo_kernels import backends
 from gspo_kernels.advantages import group_advantages
 from gspo_kernels.checks import is_finite_number
 from gspo_kernels.config import GSPOConfig
+from gspo_kernels.integrations import adapter
 from gspo_kernels.loss import fused_linear_gspo_loss, linear_logprobs
 from gspo_kernels.train.model_parts import (
     _last_hidden,
@@ -58,6 +59,22 @@ _CLIP_ALIASES = {"left_clip_range": "epsilon_low", "right_clip_range": "epsilon_
 
 def _loss_field_names() -> Tuple[str, ...]:
     return tuple(f.name for f in dataclasses.fields(GSPOConfig))
+
+
+def _given(name: str) -> Callable[[Any], bool]:
+    return lambda trainer_config: name in trainer_config.loss_options
+
+
+# GSPOTrainerConfig's options as the loss's GSPOConfig: the loss options given by name under their own names, the
+# clip band from left_clip_range / right_clip_range (refused beside epsilon_low / epsilon_high), and
+# max_completion_length = max_new_tokens unless given (the dr_grpo divisor).
+TRAINER_OPTIONS = adapter.Declaration("GSPOTrainerConfig", rules=(
+    *(adapter.rename(name, f"loss_options.{name}", when=_given(name)) for name in _loss_field_names()),
+    *(adapter.rename(name, alias, when=lambda c, alias=alias: getattr(c, alias) is not None)
+      for alias, name in _CLIP_ALIASES.items()),
+    adapter.rename("max_completion_length", "max_new_tokens", when=lambda c: not _given("max_completion_length")(c)),
+), refusals=tuple(adapter.Refusal(alias, lambda value: value is None, "give the clip band as {option} or as " + name
+                                  + ", not both", when=_given(name)) for alias, name in _CLIP_ALIASES.items()))
 
 
 @dataclass(init=False)
@@ -156,20 +173,11 @@ class GSPOTrainerConfig:
     def loss_config(self) -> GSPOConfig:
         """The loss's :class:`GSPOConfig`: the loss options given by name, the clip band from
         ``left_clip_range`` / ``right_clip_range``, and ``max_completion_length = max_new_tokens`` unless
-        given (the ``dr_grpo`` divisor)."""
-        options = dict(self.loss_options)
-        for alias, name in _CLIP_ALIASES.items():
-            value = getattr(self, alias)
-            if value is not None:
-                options[name] = value
-        if "max_completion_length" in _loss_field_names():
-            options.setdefault("max_completion_length", self.max_new_tokens)
-        return GSPOConfig(**options)
+        given (the ``dr_grpo`` divisor): :data:`TRAINER_OPTIONS`."""
+        return adapter.build_config(TRAINER_OPTIONS, self)
 
     def _validate(self) -> None:
-        for alias, name in _CLIP_ALIASES.items():
-            if getattr(self, alias) is not None and name in self.loss_options:
-                raise ValueError(f"give the clip band as {alias} or as {name}, not both")
+        adapter.check(TRAINER_OPTIONS, self)  # the clip band given once
         for name in ("group_size", "max_new_tokens", "num_minibatches", "old_model_update_interval"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

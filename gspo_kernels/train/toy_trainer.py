@@ -34,6 +34,7 @@ from torch import Tensor
 
 from gspo_kernels import backends
 from gspo_kernels.config import GSPOConfig
+from gspo_kernels.integrations import adapter
 from gspo_kernels.train.rollout import ScoredResponses, completion_mask_of
 from gspo_kernels.train.tasks import Task, ToyTokenizer, get_task
 
@@ -70,18 +71,29 @@ class TrainConfig:
     device: str = "cpu"
 
     def loss_config(self) -> GSPOConfig:
-        if self.algorithm not in ALGORITHMS:
-            raise ValueError(f"algorithm must be one of {tuple(ALGORITHMS)}, got {self.algorithm!r}")
-        level, eps_low, eps_high = ALGORITHMS[self.algorithm]
-        return GSPOConfig(
-            importance_sampling_level=level,
-            loss_type=self.loss_type,
-            epsilon_low=eps_low if self.epsilon_low is None else self.epsilon_low,
-            epsilon_high=eps_high if self.epsilon_high is None else self.epsilon_high,
-            beta=self.beta,
-            temperature=self.temperature,
-            max_completion_length=get_task(self.task).max_new_tokens,
-        )
+        """The run's loss options (:data:`TRAIN_OPTIONS`)."""
+        return adapter.build_config(TRAIN_OPTIONS, self)
+
+
+def _band_edge(name: str, index: int) -> Callable[[TrainConfig], float]:
+    """``epsilon_low`` / ``epsilon_high`` as given, else the algorithm's band (:data:`ALGORITHMS`)."""
+    return lambda run: ALGORITHMS[run.algorithm][index] if getattr(run, name) is None else getattr(run, name)
+
+
+# A run's options (TrainConfig, the CLI's flags) as the loss's GSPOConfig: the algorithm's importance-sampling level
+# and clip band (the band overridden where given), the task's max_new_tokens as the dr_grpo divisor.
+TRAIN_OPTIONS = adapter.Declaration("gspo-kernels train", rules=(
+    adapter.derived("importance_sampling_level", lambda run: ALGORITHMS[run.algorithm][0]),
+    adapter.rename("loss_type"),
+    adapter.derived("epsilon_low", _band_edge("epsilon_low", 1)),
+    adapter.derived("epsilon_high", _band_edge("epsilon_high", 2)),
+    adapter.rename("beta"),
+    adapter.rename("temperature"),
+    adapter.derived("max_completion_length", lambda run: get_task(run.task).max_new_tokens),
+), refusals=(
+    adapter.Refusal("algorithm", lambda value: value in ALGORITHMS,
+                    "{option} must be one of " + str(tuple(ALGORITHMS)) + ", got {value!r}"),
+))
 
 
 # ----------------------------------------------------------------------------------------------- policy

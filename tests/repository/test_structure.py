@@ -335,3 +335,13 @@ def test_the_map_check_catches_a_wrong_row():
     assert "no row for `precision.py`" in problems, problems
     tree = text.replace("versions.py (the tested floors)", "", 1)
     assert any("gspo_kernels/versions.py" in p for p in tree_problems(tree)), "the tree check missed versions.py"
+
+
+def test_the_framework_adapter_sits_at_the_config_layer():
+    """``integrations/adapter.py`` imports only the config, so the trainers of ``train/`` declare their options with it
+    and import nothing else of ``integrations/`` (no framework's integration)."""
+    graph = import_graph()
+    assert graph["gspo_kernels.integrations.adapter"] == {"gspo_kernels.config"}
+    from_train = {t for module, targets in graph.items() if module.startswith("gspo_kernels.train")
+                  for t in targets if t.startswith("gspo_kernels.integrations")}
+    assert from_train == {"gspo_kernels.integrations.adapter"}, from_train

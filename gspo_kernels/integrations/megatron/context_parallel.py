@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 import gspo_kernels as gk
+from gspo_kernels.integrations import adapter
 from gspo_kernels.integrations.megatron import agree as ag
 from gspo_kernels.integrations.megatron.head import MegatronHead, vocab_parallel
 from gspo_kernels.objectives.stage import LossOutput
@@ -60,6 +61,9 @@ class TokenTensors:
 
 
 # The per-token inputs gathered without gradient, in this order (advantages and is_ratio only when per token).
+# Megatron's loss options are the library's own GSPOConfig, passed as it is: the declaration maps no option, and
+# a call without a config gets the defaults
+MEGATRON = adapter.Declaration("Megatron-core")
 _TOKEN_INPUTS = ("old_logprobs", "mask", "ref_logprobs", "rollout_logprobs", "advantages", "is_ratio")
 
 
@@ -172,7 +176,7 @@ def context_parallel_loss(full: Tensor, head: MegatronHead, tensors: TokenTensor
                           group) -> LossOutput:
     """The loss of one context-parallel rank (see the module docstring). ``full``: ``[S_r, B, H]`` or ``[T_r, 1, H]``
     (after any sequence-parallel gather); ``options``: the call's :class:`~.loss.HeadOptions`."""
-    config = gk.GSPOConfig() if config is None else config
+    config = adapter.build_config(MEGATRON, {}) if config is None else config
     labels = tensors.labels
     shape = tuple(labels.shape)
     counted = None if _rank_tokens(tensors, "mask", shape) is None else tensors.mask != 0
