@@ -111,6 +111,22 @@ def _linear_logprobs(t, backend, hidden, weight, bias):
                                       final_logit_softcapping=4.0, backend=backend))
 
 
+def _invariant_logprobs(t, backend, hidden, weight, bias):
+    return _sum_of(gk.linear_logprobs(hidden, weight, t["labels"], bias=bias, return_entropy=True, temperature=0.8,
+                                      final_logit_softcapping=4.0, backend=backend, batch_invariant=True))
+
+
+def _invariant_gspo(t, backend, hidden, weight):
+    return gk.fused_linear_gspo_loss(hidden, weight, t["labels"], t["adv"], t["old"], mask=t["mask"], config=GSPO,
+                                     backend=backend, batch_invariant=True).loss
+
+
+def _invariant_grpo(t, backend, hidden, weight, bias):
+    module = gk.FusedLinearGSPOLoss(GRPO_DAPO_KL, backend=backend, batch_invariant=True)
+    return module(hidden, weight, t["labels"], t["adv_tok"], t["old"], bias=bias, mask=t["mask"],
+                  ref_logprobs=t["ref"], num_items_in_batch=7).loss
+
+
 def _policy(t, backend, logprobs, entropy):
     return gk.policy_loss(logprobs, t["adv_tok"], t["old"], mask=t["mask"], ref_logprobs=t["ref"], entropy=entropy,
                           num_items_in_batch=7, config=GRPO_DAPO_KL, backend=backend).loss
@@ -127,6 +143,16 @@ CASES = [
     Case("token_logprobs-entropy", ("logits",), _token_logprobs),
     Case("linear_logprobs-entropy-softcap", ("hidden", "weight", "bias"), _linear_logprobs),
     Case("policy_loss-grpo-dapo-kl-entropy", ("logprobs", "entropy"), _policy),
+]
+
+# batch_invariant=True (the backends that have it: triton, cpu): per-token with a bias, an entropy gradient, a
+# temperature and the soft cap; the loss with a mask (rows not active); the module with a bias and GRPO's KL and
+# entropy terms.
+INVARIANT_BACKENDS = ("triton", "cpu")
+INVARIANT_CASES = [
+    Case("linear_logprobs-invariant-entropy-softcap", ("hidden", "weight", "bias"), _invariant_logprobs),
+    Case("fused_linear-invariant-gspo-mask", ("hidden", "weight"), _invariant_gspo),
+    Case("FusedLinearGSPOLoss-invariant-grpo-dapo-kl-bias", ("hidden", "weight", "bias"), _invariant_grpo),
 ]
 
 

@@ -43,6 +43,8 @@ def _marks(backend: str, name: str):
 
 
 MATRIX = [pytest.param(b, c, id=f"{b}-{c.name}", marks=_marks(b, c.name)) for b in BACKENDS for c in cases.CASES]
+MATRIX += [pytest.param(b, c, id=f"{b}-{c.name}", marks=_marks(b, c.name))
+           for b in BACKENDS if b in cases.INVARIANT_BACKENDS for c in cases.INVARIANT_CASES]
 
 
 @pytest.mark.parametrize("backend, case", MATRIX)
@@ -53,6 +55,34 @@ def test_public_call_compiles_whole_and_matches_eager(backend, case):
     eager = cases.run(case, t, backend)
     compiled = cases.run(case, t, backend, torch.compile(case.call, fullgraph=True, backend="aot_eager"))
     _compare(eager, compiled, backend)
+
+
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b in cases.INVARIANT_BACKENDS])
+def test_batch_invariant_compiled_rows_are_the_same_bits_alone_and_in_the_batch(backend):
+    """``batch_invariant=True`` compiled (``fullgraph=True``; a batch of N, then single rows, the graph made
+    dynamic on the way): a row's log-prob, entropy and ``dH`` row are the same bits computed alone as among the
+    batch's rows."""
+    t = cases.draw(device_for(backend))
+    hidden, labels = t["hidden"].reshape(-1, cases.H), t["labels"].reshape(-1)
+
+    def rows(hidden, weight, labels):
+        return gk.linear_logprobs(hidden, weight, labels, return_entropy=True, temperature=0.8, backend=backend,
+                                  batch_invariant=True)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(rows, fullgraph=True, backend="aot_eager")
+
+    def run(h, y):
+        h = h.clone().requires_grad_()
+        logp, entropy = compiled(h, t["weight"], y)
+        (dh,) = torch.autograd.grad(logp.sum() + 0.3 * entropy.sum(), h)
+        return logp.detach(), entropy.detach(), dh
+
+    batch = run(hidden, labels)
+    for k in (0, 7):
+        alone = run(hidden[k:k + 1], labels[k:k + 1])
+        for b, a in zip(batch, alone):
+            assert torch.equal(b[k:k + 1], a), (k, b[k], a)
 
 
 @pytest.mark.parametrize("entropy", [False, True])

@@ -44,6 +44,11 @@ def _forward_args():
             (t["hidden"], t["weight"], t["bias"], t["labels"], t["active"], 0.7, None, None, True),
             (t["hidden"], t["weight"], None, t["labels"], None, 1.0, 1 << 12, 4.0, True),
         ],
+        "invariant_linear_fwd": [
+            (t["hidden"], t["weight"], t["bias"], t["labels"], t["active"], 0.7, None, None),
+            (t["hidden"].detach().reshape(2, 3, H).requires_grad_(), t["weight"], None, t["labels"], None, 1.0,
+             1 << 12, 4.0),
+        ],
     }
 
 
@@ -53,6 +58,8 @@ def _backward_args():
     g, ge = torch.randn(N, device=DEVICE), torch.randn(N, device=DEVICE)
     llp, lent, lstats = torch.ops.gspo_triton.linear_fwd(t["hidden"], t["weight"], t["bias"], t["labels"], None,
                                                           1.0, None, None, True)
+    ilp, ient, istats = torch.ops.gspo_triton.invariant_linear_fwd(t["hidden"], t["weight"], t["bias"], t["labels"],
+                                                                   t["active"], 0.7, None, 4.0)
     return {
         "logits_bwd": [
             (t["logits"], t["labels"], stats, ent, g, ge, t["active"], 0.7, None),
@@ -63,6 +70,12 @@ def _backward_args():
              True, True, True),
             (t["hidden"], t["weight"], None, t["labels"], None, lstats, lent, g, None, 1.0, None, None,
              True, False, False),
+        ],
+        "invariant_linear_bwd": [
+            (t["hidden"], t["weight"], t["bias"], t["labels"], t["active"], istats, ient, g, ge, 0.7, None, 4.0,
+             True, True, True),
+            (t["hidden"].reshape(2, 3, H), t["weight"], None, t["labels"], None, istats, ient, None, ge, 0.7,
+             1 << 12, 4.0, True, False, False),
         ],
     }
 
@@ -82,28 +95,33 @@ def test_operator_passes_opcheck(name, index, table):
     torch.library.opcheck(op, table()[name][index])
 
 
-def test_operator_gradients_equal_the_eager_functions():
-    """The operators' autograd (``logits_fwd`` / ``linear_fwd`` differentiated through their registered backward
-    operators) gives the eager autograd Functions' gradients bit for bit: the same launchers."""
+@pytest.mark.parametrize("softcap", [None, 4.0])
+def test_operator_gradients_equal_the_eager_functions(softcap):
+    """The operators' autograd (``logits_fwd`` / ``linear_fwd`` / ``invariant_linear_fwd`` differentiated through
+    their registered backward operators) gives the eager autograd Functions' outputs and gradients bit for bit: the
+    same launchers (the batch-invariant path's with a bias, an entropy gradient and ``active`` rows)."""
     from gspo_kernels.backends.triton import linear as linear_path
+    from gspo_kernels.backends.triton import linear_invariant
     from gspo_kernels.backends.triton import logits as logits_path
     from gspo_kernels.options import CallOptions
 
-    options = CallOptions(temperature=0.7, return_entropy=True)
+    options = CallOptions(temperature=0.7, return_entropy=True, softcap=softcap)
     w_lp, w_ent = torch.linspace(0.5, 1.5, N, device=DEVICE), torch.linspace(-1.0, 1.0, N, device=DEVICE)
     t = _draw()
     results = []
     for traced in (False, True):
         logits = t["logits"].detach().clone().requires_grad_()
-        lead = (t["hidden"].detach().clone().requires_grad_(), t["weight"].detach().clone().requires_grad_(),
-                t["bias"].detach().clone().requires_grad_())
+        lead, inv = ((t["hidden"].detach().clone().requires_grad_(), t["weight"].detach().clone().requires_grad_(),
+                      t["bias"].detach().clone().requires_grad_()) for _ in range(2))
         if traced:
             a = operators.traced_logits_logprobs(logits, t["labels"], t["active"], options)
             b = operators.traced_linear_logprobs(*lead, t["labels"], t["active"], options)
+            c = operators.traced_invariant_linear_logprobs(*inv, t["labels"], t["active"], options)
         else:
             a = logits_path.logits_logprobs(logits, t["labels"], t["active"], options)
             b = linear_path.linear_logprobs(*lead, t["labels"], t["active"], options)
-        loss = sum((lp * w_lp).sum() + (ent * w_ent).sum() for lp, ent in (a, b))
-        results.append((*a, *b, *torch.autograd.grad(loss, (logits, *lead))))
+            c = linear_invariant.linear_logprobs(*inv, t["labels"], t["active"], options)
+        loss = sum((lp * w_lp).sum() + (ent * w_ent).sum() for lp, ent in (a, b, c))
+        results.append((*a, *b, *c, *torch.autograd.grad(loss, (logits, *lead, *inv))))
     for eager, traced in zip(*results):
         assert torch.equal(eager, traced)

@@ -322,7 +322,7 @@ def linear_logprobs_backward(
     return dh, dw, db
 
 
-def _as_operands(hidden: Tensor, weight: Tensor) -> Tuple[Tensor, Tensor]:
+def kernel_operands(hidden: Tensor, weight: Tensor) -> Tuple[Tensor, Tensor]:
     """``hidden`` and ``weight`` (unit last stride) in ``precision.kernel_operand_dtype`` (fp64 -> fp32)."""
     dtype = kernel_operand_dtype(hidden.dtype, weight.dtype)
     h = hidden if hidden.dtype == dtype else hidden.to(dtype)
@@ -350,7 +350,7 @@ class LinearLogprobsFunction(torch.autograd.Function):
         active: Optional[Tensor],
         options: CallOptions,
     ) -> Tuple[Tensor, Tensor]:
-        h, w = _as_operands(hidden.detach(), weight.detach())
+        h, w = kernel_operands(hidden.detach(), weight.detach())
         b = kernel_bias(None if bias is None else bias.detach(), options.softcap)
         labels = labels.reshape(-1).to(torch.int64)
         if active is None:
@@ -382,7 +382,7 @@ class LinearLogprobsFunction(torch.autograd.Function):
             grad_entropy = grad_entropy.reshape(-1).to(torch.float32).contiguous()
             carries |= grad_entropy != 0
         order, count = compact_rows(carries & computed)
-        h, w = _as_operands(hidden.detach(), weight.detach())
+        h, w = kernel_operands(hidden.detach(), weight.detach())
         options = ctx.options
         inputs = BackwardInputs(hidden=h, weight=w, bias=kernel_bias(None if bias is None else bias.detach(), options.softcap),
                                 labels=labels, row_max=row_max, log_sum=log_sum, entropy=entropy,

@@ -13,7 +13,11 @@ Operators (namespace ``gspo_triton``), each with its fake implementation and aut
 * ``logits_fwd(logits, labels, active, temperature, return_entropy, softcap) -> (logp, entropy, row_stats)``
   and ``logits_bwd``: :mod:`.logits` (the logits path);
 * ``linear_fwd(hidden [N, H], weight, bias, labels, active, temperature, memory_budget, softcap, grad)
-  -> (logp, entropy, row_stats)`` and ``linear_bwd``: :mod:`.linear` (the hidden-state path on vendor GEMMs).
+  -> (logp, entropy, row_stats)`` and ``linear_bwd``: :mod:`.linear` (the hidden-state path on vendor GEMMs);
+* ``invariant_linear_fwd(hidden [N, H] | [B, T, H], weight, bias, labels, active, temperature, memory_budget,
+  softcap) -> (logp, entropy, row_stats)`` and ``invariant_linear_bwd``: :mod:`.linear_invariant` (the hidden-state
+  path on the batch-invariant Triton GEMMs, ``batch_invariant=True``; each builds its launch's plan, the row
+  compaction and :class:`.linear_invariant.BackwardInputs`, from its arguments).
 
 The composite losses (:mod:`.logits_loss`, :mod:`.linear_loss`) take their two-stage form under tracing (these
 operators, then the sequence stage); the sequence stage is PyTorch's there (:func:`traced_sequence_stage`).
@@ -28,7 +32,15 @@ from torch import Tensor
 
 from gspo_kernels.backends.triton import configs, linear, linear_invariant, linear_loss, logits_loss, sequence
 from gspo_kernels.backends.triton import logits as logits_path
+from gspo_kernels.backends.triton.kernel_math import kernel_bias
 from gspo_kernels.backends.triton.linear import SavedForward, vendor_backward, vendor_forward
+from gspo_kernels.backends.triton.linear_invariant import (
+    BackwardInputs,
+    compact_rows,
+    kernel_operands,
+    linear_logprobs_backward,
+    linear_logprobs_forward,
+)
 from gspo_kernels.backends.triton.logits import logprobs_backward, logprobs_forward
 from gspo_kernels.checks import tracing
 from gspo_kernels.config import GSPOConfig
@@ -206,6 +218,112 @@ def traced_linear_logprobs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor
 
 
 # ---------------------------------------------------------------------------------------------
+# The hidden-state path on the batch-invariant Triton GEMMs (``batch_invariant=True``).
+# ---------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("gspo_triton::invariant_linear_fwd", mutates_args=())
+def invariant_linear_fwd(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor,
+                         active: Optional[Tensor], temperature: float, memory_budget: Optional[int],
+                         softcap: Optional[float]) -> Tuple[Tensor, Tensor, Tensor]:
+    """``hidden [N, H] | [B, T, H]`` (any strides) and ``weight [V, H]`` in one dtype (fp64 computed in fp32), ``bias
+    [V]`` or None, as the caller gives them; ``labels [N]`` int64, ``active [N]`` bool or None -> ``(logp [N],
+    entropy [N], row_stats [2, N] = (row_max, log_sum))``, fp32, 0 at the rows not active. ``memory_budget`` is the
+    backward's (kept by the autograd formula), read by nothing here."""
+    h, w = kernel_operands(hidden, weight)
+    order, count = (None, None) if active is None else compact_rows(active)
+    logp, entropy, row_max, log_sum = linear_logprobs_forward(h, w, kernel_bias(bias, softcap), labels, temperature,
+                                                              order=order, count=count, softcap=softcap)
+    # views of one buffer: an operator's outputs may alias nothing, so each leaves as a tensor of its own
+    return logp.clone(), entropy.clone(), torch.stack((row_max, log_sum))
+
+
+@invariant_linear_fwd.register_fake
+def _(hidden, weight, bias, labels, active, temperature, memory_budget, softcap):
+    n = labels.shape[0]
+    f32 = torch.float32
+    return hidden.new_empty((n,), dtype=f32), hidden.new_empty((n,), dtype=f32), hidden.new_empty((2, n), dtype=f32)
+
+
+@torch.library.custom_op("gspo_triton::invariant_linear_bwd", mutates_args=())
+def invariant_linear_bwd(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor,
+                         active: Optional[Tensor], row_stats: Tensor, entropy: Tensor, grad_logp: Optional[Tensor],
+                         grad_entropy: Optional[Tensor], temperature: float, memory_budget: Optional[int],
+                         softcap: Optional[float], need_dh: bool, need_dw: bool,
+                         need_db: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    """``(dH shaped like hidden, dW [V, H], dB [V])`` in the caller's dtypes (``hidden``, ``weight``, ``bias``: the
+    forward's arguments); ``grad_logp`` / ``grad_entropy`` ``[N]`` fp32 or None. Only the active rows with a
+    non-zero incoming gradient are visited (compacted on the device, as the eager Function does); a gradient not
+    asked for (``need_*``) or without a bias is an empty ``[0]`` tensor."""
+    computed = torch.ones(labels.shape[0], device=hidden.device, dtype=torch.bool) if active is None else active
+    carries = torch.zeros_like(computed)
+    for grad in (grad_logp, grad_entropy):
+        if grad is not None:
+            carries |= grad != 0
+    order, count = compact_rows(carries & computed)
+    h, w = kernel_operands(hidden, weight)
+    inputs = BackwardInputs(hidden=h, weight=w, bias=kernel_bias(bias, softcap), labels=labels, row_max=row_stats[0],
+                            log_sum=row_stats[1], entropy=entropy, grad_logp=grad_logp, grad_entropy=grad_entropy,
+                            order=order, count=count)
+    options = CallOptions(temperature=temperature, softcap=softcap, memory_budget=memory_budget)
+    grads = linear_logprobs_backward(inputs, options, compute_dh=need_dh, compute_dw=need_dw,
+                                     compute_db=need_db and bias is not None)
+    like = (hidden, weight, bias if bias is not None else hidden)
+    return tuple(t.new_empty((0,)) if g is None else g.reshape(t.shape).to(t.dtype) for g, t in zip(grads, like))
+
+
+@invariant_linear_bwd.register_fake
+def _(hidden, weight, bias, labels, active, row_stats, entropy, grad_logp, grad_entropy, temperature, memory_budget,
+      softcap, need_dh, need_dw, need_db):
+    dh = hidden.new_empty(hidden.shape if need_dh else (0,))
+    dw = weight.new_empty(weight.shape if need_dw else (0,))
+    db = bias.new_empty(bias.shape) if bias is not None and need_db else hidden.new_empty((0,))
+    return dh, dw, db
+
+
+def _invariant_setup(ctx, inputs, output):
+    hidden, weight, bias, labels, active, temperature, memory_budget, softcap = inputs
+    _logp, entropy, row_stats = output
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(hidden, weight, bias, labels, active, row_stats, entropy)
+    ctx.options = (temperature, memory_budget, softcap)
+
+
+def _invariant_backward(ctx, grad_logp, grad_entropy, _grad_stats):
+    hidden, weight, bias, labels, active, row_stats, entropy = ctx.saved_tensors
+    need_dh, need_dw, need_db = ctx.needs_input_grad[:3]
+    if grad_logp is None and grad_entropy is None or not (need_dh or need_dw or need_db):
+        return (None,) * 8
+    dh, dw, db = torch.ops.gspo_triton.invariant_linear_bwd(
+        hidden, weight, bias, labels, active, row_stats, entropy,
+        None if grad_logp is None else grad_logp.to(torch.float32).contiguous(),
+        None if grad_entropy is None else grad_entropy.to(torch.float32).contiguous(),
+        *ctx.options, bool(need_dh), bool(need_dw), bool(need_db and bias is not None))
+    return (dh if need_dh else None, dw if need_dw else None, db if need_db and bias is not None else None,
+            *(None,) * 5)
+
+
+torch.library.register_autograd("gspo_triton::invariant_linear_fwd", _invariant_backward,
+                                setup_context=_invariant_setup)
+
+
+def traced_invariant_linear_logprobs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor,
+                                     active: Optional[Tensor], options: CallOptions) -> Tuple[Tensor, Optional[Tensor]]:
+    """``(logp [N], entropy [N] | None)`` through ``invariant_linear_fwd``: the traced form of
+    :func:`.linear_invariant.linear_logprobs` (``options``: ``temperature``, ``return_entropy``, ``memory_budget``,
+    ``softcap`` read), the same kernels on the same rows: the same bits, and the same rows' invariance. fp32 (fp64,
+    computed in fp32, when ``hidden`` or ``weight`` is fp64)."""
+    labels = labels.reshape(-1).to(torch.int64)
+    if active is not None:
+        active = active.reshape(-1).to(torch.bool).contiguous()
+    logp, entropy, _ = torch.ops.gspo_triton.invariant_linear_fwd(hidden, weight, bias, labels, active,
+                                                                  float(options.temperature), options.memory_budget,
+                                                                  options.softcap)
+    out_dtype = torch.float64 if torch.float64 in (hidden.dtype, weight.dtype) else torch.float32
+    return logp.to(out_dtype), (entropy.to(out_dtype) if options.return_entropy else None)
+
+
+# ---------------------------------------------------------------------------------------------
 # The backend's entries: the eager autograd Functions, or under tracing the operators above.
 # ---------------------------------------------------------------------------------------------
 
@@ -224,12 +342,10 @@ def linear_logprobs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labe
     """The contract's ``linear_logprobs``: the vendor GEMMs (:func:`.linear.linear_logprobs`) by default, or their
     operator under tracing; the batch-invariant Triton GEMMs (:func:`.linear_invariant.linear_logprobs`) with
     ``options.batch_invariant``, which return the gradients to the operands they are given (``leaves``, the
-    caller's tensors before the precision policy's cast, is the vendor path's). The batch-invariant path has no
-    operator yet: under tracing it is refused with a ``NotImplementedError`` that says so."""
+    caller's tensors before the precision policy's cast, is the vendor path's); under tracing their operator."""
     if options.batch_invariant:
         if tracing():
-            raise NotImplementedError("batch_invariant=True with backend='triton' does not compile yet "
-                                      "(torch.compile): call it eager, or use backend='cpu' on CPU tensors")
+            return traced_invariant_linear_logprobs(hidden, weight, bias, labels, active, options)
         return linear_invariant.linear_logprobs(hidden, weight, bias, labels, active, options)
     if tracing():
         return traced_linear_logprobs(hidden, weight, bias, labels, active, options)
