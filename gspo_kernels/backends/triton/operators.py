@@ -165,39 +165,54 @@ def linear_bwd(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: T
     return tuple(t.new_empty((0,)) if g is None else g.to(t.dtype) for g, t in zip(grads, like))
 
 
-@linear_bwd.register_fake
-def _(hidden, weight, bias, labels, active, row_stats, entropy, grad_logp, grad_entropy, temperature, memory_budget,
-      softcap, need_dh, need_dw, need_db):
+def _gradient_shapes(hidden, weight, bias, need_dh, need_dw, need_db):
+    """The fake outputs of both hidden-state backward operators: ``dH, dW, db`` shaped as their operands, ``[0]``
+    where not asked for (or no bias)."""
     dh = hidden.new_empty(hidden.shape if need_dh else (0,))
     dw = weight.new_empty(weight.shape if need_dw else (0,))
     db = bias.new_empty(bias.shape) if bias is not None and need_db else hidden.new_empty((0,))
     return dh, dw, db
 
 
+@linear_bwd.register_fake
+def _(hidden, weight, bias, labels, active, row_stats, entropy, grad_logp, grad_entropy, temperature, memory_budget,
+      softcap, need_dh, need_dw, need_db):
+    return _gradient_shapes(hidden, weight, bias, need_dh, need_dw, need_db)
+
+
 def _linear_setup(ctx, inputs, output):
-    hidden, weight, bias, labels, active, temperature, memory_budget, softcap, _grad = inputs
+    """Both hidden-state forward operators: their first eight inputs are the same (the vendor one adds ``grad``)."""
+    hidden, weight, bias, labels, active, temperature, memory_budget, softcap = inputs[:8]
     _logp, entropy, row_stats = output
     ctx.set_materialize_grads(False)
     ctx.save_for_backward(hidden, weight, bias, labels, active, row_stats, entropy)
     ctx.options = (temperature, memory_budget, softcap)
 
 
-def _linear_backward(ctx, grad_logp, grad_entropy, _grad_stats):
-    hidden, weight, bias, labels, active, row_stats, entropy = ctx.saved_tensors
-    need_dh, need_dw, need_db = ctx.needs_input_grad[:3]
-    if grad_logp is None and grad_entropy is None or not (need_dh or need_dw or need_db):
-        return (None,) * 9
-    acc = row_stats.dtype
-    dh, dw, db = torch.ops.gspo_triton.linear_bwd(
-        hidden, weight, bias, labels, active, row_stats, entropy,
-        None if grad_logp is None else grad_logp.to(acc).contiguous(),
-        None if grad_entropy is None else grad_entropy.to(acc).contiguous(),
-        *ctx.options, bool(need_dh), bool(need_dw), bool(need_db and bias is not None))
-    return (dh if need_dh else None, dw if need_dw else None, db if need_db and bias is not None else None,
-            *(None,) * 6)
+def _hidden_state_backward(backward_op, n_inputs: int):
+    """The autograd formula of a hidden-state forward operator of ``n_inputs`` inputs whose gradients its
+    ``backward_op`` computes (same arguments for both: the saved tensors, the incoming gradients in the statistics'
+    fp32, the options, which of dH / dW / db to compute)."""
+
+    def backward(ctx, grad_logp, grad_entropy, _grad_stats):
+        hidden, weight, bias, labels, active, row_stats, entropy = ctx.saved_tensors
+        need_dh, need_dw, need_db = ctx.needs_input_grad[:3]
+        if grad_logp is None and grad_entropy is None or not (need_dh or need_dw or need_db):
+            return (None,) * n_inputs
+        acc = row_stats.dtype
+        dh, dw, db = backward_op(
+            hidden, weight, bias, labels, active, row_stats, entropy,
+            None if grad_logp is None else grad_logp.to(acc).contiguous(),
+            None if grad_entropy is None else grad_entropy.to(acc).contiguous(),
+            *ctx.options, bool(need_dh), bool(need_dw), bool(need_db and bias is not None))
+        return (dh if need_dh else None, dw if need_dw else None, db if need_db and bias is not None else None,
+                *(None,) * (n_inputs - 3))
+
+    return backward
 
 
-torch.library.register_autograd("gspo_triton::linear_fwd", _linear_backward, setup_context=_linear_setup)
+torch.library.register_autograd("gspo_triton::linear_fwd", _hidden_state_backward(linear_bwd, 9),
+                                setup_context=_linear_setup)
 
 
 def traced_linear_logprobs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor,
@@ -275,36 +290,11 @@ def invariant_linear_bwd(hidden: Tensor, weight: Tensor, bias: Optional[Tensor],
 @invariant_linear_bwd.register_fake
 def _(hidden, weight, bias, labels, active, row_stats, entropy, grad_logp, grad_entropy, temperature, memory_budget,
       softcap, need_dh, need_dw, need_db):
-    dh = hidden.new_empty(hidden.shape if need_dh else (0,))
-    dw = weight.new_empty(weight.shape if need_dw else (0,))
-    db = bias.new_empty(bias.shape) if bias is not None and need_db else hidden.new_empty((0,))
-    return dh, dw, db
+    return _gradient_shapes(hidden, weight, bias, need_dh, need_dw, need_db)
 
 
-def _invariant_setup(ctx, inputs, output):
-    hidden, weight, bias, labels, active, temperature, memory_budget, softcap = inputs
-    _logp, entropy, row_stats = output
-    ctx.set_materialize_grads(False)
-    ctx.save_for_backward(hidden, weight, bias, labels, active, row_stats, entropy)
-    ctx.options = (temperature, memory_budget, softcap)
-
-
-def _invariant_backward(ctx, grad_logp, grad_entropy, _grad_stats):
-    hidden, weight, bias, labels, active, row_stats, entropy = ctx.saved_tensors
-    need_dh, need_dw, need_db = ctx.needs_input_grad[:3]
-    if grad_logp is None and grad_entropy is None or not (need_dh or need_dw or need_db):
-        return (None,) * 8
-    dh, dw, db = torch.ops.gspo_triton.invariant_linear_bwd(
-        hidden, weight, bias, labels, active, row_stats, entropy,
-        None if grad_logp is None else grad_logp.to(torch.float32).contiguous(),
-        None if grad_entropy is None else grad_entropy.to(torch.float32).contiguous(),
-        *ctx.options, bool(need_dh), bool(need_dw), bool(need_db and bias is not None))
-    return (dh if need_dh else None, dw if need_dw else None, db if need_db and bias is not None else None,
-            *(None,) * 5)
-
-
-torch.library.register_autograd("gspo_triton::invariant_linear_fwd", _invariant_backward,
-                                setup_context=_invariant_setup)
+torch.library.register_autograd("gspo_triton::invariant_linear_fwd", _hidden_state_backward(invariant_linear_bwd, 8),
+                                setup_context=_linear_setup)
 
 
 def traced_invariant_linear_logprobs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor,
